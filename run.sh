@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One entry point for a newcomer:
+#   bash run.sh setup                      create .venv and install everything (idempotent)
+#   bash run.sh test [pytest args]         run the whole test suite
+#   bash run.sh train RECIPE.toml [--flag value ...]
+#   bash run.sh demo                       tiny offline model, CPU, learns in minutes
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+ROOT=$PWD
+VENV=${VENV:-$ROOT/.venv}
+PY=$VENV/bin/python
+
+have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+gpu_count() {
+  if have_gpu; then nvidia-smi -L | wc -l; else echo 0; fi
+}
+
+setup() {
+  # The stamp records what was installed; a changed setup.cfg reinstalls.
+  local extras=${EXTRAS:-test,ocr}
+  local want
+  want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-$extras"
+  if [[ -x $PY && -f $VENV/.setup-stamp && "$(cat "$VENV/.setup-stamp")" == "$want" ]]; then
+    return 0
+  fi
+  echo "[setup] creating $VENV" >&2
+  python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip >&2
+  # torch first: a later package that merely asks for "torch" would otherwise
+  # pull a multi-GB CUDA build onto a machine that has no GPU.
+  if [[ -n ${TORCH_SPEC:-} ]]; then
+    "$PY" -m pip install -q "$TORCH_SPEC" >&2
+  elif have_gpu; then
+    "$PY" -m pip install -q "torch>=2.11" >&2
+  else
+    "$PY" -m pip install -q "torch==2.13.0" >&2 \
+      || "$PY" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu >&2
+  fi
+  "$PY" -m pip install -q -e ".[${extras}]" >&2
+  echo "$want" > "$VENV/.setup-stamp"
+  echo "[setup] done: $("$PY" -c 'import torch, diffusers, transformers, peft; print("torch", torch.__version__, "diffusers", diffusers.__version__, "transformers", transformers.__version__, "peft", peft.__version__)')" >&2
+}
+
+nproc_default() {
+  local n; n=$(gpu_count)
+  if [[ $n -gt 0 ]]; then echo "$n"; else echo 2; fi
+}
+
+cmd=${1:-help}
+shift || true
+case $cmd in
+  setup)
+    setup ;;
+  test)
+    setup
+    exec "$PY" -m pytest "$@" ;;
+  train)
+    [[ $# -ge 1 ]] || { echo "usage: bash run.sh train RECIPE.toml [--flag value ...]" >&2; exit 2; }
+    setup
+    recipe=$1; shift
+    NPROC=${NPROC:-$(nproc_default)}
+    exec "$VENV/bin/torchrun" --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} -m trainer.train --config "$recipe" "$@" ;;
+  demo)
+    setup
+    exec bash "$ROOT/tools/demo.sh" "$@" ;;
+  help|-h|--help)
+    sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' ;;
+  *)
+    echo "unknown command '$cmd'; use one of: setup, test, train, demo" >&2; exit 2 ;;
+esac

@@ -1,0 +1,104 @@
+"""The rollout engine protocol: what the loop, the actor's weight sync and the
+rollout driver may call on an engine. Every engine (native diffusers, SGLang)
+implements exactly this surface, in-process: no server, no IPC.
+
+Weights arrive as in-process tensors plus a manifest and a version; an engine
+commits the version only after the caller's verification succeeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, runtime_checkable
+
+
+class WeightSyncError(RuntimeError):
+    """A weight handoff to an engine failed; the policy version was not committed."""
+
+
+@dataclass
+class WeightManifest:
+    """What a sync promises to deliver, checked by the receiver.
+
+    tensor_count / total_bytes: over all tensors of the sync (wire dtype bytes).
+    name_shape_hash: sha256 over the ordered "name:shape" lines (see weight_sync).
+    kind: "full" (whole transformer), "merged" (base with LoRA folded in) or "adapter".
+    """
+
+    kind: str
+    tensor_count: int
+    total_bytes: int
+    name_shape_hash: str
+    version: int
+
+
+@dataclass
+class RolloutRequest:
+    """One candidate to generate. Built by the model adapter's build_rollout_request.
+
+    The candidate's x_T and per-step noise are a pure function of
+    (generation_seed, sample_id, step); `sigmas` is the driver's schedule
+    (num_inference_steps + 1 values, terminal 0 included).
+    """
+
+    prompt: str
+    group_index: int
+    slot: int
+    sample_id: str
+    height: int
+    width: int
+    num_inference_steps: int
+    sigmas: list[float]
+    sde_indices: list[int]
+    eta: float
+    sde_type: str = "sde"
+    sigma_max: float = 0.99
+    guidance_scale: float = 1.0
+    generation_seed: int = 1234
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """In-process generation engine."""
+
+    #: the policy version of the weights currently loaded (0 = as loaded from disk)
+    policy_version: int
+
+    def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
+        """Generate every request; returns one response dict per request, same order.
+
+        A response carries at least: image (float tensor [3, H, W] in [0, 1], CPU),
+        trajectory_latents, trajectory_next_latents ([S, ...] latents before / after each
+        trained step), timesteps, sigmas / sigmas_next ([S]), log_probs ([S], fp32),
+        sde_indices, prompt_embeds, prompt_embeds_mask, height, width, policy_version.
+        """
+
+    def release_memory(self) -> None:
+        """Move the engine's modules off the device (fatal on failure)."""
+
+    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Bring modules back; tags=("weights",) onloads only the transformer."""
+
+    def update_weights_from_tensors(
+        self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest
+    ) -> None:
+        """Copy full (or merged) transformer tensors in; names are diffusers names.
+
+        Raises WeightSyncError on any unknown name, shape mismatch, count/bytes mismatch,
+        or when the engine's transformer holds LoRA layers (a full sync would be dropped).
+        Does not change policy_version: see commit_weight_version.
+        """
+
+    def set_lora_tensors(
+        self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest, lora_config: dict[str, Any]
+    ) -> None:
+        """Install / replace the LoRA adapter tensors (peft names, e.g.
+        "transformer_blocks.0.attn.to_q.lora_A.weight"); lora_config has rank, alpha,
+        target_modules."""
+
+    def get_weights_checksum(self) -> str:
+        """A stable checksum of the weights the engine would sample with."""
+
+    def commit_weight_version(self, version: int) -> None:
+        """Make `version` the engine's policy_version (after verification)."""
