@@ -1,0 +1,1 @@
+"""Shared test fixtures. Fixtures used by one test file live in that file."""
