@@ -1,0 +1,283 @@
+"""The FlowGRPO math: one Flow-SDE transition, its log-prob, the clipped objective and the
+group-normalised advantages.
+
+Pure torch, no framework imports. This module is the single source of truth shared by the
+rollout engine (which samples with `sde_step` / `ode_step`) and the actor (which replays a
+recorded transition with `replay_transition_logp`), so that the first on-policy update sees a
+ratio of exactly 1.
+
+Conventions
+-----------
+- Flow matching with x_sigma = (1 - sigma) * x_0 + sigma * noise; the model predicts the
+  velocity v = dx/dsigma, and a denoising step goes from `sigma` to `sigma_next < sigma`, so
+  dt = sigma_next - sigma < 0.
+- `latents` / `velocity` / `next_latents` are [B, ...] (Qwen-Image: packed [B, seq, 64]).
+- `sigma` / `sigma_next` are python floats, 0-d tensors or [B] tensors; they are broadcast over
+  every non-batch dim.
+- Every function computes in fp32 whatever the input dtype: the per-element log-prob is a
+  difference of large, nearly equal terms (|x' - mean|^2 / 2 std^2 against log std), and bf16
+  loses ~3e-4 of it (NOTES.md), which is the size of the PPO clip range.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+SDE_TYPES = ("sde", "dance")
+STD_MODES = ("group", "batch", "none")
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def _as_batch_scalar(value, ref: torch.Tensor) -> torch.Tensor:
+    """`value` (float, 0-d or [B] tensor) as fp32 on ref's device, shaped [B or 1, 1, ..., 1]
+    so that it broadcasts over every non-batch dim of `ref`."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=ref.device)
+    if t.dim() == 0:
+        return t.reshape([1] * max(ref.dim(), 1))
+    if t.dim() != 1 or (ref.dim() > 0 and t.shape[0] not in (1, ref.shape[0])):
+        raise ValueError(
+            f"sigma must be a scalar or a [B] tensor with B={ref.shape[0] if ref.dim() else 1}, "
+            f"got shape {tuple(t.shape)}"
+        )
+    return t.reshape([t.shape[0]] + [1] * (ref.dim() - 1))
+
+
+def _check_sde_type(sde_type: str) -> None:
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r} (--sampling-config key 'sde_type')")
+
+
+def sde_std_dev_t(sigma, eta: float, sde_type: str = "sde", sigma_max: float = 0.99) -> torch.Tensor:
+    """The SDE diffusion coefficient g(sigma), fp32, same shape as `sigma`.
+
+    "sde" (FlowGRPO):  g = eta * sqrt(sigma / (1 - s)), s = sigma_max where sigma == 1 else sigma.
+        The clamp only keeps g finite at sigma == 1 (step 0); it is not what a sampler that
+        never divides by zero would use, which is why preflight rejects a trained step 0.
+    "dance" (DanceGRPO): g = eta, constant.
+    """
+    _check_sde_type(sde_type)
+    sigma = torch.as_tensor(sigma, dtype=torch.float32)
+    if sde_type == "dance":
+        return torch.full_like(sigma, float(eta))
+    s = torch.where(sigma == 1.0, torch.full_like(sigma, float(sigma_max)), sigma)
+    return float(eta) * torch.sqrt(sigma / (1.0 - s))
+
+
+def flow_sde_transition_moments(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta: float,
+    sde_type: str = "sde",
+    sigma_max: float = 0.99,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std of the Gaussian Flow-SDE transition x_sigma -> x_sigma_next.
+
+    With dt = sigma_next - sigma (< 0) and g = sde_std_dev_t(sigma, eta, sde_type, sigma_max):
+        mean = latents * (1 + g^2 * dt / (2 sigma))
+               + velocity * (1 + g^2 * (1 - sigma) / (2 sigma)) * dt
+        std  = g * sqrt(-dt)
+    Shapes: latents / velocity [B, ...] -> mean [B, ...] fp32, std [B or 1, 1, ..., 1] fp32
+    (broadcastable against mean). sigma must be > 0: the last step ends at 0, it never starts
+    there.
+    """
+    x = latents.float()
+    v = velocity.float()
+    s = _as_batch_scalar(sigma, x)
+    s_next = _as_batch_scalar(sigma_next, x)
+    dt = s_next - s
+    g = sde_std_dev_t(s, eta, sde_type, sigma_max)
+    g2 = g * g
+    mean = x * (1.0 + g2 * dt / (2.0 * s)) + v * (1.0 + g2 * (1.0 - s) / (2.0 * s)) * dt
+    std = g * torch.sqrt(-dt)
+    return mean, std
+
+
+def flow_sde_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Gaussian log-density of the (detached) `next_latents` under N(mean, std^2), fp32.
+
+    Per element: -(x' - mean)^2 / (2 std^2) - log std - log sqrt(2 pi); then the MEAN (not the
+    sum) over every non-batch dim, as FlowGRPO does, so the log-prob scale does not depend on
+    the resolution. Returns [B] fp32. Gradients flow through `mean` (and `std`), never through
+    `next_latents`: the sample is data, not a function of the policy.
+    """
+    x = next_latents.detach().float()
+    mean = mean.float()
+    std = std.float()
+    elem = -((x - mean) ** 2) / (2.0 * std * std) - torch.log(std) - _LOG_SQRT_2PI
+    if elem.dim() <= 1:
+        return elem.reshape(-1)
+    return elem.mean(dim=tuple(range(1, elem.dim())))
+
+
+def replay_transition_logp(
+    latents: torch.Tensor,
+    next_latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta: float,
+    sde_type: str = "sde",
+    sigma_max: float = 0.99,
+) -> torch.Tensor:
+    """Log-prob [B] (fp32) of a recorded transition latents -> next_latents, given the
+    velocity the policy being trained predicts at the recorded `latents`.
+
+    The same moments and density as the sampler (`sde_step`), so a replay through the
+    rollout's weights reproduces the recorded log-prob exactly in fp32. Differentiable
+    w.r.t. `velocity`.
+    """
+    mean, std = flow_sde_transition_moments(latents, velocity, sigma, sigma_next, eta, sde_type, sigma_max)
+    return flow_sde_log_prob(next_latents, mean, std)
+
+
+def sde_step(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta: float,
+    noise: torch.Tensor,
+    sde_type: str = "sde",
+    sigma_max: float = 0.99,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's stochastic step: next = mean + std * noise, with (mean, std) from
+    `flow_sde_transition_moments`; returns (next_latents, log_prob [B] fp32).
+
+    Computed in fp32; next_latents is returned in fp32 unless `out_dtype` is given. With
+    `out_dtype` (e.g. the engine's bf16), next_latents is rounded to it FIRST and the log-prob
+    is that of the rounded value, i.e. of exactly what the trajectory records, so a replay of
+    the recorded tensors reproduces it. `noise` is a standard normal draw shaped like latents.
+    """
+    mean, std = flow_sde_transition_moments(latents, velocity, sigma, sigma_next, eta, sde_type, sigma_max)
+    next_latents = mean + std * noise.float()
+    if out_dtype is not None:
+        next_latents = next_latents.to(out_dtype)
+    return next_latents, flow_sde_log_prob(next_latents, mean, std)
+
+
+def ode_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """Deterministic Euler step: latents + velocity * (sigma_next - sigma), in fp32, [B, ...].
+
+    What FlowMatchEulerDiscreteScheduler.step does (it also upcasts to fp32); used at every
+    step that is not trained.
+    """
+    x = latents.float()
+    s = _as_batch_scalar(sigma, x)
+    s_next = _as_batch_scalar(sigma_next, x)
+    return x + velocity.float() * (s_next - s)
+
+
+def grpo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped objective per (sample, trained step), mean-reduced over both axes.
+
+    logp / old_logp: [B, S] (one column per trained SDE step; [B] is taken as S = 1);
+    advantages: [B]. With r = exp(logp - old_logp):
+        loss = mean_{B x S} max(-A r, -A clip(r, 1 - eps_clip, 1 + (eps_clip_high or eps_clip)))
+    Keeping the steps as separate columns (instead of summing log-probs over steps) means one
+    step leaving the clip band does not zero the gradient of the others.
+
+    Returns (loss 0-d fp32, stats) where stats are detached 0-d fp32 tensors (no host sync):
+    clip_fraction (share of entries with r outside the clip band), approx_kl (mean of
+    (r - 1) - log r, >= 0), ratio_mean, ratio_std (population), ratio_min, ratio_max.
+    """
+    logp = logp.float()
+    old_logp = old_logp.detach().float()
+    if logp.dim() == 1:
+        logp = logp[:, None]
+    if old_logp.dim() == 1:
+        old_logp = old_logp[:, None]
+    if logp.shape != old_logp.shape or logp.dim() != 2:
+        raise ValueError(f"logp and old_logp must both be [B, S], got {tuple(logp.shape)} and {tuple(old_logp.shape)}")
+    adv = advantages.detach().float().reshape(-1)
+    if adv.shape[0] != logp.shape[0]:
+        raise ValueError(f"advantages must be [B] with B={logp.shape[0]}, got {tuple(advantages.shape)}")
+    lo = 1.0 - float(eps_clip)
+    hi = 1.0 + float(eps_clip if eps_clip_high is None else eps_clip_high)
+
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    a = adv[:, None]
+    unclipped = -a * ratio
+    clipped = -a * torch.clamp(ratio, lo, hi)
+    loss = torch.maximum(unclipped, clipped).mean()
+
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = {
+            "clip_fraction": ((r < lo) | (r > hi)).float().mean(),
+            "approx_kl": ((r - 1.0) - log_ratio.detach()).mean(),
+            "ratio_mean": r.mean(),
+            "ratio_std": r.std(unbiased=False),
+            "ratio_min": r.min(),
+            "ratio_max": r.max(),
+        }
+    return loss, stats
+
+
+def normalize_grouped(
+    rewards: torch.Tensor, group_size: int, std_mode: str = "group", eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantages from rewards [G * n], group-major (group g is rewards[g*n:(g+1)*n]).
+
+    Each reward minus its group's mean, then divided by
+      "group": that group's std + eps, "batch": the std of all rewards + eps, "none": nothing
+    (population std, unbiased=False). Returns [G * n] fp32.
+    """
+    if std_mode not in STD_MODES:
+        raise ValueError(f"std_mode must be one of {STD_MODES}, got {std_mode!r} (--generative-advantage-std-mode)")
+    r = rewards.detach().float().reshape(-1)
+    if group_size < 1 or r.numel() % group_size != 0:
+        raise ValueError(
+            f"{r.numel()} rewards cannot be split into groups of {group_size} "
+            "(--n-samples-per-prompt must divide the number of rewards)"
+        )
+    g = r.reshape(-1, group_size)
+    centered = g - g.mean(dim=1, keepdim=True)
+    if std_mode == "group":
+        centered = centered / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+    elif std_mode == "batch":
+        centered = centered / (r.std(unbiased=False) + eps)
+    return centered.reshape(-1)
+
+
+def combine_component_advantages(
+    components: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+    group_size: int,
+    std_mode: str = "group",
+) -> torch.Tensor:
+    """Normalise every reward component within its prompt group (`normalize_grouped`), then
+    return the weighted sum  sum_c weights[c] * normalize_grouped(components[c]), [G * n] fp32.
+
+    Every component needs a weight and every weight a component: an unweighted component
+    silently dropped from the advantage would be a reward nobody trains on.
+    """
+    if not components:
+        raise ValueError("no reward components to combine")
+    missing = sorted(set(components) - set(weights))
+    extra = sorted(set(weights) - set(components))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"components without a weight: {missing}")
+        if extra:
+            parts.append(f"weights for components the scorer did not produce: {extra}")
+        raise ValueError("--reward-component-weights does not match the reward components: " + "; ".join(parts))
+    total = None
+    for name in sorted(components):
+        term = float(weights[name]) * normalize_grouped(components[name], group_size, std_mode)
+        total = term if total is None else total + term
+    return total
