@@ -1,0 +1,408 @@
+"""Prompt sets: the JSONL schema, its validation and hashes, and the training-side reader.
+
+One JSON object per line::
+
+    {"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "pickapic_..."}}
+
+optionally with media references ``"images": [path, ...]`` / ``"videos": [path, ...]``; the
+prompt must then hold exactly one ``<image>`` / ``<video>`` placeholder per reference. Relative
+media paths are relative to the directory of the JSONL file that holds them. ``metadata`` may carry
+further keys (e.g. ``source``, ``prompt_id``); they are kept as they are.
+
+The same code serves the data tools (tools/prepare_data.py, curate_data.py, inspect_data.py) and
+the trainer, so a file the tools accept is a file the trainer accepts. No torch import here: the
+tools run on machines without it.
+
+Determinism (docs/data.md has the full story):
+
+- ``content_hash``: sha256 over the whitespace-normalised prompt and the sorted media paths; the
+  dedup key and the prompt-leakage key.
+- ``split_unit``: a number in [0, 1) from sha256 of the sample id; the train/eval split
+  thresholds or ranks it, so a record's side never depends on input order or RNG.
+- ``PromptOrder``: which prompts rollout k uses, a pure function of (seed, k).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainer.models.base import GENERATION_TASKS
+
+#: media reference key -> the placeholder the prompt must hold once per reference
+MEDIA_PLACEHOLDERS = {"images": "<image>", "videos": "<video>"}
+TOP_LEVEL_KEYS = ("prompt", "metadata", *MEDIA_PLACEHOLDERS)
+REQUIRED_METADATA_KEYS = ("task", "sample_id")
+
+# A sample id names a record in logs, artifact metadata and the split hash: one token, no spaces.
+_SAMPLE_ID_RE = re.compile(r"^[^\s]+$")
+
+
+class DataError(ValueError):
+    """A prompt file is unusable. The message names the file (and line) and what to do."""
+
+
+def where(path: str | os.PathLike, line: int | None = None) -> str:
+    """``path:line`` (or ``path``) for error messages."""
+    return f"{os.fspath(path)}:{line}" if line is not None else os.fspath(path)
+
+
+# ----------------------------------------------------------------------------- serialisation
+
+
+def canonical_json(obj: Any) -> str:
+    """One JSON line, byte-for-byte reproducible: sorted keys, no spaces, UTF-8 text kept as is."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
+    """Write ``rows`` as canonical JSON lines ending in "\\n"; returns the row count.
+
+    Written to ``<path>.tmp`` and renamed over ``path`` only when complete, so a crash never
+    leaves a half-written prompt file under the real name.
+    """
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    n = 0
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(canonical_json(row))
+            f.write("\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return n
+
+
+def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield ``(line_number, object, error)`` for every line of a JSONL file (1-based lines).
+
+    ``error`` is None for a parsed line; otherwise ``object`` is None and ``error`` says what is
+    wrong (bad JSON, blank line, bad UTF-8). Nothing is skipped: every line is accounted for.
+    """
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start}); re-encode the file as UTF-8"
+                continue
+            if not text.strip():
+                yield lineno, None, "blank line; delete it (one JSON object per line)"
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield lineno, None, f"not valid JSON ({e.msg} at column {e.colno}); fix or delete the line"
+                continue
+            yield lineno, obj, None
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_number, object)`` per line; the first malformed line raises DataError
+    naming ``file:line``. Malformed lines are never dropped silently."""
+    if not os.path.isfile(path):
+        raise DataError(f"{where(path)}: no such file; check the path")
+    for lineno, obj, error in iter_jsonl_lines(path):
+        if error is not None:
+            raise DataError(f"{where(path, lineno)}: {error}")
+        yield lineno, obj
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def normalize_prompt(text: str) -> str:
+    """Collapse every whitespace run (spaces, tabs, newlines) to one space and strip the ends."""
+    return " ".join(text.split())
+
+
+def count_words(prompt: str) -> int:
+    """Whitespace-separated words of ``prompt``, media placeholders not counted."""
+    for placeholder in MEDIA_PLACEHOLDERS.values():
+        prompt = prompt.replace(placeholder, " ")
+    return len(prompt.split())
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One validated line of a prompt file."""
+
+    prompt: str
+    task: str
+    sample_id: str
+    images: tuple[str, ...] = ()
+    videos: tuple[str, ...] = ()
+    #: metadata keys other than task / sample_id, kept verbatim
+    extra: dict = field(default_factory=dict, compare=True, hash=False)
+
+    def media(self) -> tuple[str, ...]:
+        """All media references, images first, in record order."""
+        return self.images + self.videos
+
+    def to_dict(self) -> dict:
+        """The schema object; media keys only when non-empty (so t2i lines stay minimal)."""
+        out: dict[str, Any] = {
+            "prompt": self.prompt,
+            "metadata": {**self.extra, "task": self.task, "sample_id": self.sample_id},
+        }
+        if self.images:
+            out["images"] = list(self.images)
+        if self.videos:
+            out["videos"] = list(self.videos)
+        return out
+
+
+def record_problems(obj: Any, tasks: Iterable[str] = GENERATION_TASKS) -> list[str]:
+    """Every schema violation of one parsed line (empty list: valid).
+
+    Checks: a JSON object with only known top-level keys; ``prompt`` a non-empty string;
+    ``metadata`` an object with ``task`` in ``tasks`` and a one-token string ``sample_id``;
+    ``images`` / ``videos`` lists of non-empty strings whose lengths equal the prompt's
+    ``<image>`` / ``<video>`` placeholder counts.
+    """
+    tasks = tuple(tasks)
+    if not isinstance(obj, dict):
+        return [f"expected a JSON object, got {type(obj).__name__}"]
+    problems = []
+    unknown = sorted(set(obj) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        problems.append(f"unknown top-level key(s) {unknown}; allowed: {list(TOP_LEVEL_KEYS)} "
+                        "(extra fields belong in metadata)")
+    prompt = obj.get("prompt")
+    if "prompt" not in obj:
+        problems.append("missing required key 'prompt'")
+    elif not isinstance(prompt, str) or not prompt.strip():
+        problems.append(f"'prompt' must be a non-empty string, got {prompt!r}")
+        prompt = None
+    meta = obj.get("metadata")
+    if "metadata" not in obj:
+        problems.append("missing required key 'metadata' (an object with 'task' and 'sample_id')")
+    elif not isinstance(meta, dict):
+        problems.append(f"'metadata' must be an object, got {type(meta).__name__}")
+    else:
+        for key in REQUIRED_METADATA_KEYS:
+            if key not in meta:
+                problems.append(f"missing required key 'metadata.{key}'")
+        task = meta.get("task")
+        if "task" in meta and task not in tasks:
+            problems.append(f"metadata.task {task!r} is not a generation task; valid: {list(tasks)}")
+        sid = meta.get("sample_id")
+        if "sample_id" in meta and not (isinstance(sid, str) and _SAMPLE_ID_RE.match(sid)):
+            problems.append(f"metadata.sample_id must be a non-empty string without whitespace, got {sid!r}")
+    for key, placeholder in MEDIA_PLACEHOLDERS.items():
+        refs = obj.get(key, [])
+        if not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
+            problems.append(f"'{key}' must be a list of non-empty path strings, got {refs!r}")
+            continue
+        if isinstance(prompt, str) and prompt.count(placeholder) != len(refs):
+            problems.append(f"prompt has {prompt.count(placeholder)} {placeholder} placeholder(s) but "
+                            f"'{key}' lists {len(refs)} file(s); they must match one to one")
+    return problems
+
+
+def parse_record(obj: Any, tasks: Iterable[str] = GENERATION_TASKS) -> PromptRecord:
+    """A PromptRecord from one parsed line; ValueError listing every problem if invalid."""
+    problems = record_problems(obj, tasks)
+    if problems:
+        raise ValueError("; ".join(problems))
+    meta = obj["metadata"]
+    return PromptRecord(
+        prompt=obj["prompt"],
+        task=meta["task"],
+        sample_id=meta["sample_id"],
+        images=tuple(obj.get("images", ())),
+        videos=tuple(obj.get("videos", ())),
+        extra={k: v for k, v in meta.items() if k not in REQUIRED_METADATA_KEYS},
+    )
+
+
+def resolve_media_path(ref: str, base_dir: str | os.PathLike) -> str:
+    """An absolute media path: absolute refs as is, relative ones under the JSONL's directory."""
+    return os.path.normpath(ref if os.path.isabs(ref) else os.path.join(os.fspath(base_dir), ref))
+
+
+# ----------------------------------------------------------------------------- hashes
+
+
+def content_hash(prompt: str, media: Iterable[str] = ()) -> str:
+    """sha256 hex of the whitespace-normalised prompt and the sorted media paths.
+
+    Case is kept (it can matter for text rendering prompts); whitespace is not (it never matters
+    to the text encoder's meaning, and Pick-a-Pic captions differ in it a lot).
+    """
+    payload = canonical_json({"media": sorted(media), "prompt": normalize_prompt(prompt)})
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def record_content_hash(record: PromptRecord) -> str:
+    """content_hash of a record's prompt and media references (as written in the file)."""
+    return content_hash(record.prompt, record.media())
+
+
+def split_unit(sample_id: str) -> float:
+    """A uniform number in [0, 1) from the sample id: first 8 bytes of sha256("split:" + id) / 2**64.
+
+    Fixed by the id alone, so the train/eval side of a record survives reordering and additions.
+    """
+    digest = hashlib.sha256(("split:" + sample_id).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def stable_sample_id(prefix: str, prompt: str) -> str:
+    """``<prefix>_<16 hex>``: a content-derived id, the first 64 bits of content_hash(prompt).
+
+    The same prompt gets the same id from any file, shard or download order, so a prompt's
+    train/eval side is a function of its text: one prompt cannot land on both sides.
+    """
+    return f"{prefix}_{content_hash(prompt)[:16]}"
+
+
+def find_leakage(a: Iterable[PromptRecord], b: Iterable[PromptRecord]) -> list[tuple[str, int, int]]:
+    """Records of ``b`` that also occur in ``a``, as ``(kind, index_in_a, index_in_b)``.
+
+    kind ``"sample_id"``: the same id; ``"prompt"``: the same content_hash (a record matching on
+    both is reported twice). Indices are 0-based positions in the iterables.
+    """
+    by_id: dict[str, int] = {}
+    by_hash: dict[str, int] = {}
+    for i, r in enumerate(a):
+        by_id.setdefault(r.sample_id, i)
+        by_hash.setdefault(record_content_hash(r), i)
+    hits = []
+    for j, r in enumerate(b):
+        if r.sample_id in by_id:
+            hits.append(("sample_id", by_id[r.sample_id], j))
+        h = record_content_hash(r)
+        if h in by_hash:
+            hits.append(("prompt", by_hash[h], j))
+    return hits
+
+
+# ----------------------------------------------------------------------------- training side
+
+
+@dataclass
+class PromptDataset:
+    """A validated prompt set held in memory (a million prompts is ~200 MB of Python strings)."""
+
+    path: str
+    records: list[PromptRecord]
+    #: 1-based source line of records[i], for messages
+    lines: list[int]
+
+    @classmethod
+    def from_jsonl(cls, path: str | os.PathLike, task: str | None = None) -> "PromptDataset":
+        """Read and validate a prompt file; DataError naming ``file:line`` on the first bad line,
+        a duplicate sample id, a record of another task, or an empty file.
+
+        Media references are resolved to absolute paths (relative to the file's directory).
+        """
+        path = os.fspath(path)
+        base = os.path.dirname(os.path.abspath(path))
+        records: list[PromptRecord] = []
+        lines: list[int] = []
+        seen: dict[str, int] = {}
+        for lineno, obj in read_jsonl(path):
+            try:
+                rec = parse_record(obj)
+            except ValueError as e:
+                raise DataError(f"{where(path, lineno)}: {e}; fix the line or rebuild the file with "
+                                "tools/curate_data.py and check it with tools/inspect_data.py") from None
+            if task is not None and rec.task != task:
+                raise DataError(f"{where(path, lineno)}: metadata.task is {rec.task!r} but the run's "
+                                f"--generation-task is {task!r}; use a prompt set made for {task!r}")
+            if rec.sample_id in seen:
+                raise DataError(f"{where(path, lineno)}: sample_id {rec.sample_id!r} already used at line "
+                                f"{seen[rec.sample_id]}; sample ids must be unique (run tools/curate_data.py)")
+            seen[rec.sample_id] = lineno
+            if rec.media():
+                rec = PromptRecord(rec.prompt, rec.task, rec.sample_id,
+                                   tuple(resolve_media_path(p, base) for p in rec.images),
+                                   tuple(resolve_media_path(p, base) for p in rec.videos), rec.extra)
+            records.append(rec)
+            lines.append(lineno)
+        if not records:
+            raise DataError(f"{where(path)}: the prompt file is empty; point the flag at a prepared "
+                            "prompt set (tools/prepare_data.py, tools/curate_data.py)")
+        return cls(path=path, records=records, lines=lines)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> PromptRecord:
+        return self.records[index]
+
+
+class PromptOrder:
+    """Which prompts each rollout uses: a pure function of (seed, rollout id).
+
+    Epoch e is the permutation ``numpy.random.default_rng((seed, e)).permutation(num_prompts)``
+    cut into ``num_prompts // rollout_batch_size`` consecutive batches; rollout k is batch
+    ``k % batches_per_epoch`` of epoch ``k // batches_per_epoch``. A batch never straddles two
+    epochs, so its prompts are distinct. The last ``num_prompts % rollout_batch_size`` indices of
+    each epoch's permutation are not used in that epoch; since every epoch has a fresh permutation,
+    each prompt is left out with the same probability, not the same prompts every time.
+
+    No state: a resumed run (or any rank) gets the same groups from the rollout id alone.
+    """
+
+    def __init__(self, num_prompts: int, rollout_batch_size: int, seed: int):
+        if rollout_batch_size < 1:
+            raise ValueError(f"--rollout-batch-size must be >= 1, got {rollout_batch_size}")
+        if num_prompts < rollout_batch_size:
+            raise ValueError(f"the prompt set has {num_prompts} prompt(s), fewer than --rollout-batch-size "
+                             f"{rollout_batch_size}; use a larger prompt set or a smaller --rollout-batch-size")
+        if seed < 0:
+            raise ValueError(f"--rollout-seed must be >= 0 (numpy seeds are non-negative), got {seed}")
+        self.num_prompts = int(num_prompts)
+        self.rollout_batch_size = int(rollout_batch_size)
+        self.seed = int(seed)
+        self.batches_per_epoch = self.num_prompts // self.rollout_batch_size
+        self._cached_epoch: int | None = None
+        self._cached_perm: np.ndarray | None = None
+
+    def epoch_of(self, rollout_id: int) -> int:
+        """The epoch rollout ``rollout_id`` belongs to."""
+        return rollout_id // self.batches_per_epoch
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s prompt order (int64 [num_prompts]); the last one is cached."""
+        if self._cached_epoch != epoch:
+            self._cached_perm = np.random.default_rng((self.seed, epoch)).permutation(self.num_prompts)
+            self._cached_epoch = epoch
+        return self._cached_perm
+
+    def groups_for_rollout(self, rollout_id: int) -> list[int]:
+        """Prompt indices (``rollout_batch_size`` distinct ints) for rollout ``rollout_id`` >= 0."""
+        if rollout_id < 0:
+            raise ValueError(f"rollout id must be >= 0, got {rollout_id}")
+        epoch, batch = divmod(int(rollout_id), self.batches_per_epoch)
+        start = batch * self.rollout_batch_size
+        return [int(i) for i in self.permutation(epoch)[start:start + self.rollout_batch_size]]
+
+
+def load_eval_sets(pairs: Iterable[tuple[str, str | os.PathLike]], task: str | None = None) -> dict[str, PromptDataset]:
+    """``--eval-prompt-data NAME PATH [NAME PATH ...]`` -> {name: PromptDataset}, in the given order.
+
+    DataError for a duplicate name, or any error ``PromptDataset.from_jsonl`` raises (which names
+    the file and line).
+    """
+    out: dict[str, PromptDataset] = {}
+    for name, path in pairs:
+        if not name:
+            raise DataError(f"--eval-prompt-data: empty eval set name for {where(path)}; give NAME PATH pairs")
+        if name in out:
+            raise DataError(f"--eval-prompt-data: eval set name {name!r} given twice "
+                            f"({out[name].path} and {where(path)}); names must be unique")
+        out[name] = PromptDataset.from_jsonl(path, task=task)
+    return out
