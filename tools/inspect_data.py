@@ -1,0 +1,170 @@
+"""Check prompt files before a run: exit 0 when clean, 1 with a per-problem report otherwise.
+
+    python tools/inspect_data.py --train data/processed/t2i/pickapic_train.jsonl \\
+        --eval data/processed/t2i/pickapic_eval256.jsonl --decode-media
+
+Errors (each reported as ``file:line: what``):
+
+- a line that is not a JSON object (bad JSON, blank line, bad UTF-8);
+- schema: unknown top-level keys, missing ``prompt`` / ``metadata.task`` / ``metadata.sample_id``,
+  a ``metadata.task`` outside GENERATION_TASKS, a malformed sample id;
+- ``<image>`` / ``<video>`` placeholder counts that differ from the ``images`` / ``videos`` lists;
+- a referenced media file that does not exist (with --decode-media: that does not decode);
+- a sample id used twice in one file;
+- train/eval leakage: an eval record whose sample id, or whose prompt (content hash), is in train;
+- an empty file.
+
+Warnings (reported, exit status unaffected): the same prompt twice within one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trainer.data import (PromptRecord, find_leakage, iter_jsonl_lines, parse_record, record_content_hash,
+                          record_problems, resolve_media_path, where)
+
+DEFAULT_MAX_REPORT = 200
+
+
+@dataclass
+class FileScan:
+    """One file's valid records (with line numbers) and its problems."""
+
+    path: str
+    records: list[tuple[int, PromptRecord]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    lines: int = 0
+
+
+def decode_problem(path: str, kind: str) -> str | None:
+    """None if the media file decodes fully, else why not.
+
+    Images are decoded with Pillow (``load()`` reads every pixel, so truncated files fail).
+    Videos need PyAV; without it the check reports that, rather than passing unchecked.
+    """
+    if kind == "images":
+        from PIL import Image
+
+        try:
+            with Image.open(path) as im:
+                im.load()
+        except Exception as e:  # noqa: BLE001 - any decoder failure is the finding
+            return f"{type(e).__name__}: {e}"
+        return None
+    try:
+        import av
+    except ImportError:
+        return "cannot decode videos: PyAV is not installed (pip install av), or drop --decode-media"
+    try:
+        with av.open(path) as container:
+            next(container.decode(video=0))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def scan_file(path: str, decode_media: bool) -> FileScan:
+    """Per-line checks of one prompt file (everything except cross-file leakage)."""
+    scan = FileScan(path=path)
+    if not os.path.isfile(path):
+        scan.errors.append(f"{where(path)}: no such file")
+        return scan
+    base = os.path.dirname(os.path.abspath(path))
+    ids: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for lineno, obj, error in iter_jsonl_lines(path):
+        scan.lines += 1
+        if error is not None:
+            scan.errors.append(f"{where(path, lineno)}: {error}")
+            continue
+        problems = record_problems(obj)
+        if problems:
+            scan.errors.extend(f"{where(path, lineno)}: {p}" for p in problems)
+            continue
+        rec = parse_record(obj)
+        for kind, refs in (("images", rec.images), ("videos", rec.videos)):
+            for ref in refs:
+                full = resolve_media_path(ref, base)
+                if not os.path.isfile(full):
+                    scan.errors.append(f"{where(path, lineno)}: {kind} file {ref!r} does not exist ({full})")
+                elif decode_media:
+                    why = decode_problem(full, kind)
+                    if why:
+                        scan.errors.append(f"{where(path, lineno)}: {kind} file {ref!r} does not decode: {why}")
+        if rec.sample_id in ids:
+            scan.errors.append(f"{where(path, lineno)}: sample_id {rec.sample_id!r} already used at line "
+                               f"{ids[rec.sample_id]}; ids must be unique (run tools/curate_data.py)")
+        else:
+            ids[rec.sample_id] = lineno
+        h = record_content_hash(rec)
+        if h in hashes:
+            scan.warnings.append(f"{where(path, lineno)}: same prompt as line {hashes[h]} "
+                                 "(tools/curate_data.py dedups)")
+        else:
+            hashes[h] = lineno
+        scan.records.append((lineno, rec))
+    if scan.lines == 0:
+        scan.errors.append(f"{where(path)}: the file is empty")
+    return scan
+
+
+def leakage_errors(train: FileScan, other: FileScan) -> list[str]:
+    """An error per record of ``other`` whose sample id or prompt (content hash) is in ``train``."""
+    errors = []
+    for kind, i, j in find_leakage((r for _, r in train.records), (r for _, r in other.records)):
+        train_line, rec = train.records[i][0], other.records[j][1]
+        what = f"sample_id {rec.sample_id!r} is" if kind == "sample_id" else "the same prompt is"
+        errors.append(f"{where(other.path, other.records[j][0])}: leakage: {what} also in "
+                      f"{where(train.path, train_line)}")
+    return errors
+
+
+def inspect(train_path: str, eval_paths: list[str], decode_media: bool = False) -> tuple[list[str], list[str], list[FileScan]]:
+    """(errors, warnings, scans) for a train file and its eval files."""
+    train = scan_file(train_path, decode_media)
+    scans = [train] + [scan_file(p, decode_media) for p in eval_paths]
+    errors = [e for s in scans for e in s.errors]
+    warnings = [w for s in scans for w in s.warnings]
+    for s in scans[1:]:
+        errors.extend(leakage_errors(train, s))
+    return errors, warnings, scans
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train", required=True, help="the training prompt JSONL")
+    p.add_argument("--eval", required=True, nargs="+", help="eval prompt JSONL file(s), checked for leakage against --train")
+    p.add_argument("--decode-media", action="store_true", help="also decode every referenced media file")
+    p.add_argument("--max-report", type=int, default=DEFAULT_MAX_REPORT,
+                   help="print at most this many errors and warnings each (the counts are always complete)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    errors, warnings, scans = inspect(args.train, args.eval, args.decode_media)
+    for label, items in (("error", errors), ("warning", warnings)):
+        for line in items[:args.max_report]:
+            print(f"{label}: {line}")
+        if len(items) > args.max_report:
+            print(f"{label}: ... {len(items) - args.max_report} more not shown (--max-report)")
+    for s in scans:
+        print(f"inspect_data: {s.path}: {s.lines} line(s), {len(s.records)} valid record(s)")
+    if errors:
+        print(f"inspect_data: FAILED: {len(errors)} error(s), {len(warnings)} warning(s)")
+        return 1
+    print(f"inspect_data: OK ({len(warnings)} warning(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
