@@ -1,0 +1,677 @@
+"""The actor: the trainable transformer sharded with FSDP2, its optimizer, the FlowGRPO update and
+the colocate offload.
+
+Build order (`parallelize`), each step before the next:
+  1. LoRA (peft) injected on the target modules, base frozen        (--fsdp-trainable-mode lora)
+  2. parameters that can never receive a gradient frozen            (see never_trained_param_names)
+  3. trainable parameters cast to the master dtype                  (--fsdp-master-dtype)
+  4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing)
+  5. fully_shard per block, then the root, on the job's mesh        (MixedPrecisionPolicy from
+                                                                      --fsdp-param-dtype / --fsdp-reduce-dtype)
+  6. _assert_trainable_boundary
+
+The update (`Actor.train_step`) is model-family independent: the caller supplies
+`replay_fn(model, batch_slice) -> logp [b, S]` (in production, the adapter's replay_transition over
+the trained-step columns) and the batch as a dict of per-candidate tensors / lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
+from trainer.flow_grpo import grpo_clip_loss
+from trainer.lr_schedule import lr_at_step
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: |advantage| at or below this everywhere (all ranks) makes an update degenerate: skipped and counted
+ZERO_ADVANTAGE = 1e-8
+#: wrapper segments that never belong to a parameter's model name (checkpointing, FSDP, compile)
+_WRAPPER_SEGMENTS = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
+
+#: parameter-path prefixes, inside the last dual-stream block, that only produce discarded text outputs
+_DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
+
+ReplayFn = Callable[[nn.Module, dict], torch.Tensor]
+
+
+class OffloadError(RuntimeError):
+    """Releasing or restoring the actor's device storage failed (fatal: the run must stop)."""
+
+
+class MicroBatchMismatchError(RuntimeError):
+    """Ranks disagree on the micro-batch plan; running on would deadlock an FSDP collective."""
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """'bf16' | 'fp16' | 'fp32' | torch.dtype | None -> torch.dtype | None."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def model_name(name: str) -> str:
+    """A parameter name without checkpoint/FSDP/compile wrapper segments."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of repeated transformer blocks (diffusers: `transformer_blocks`, whose class
+    is named in `_no_split_modules` / `_repeated_blocks`)."""
+    names = set(getattr(model, "_repeated_blocks", None) or []) | set(getattr(model, "_no_split_modules", None) or [])
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            inner = [getattr(b, "_checkpoint_wrapped_module", b) for b in module]
+            if names and all(type(b).__name__ in names for b in inner):
+                return module
+    blocks = getattr(model, "transformer_blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return blocks
+    raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: expected a ModuleList "
+                     "`transformer_blocks` or one whose class is listed in _no_split_modules")
+
+
+def never_trained_param_names(model: nn.Module) -> list[str]:
+    """Parameters (model names) whose output is discarded, so they can never receive a gradient.
+
+    Qwen-Image style dual-stream DiTs drop the text stream after the LAST block, so in that block
+    everything that only shapes text-token OUTPUTS feeds nothing: the text queries
+    (`attn.add_q_proj`, `attn.norm_added_q`; text keys/values still reach the image tokens), the
+    text-output projection `attn.to_add_out` and the text MLP `txt_mlp`. Left trainable,
+    AdamW keeps no state for them (grad is None), which breaks a plain DCP load of model+optimizer
+    ("Missing key ... to_add_out.weight.step") and misreports what is trained. We freeze them
+    deliberately; _assert_trainable_boundary checks exactly this set is frozen (LoRA tensors on
+    these modules included). A model without that structure returns [].
+    """
+    blocks = find_blocks(model)
+    last_idx = len(blocks) - 1
+    last = blocks[last_idx]
+    inner = getattr(last, "_checkpoint_wrapped_module", last)
+    if not (hasattr(inner, "txt_mlp") and hasattr(getattr(inner, "attn", None), "to_add_out")):
+        return []
+    prefix = None
+    for name, module in model.named_modules():
+        if module is last:
+            prefix = model_name(name)
+            break
+    assert prefix is not None
+    dead = []
+    for name, _ in model.named_parameters():
+        mname = model_name(name)
+        if mname.startswith(prefix + "."):
+            rest = mname[len(prefix) + 1:]
+            if rest.startswith(_DEAD_IN_LAST_BLOCK):
+                dead.append(mname)
+    return dead
+
+
+def _is_lora_name(name: str) -> bool:
+    parts = name.split(".")
+    return "lora_A" in parts or "lora_B" in parts
+
+
+# ----------------------------------------------------------------------------------------------
+# model construction
+
+def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha: float,
+               dropout: float = 0.0) -> dict[str, Any]:
+    """Inject a peft LoRA adapter ("default") into `model` in place; freeze everything else.
+
+    target_modules are module-name suffixes ("attn.to_q", "attn.to_out.0"). lora_B starts at 0,
+    so the adapted model starts equal to the base. Returns the lora_config dict the engine needs
+    ({"rank", "alpha", "target_modules", "dropout"}).
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if rank <= 0:
+        raise ValueError(f"--lora-rank must be > 0 under --fsdp-trainable-mode lora, got {rank}")
+    if dropout != 0.0:
+        raise ValueError(f"--lora-dropout must be 0.0, got {dropout}: the pi_old anchor is a replay under "
+                         "model.train(), and a stochastic forward breaks ratio == 1 on the first update")
+    targets = list(target_modules)
+    if not targets:
+        raise ValueError("LoRA needs target modules: set --lora-target-modules or use an adapter that "
+                         "declares lora_target_modules")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        init_lora_weights=True)
+    inject_adapter_in_model(config, model)
+    n_lora = 0
+    for name, p in model.named_parameters():
+        is_lora = _is_lora_name(name)
+        p.requires_grad_(is_lora)
+        n_lora += int(is_lora)
+    if n_lora == 0:
+        raise ValueError(f"--lora-target-modules {targets} matched no module of {type(model).__name__}")
+    return {"rank": rank, "alpha": alpha, "target_modules": targets, "dropout": dropout}
+
+
+def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
+                activation_checkpointing: bool = False, cpu_offload: bool = False) -> nn.Module:
+    """Apply activation checkpointing (optional) and FSDP2 to `model` in place: fully_shard on
+    every transformer block, then on the root, all over `mesh`.
+
+    param_dtype: the all-gathered compute dtype (None: the storage dtype);
+    reduce_dtype: gradient reduce-scatter dtype. LoRA and frozen parameters must be set up before.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    blocks = find_blocks(model)
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i in range(len(blocks)):
+            # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
+            blocks[i] = checkpoint_wrapper(blocks[i])
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model
+
+
+def _assert_trainable_boundary(model: nn.Module, mode: str, never_trained: Iterable[str]) -> None:
+    """Raise unless exactly the intended parameters are trainable.
+
+    full: every parameter trains except `never_trained` (which must be frozen);
+    lora: LoRA tensors present and all train except those on never-trained modules; the base is frozen.
+    """
+    dead = set(never_trained)
+    wrong: list[str] = []
+    n_train = 0
+    n_lora = 0
+    for name, p in model.named_parameters():
+        mname = model_name(name)
+        is_lora = _is_lora_name(mname)
+        n_lora += int(is_lora)
+        n_train += int(p.requires_grad)
+        if mode == "full":
+            want = mname not in dead
+        elif mode == "lora":
+            want = is_lora and mname not in dead
+        else:
+            raise ValueError(f"--fsdp-trainable-mode must be 'full' or 'lora', got {mode!r}")
+        if p.requires_grad != want:
+            wrong.append(f"{mname} (requires_grad={p.requires_grad}, expected {want})")
+    if mode == "lora" and n_lora == 0:
+        wrong.append("no LoRA tensors in the model")
+    if n_train == 0:
+        wrong.append("nothing is trainable")
+    if wrong:
+        shown = "; ".join(wrong[:8]) + (f"; ... {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        raise RuntimeError(f"trainable boundary violated under --fsdp-trainable-mode {mode}: {shown}")
+
+
+def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None = None, *,
+                      default_lora_targets: Sequence[str] = ()) -> tuple[nn.Module, dict | None, list[str]]:
+    """Steps 1-6 of the module docstring. Returns (sharded model, lora_config or None, never-trained names).
+
+    fsdp / lora: the cfg.fsdp / cfg.lora sections (duck-typed).
+    """
+    mode = fsdp.fsdp_trainable_mode
+    lora_config = None
+    if mode == "lora":
+        if fsdp.fsdp_cpu_offload:
+            raise ValueError("--fsdp-cpu-offload is rejected with --fsdp-trainable-mode lora: gradient clipping "
+                             "over CPU-offloaded adapter DTensors has no collective backend")
+        targets = lora.lora_target_modules or list(default_lora_targets)
+        lora_config = apply_lora(model, targets, lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
+    elif mode == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        raise ValueError(f"--fsdp-trainable-mode must be 'full' or 'lora', got {mode!r}")
+    dead = never_trained_param_names(model)
+    dead_set = set(dead)  # module-prefix based: covers base_layer and LoRA tensors of those modules
+    for name, p in model.named_parameters():
+        if model_name(name) in dead_set:
+            p.requires_grad_(False)
+    master = resolve_dtype(fsdp.fsdp_master_dtype)
+    if master is not None:
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != master:
+                p.data = p.data.to(master)
+    parallelize(model, mesh, param_dtype=resolve_dtype(fsdp.fsdp_param_dtype),
+                reduce_dtype=resolve_dtype(fsdp.fsdp_reduce_dtype),
+                reshard_after_forward=not fsdp.no_fsdp_reshard_after_forward,
+                activation_checkpointing=fsdp.fsdp_activation_checkpointing,
+                cpu_offload=fsdp.fsdp_cpu_offload)
+    _assert_trainable_boundary(model, mode, dead)
+    return model, lora_config, dead
+
+
+def load_in_waves(load: Callable[[], nn.Module], wave_size: int) -> nn.Module:
+    """Call `load()` on at most `wave_size` ranks at a time (0: all at once), barrier between waves.
+
+    Bounds host RAM and model-directory contention at launch (every rank materialises the full base
+    before sharding). Every rank must call it.
+    """
+    if wave_size < 0:
+        raise ValueError(f"--fsdp-load-wave-size must be >= 0, got {wave_size}")
+    if not dist.is_initialized() or wave_size == 0 or wave_size >= dist.get_world_size():
+        return load()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = None
+    for wave in range(math.ceil(world / wave_size)):
+        if rank // wave_size == wave:
+            model = load()
+        barrier()
+    assert model is not None
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# the update plan
+
+def plan_updates(n_local: int, num_updates: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
+    """Split n_local candidates into `num_updates` disjoint equal parts of micro-batches.
+
+    Returns, per update, the [start, end) ranges of its micro-batches. Every candidate is in exactly
+    one micro-batch of exactly one update; no micro-batch straddles an update boundary.
+    Raises ValueError when num_updates does not divide n_local or micro_batch_size does not divide
+    a part (unequal parts/chunks would silently reweight the mean).
+    """
+    if num_updates < 1 or micro_batch_size < 1:
+        raise ValueError(f"--num-updates-per-batch ({num_updates}) and --micro-batch-size ({micro_batch_size}) must be >= 1")
+    if n_local < 1 or n_local % num_updates:
+        raise ValueError(f"--num-updates-per-batch {num_updates} must divide this rank's {n_local} candidates")
+    part = n_local // num_updates
+    if part % micro_batch_size:
+        raise ValueError(f"--micro-batch-size {micro_batch_size} must divide each update's {part} candidates "
+                         f"({n_local} local / {num_updates} updates)")
+    return [[(u * part + s, u * part + s + micro_batch_size) for s in range(0, part, micro_batch_size)]
+            for u in range(num_updates)]
+
+
+def slice_batch(batch: dict[str, Any], start: int, end: int, n: int) -> dict[str, Any]:
+    """Rows [start, end) of every per-candidate entry of `batch` (tensor or list whose leading size is n);
+    other entries (scalars, shared tensors) are passed through unchanged."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
+            out[k] = v[start:end]
+        elif isinstance(v, (list, tuple)) and len(v) == n:
+            out[k] = v[start:end]
+        else:
+            out[k] = v
+    return out
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# ----------------------------------------------------------------------------------------------
+# offload
+
+class _StorageOffload:
+    """Frees device storages for real (resize to 0) and keeps a (pinned) host copy; restores bit-exactly.
+
+    Why storage resizing: under fully_shard a parameter is a DTensor whose local shard is a view of
+    FSDP's own padded buffer; reassigning `param.data` would leave that buffer alive and free nothing.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[torch.UntypedStorage, int, torch.Tensor]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._saved)
+
+    def release(self, tensors: Iterable[torch.Tensor], pin: bool) -> int:
+        if self._saved:
+            raise OffloadError("release called twice without resume")
+        seen: set[int] = set()
+        freed = 0
+        try:
+            for t in tensors:
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                nbytes = st.nbytes()
+                if nbytes == 0 or key in seen:
+                    continue
+                seen.add(key)
+                view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                host.copy_(view, non_blocking=False)
+                st.resize_(0)
+                self._saved.append((st, nbytes, host))
+                freed += nbytes
+        except Exception as exc:
+            self.resume()  # give back what was already released, then fail loudly
+            raise OffloadError(f"releasing actor storage failed after {freed} bytes: {exc!r}") from exc
+        return freed
+
+    def resume(self) -> int:
+        restored = 0
+        try:
+            while self._saved:
+                st, nbytes, host = self._saved[-1]
+                st.resize_(nbytes)
+                view = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+                view.copy_(host, non_blocking=False)
+                self._saved.pop()
+                restored += nbytes
+        except Exception as exc:
+            raise OffloadError(f"restoring actor storage failed with {len(self._saved)} storages left "
+                               f"({restored} bytes restored): {exc!r}") from exc
+        return restored
+
+
+# ----------------------------------------------------------------------------------------------
+# the actor
+
+def _sec(cfg: Any, name: str) -> Any:
+    sec = getattr(cfg, name, None)
+    if sec is None:
+        raise ValueError(f"config has no section {name!r}")
+    return sec
+
+
+class Actor:
+    """The FSDP2-sharded trainable transformer, its AdamW, the FlowGRPO update and offload.
+
+    model: the sharded module (already built by build_train_model, or built here from `model`).
+    cfg: needs sections fsdp, lora, optim, grpo (duck-typed).
+    total_optimizer_steps: the decay length when --lr-decay-iters is unset.
+    """
+
+    def __init__(self, model: nn.Module, mesh: Any, cfg: Any, *, device: torch.device,
+                 default_lora_targets: Sequence[str] = (), total_optimizer_steps: int | None = None,
+                 built: bool = False, lora_config: dict | None = None, never_trained: Sequence[str] = ()) -> None:
+        self.cfg = cfg
+        self.fsdp, self.lora, self.optim, self.grpo = (_sec(cfg, n) for n in ("fsdp", "lora", "optim", "grpo"))
+        self.mesh = mesh
+        self.device = torch.device(device)
+        if built:
+            self.model, self.lora_config, self.never_trained = model, lora_config, list(never_trained)
+        else:
+            self.model, self.lora_config, self.never_trained = build_train_model(
+                model, mesh, self.fsdp, self.lora, default_lora_targets=default_lora_targets)
+        self.mode = self.fsdp.fsdp_trainable_mode
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        o = self.optim
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                           eps=o.adam_eps, weight_decay=o.weight_decay)
+        self.decay_iters = o.lr_decay_iters if o.lr_decay_iters else total_optimizer_steps
+        #: optimizer steps taken so far (the lr schedule position; checkpointed as lr_scheduler_steps)
+        self.optimizer_steps = 0
+        #: rounds dropped entirely because every advantage was ~0
+        self.skipped_rounds = 0
+        self.last_update_stats: list[dict[str, Any]] = []
+        self._params_off = _StorageOffload()
+        self._optim_off = _StorageOffload()
+
+    # -- construction from the model adapter --------------------------------------------------
+    @classmethod
+    def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: Any, *, device: torch.device,
+                     total_optimizer_steps: int | None = None) -> "Actor":
+        """Load the adapter's train model (in waves), build and shard it."""
+        fsdp = _sec(cfg, "fsdp")
+        load_dtype = resolve_dtype(fsdp.fsdp_param_dtype)
+        model = load_in_waves(lambda: adapter.load_train_model(model_path, dtype=load_dtype),
+                              int(fsdp.fsdp_load_wave_size or 0))
+        return cls(model, mesh, cfg, device=device, default_lora_targets=tuple(adapter.lora_target_modules),
+                   total_optimizer_steps=total_optimizer_steps)
+
+    # -- learning rate ------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        o = self.optim
+        return lr_at_step(step, lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
+                          decay_iters=self.decay_iters, schedule=self.fsdp.fsdp_lr_scheduler)
+
+    def state_dict(self) -> dict[str, int]:
+        """Scalar training state that rides along with the DCP checkpoint."""
+        return {"lr_scheduler_steps": self.optimizer_steps, "skipped_rounds": self.skipped_rounds}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.optimizer_steps = int(state["lr_scheduler_steps"])
+        self.skipped_rounds = int(state.get("skipped_rounds", 0))
+
+    # -- the FlowGRPO update ------------------------------------------------------------------
+    def train_step(self, batch: dict[str, Any], advantages: torch.Tensor, replay_fn: ReplayFn,
+                   valid: torch.Tensor | None = None) -> dict[str, float]:
+        """One rollout's update over this rank's candidates. Collective: every rank calls it.
+
+        batch: per-candidate entries with leading size n (what replay_fn consumes);
+        advantages: [n]; valid: [n] bool (False = candidate of a failed reward group: replayed so
+        every rank runs the same collectives, but excluded from the loss); replay_fn(model, rows)
+        -> logp [b, S] (fp32 preferred).
+
+        1. plan: n split into num_updates_per_batch disjoint equal parts of micro-batches; ranks
+           MAX-check they agree on the micro-batch count (raise, never deadlock).
+        2. skip: an update whose valid advantages are all ~0 on every rank is skipped (counted).
+        3. anchor: pi_old log-probs of every micro-batch through the live model, no_grad, before
+           any optimizer step, with the same replay_fn: the first update's ratio is exactly 1.
+        4. per update: loss over micro-batches (per-(sample, step) clipped objective), scaled so
+           the FSDP mean-reduced gradient is the mean over all valid (sample, step) of all ranks;
+           clip_grad; lr from the schedule; AdamW step.
+        Returns the train/* and perf/* series (ratio_min/max MAX-reduced, the rest averaged).
+        """
+        t_start = time.perf_counter()
+        g = self.grpo
+        n = int(advantages.shape[0])
+        plan = plan_updates(n, int(g.num_updates_per_batch), int(g.micro_batch_size))
+        n_mb = sum(len(p) for p in plan)
+        cdev = collective_device()
+        adv = advantages.detach().float().to(self.device)
+        ok = torch.ones(n, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()
+        if ok.shape != adv.shape:
+            raise ValueError(f"valid mask shape {tuple(ok.shape)} != advantages shape {tuple(adv.shape)}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+
+        # 1-2: one MAX reduce carries the plan check and the per-update max |A|; one SUM the valid counts
+        masked_abs = (adv.abs() * ok).to(cdev)
+        ok_c = ok.to(cdev)
+        part_max = torch.stack([masked_abs[p[0][0]:p[-1][1]].max() for p in plan])
+        part_cnt = torch.stack([ok_c[p[0][0]:p[-1][1]].sum().float() for p in plan])
+        mx = all_reduce_max(torch.cat([torch.tensor([n_mb, -n_mb], dtype=torch.float32, device=cdev), part_max]))
+        if int(mx[0]) != n_mb or int(-mx[1]) != n_mb:
+            raise MicroBatchMismatchError(
+                f"rank {dist.get_rank() if dist.is_initialized() else 0} plans {n_mb} micro-batches but ranks range "
+                f"{int(-mx[1])}..{int(mx[0])}: every rank needs the same local candidate count, "
+                "--num-updates-per-batch and --micro-batch-size")
+        global_cnt = all_reduce_sum(part_cnt.clone())
+        run = [(float(mx[2 + u]) > ZERO_ADVANTAGE) and float(global_cnt[u]) > 0 for u in range(len(plan))]
+
+        metrics: dict[str, float] = {"train/num_microbatches": float(n_mb)}
+        skips = sum(len(p) for u, p in enumerate(plan) if not run[u])
+        if not any(run):
+            self.skipped_rounds += 1
+            metrics.update({"train/optimizer_steps": 0.0, "train/optimizer_skips": float(skips),
+                            "train/skipped_rounds": float(self.skipped_rounds),
+                            "train/lr": self.lr_at(self.optimizer_steps),
+                            "train/lr_scheduler_steps": float(self.optimizer_steps)})
+            return metrics
+
+        self.model.train()
+        # 3: the anchor, frozen once before any optimizer step
+        old: dict[tuple[int, int], torch.Tensor] = {}
+        with torch.no_grad():
+            for u, part in enumerate(plan):
+                if run[u]:
+                    for (s, e) in part:
+                        old[(s, e)] = replay_fn(self.model, slice_batch(batch, s, e, n)).detach().float()
+
+        # 4: the updates
+        acc = torch.zeros(8, dtype=torch.float64, device=self.device)  # weighted stat sums, see below
+        rmax = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)  # ratio_max, -ratio_min
+        grad_norms: list[torch.Tensor] = []
+        steps = 0
+        transitions = 0
+        lr = self.lr_at(self.optimizer_steps)
+        #: per executed update, this rank's ratio range (detached tensors; for diagnostics and tests)
+        self.last_update_stats = []
+        for u, part in enumerate(plan):
+            if not run[u]:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            upd = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
+            for (s, e) in part:
+                logp = replay_fn(self.model, slice_batch(batch, s, e, n))
+                if logp.dim() == 1:
+                    logp = logp[:, None]
+                rows = ok[s:e]
+                n_rows = int(rows.sum())  # host sync; the mask is tiny and lives on the host path anyway
+                transitions += logp.shape[0] * logp.shape[1]
+                if n_rows:
+                    loss, st = grpo_clip_loss(logp[rows], old[(s, e)][rows], adv[s:e][rows],
+                                              g.eps_clip, getattr(g, "eps_clip_high", None))
+                    scale = n_rows * world / float(global_cnt[u])
+                    (loss * scale).backward()
+                    k = float(n_rows * logp.shape[1])  # elements behind these stats
+                    rm, rs = st["ratio_mean"].double(), st["ratio_std"].double()
+                    acc += torch.stack([loss.detach().double() * k, st["clip_fraction"].double() * k,
+                                        st["approx_kl"].double() * k, rm * k, (rs * rs + rm * rm) * k,
+                                        torch.tensor(k, dtype=torch.float64, device=self.device),
+                                        torch.zeros((), dtype=torch.float64, device=self.device),
+                                        torch.zeros((), dtype=torch.float64, device=self.device)]).to(acc.device)
+                    r_range = torch.stack([st["ratio_max"].double(), -st["ratio_min"].double()])
+                    rmax = torch.maximum(rmax, r_range)
+                    upd = torch.maximum(upd, r_range)
+                else:
+                    # no valid row here, but FSDP's reduce-scatter must still run on every rank
+                    (logp.sum() * 0.0).backward()
+            self.last_update_stats.append({"update": u, "ratio_max": upd[0], "ratio_min": -upd[1]})
+            gn = self._clip_grad()
+            if torch.isfinite(gn):
+                lr = self.lr_at(self.optimizer_steps)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+                self.optimizer_steps += 1
+                steps += 1
+                grad_norms.append(gn.detach().double().reshape(()))
+            else:
+                log.warning("non-finite grad norm %s in update %d: optimizer step skipped", gn.item(), u)
+                skips += len(part)
+            self.optimizer.zero_grad(set_to_none=True)
+
+        # metrics: one SUM and one MAX reduce, one host transfer
+        acc[6] = torch.stack(grad_norms).sum() if grad_norms else 0.0
+        acc[7] = float(len(grad_norms))
+        dt = time.perf_counter() - t_start
+        sums = all_reduce_sum(torch.cat([acc, torch.tensor([transitions, n, 1.0], dtype=torch.float64,
+                                                           device=acc.device)]).to(cdev))
+        maxes = all_reduce_max(torch.cat([rmax, torch.tensor([dt], dtype=torch.float64, device=rmax.device)]).to(cdev))
+        sv, mv = sums.tolist(), maxes.tolist()
+        k = max(sv[5], 1.0)
+        mean_r = sv[3] / k
+        metrics.update({
+            "train/loss": sv[0] / k,
+            "train/clip_fraction": sv[1] / k,
+            "train/approx_kl": sv[2] / k,
+            "train/ratio_mean": mean_r,
+            "train/ratio_std": math.sqrt(max(sv[4] / k - mean_r * mean_r, 0.0)),
+            "train/ratio_max": mv[0],
+            "train/ratio_min": -mv[1],
+            "train/grad_norm": sv[6] / max(sv[7], 1.0),
+            "train/lr": lr,
+            "train/optimizer_steps": float(steps),
+            "train/optimizer_skips": float(skips),
+            "train/skipped_rounds": float(self.skipped_rounds),
+            "train/lr_scheduler_steps": float(self.optimizer_steps),
+            "perf/train_time": mv[2],
+            "perf/train_transitions_per_s": sv[8] / max(mv[2], 1e-9),
+            "perf/train_samples_per_s": sv[9] / max(mv[2], 1e-9),
+        })
+        metrics.update(self.memory_metrics())
+        return metrics
+
+    def _clip_grad(self) -> torch.Tensor:
+        """Total grad norm over all ranks (clipped to --clip-grad when > 0); a 0-d local tensor."""
+        from torch.distributed.tensor import DTensor
+
+        with_grad = [p for p in self.trainable if p.grad is not None]
+        if not with_grad:
+            return torch.zeros((), device=self.device)
+        max_norm = float(self.optim.clip_grad) if self.optim.clip_grad and self.optim.clip_grad > 0 else math.inf
+        gn = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+        if isinstance(gn, DTensor):
+            gn = gn.full_tensor()
+        return gn
+
+    def memory_metrics(self) -> dict[str, float]:
+        """perf/mem_{allocated,reserved,peak}_gb, MAX over ranks (CUDA only; {} on CPU)."""
+        if self.device.type != "cuda":
+            return {}
+        v = torch.tensor([torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device),
+                          torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64, device=self.device)
+        a, r, p = (x / 1e9 for x in all_reduce_max(v).tolist())
+        return {"perf/mem_allocated_gb": a, "perf/mem_reserved_gb": r, "perf/mem_peak_gb": p}
+
+    # -- colocate offload ---------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._params_off.active or self._optim_off.active
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        out = [_local(p) for p in self.model.parameters()]
+        out += [b for b in self.model.buffers()]
+        return [t for t in out if t.device.type == self.device.type]
+
+    def _optim_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    lt = _local(v)
+                    # AdamW keeps `step` as a CPU scalar on GPU runs: nothing to free there
+                    if lt.device.type == self.device.type:
+                        out.append(lt)
+        return out
+
+    def offload(self) -> dict[str, float]:
+        """Release the parameter/buffer shards and AdamW state from the device into (pinned) host memory.
+
+        Fatal on failure (OffloadError). Gradients must be None (they are after train_step).
+        """
+        if self.offloaded:
+            raise OffloadError("actor is already offloaded: call onload() first")
+        if any(p.grad is not None for p in self.model.parameters()):
+            raise OffloadError("actor still holds gradients; offload after optimizer.zero_grad(set_to_none=True)")
+        for m in _fsdp_modules(self.model):
+            m.reshard()
+        t0 = time.perf_counter()
+        pin = self.device.type == "cuda"
+        freed = self._params_off.release(self._param_tensors(), pin)
+        freed += self._optim_off.release(self._optim_tensors(), pin)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return {"perf/actor_offload_gb": freed / 1e9, "perf/actor_offload_time": time.perf_counter() - t0}
+
+    def onload(self) -> dict[str, float]:
+        """Bring back what offload() released, bit-exactly. Fatal on failure (OffloadError)."""
+        if not self.offloaded:
+            raise OffloadError("actor is not offloaded: onload() without offload()")
+        t0 = time.perf_counter()
+        restored = self._params_off.resume() + self._optim_off.resume()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"perf/actor_onload_gb": restored / 1e9, "perf/actor_onload_time": time.perf_counter() - t0}
