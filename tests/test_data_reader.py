@@ -113,6 +113,14 @@ def test_prompt_order_errors():
         PromptOrder(10, 0, seed=0)
 
 
+def test_dataset_order_names_the_file_when_too_small(tmp_path):
+    path = write_lines(tmp_path / "small.jsonl", [rec("a", "s1"), rec("b", "s2")])
+    ds = PromptDataset.from_jsonl(path)
+    assert ds.order(2, seed=1).groups_for_rollout(3) == PromptOrder(2, 2, 1).groups_for_rollout(3)
+    with pytest.raises(DataError, match=rf"{path} has 2 prompt\(s\), fewer than --rollout-batch-size 3"):
+        ds.order(3, seed=1)
+
+
 def test_load_eval_sets_keeps_order_and_checks_names(tmp_path):
     a = write_lines(tmp_path / "a.jsonl", [rec("a one", "a1")])
     b = write_lines(tmp_path / "b.jsonl", [rec("b one", "b1"), rec("b two", "b2")])

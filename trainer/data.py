@@ -339,6 +339,10 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.records)
 
+    def order(self, rollout_batch_size: int, seed: int) -> "PromptOrder":
+        """The PromptOrder over this set (its errors name this file)."""
+        return PromptOrder(len(self.records), rollout_batch_size, seed, source=self.path)
+
     def __getitem__(self, index: int) -> PromptRecord:
         return self.records[index]
 
@@ -356,12 +360,14 @@ class PromptOrder:
     No state: a resumed run (or any rank) gets the same groups from the rollout id alone.
     """
 
-    def __init__(self, num_prompts: int, rollout_batch_size: int, seed: int):
+    def __init__(self, num_prompts: int, rollout_batch_size: int, seed: int, source: str | None = None):
+        """``source``: the prompt file, named in errors (PromptDataset.order passes it)."""
         if rollout_batch_size < 1:
             raise ValueError(f"--rollout-batch-size must be >= 1, got {rollout_batch_size}")
         if num_prompts < rollout_batch_size:
-            raise ValueError(f"the prompt set has {num_prompts} prompt(s), fewer than --rollout-batch-size "
-                             f"{rollout_batch_size}; use a larger prompt set or a smaller --rollout-batch-size")
+            what = f"the prompt set {source}" if source else "the prompt set"
+            raise DataError(f"{what} has {num_prompts} prompt(s), fewer than --rollout-batch-size "
+                            f"{rollout_batch_size}; use a larger prompt set or a smaller --rollout-batch-size")
         if seed < 0:
             raise ValueError(f"--rollout-seed must be >= 0 (numpy seeds are non-negative), got {seed}")
         self.num_prompts = int(num_prompts)
