@@ -56,6 +56,8 @@ class RolloutRequest:
     guidance_scale: float = 1.0
     generation_seed: int = 1234
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
+    init_noise_latent_shape: list[int] | None = None
 
 
 @runtime_checkable

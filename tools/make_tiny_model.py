@@ -1,0 +1,199 @@
+"""Build a tiny, random-weight Qwen-Image pipeline directory, entirely offline.
+
+The directory has the same layout as a real Qwen-Image checkout (model_index.json,
+transformer/, vae/, text_encoder/, tokenizer/, scheduler/) so that every consumer loads
+it through the same code path as the real model. It is what the tests and the demo run on.
+
+    python tools/make_tiny_model.py --output tiny [--seed 0]
+
+Sizes follow diffusers' own Qwen-Image unit tests: a 2-block DiT (3 heads x 16), a
+4-channel VAE with spatial factor 4, and a 2-layer Qwen2.5-VL text encoder of width 16.
+The tokenizer is a real byte-level BPE (transformers' Qwen2Tokenizer) with the 256 byte
+symbols, no merges and Qwen's special tokens, so prompts tokenize to one token per byte.
+The scheduler config carries the real Qwen-Image values (dynamic exponential shift).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+#: the real Qwen-Image scheduler/scheduler_config.json values (FlowMatchEulerDiscreteScheduler
+#: with resolution-dependent exponential shift and a 0.02 terminal stretch)
+QWEN_IMAGE_SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+
+#: Qwen2 / Qwen2.5-VL special tokens, in the order the real tokenizer numbers them
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+TINY_TRANSFORMER_CONFIG = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=3,
+    joint_attention_dim=16,
+    guidance_embeds=False,
+    axes_dims_rope=(8, 4, 4),
+)
+
+TINY_VAE_CONFIG = dict(
+    base_dim=24,
+    z_dim=4,
+    dim_mult=[1, 2, 4],
+    num_res_blocks=1,
+    temperal_downsample=[False, True],
+    latents_mean=[0.0] * 4,
+    latents_std=[1.0] * 4,
+)
+
+
+def byte_level_symbols() -> list[str]:
+    """The 256 printable symbols byte-level BPE uses for the bytes 0..255 (GPT-2 scheme:
+    printable Latin-1 bytes map to themselves, the rest to code points 256+)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    symbols = {}
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def build_tokenizer():
+    """A byte-level Qwen2 BPE tokenizer with no merges (one token per byte) plus the
+    Qwen special tokens; ids 0..255 are bytes, specials follow."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {sym: i for i, sym in enumerate(byte_level_symbols())}
+    for tok in QWEN_SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+    )
+    tokenizer.model_max_length = 32768
+    return tokenizer
+
+
+def build_text_encoder(tokenizer):
+    """A 2-layer Qwen2.5-VL of width 16 (head_dim 8, mrope_section [1,1,2]) with a 2-block
+    vision tower; special-token ids are the tokenizer's own so nothing warns on load."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    vocab_size = len(tokenizer)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=16,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_tiny_pipeline(output_dir, seed: int = 0) -> Path:
+    """Write a complete tiny Qwen-Image pipeline to `output_dir` (created; an existing
+    model_index.json there is overwritten) and return its path. Deterministic in `seed`."""
+    import torch
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER_CONFIG)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed + 2)
+    text_encoder = build_text_encoder(tokenizer)
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
+    pipe = QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    # A marker for humans and tools: this directory holds random weights.
+    (out / "TINY_RANDOM_MODEL.json").write_text(json.dumps({"seed": seed, "random_weights": True}, indent=2) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", required=True, help="directory to write the pipeline to (created)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    args = parser.parse_args(argv)
+    path = build_tiny_pipeline(args.output, seed=args.seed)
+    print(f"wrote tiny Qwen-Image pipeline to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

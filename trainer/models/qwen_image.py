@@ -1,0 +1,469 @@
+"""The Qwen-Image adapter: everything Qwen-Image specific the trainer needs.
+
+The actor loads only the transformer (`load_train_model`); the frozen text encoder and VAE
+belong to the rollout engine. Rollout and replay share one DiT call (`dit_velocity`), so the
+velocity the actor recomputes comes from exactly the kwargs the engine sampled with.
+
+Trajectory batch (what `pack_trajectory` returns and `replay_transition` consumes), B
+candidates, S trained steps, L packed image tokens of C channels, T text tokens of width D:
+
+    latents, next_latents   [B, S, L, C]  packed latents before / after each trained step,
+                                          in the dtype the sampler ran in
+    sigmas, sigmas_next     [B, S] fp32   the step's sigma pair
+    timesteps               [B, S] fp32   the scheduler timestep (sigma * num_train_timesteps)
+    log_probs               [B, S] fp32   the sampler's transition log-prob
+    prompt_embeds           [B, T, D]     frozen text conditioning, zero-padded to the batch max
+    prompt_embeds_mask      [B, T] int64  1 = real token, 0 = padding
+    sde_indices             [S] int64     which denoising steps the columns are (same for all)
+    policy_versions, group_indices, slots   [B] int64
+    height, width, vae_scale_factor          python ints (same for all candidates)
+    sample_ids, prompts                      list[str]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from trainer.engine.base import RolloutRequest
+
+#: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
+#: DiT uses the same names, so an adapter trained here loads there without a rename
+QWEN_IMAGE_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+#: response keys a rollout must carry for the actor to replay it
+REQUIRED_RESPONSE_KEYS = (
+    "trajectory_latents",
+    "trajectory_next_latents",
+    "timesteps",
+    "sigmas",
+    "sigmas_next",
+    "log_probs",
+    "sde_indices",
+    "prompt_embeds",
+    "height",
+    "width",
+)
+
+#: per-candidate tensors of a trajectory batch (leading dim B); the rest is shared geometry
+BATCH_TENSOR_KEYS = (
+    "latents",
+    "next_latents",
+    "sigmas",
+    "sigmas_next",
+    "timesteps",
+    "log_probs",
+    "prompt_embeds",
+    "prompt_embeds_mask",
+    "policy_versions",
+    "group_indices",
+    "slots",
+)
+BATCH_LIST_KEYS = ("sample_ids", "prompts")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def check_model_dir(model_path: str | os.PathLike, subfolders: Sequence[str] = ("transformer",)) -> Path:
+    """The model directory as a Path, after checking it is a local diffusers Qwen-Image
+    directory holding `subfolders`. Raises FileNotFoundError naming --model-path."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--model-path {str(model_path)!r} is not a directory; point it at a local diffusers "
+            "Qwen-Image directory (nothing is downloaded; tools/make_tiny_model.py builds a tiny one)"
+        )
+    missing = [s for s in subfolders if not (path / s).is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
+            "Qwen-Image pipeline directory (expected model_index.json, transformer/, vae/, text_encoder/, "
+            "tokenizer/, scheduler/)"
+        )
+    return path
+
+
+def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None, revision: str | None = None):
+    """QwenImageTransformer2DModel from `<model_path>/transformer`, local files only, eval mode.
+
+    `dtype` None keeps the stored dtype. `revision` only labels the run (loading is always from
+    the local directory) and is accepted for the protocol's sake.
+    """
+    from diffusers import QwenImageTransformer2DModel
+
+    path = check_model_dir(model_path, ("transformer",))
+    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = QwenImageTransformer2DModel.from_pretrained(str(path), **kwargs)
+    return model.eval()
+
+
+def vae_scale_factor_from_config(vae_config: dict) -> int:
+    """Spatial compression of a Qwen-Image VAE: 2 ** len(temperal_downsample) (8 for the real
+    model, 4 for the tiny test model) -- the same rule QwenImagePipeline uses."""
+    return 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
+
+
+def read_vae_scale_factor(model_path) -> int:
+    """vae_scale_factor from `<model_path>/vae/config.json`."""
+    cfg_path = Path(model_path) / "vae" / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"cannot read {cfg_path} ({e}); is --model-path a Qwen-Image directory?") from None
+    return vae_scale_factor_from_config(cfg)
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def packed_grid(height: int, width: int, vae_scale_factor: int, patch_size: int = 2) -> tuple[int, int]:
+    """(rows, cols) of 2x2-packed latent patches for an image of height x width pixels:
+    (H // (vsf * p), W // (vsf * p)); the DiT's sequence length is rows * cols.
+    Matches QwenImagePipeline (img_shapes and _pack_latents)."""
+    f = vae_scale_factor * patch_size
+    return int(height) // f, int(width) // f
+
+
+def img_shapes_for(batch_size: int, height: int, width: int, vae_scale_factor: int) -> list[list[tuple[int, int, int]]]:
+    """The transformer's `img_shapes` kwarg: one [(frames=1, rows, cols)] per candidate."""
+    rows, cols = packed_grid(height, width, vae_scale_factor)
+    return [[(1, rows, cols)]] * batch_size
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] latents -> [B, (H/2)*(W/2), C*4] 2x2 patches, as QwenImagePipeline packs."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of pack_latents: [B, rows*cols, C*4] -> [B, C, 2*rows, 2*cols]."""
+    b, n, c4 = latents.shape
+    if n != rows * cols:
+        raise ValueError(f"packed latents hold {n} tokens, expected {rows} x {cols} = {rows * cols}")
+    x = latents.view(b, rows, cols, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, rows * 2, cols * 2)
+
+
+# ----------------------------------------------------------------------------- the DiT call
+
+
+def dit_velocity(
+    transformer,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_embeds_mask: torch.Tensor | None,
+    img_shapes,
+) -> torch.Tensor:
+    """Velocity [B, L, C] predicted by the Qwen-Image DiT, called exactly as the engine calls it.
+
+    latents [B, L, C] (the compute dtype), timesteps [B] fp32 scheduler timesteps
+    (sigma * 1000; cast to the latents' dtype, then divided by 1000, as QwenImagePipeline
+    does: sampling.transformer_timestep), prompt_embeds [B, T, D], prompt_embeds_mask [B, T] (1 = token; always passed, so
+    the padded and unpadded cases run the same attention path). Works for the bare module, a
+    peft-injected one and an FSDP2-sharded one: it is a plain forward call.
+    """
+    from trainer.sampling import transformer_timestep
+
+    t = transformer_timestep(timesteps, dtype=latents.dtype).to(latents.device)
+    mask = None if prompt_embeds_mask is None else prompt_embeds_mask.to(device=latents.device)
+    out = transformer(
+        hidden_states=latents,
+        encoder_hidden_states=prompt_embeds.to(device=latents.device, dtype=latents.dtype),
+        encoder_hidden_states_mask=mask,
+        timestep=t,
+        img_shapes=img_shapes,
+        return_dict=False,
+    )
+    return out[0] if isinstance(out, (tuple, list)) else out.sample
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def pad_text(embeds: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack per-candidate conditioning [T_i, D] into [B, T_max, D] (zero padding) and the
+    masks into [B, T_max] int64 (1 = token). A None mask means all T_i tokens are real."""
+    t_max = max(int(e.shape[0]) for e in embeds)
+    d = int(embeds[0].shape[1])
+    out = embeds[0].new_zeros((len(embeds), t_max, d))
+    mask = torch.zeros((len(embeds), t_max), dtype=torch.int64, device=embeds[0].device)
+    for i, (e, m) in enumerate(zip(embeds, masks)):
+        n = int(e.shape[0])
+        out[i, :n] = e
+        mask[i, :n] = 1 if m is None else m.to(torch.int64).reshape(-1)[:n]
+    return out, mask
+
+
+def select_candidates(batch: dict[str, Any], index) -> dict[str, Any]:
+    """The sub-batch of candidates `index` (a slice, a list of ints or an index tensor):
+    per-candidate tensors and lists are indexed, shared geometry is copied as is.
+    This is how the actor cuts micro-batches."""
+    if isinstance(index, slice):
+        idx = list(range(*index.indices(len(batch["sample_ids"]))))
+    else:
+        idx = [int(i) for i in (index.tolist() if torch.is_tensor(index) else index)]
+    out = dict(batch)
+    ind = torch.tensor(idx, dtype=torch.long)
+    for key in BATCH_TENSOR_KEYS:
+        if key in batch and torch.is_tensor(batch[key]):
+            out[key] = batch[key].index_select(0, ind.to(batch[key].device))
+    for key in BATCH_LIST_KEYS:
+        if key in batch:
+            out[key] = [batch[key][i] for i in idx]
+    return out
+
+
+def batch_to(batch: dict[str, Any], device, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """A copy of `batch` with its tensors on `device`; with `dtype`, the latents and the
+    prompt embeddings are cast too (sigmas / log-probs stay fp32)."""
+    out = dict(batch)
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            cast = dtype if (dtype is not None and key in ("latents", "next_latents", "prompt_embeds")) else None
+            out[key] = value.to(device=device, dtype=cast) if cast is not None else value.to(device)
+    return out
+
+
+def _as_list(x) -> list:
+    if torch.is_tensor(x):
+        return [int(v) for v in x.reshape(-1).tolist()]
+    return [int(v) for v in x]
+
+
+class QwenImageAdapter:
+    """GenerativeModelAdapter for Qwen-Image text-to-image (see trainer/models/base.py)."""
+
+    family = "qwen_image"
+    supported_tasks = ("t2i",)
+    lora_target_modules = QWEN_IMAGE_LORA_TARGETS
+
+    def __init__(self, vae_scale_factor: int | None = None):
+        #: set from the model directory by load_train_model; responses carry it as well
+        self.vae_scale_factor = vae_scale_factor
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None):
+        """Only the trainable transformer (frozen text encoder / VAE belong to the engine)."""
+        model = load_qwen_image_transformer(model_path, dtype=dtype, revision=revision)
+        self.vae_scale_factor = read_vae_scale_factor(model_path)
+        return model
+
+    # -- rollout --------------------------------------------------------------------------
+
+    def build_rollout_request(
+        self,
+        prompt: str,
+        *,
+        group_index: int,
+        slot: int,
+        sample_id: str,
+        sampling: Any,
+        sde_indices: list[int],
+        sigmas: list[float],
+        generation_seed: int,
+        metadata: dict | None = None,
+    ) -> RolloutRequest:
+        """One candidate as an engine RolloutRequest.
+
+        Raises ValueError when guidance_scale != 1.0 (the replay is a single positive-conditioned
+        forward, so a CFG rollout would train against a policy it never sampled from), when the
+        trained-step set is empty, out of range, or trains step 0 under sde_type "sde", and when
+        `sigmas` is not num_inference_steps + 1 values.
+        """
+        guidance = float(getattr(sampling, "guidance_scale", 1.0))
+        if guidance != 1.0:
+            raise ValueError(
+                f"--sampling-config guidance_scale is {guidance}, but must be 1.0: the actor replays a single "
+                "positive-conditioned forward, so a CFG rollout would train against a policy it never sampled "
+                "from (two-forward CFG replay is not implemented)"
+            )
+        n = int(sampling.num_inference_steps)
+        steps = sorted({int(i) for i in sde_indices})
+        if not steps:
+            raise ValueError(
+                "the resolved trained SDE step set is empty: set sde_indices, or num_sde_steps (with sde_pool or "
+                "sde_timestep_fraction) in --sampling-config; generation injects SDE noise and records a "
+                "trajectory only at trained steps"
+            )
+        if steps[0] < 0 or steps[-1] >= n:
+            raise ValueError(f"trained SDE steps {steps} are outside 0..{n - 1} (num_inference_steps={n})")
+        sde_type = getattr(sampling, "sde_type", "sde")
+        if sde_type == "sde" and steps[0] == 0:
+            raise ValueError(
+                "trained SDE step 0 under sde_type 'sde' is singular (sigma == 1 divides by zero; only the "
+                "sigma_max clamp keeps it finite): use e.g. sde_indices [1,3,5] / sde_pool [1,2,3,4,5], or "
+                "sde_type 'dance'"
+            )
+        if len(sigmas) != n + 1:
+            raise ValueError(f"sigmas must hold num_inference_steps + 1 = {n + 1} values (terminal 0 included), got {len(sigmas)}")
+        shape = getattr(sampling, "init_noise_latent_shape", None)
+        return RolloutRequest(
+            prompt=prompt,
+            group_index=int(group_index),
+            slot=int(slot),
+            sample_id=str(sample_id),
+            height=int(sampling.height),
+            width=int(sampling.width),
+            num_inference_steps=n,
+            sigmas=[float(s) for s in sigmas],
+            sde_indices=steps,
+            eta=float(sampling.eta),
+            sde_type=sde_type,
+            sigma_max=float(getattr(sampling, "sigma_max", 0.99)),
+            guidance_scale=guidance,
+            generation_seed=int(generation_seed),
+            metadata=dict(metadata or {}),
+            init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
+        )
+
+    def validate_rollout_response(self, response: dict) -> None:
+        """Raise ValueError naming the missing keys (trajectory latents, timesteps, sde indices,
+        height, width, ...) or inconsistent shapes of one response."""
+        missing = [k for k in REQUIRED_RESPONSE_KEYS if response.get(k) is None]
+        if missing:
+            who = response.get("sample_id", "<unknown sample>")
+            raise ValueError(
+                f"rollout response for {who} lacks {missing}: the engine must return the trajectory "
+                "(latents before/after each trained step, timesteps, sigmas, log-probs, sde indices), the "
+                "frozen conditioning and the echoed height/width, or the actor cannot replay it"
+            )
+        s = len(_as_list(response["sde_indices"]))
+        lat = response["trajectory_latents"]
+        nxt = response["trajectory_next_latents"]
+        if lat.shape != nxt.shape or lat.dim() != 3 or lat.shape[0] != s:
+            raise ValueError(
+                f"rollout response for {response.get('sample_id')}: trajectory latents {tuple(lat.shape)} / next "
+                f"{tuple(nxt.shape)} must both be [S={s}, L, C]"
+            )
+        for key in ("timesteps", "sigmas", "sigmas_next", "log_probs"):
+            if tuple(response[key].shape) != (s,):
+                raise ValueError(f"rollout response for {response.get('sample_id')}: {key} has shape "
+                                 f"{tuple(response[key].shape)}, expected ({s},)")
+
+    def pack_trajectory(self, responses: list[dict]) -> dict[str, Any]:
+        """Collate candidates into one trajectory batch (module docstring), on CPU.
+
+        All candidates must share the trained steps and the image geometry (they come from one
+        rollout); the text conditioning is zero-padded to the longest prompt with its mask.
+        """
+        if not responses:
+            raise ValueError("pack_trajectory got no responses")
+        for r in responses:
+            self.validate_rollout_response(r)
+        first = responses[0]
+        sde = _as_list(first["sde_indices"])
+        geom = (int(first["height"]), int(first["width"]), int(first.get("vae_scale_factor") or self.vae_scale_factor or 8))
+        for r in responses[1:]:
+            if _as_list(r["sde_indices"]) != sde:
+                raise ValueError(f"candidates of one batch trained different SDE steps: {sde} vs "
+                                 f"{_as_list(r['sde_indices'])} ({r.get('sample_id')})")
+            g = (int(r["height"]), int(r["width"]), int(r.get("vae_scale_factor") or geom[2]))
+            if g != geom:
+                raise ValueError(f"candidates of one batch differ in geometry (height, width, vae_scale_factor): "
+                                 f"{geom} vs {g} ({r.get('sample_id')})")
+        embeds, mask = pad_text([r["prompt_embeds"].cpu() for r in responses],
+                                [None if r.get("prompt_embeds_mask") is None else r["prompt_embeds_mask"].cpu()
+                                 for r in responses])
+        rows, cols = packed_grid(geom[0], geom[1], geom[2])
+        seq = int(first["trajectory_latents"].shape[1])
+        if seq != rows * cols:
+            raise ValueError(f"trajectory latents hold {seq} tokens but height x width = {geom[0]} x {geom[1]} with "
+                             f"vae_scale_factor {geom[2]} gives {rows} x {cols}; the response's geometry is wrong")
+        return {
+            "latents": torch.stack([r["trajectory_latents"].cpu() for r in responses]),
+            "next_latents": torch.stack([r["trajectory_next_latents"].cpu() for r in responses]),
+            "sigmas": torch.stack([r["sigmas"].float().cpu() for r in responses]),
+            "sigmas_next": torch.stack([r["sigmas_next"].float().cpu() for r in responses]),
+            "timesteps": torch.stack([r["timesteps"].float().cpu() for r in responses]),
+            "log_probs": torch.stack([r["log_probs"].float().cpu() for r in responses]),
+            "prompt_embeds": embeds,
+            "prompt_embeds_mask": mask,
+            "sde_indices": torch.tensor(sde, dtype=torch.int64),
+            "policy_versions": torch.tensor([int(r.get("policy_version", 0)) for r in responses], dtype=torch.int64),
+            "group_indices": torch.tensor([int(r.get("group_index", -1)) for r in responses], dtype=torch.int64),
+            "slots": torch.tensor([int(r.get("slot", -1)) for r in responses], dtype=torch.int64),
+            "sample_ids": [str(r.get("sample_id", "")) for r in responses],
+            "prompts": [str(r.get("prompt", "")) for r in responses],
+            "height": geom[0],
+            "width": geom[1],
+            "vae_scale_factor": geom[2],
+        }
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def replay_transition(self, transformer: Any, batch: dict[str, Any], step: int, sampling: Any) -> torch.Tensor:
+        """Log-prob [B] (fp32) of trained-step column `step` of `batch`, recomputed through
+        `transformer` with the sampler's math (flow_grpo.replay_transition_logp).
+
+        Runs the DiT on batch["latents"][:, step] in the dtype those latents carry (keep it equal
+        to the rollout's: a bf16 rollout replayed in fp32 differs by ~3e-4). Tensors are moved to
+        the transformer's device. Differentiable w.r.t. the transformer's parameters.
+        `sampling` supplies eta, sde_type and sigma_max.
+        """
+        from trainer.flow_grpo import replay_transition_logp
+
+        device = _module_device(transformer)
+        latents = batch["latents"][:, step].to(device)
+        next_latents = batch["next_latents"][:, step].to(device)
+        b = latents.shape[0]
+        velocity = dit_velocity(
+            transformer,
+            latents,
+            batch["timesteps"][:, step],
+            batch["prompt_embeds"],
+            batch.get("prompt_embeds_mask"),
+            img_shapes_for(b, batch["height"], batch["width"], batch["vae_scale_factor"]),
+        )
+        return replay_transition_logp(
+            latents,
+            next_latents,
+            velocity,
+            batch["sigmas"][:, step].to(device),
+            batch["sigmas_next"][:, step].to(device),
+            float(sampling.eta),
+            getattr(sampling, "sde_type", "sde"),
+            float(getattr(sampling, "sigma_max", 0.99)),
+        )
+
+    # -- misc -----------------------------------------------------------------------------
+
+    def artifact_tracks(self) -> tuple[str, ...]:
+        return ("image",)
+
+    def weight_name_map(self, name: str) -> str:
+        """Training-side parameter name -> engine name. The actor's names are already diffusers
+        names once wrapper segments are stripped (weight_sync.strip_wrapper_segments), so
+        this also strips them, idempotently."""
+        from trainer.weight_sync import strip_wrapper_segments
+
+        return strip_wrapper_segments(name)
+
+
+def _module_device(module) -> torch.device:
+    """Device of the first parameter (a DTensor's local device under FSDP2); CPU if none."""
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        return local.device
+    return torch.device("cpu")
+
+
