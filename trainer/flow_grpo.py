@@ -205,7 +205,7 @@ def grpo_clip_loss(
     if adv.shape[0] != logp.shape[0]:
         raise ValueError(f"advantages must be [B] with B={logp.shape[0]}, got {tuple(advantages.shape)}")
     lo = 1.0 - float(eps_clip)
-    hi = 1.0 + float(eps_clip if eps_clip_high is None else eps_clip_high)
+    hi = 1.0 + float(eps_clip_high or eps_clip)  # None (or 0) -> symmetric
 
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
