@@ -1,0 +1,14 @@
+"""Rewards for generative RL: scorers, where they run, and group-normalised advantages.
+
+Modules (import what you need; this package imports nothing heavy on its own):
+  base          the GenerativeRewardScorer protocol, ImageBatch (the one image conversion),
+                scorer loading by dotpath, SHIPPED_SCORERS
+  pickscore     PickScoreScorer            component "pickscore"
+  ocr           OcrScorer                  component "ocr"
+  jpeg          JpegCompressibilityScorer  "jpeg_compressibility";
+                JpegIncompressibilityScorer "jpeg_incompressibility"
+  color         ColorScorer                component "color"; color_palette(), color_prompts()
+  remote        the HTTP JSON protocol and RemoteScorer (--reward-runtime remote)
+  manager       RewardManager / get_reward_manager: runtimes cpu / colocate / remote, batching, cache
+  post_process  post_process / compute_advantages / gather_scores -> RewardResult (reward/* metrics)
+"""

@@ -1,0 +1,201 @@
+"""The scorer protocol, the one image conversion, and scorer loading by dotpath.
+
+A scorer is a plain callable with one signature:
+
+    scorer.score(images: ImageBatch, prompts: list[str], metadata: list[dict]) -> {component: Tensor [B]}
+
+It declares the `components` it produces and the media `required_tracks` it needs (("image",)
+for every shipped scorer), and is built as `ScorerClass(model_path=..., device=...)`. Images are
+converted exactly once per batch, here (`ImageBatch`), never inside a scorer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import torch
+
+#: the shipped scorers: component name -> dotpath (preflight and the docs refer to these)
+SHIPPED_SCORERS = {
+    "pickscore": "trainer.rewards.pickscore.PickScoreScorer",
+    "ocr": "trainer.rewards.ocr.OcrScorer",
+    "jpeg_compressibility": "trainer.rewards.jpeg.JpegCompressibilityScorer",
+    "jpeg_incompressibility": "trainer.rewards.jpeg.JpegIncompressibilityScorer",
+    "color": "trainer.rewards.color.ColorScorer",
+}
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed (bad scorer output, bad configuration)."""
+
+
+class ImageBatch:
+    """A batch of RGB images held once as uint8 arrays, with cached derived views.
+
+    The canonical form is uint8 [H, W, 3] per image: what the rollout writes as PNG, so an image
+    scored in-process and the same image re-read from its PNG (tools/score.py) give the same
+    reward. `float_tensors` / `pil` are derived from it on first use and cached, so a batch that
+    passes through several scorers is converted once.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        for i, a in enumerate(arrays):
+            if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
+                raise ValueError(f"image {i}: expected uint8 [H, W, 3], got {a.dtype} {tuple(a.shape)}")
+        self._arrays = list(arrays)
+        self._pil: list | None = None
+        self._float: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    @property
+    def uint8(self) -> list[np.ndarray]:
+        """uint8 [H, W, 3] arrays (read-only by convention)."""
+        return self._arrays
+
+    @property
+    def pil(self) -> list:
+        """PIL RGB images, created once."""
+        if self._pil is None:
+            from PIL import Image
+
+            self._pil = [Image.fromarray(a) for a in self._arrays]
+        return self._pil
+
+    @property
+    def float_tensors(self) -> list[torch.Tensor]:
+        """fp32 CPU tensors [3, H, W] in [0, 1] (= uint8 / 255), created once."""
+        if self._float is None:
+            self._float = [torch.from_numpy(a).permute(2, 0, 1).float().div_(255.0) for a in self._arrays]
+        return self._float
+
+    def slice(self, start: int, stop: int) -> "ImageBatch":
+        """Sub-batch [start, stop) sharing the uint8 arrays (views already built are shared too)."""
+        out = ImageBatch(self._arrays[start:stop])
+        if self._pil is not None:
+            out._pil = self._pil[start:stop]
+        if self._float is not None:
+            out._float = self._float[start:stop]
+        return out
+
+    @classmethod
+    def from_any(cls, images: Any) -> "ImageBatch":
+        """Convert engine output or loaded files into an ImageBatch.
+
+        Accepts: an ImageBatch; a float tensor [3, H, W] or [B, 3, H, W] in [0, 1] (the engine's
+        output; values are clamped, then rounded: uint8 = round(clamp(x, 0, 1) * 255), the same
+        quantisation as the PNG writer); a list of such [3, H, W] tensors; PIL images (converted to
+        RGB); uint8 numpy arrays [H, W, 3].
+        """
+        if isinstance(images, ImageBatch):
+            return images
+        if isinstance(images, torch.Tensor):
+            if images.ndim == 3:
+                images = images.unsqueeze(0)
+            if images.ndim != 4 or images.shape[1] != 3:
+                raise ValueError(f"expected an image tensor [3, H, W] or [B, 3, H, W], got {tuple(images.shape)}")
+            return cls(list(_float_to_uint8_hwc(images)))
+        if isinstance(images, np.ndarray):
+            images = [images] if images.ndim == 3 else list(images)
+        return cls([_one_to_uint8(img, i) for i, img in enumerate(images)])
+
+
+def _float_to_uint8_hwc(images: torch.Tensor) -> np.ndarray:
+    """[B, 3, H, W] float in [0, 1] -> uint8 numpy [B, H, W, 3] = round(clamp(x, 0, 1) * 255).
+
+    Computed in fp32 whatever the input dtype, so bf16 engine output quantises like fp32.
+    """
+    if images.dtype == torch.uint8:
+        return images.detach().cpu().permute(0, 2, 3, 1).contiguous().numpy()
+    x = images.detach().to("cpu", torch.float32).clamp(0.0, 1.0).mul(255.0).round()
+    return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _one_to_uint8(img: Any, index: int) -> np.ndarray:
+    if isinstance(img, torch.Tensor):
+        if img.ndim != 3 or img.shape[0] != 3:
+            raise ValueError(f"image {index}: expected a tensor [3, H, W], got {tuple(img.shape)}")
+        return _float_to_uint8_hwc(img.unsqueeze(0))[0]
+    if isinstance(img, np.ndarray):
+        if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+            raise ValueError(f"image {index}: expected a uint8 array [H, W, 3], got {img.dtype} {img.shape}")
+        return img
+    if hasattr(img, "convert"):  # PIL.Image
+        return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
+    raise TypeError(f"image {index}: unsupported image type {type(img).__name__}")
+
+
+@runtime_checkable
+class GenerativeRewardScorer(Protocol):
+    """What every scorer implements. Built as `cls(model_path=..., device=...)`."""
+
+    #: the component names `score` returns
+    components: tuple[str, ...]
+    #: media tracks the scorer reads, e.g. ("image",)
+    required_tracks: tuple[str, ...]
+
+    def score(
+        self, images: ImageBatch, prompts: list[str], metadata: list[dict]
+    ) -> Mapping[str, torch.Tensor]:
+        """One fp32 CPU tensor [B] per component; NaN marks a candidate that could not be scored."""
+
+
+def import_dotpath(dotpath: str, flag: str = "--reward-scorer-path") -> Any:
+    """`package.module.Name` -> the object. Errors name the flag and what to check."""
+    module_name, _, attr = (dotpath or "").rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{flag}={dotpath!r} is not a dotpath of the form package.module.ClassName")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{flag}={dotpath!r}: cannot import module {module_name!r}: {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"{flag}={dotpath!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def build_scorer(scorer_path: str, model_path: str | None = None, device: str = "cpu") -> Any:
+    """Import the scorer class at `scorer_path` and build it with (model_path, device)."""
+    cls = import_dotpath(scorer_path)
+    scorer = cls(model_path=model_path, device=device)
+    for attr in ("components", "required_tracks", "score"):
+        if not hasattr(scorer, attr):
+            raise TypeError(
+                f"--reward-scorer-path={scorer_path!r} does not implement GenerativeRewardScorer: missing {attr!r}"
+            )
+    return scorer
+
+
+def check_scores(
+    scores: Mapping[str, Any], batch_size: int, source: str
+) -> dict[str, torch.Tensor]:
+    """Validate a scorer's output: every component a 1-D length-`batch_size` vector.
+
+    Returns fp32 CPU tensors. Non-finite values are kept (they fail their group later, visibly);
+    a wrong shape is a scorer bug and raises, naming `source`.
+    """
+    if not isinstance(scores, Mapping):
+        raise RewardError(f"{source} returned {type(scores).__name__}, expected a dict {{component: [B] scores}}")
+    out = {}
+    for name, value in scores.items():
+        t = torch.as_tensor(value).detach().to("cpu", torch.float32).reshape(-1)
+        if t.numel() != batch_size:
+            raise RewardError(
+                f"{source} returned {t.numel()} values for component {name!r}, expected {batch_size} (one per image)"
+            )
+        out[str(name)] = t
+    return out
+
+
+def metadata_list(metadata: Iterable[dict] | None, n: int) -> list[dict]:
+    """None -> n empty dicts; otherwise a list that must have n entries."""
+    if metadata is None:
+        return [{} for _ in range(n)]
+    md = [dict(m or {}) for m in metadata]
+    if len(md) != n:
+        raise ValueError(f"got {len(md)} metadata entries for {n} images")
+    return md
