@@ -1,0 +1,150 @@
+"""Shared pieces of the actor tests: the tiny Qwen-Image transformer, a synthetic trajectory batch,
+a replay function over it, a config namespace and a minimal in-process engine (receiver).
+
+Used by tests/test_actor_unit.py (one process) and by the torchrun workers in this folder.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from trainer.engine.base import WeightManifest, WeightSyncError
+from trainer.flow_grpo import replay_transition_logp
+from trainer.weight_sync import model_has_lora, verify_manifest, weights_checksum
+
+#: the 8 attention projections LoRA targets on Qwen-Image
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+
+LATENT_HW = 4      # packed latent grid (4 x 4 tokens of 2x2 patches of a 8x8x4 latent)
+TEXT_LEN = 6
+SDE_STEPS = 2      # trained steps per candidate (columns of logp)
+
+
+def tiny_transformer(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The diffusers test config of QwenImageTransformer2DModel (NOTES.md), random weights."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    m = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                    attention_head_dim=16, num_attention_heads=3, joint_attention_dim=16,
+                                    axes_dims_rope=(8, 4, 4))
+    return m.to(dtype)
+
+
+def make_batch(n: int, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """A synthetic trajectory of n candidates with SDE_STEPS trained steps each."""
+    g = torch.Generator().manual_seed(seed)
+    seq = LATENT_HW * LATENT_HW
+    lat = torch.randn(n, SDE_STEPS, seq, 16, generator=g)
+    sig = torch.tensor([0.9, 0.7]).expand(n, SDE_STEPS).clone()
+    sig_next = torch.tensor([0.8, 0.6]).expand(n, SDE_STEPS).clone()
+    nxt = lat * 0.95 + 0.1 * torch.randn(n, SDE_STEPS, seq, 16, generator=g)
+    emb = torch.randn(n, TEXT_LEN, 16, generator=g)
+    mask = torch.ones(n, TEXT_LEN, dtype=torch.long)
+    b = {"latents": lat, "next_latents": nxt, "sigmas": sig, "sigmas_next": sig_next,
+         "prompt_embeds": emb, "prompt_embeds_mask": mask}
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def replay(model: nn.Module, b: dict[str, Any], eta: float = 0.7) -> torch.Tensor:
+    """logp [b, S] of each recorded transition, recomputed through `model`."""
+    cols = []
+    rows = b["latents"].shape[0]
+    for s in range(b["latents"].shape[1]):
+        x = b["latents"][:, s]
+        v = model(hidden_states=x, encoder_hidden_states=b["prompt_embeds"],
+                  encoder_hidden_states_mask=b["prompt_embeds_mask"], timestep=b["sigmas"][:, s],
+                  img_shapes=[(1, LATENT_HW, LATENT_HW)] * rows, return_dict=False)[0]
+        cols.append(replay_transition_logp(x, b["next_latents"][:, s], v, b["sigmas"][:, s],
+                                           b["sigmas_next"][:, s], eta))
+    return torch.stack(cols, dim=1)
+
+
+def make_cfg(mode: str = "full", **over: Any) -> SimpleNamespace:
+    """A duck-typed config tree with the sections the actor and the sync read."""
+    fsdp = SimpleNamespace(fsdp_trainable_mode=mode, fsdp_trainable_attr="transformer", fsdp_param_dtype="fp32",
+                           fsdp_reduce_dtype="fp32", fsdp_master_dtype=None, no_fsdp_reshard_after_forward=False,
+                           fsdp_activation_checkpointing=False, fsdp_cpu_offload=False, fsdp_load_wave_size=0,
+                           fsdp_lr_scheduler="constant", fsdp_debug_fingerprint=False)
+    lora = SimpleNamespace(lora_rank=4 if mode == "lora" else 0, lora_alpha=8, lora_dropout=0.0,
+                           lora_target_modules=None, lora_adapter_mode=False, lora_merge_mode=False)
+    optim = SimpleNamespace(lr=1e-2, min_lr=0.0, lr_warmup_iters=0, lr_decay_iters=None, weight_decay=0.0,
+                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0)
+    grpo = SimpleNamespace(eps_clip=1e-4, eps_clip_high=None, num_updates_per_batch=2, micro_batch_size=1)
+    sync = SimpleNamespace(weight_sync_mode="full", weight_sync_wire_dtype="fp32", weight_sync_bucket_size_mb=1)
+    colocate = SimpleNamespace(offload_train=True, offload_rollout=False)
+    cfg = SimpleNamespace(fsdp=fsdp, lora=lora, optim=optim, grpo=grpo, sync=sync, colocate=colocate)
+    for key, value in over.items():
+        sec, name = key.split("__")
+        setattr(getattr(cfg, sec), name, value)
+    return cfg
+
+
+class ReceiverEngine:
+    """The engine protocol's weight surface over a plain (unsharded) transformer, strict like an engine:
+    unknown names, shape mismatches and manifest mismatches raise; a full sync into LoRA layers raises."""
+
+    def __init__(self, transformer: nn.Module, *, drop_one: bool = False) -> None:
+        self.transformer = transformer
+        self.policy_version = 0
+        self.drop_one = drop_one  # test hook: silently lose one tensor, like a lenient loader would
+
+    def holds_lora(self) -> bool:
+        return model_has_lora(self.transformer)
+
+    def update_weights_from_tensors(self, named_tensors, manifest: WeightManifest) -> None:
+        if self.holds_lora():
+            raise WeightSyncError("engine transformer holds LoRA layers: full sync refused")
+        verify_manifest(named_tensors, manifest)
+        params = dict(self.transformer.named_parameters())
+        for i, (name, t) in enumerate(named_tensors):
+            if name not in params:
+                raise WeightSyncError(f"unknown weight {name}")
+            if params[name].shape != t.shape:
+                raise WeightSyncError(f"shape mismatch for {name}")
+            if self.drop_one and i == 0:
+                continue
+            with torch.no_grad():
+                params[name].copy_(t)
+
+    def set_lora_tensors(self, named_tensors, manifest: WeightManifest, lora_config: dict) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        verify_manifest(named_tensors, manifest)
+        if not self.holds_lora():
+            inject_adapter_in_model(LoraConfig(r=lora_config["rank"], lora_alpha=lora_config["alpha"],
+                                               target_modules=list(lora_config["target_modules"])), self.transformer)
+        params = {n.replace(".default.", "."): p for n, p in self.transformer.named_parameters() if ".lora_" in n}
+        if set(params) != {n for n, _ in named_tensors}:
+            raise WeightSyncError("adapter tensor names differ from the engine's LoRA layers")
+        with torch.no_grad():
+            for name, t in named_tensors:
+                params[name].copy_(t)
+
+    def get_weights_checksum(self) -> str:
+        return weights_checksum(self.transformer.named_parameters())
+
+    def commit_weight_version(self, version: int) -> None:
+        self.policy_version = version
+
+
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain copy of an unsharded peft-LoRA model's weights with the adapter folded in (reference for merge)."""
+    m = copy.deepcopy(model)
+    from peft.tuners.lora import LoraLayer
+
+    for mod in m.modules():
+        if isinstance(mod, LoraLayer):
+            mod.merge()
+    out = {}
+    for n, p in m.named_parameters():
+        if ".lora_" in n:
+            continue
+        out[n.replace(".base_layer.", ".")] = p.detach().clone()
+    return out

@@ -1,0 +1,281 @@
+"""Single-process tests of the actor, the FlowGRPO update bookkeeping, offload and weight sync.
+
+FSDP2 runs here on a one-rank gloo group (created in this process, torn down after the module),
+so the same sharded code paths run as under torchrun; the 2-process checks are in
+tests/test_actor_dist.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+from tests.dist.tiny import LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, merged_state, replay, tiny_transformer
+from trainer.actor import (Actor, OffloadError, _assert_trainable_boundary, model_name, never_trained_param_names,
+                           plan_updates, slice_batch)
+from trainer.engine.base import WeightManifest, WeightSyncError
+from trainer.lr_schedule import lr_at_step
+from trainer.weight_sync import (WeightSyncer, build_manifest, name_shape_hash, strip_wrapper_segments,
+                                 verify_manifest, weights_checksum)
+
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5])
+# diffusers' Qwen-Image returns a view of its last projection; replay never modifies it in place
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    import torch.distributed as dist
+    from trainer.distributed import build_mesh, init_distributed
+
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    created = not dist.is_initialized()
+    init_distributed("cpu")
+    yield build_mesh("cpu")
+    if created:
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def build(mesh, mode="full", **over):
+    return Actor(tiny_transformer(), mesh, make_cfg(mode, **over), device=torch.device("cpu"),
+                 default_lora_targets=LORA_TARGETS)
+
+
+# ---------------------------------------------------------------- pure helpers
+
+def test_lr_schedule_shapes():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_iters=4, decay_iters=10)
+    assert [lr_at_step(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at_step(4, **kw, schedule="constant") == 1.0
+    assert lr_at_step(100, **kw, schedule="constant") == 1.0
+    assert lr_at_step(4, **kw, schedule="linear") == 1.0
+    assert lr_at_step(9, **kw, schedule="linear") == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at_step(14, **kw, schedule="linear") == pytest.approx(0.1)
+    assert lr_at_step(9, **kw, schedule="cosine") == pytest.approx(0.55)
+    assert lr_at_step(50, **kw, schedule="cosine") == pytest.approx(0.1)
+    assert lr_at_step(3, lr=2.0, schedule="cosine") == 2.0  # no decay length: stays at lr
+    with pytest.raises(ValueError, match="fsdp-lr-scheduler"):
+        lr_at_step(0, lr=1.0, schedule="step")
+
+
+def test_plan_updates_disjoint_and_checked():
+    plan = plan_updates(8, 2, 2)
+    assert plan == [[(0, 2), (2, 4)], [(4, 6), (6, 8)]]
+    covered = [i for part in plan for (s, e) in part for i in range(s, e)]
+    assert covered == list(range(8))
+    with pytest.raises(ValueError, match="num-updates-per-batch 3"):
+        plan_updates(8, 3, 1)
+    with pytest.raises(ValueError, match="micro-batch-size 3"):
+        plan_updates(8, 2, 3)
+    b = {"x": torch.arange(4), "names": list("abcd"), "shared": torch.ones(2), "k": 3}
+    s = slice_batch(b, 1, 3, 4)
+    assert s["x"].tolist() == [1, 2] and s["names"] == ["b", "c"] and s["shared"].shape == (2,) and s["k"] == 3
+
+
+def test_strip_names_manifest_and_checksum():
+    assert strip_wrapper_segments("transformer_blocks.0._checkpoint_wrapped_module.attn.to_q.base_layer.weight") \
+        == "transformer_blocks.0.attn.to_q.weight"
+    assert strip_wrapper_segments("base_model.model.transformer_blocks.1.attn.to_out.0.lora_B.default.weight") \
+        == "transformer_blocks.1.attn.to_out.0.lora_B.weight"
+    a, b = torch.randn(3, 4), torch.randn(5)
+    assert name_shape_hash([("a", a.shape), ("b", b.shape)]) != name_shape_hash([("b", b.shape), ("a", a.shape)])
+    m = build_manifest("full", [("a", a), ("b", b)], version=3)
+    assert (m.tensor_count, m.total_bytes) == (2, 4 * 17)
+    verify_manifest([("a", a), ("b", b)], m)
+    for bad in ([("a", a)], [("a", a), ("b", b.to(torch.float64))], [("a", a), ("c", b)]):
+        with pytest.raises(WeightSyncError, match="manifest"):
+            verify_manifest(bad, m)
+    c1 = weights_checksum([("a", a), ("b", b)])
+    assert c1 == weights_checksum([("b", b), ("a", a.clone())])          # order-independent
+    assert c1 == weights_checksum([("a", a.double()), ("b", b)])         # values, not dtype
+    assert c1 != weights_checksum([("a", a.flip(0)), ("b", b)])          # a permutation is caught
+    assert c1 != weights_checksum([("a", a), ("b", b + 1e-6)])
+
+
+def test_never_trained_params_are_the_last_blocks_text_outputs():
+    names = never_trained_param_names(tiny_transformer())
+    assert names and all(n.startswith("transformer_blocks.1.") for n in names)
+    assert {n.split(".")[2] + "." + n.split(".")[3] for n in names} >= {"attn.to_add_out", "attn.add_q_proj"}
+    assert any(".txt_mlp." in n for n in names)
+    assert not any(".to_q." in n or ".add_k_proj." in n for n in names)
+
+
+# ---------------------------------------------------------------- the update
+
+def test_full_update_trains_every_trainable_param_and_ratio_anchor(mesh):
+    actor = build(mesh, "full")
+    assert actor.never_trained  # dead text-stream params exist and are frozen
+    before = full_params(actor.model)
+    m = actor.train_step(make_batch(4), ADV, replay)
+    after = full_params(actor.model)
+    trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+    assert trainable and all(not torch.equal(before[n], after[n]) for n in trainable)
+    assert all(torch.equal(before[n], after[n]) for n in actor.never_trained)
+    assert m["train/optimizer_steps"] == 2 and actor.optimizer_steps == 2 and m["train/num_microbatches"] == 4
+    first, second = actor.last_update_stats
+    assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
+    assert (second["ratio_max"].item(), second["ratio_min"].item()) != (1.0, 1.0)
+    assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+    assert m["train/ratio_min"] <= m["train/ratio_mean"] <= m["train/ratio_max"]
+    assert m["perf/train_transitions_per_s"] > 0
+
+
+def test_lora_update_changes_only_adapter(mesh):
+    actor = build(mesh, "lora", fsdp__fsdp_master_dtype="fp32")
+    before = full_params(actor.model)
+    actor.train_step(make_batch(4), ADV, replay)
+    after = full_params(actor.model)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    lora = {n for n in before if ".lora_" in n and n not in actor.never_trained}
+    assert changed == lora
+    _assert_trainable_boundary(actor.model, "lora", actor.never_trained)
+    p = next(p for n, p in actor.model.named_parameters() if ".base_layer." in n)
+    p.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="trainable boundary"):
+        _assert_trainable_boundary(actor.model, "lora", actor.never_trained)
+
+
+def test_zero_advantages_skip_round_and_invalid_rows_are_excluded(mesh):
+    actor = build(mesh, "full")
+    before = full_params(actor.model)
+    m = actor.train_step(make_batch(4), torch.zeros(4), replay)
+    assert m["train/optimizer_skips"] == m["train/num_microbatches"] == 4 and m["train/optimizer_steps"] == 0
+    assert actor.skipped_rounds == 1 and actor.optimizer_steps == 0
+    assert all(torch.equal(v, full_params(actor.model)[k]) for k, v in before.items())
+    # the advantages of invalid candidates must not matter
+    valid = torch.tensor([True, False, True, True])
+    results = []
+    for bad in (5.0, -5.0):
+        a = build(mesh, "full")
+        adv = ADV.clone()
+        adv[1] = bad
+        a.train_step(make_batch(4), adv, replay, valid=valid)
+        results.append(full_params(a.model))
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_offload_onload_bit_exact_and_frees_storage(mesh):
+    actor = build(mesh, "full")
+    actor.train_step(make_batch(4), ADV, replay)  # creates AdamW state
+    params = full_params(actor.model)
+    state = {id(p): {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                     for k, v in s.items()} for p, s in actor.optimizer.state.items()}
+    actor.offload()
+    assert actor.offloaded
+    assert all(p._local_tensor.untyped_storage().nbytes() == 0 for p in actor.model.parameters())
+    with pytest.raises(OffloadError):
+        actor.offload()
+    actor.onload()
+    assert not actor.offloaded
+    after = full_params(actor.model)
+    assert all(torch.equal(params[k], after[k]) for k in params)
+    for p, s in actor.optimizer.state.items():
+        for k, v in s.items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            assert torch.equal(state[id(p)][k], v)
+    with pytest.raises(OffloadError):
+        actor.onload()
+    m = actor.train_step(make_batch(4, seed=1), ADV, replay)  # still trains after the round trip
+    assert m["train/optimizer_steps"] == 2
+
+
+# ---------------------------------------------------------------- weight sync
+
+def engine_params(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in engine.transformer.named_parameters()}
+
+
+def test_full_sync_matches_and_failures_roll_back(mesh):
+    actor = build(mesh, "full", fsdp__fsdp_activation_checkpointing=True)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in actor.model.named_parameters())
+    engine = ReceiverEngine(tiny_transformer(seed=1))
+    actor.train_step(make_batch(4), ADV, replay)
+    syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=0.05)
+    m = syncer.sync(actor.model, engine)
+    gathered = full_params(actor.model)
+    ep = engine_params(engine)
+    assert set(ep) == set(gathered) and all(torch.equal(ep[k], gathered[k]) for k in ep)
+    assert engine.policy_version == syncer.policy_version == 1 and m["train/policy_version"] == 1
+    assert m["train/weight_sync_tensors"] == len(gathered)
+    b = make_batch(2, seed=3)
+    with torch.no_grad():
+        assert torch.equal(replay(engine.transformer, b), replay(actor.model, b))
+    # a receiver that silently loses a tensor: caught by the checksum, version not committed
+    lossy = ReceiverEngine(copy.deepcopy(engine.transformer), drop_one=True)
+    lossy.policy_version = 1
+    actor.train_step(make_batch(4, seed=1), ADV, replay)
+    with pytest.raises(WeightSyncError, match="checksum"):
+        syncer.sync(actor.model, lossy)
+    assert syncer.policy_version == 1 and lossy.policy_version == 1 and syncer.failures == 1
+    # a receiver whose manifest check fails
+    class Strict(ReceiverEngine):
+        def update_weights_from_tensors(self, named, manifest):
+            bad = WeightManifest(manifest.kind, manifest.tensor_count + 1, manifest.total_bytes,
+                                 manifest.name_shape_hash, manifest.version)
+            super().update_weights_from_tensors(named, bad)
+    with pytest.raises(WeightSyncError, match="manifest"):
+        syncer.sync(actor.model, Strict(copy.deepcopy(engine.transformer)))
+    assert syncer.policy_version == 1 and syncer.failures == 2
+    m2 = syncer.sync(actor.model, engine)  # a retry rebuilds version 2
+    assert m2["train/policy_version"] == 2 and m2["train/weight_sync_failures"] == 2
+
+
+def test_lora_adapter_and_merge_sync(mesh):
+    actor = build(mesh, "lora", fsdp__fsdp_master_dtype="fp32")
+    actor.train_step(make_batch(4), ADV, replay)
+    # adapter sync: only LoRA tensors move; the engine then samples like the actor
+    engine = ReceiverEngine(tiny_transformer())
+    ad = WeightSyncer("adapter", wire_dtype="fp32", lora_config=actor.lora_config, verify_checksum=False)
+    m = ad.sync(actor.model, engine)
+    n_lora = sum(1 for n, _ in actor.model.named_parameters() if ".lora_" in n)
+    assert m["train/weight_sync_tensors"] == n_lora and engine.policy_version == 1
+    b = make_batch(2, seed=3)
+    with torch.no_grad():
+        assert torch.allclose(replay(engine.transformer, b), replay(actor.model, b), rtol=0, atol=1e-6)
+    # a full/merged sync into that LoRA-converted engine is an explicit error
+    merge = WeightSyncer("merged", wire_dtype="fp32")
+    with pytest.raises(WeightSyncError, match="LoRA"):
+        merge.sync(actor.model, engine)
+    assert merge.policy_version == 0 and merge.failures == 1
+    # merged sync into a plain engine: base + B @ A * alpha / rank, exactly peft's merge
+    plain = ReceiverEngine(tiny_transformer(seed=2))
+    merge.sync(actor.model, plain)
+    unsharded = tiny_transformer()
+    from trainer.actor import apply_lora
+    apply_lora(unsharded, LORA_TARGETS, 4, 8)
+    gathered = {n: p.detach().full_tensor() for n, p in actor.model.named_parameters()}
+    unsharded.load_state_dict({n: gathered[n] for n, _ in unsharded.named_parameters()}, strict=False)
+    ref = merged_state(unsharded)
+    ep = engine_params(plain)
+    assert set(ep) == set(ref) and all(torch.allclose(ep[k], ref[k], rtol=0, atol=1e-6) for k in ref)
+    with pytest.raises(WeightSyncError, match="LoRA model"):
+        WeightSyncer("full", wire_dtype="fp32").sync(actor.model, plain)
+
+
+def test_bf16_master_fp32_and_wire_dtype(mesh):
+    actor = Actor(tiny_transformer(dtype=torch.bfloat16), mesh,
+                  make_cfg("full", fsdp__fsdp_param_dtype="bf16", fsdp__fsdp_master_dtype="fp32"),
+                  device=torch.device("cpu"))
+    dtypes = {p.requires_grad: p.dtype for p in actor.model.parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    m = actor.train_step(make_batch(4), ADV, replay)
+    assert m["train/optimizer_steps"] == 2
+    engine = ReceiverEngine(tiny_transformer(dtype=torch.bfloat16))
+    s = WeightSyncer("full", wire_dtype="bf16")
+    s.sync(actor.model, engine)
+    g = full_params(actor.model)
+    assert all(torch.equal(p, g[n].to(torch.bfloat16)) for n, p in engine_params(engine).items())
+    assert s.last_manifest.total_bytes == sum(t.numel() * 2 for t in g.values())
