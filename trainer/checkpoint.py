@@ -1,0 +1,391 @@
+"""Distributed checkpoints: DCP shards plus the JSON sidecars resume needs.
+
+Layout (one directory per iteration, i.e. per rollout id):
+
+    <save>/<task>/iter_0000020/
+        fsdp/                       DCP shards (model + optimizer)
+        rng_rank0.pt ...            per-rank RNG state
+        trainer_state.json          rollout id, policy version, lr_scheduler_steps, ...
+        weight_sync_manifest.json
+        adapter_contract.json
+        COMMITTED                   written last; the only marker resume trusts
+    <save>/latest_checkpointed_iteration.txt
+    <save>/<task>/latest_checkpointed_iteration.txt
+
+The write order is fixed (shards -> RNG -> JSON sidecars -> COMMITTED -> markers) and COMMITTED
+is written only after a MIN all-reduce confirms every rank wrote its part, so a crash at any
+point leaves either a complete checkpoint or one that resume ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+COMMITTED = "COMMITTED"
+LATEST = "latest_checkpointed_iteration.txt"
+TRAINER_STATE = "trainer_state.json"
+MANIFEST = "weight_sync_manifest.json"
+CONTRACT = "adapter_contract.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be trusted or does not match this run; the message names the file."""
+
+
+def iteration_dir(save_root: str | os.PathLike, task: str, iteration: int) -> Path:
+    return Path(save_root) / task / f"iter_{iteration:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write via a .tmp file, fsync it, rename over the target, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """MIN all-reduce of a per-rank success flag (gloo and nccl both reduce int tensors)."""
+    if not dist.is_initialized():
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _broadcast_outcome(message: str | None) -> str | None:
+    """Rank 0's error message (or None) delivered to every rank."""
+    if not dist.is_initialized():
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def committed_iterations(save_root: str | os.PathLike, task: str) -> list[int]:
+    """Iterations under <save>/<task>/ that carry a COMMITTED marker, ascending."""
+    task_dir = Path(save_root) / task
+    if not task_dir.is_dir():
+        return []
+    out = []
+    for d in task_dir.iterdir():
+        if d.is_dir() and d.name.startswith("iter_") and (d / COMMITTED).is_file():
+            try:
+                out.append(int(d.name[len("iter_"):]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def rotate_checkpoints(save_root: str | os.PathLike, task: str, keep: int) -> list[int]:
+    """Delete the oldest committed checkpoints so that, with the one about to be written,
+    at most `keep` remain; also delete uncommitted leftovers of crashed saves. Returns the
+    removed iterations. keep <= 0 keeps everything."""
+    removed: list[int] = []
+    task_dir = Path(save_root) / task
+    if not task_dir.is_dir():
+        return removed
+    committed = committed_iterations(save_root, task)
+    latest = committed[-1] if committed else -1
+    for d in task_dir.iterdir():
+        # A directory without COMMITTED older than the newest committed one is a crashed save:
+        # resume never trusts it, so it only costs disk.
+        if d.is_dir() and d.name.startswith("iter_") and not (d / COMMITTED).exists():
+            try:
+                it = int(d.name[len("iter_"):])
+            except ValueError:
+                continue
+            if it < latest:
+                shutil.rmtree(d)
+    if keep > 0:
+        while len(committed) > keep - 1:
+            it = committed.pop(0)
+            shutil.rmtree(iteration_dir(save_root, task, it))
+            removed.append(it)
+    return removed
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # ignore_frozen_params: a LoRA checkpoint stores the adapter, not the 20 B frozen base,
+    # which is reloaded from --model-path on resume.
+    opts = StateDictOptions(ignore_frozen_params=trainable_only)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=opts), None
+    return get_state_dict(model, optimizer, options=opts)
+
+
+def optimizer_stateless_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of trainable parameters that AdamW holds no state for (never had a gradient).
+
+    Recorded at save time so that resume can tell "absent because it never existed" from
+    "absent because the checkpoint is incomplete"."""
+    stateful = {id(p) for p in optimizer.state.keys()}
+    return sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stateful)
+
+
+def _failing_writer_cls():
+    import torch.distributed.checkpoint as dcp
+
+    class FailingWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError("simulated failure while writing shards")
+
+    return FailingWriter
+
+
+def save_checkpoint(
+    save_root: str | os.PathLike,
+    task: str,
+    iteration: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    weight_sync_manifest: dict[str, Any] | None,
+    adapter_contract: dict[str, Any],
+    trainable_only: bool,
+    max_to_keep: int = 0,
+    rotate: bool = True,
+    fail_rank: int | None = None,
+) -> bool:
+    """Write one checkpoint on every rank (collective). Returns True when it was committed.
+
+    A rotation failure raises on every rank (rank 0 broadcasts its outcome). A failed shard
+    write is logged loudly and returns False without COMMITTED: the caller counts it in
+    train/checkpoint_failures and carries on. `fail_rank` makes that rank's shard write fail,
+    for testing the crash path.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    rank = _rank()
+    out = iteration_dir(save_root, task, iteration)
+
+    error = None
+    if rank == 0:
+        try:
+            if (out / COMMITTED).exists():
+                raise CheckpointError(
+                    f"{out} is already a committed checkpoint; refusing to overwrite it. Resume with "
+                    f"--load {save_root} (continues after the latest iteration) or choose another --save."
+                )
+            if out.exists():  # leftovers of a crashed save of this same iteration
+                shutil.rmtree(out)
+            if rotate:
+                removed = rotate_checkpoints(save_root, task, max_to_keep)
+                if removed:
+                    logger.info("checkpoint rotation removed iterations %s", removed)
+            (out / "fsdp").mkdir(parents=True, exist_ok=True)
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of it, then raise
+            error = f"checkpoint rotation / preparation failed under {Path(save_root) / task}: {e!r}"
+    error = _broadcast_outcome(error)
+    if error is not None:
+        raise CheckpointError(error)
+
+    ok = True
+    try:
+        model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
+        state = {"model": model_sd}
+        if optim_sd is not None:
+            state["optim"] = optim_sd
+        writer_cls = _failing_writer_cls() if fail_rank == rank else dcp.FileSystemWriter
+        # DCP gathers every rank's write result, so one rank's failure raises on all of them
+        # (no rank is left waiting in a collective).
+        dcp.save(state, storage_writer=writer_cls(str(out / "fsdp")))
+        torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
+    except BaseException as e:  # CheckpointException derives from BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        logger.error("CHECKPOINT WRITE FAILED on rank %d for %s: %r", rank, out, e)
+        ok = False
+
+    if rank == 0 and ok:
+        try:
+            state = dict(trainer_state)
+            state["iteration"] = iteration
+            state["world_size"] = _world()
+            if optimizer is not None:
+                state["optimizer_stateless_params"] = optimizer_stateless_params(model, optimizer)
+            _atomic_write_text(out / TRAINER_STATE, json.dumps(state, indent=2, sort_keys=True))
+            _atomic_write_text(out / MANIFEST, json.dumps(weight_sync_manifest or {}, indent=2, sort_keys=True))
+            _atomic_write_text(out / CONTRACT, json.dumps(adapter_contract, indent=2, sort_keys=True))
+        except BaseException as e:  # noqa: BLE001
+            logger.error("CHECKPOINT WRITE FAILED on rank 0 (sidecars) for %s: %r", out, e)
+            ok = False
+
+    committed = _all_ranks_ok(ok)
+    if committed and rank == 0:
+        _atomic_write_text(out / COMMITTED, f"{iteration}\n")
+        for marker_dir in (Path(save_root), Path(save_root) / task):
+            _atomic_write_text(marker_dir / LATEST, f"{iteration}\n")
+    if not committed and rank == 0:
+        logger.error("checkpoint iteration %d was NOT committed (a rank failed); resume ignores %s", iteration, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return committed
+
+
+def latest_committed_iteration(load_root: str | os.PathLike, task: str) -> int | None:
+    """The iteration resume continues from: the newest COMMITTED directory. The marker files
+    are written after COMMITTED, so they can only lag behind it (a crash between the two),
+    never lead; a marker naming an uncommitted iteration is reported and ignored.
+    None when there is nothing to resume."""
+    committed = committed_iterations(load_root, task)
+    marker = Path(load_root) / task / LATEST
+    if marker.is_file():
+        text = marker.read_text().strip()
+        if not text.isdigit() or int(text) not in committed:
+            logger.warning("%s names %r, which is not a committed iteration; using the newest committed one (%s)",
+                           marker, text, committed[-1] if committed else None)
+    return committed[-1] if committed else None
+
+
+def assert_resumable(saved: dict[str, Any], expected: dict[str, Any], path: str | os.PathLike) -> None:
+    """Refuse to resume when the adapter contract differs; the message names every difference.
+
+    Alpha in particular cannot be recovered from the weights: a wrong one silently rescales
+    the policy, so every key counts."""
+    diffs = []
+    for key in sorted(set(saved) | set(expected)):
+        if saved.get(key) != expected.get(key):
+            diffs.append(f"  {key}: checkpoint has {saved.get(key)!r}, this run has {expected.get(key)!r}")
+    if diffs:
+        raise CheckpointError(
+            f"cannot resume from {path}: the adapter contract differs:\n" + "\n".join(diffs)
+            + "\nRun with the checkpoint's settings, or start a fresh run with another --save."
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing although the directory is COMMITTED; the checkpoint is "
+                              f"damaged: resume from an earlier iteration or start fresh") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is damaged") from None
+
+
+def load_checkpoint(
+    load_root: str | os.PathLike,
+    task: str,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    adapter_contract: dict[str, Any],
+    trainable_only: bool,
+    iteration: int | None = None,
+) -> dict[str, Any] | None:
+    """Restore model, optimizer and this rank's RNG from the newest COMMITTED iteration
+    (or `iteration`). Returns the trainer_state dict, or None when there is nothing to load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if iteration is None:
+        iteration = latest_committed_iteration(load_root, task)
+        if iteration is None:
+            return None
+    d = iteration_dir(load_root, task, iteration)
+    if not (d / COMMITTED).is_file():
+        raise CheckpointError(f"{d} has no COMMITTED marker: it was never completely written; pick a committed iteration")
+    trainer_state = _read_json(d / TRAINER_STATE)
+    assert_resumable(_read_json(d / CONTRACT), adapter_contract, d / CONTRACT)
+
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
+    state = {"model": model_sd}
+    if optim_sd is not None:
+        state["optim"] = optim_sd
+
+    reader = FileSystemReader(str(d / "fsdp"))
+    try:
+        saved_keys = set(reader.read_metadata().state_dict_metadata.keys())
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{d / 'fsdp'}: cannot read the DCP metadata ({e!r}); the checkpoint is damaged") from None
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    wanted, _ = flatten_state_dict(state)
+    missing = sorted(k for k in wanted if k not in saved_keys)
+    stateless = set(trainer_state.get("optimizer_stateless_params", []))
+    bad = [k for k in missing if not (k.startswith("optim.state.") and _param_of_optim_key(k) in stateless)]
+    if bad:
+        raise CheckpointError(
+            f"{d / 'fsdp'} lacks {len(bad)} entries this run needs, e.g. {bad[:3]}; the checkpoint was written "
+            f"by a different model / trainable set. Use a matching --load or start fresh."
+        )
+    try:
+        dcp.load(state, checkpoint_id=str(d / "fsdp"), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
+    except BaseException as e:  # CheckpointException derives from BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise CheckpointError(f"loading {d / 'fsdp'} failed: {e!r}") from None
+    opts = StateDictOptions(ignore_frozen_params=trainable_only, strict=False)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"], options=opts)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+
+    rng_file = d / f"rng_rank{_rank()}.pt"
+    if trainer_state.get("world_size") == _world() and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.warning("RNG state not restored from %s (world size %s -> %s)", d, trainer_state.get("world_size"), _world())
+    return trainer_state
+
+
+def _param_of_optim_key(key: str) -> str:
+    """"optim.state.<param name>.<state key>" -> "<param name>"."""
+    body = key[len("optim.state."):]
+    return body.rsplit(".", 1)[0]
