@@ -1,0 +1,296 @@
+"""Preflight: every rule fires on its own, several at once are listed in one error,
+and a clean config passes with no warnings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.config import load_config
+from trainer.preflight import HEADER, PreflightError, validate
+
+SAMPLING = {"height": 64, "width": 64, "num_inference_steps": 8, "eta": 0.7, "sde_indices": [1, 2, 3]}
+LORA = ["--fsdp-trainable-mode", "lora", "--lora-rank", "8", "--fsdp-master-dtype", "fp32"]
+
+
+@pytest.fixture
+def base(tmp_path):
+    """argv of a valid 2-rank config whose paths all exist under tmp_path.
+
+    16 candidates (4 prompts x 4) -> 8 per rank -> 2 updates of 4 -> micro-batches of 2.
+    """
+    model = tmp_path / "models" / "Qwen-Image"
+    pick = tmp_path / "models" / "PickScore_v1"
+    model.mkdir(parents=True)
+    pick.mkdir()
+    train = tmp_path / "train.jsonl"
+    evalf = tmp_path / "eval.jsonl"
+    train.write_text('{"prompt": "a red panda in a teacup"}\n')
+    evalf.write_text('{"prompt": "a lighthouse at dusk"}\n')
+    return [
+        "--generation-task", "t2i",
+        "--model-path", str(model),
+        "--prompt-data", str(train),
+        "--num-rollout", "3",
+        "--actor-num-gpus-per-node", "2",
+        "--rollout-batch-size", "4",
+        "--n-samples-per-prompt", "4",
+        "--num-updates-per-batch", "2",
+        "--micro-batch-size", "2",
+        "--sampling-config", json.dumps(SAMPLING),
+        "--eps-clip", "1e-4",
+        "--reward-scorer-path", "pickscore",
+        "--reward-model-path", str(pick),
+        "--reward-required-components", '["pickscore"]',
+        "--reward-component-weights", '{"pickscore": 1.0}',
+        "--artifact-root", str(tmp_path / "artifacts"),
+        "--eval-prompt-data", "pickscore", str(evalf),
+        "--eval-interval", "2",
+        "--save", str(tmp_path / "ckpt"),
+        "--save-interval", "2",
+    ]
+
+
+def problems(argv, world_size=None) -> list[str]:
+    """The violation lines for argv ([] when it passes)."""
+    try:
+        validate(load_config(argv), world_size)
+    except PreflightError as exc:
+        assert str(exc).startswith(HEADER)
+        assert str(exc).count("\n  - ") == len(exc.problems)
+        return exc.problems
+    return []
+
+
+def warnings_of(argv, world_size=None) -> list[str]:
+    return validate(load_config(argv), world_size)
+
+
+def test_base_config_passes_without_warnings(base):
+    assert warnings_of(base) == []
+    assert warnings_of(base + LORA) == []
+    assert warnings_of(base, world_size=2) == []
+
+
+# (extra flags, substring every listed line must contain one of, number of lines).
+# "{tmp}" is replaced by the test's tmp_path.
+ERROR_CASES = [
+    # the reference's list
+    (["--generation-task", "i2v"], ["--generation-task 'i2v' is not in GENERATION_TASKS"], 1),
+    (["--generation-task", "none"], ["--generation-task None is not in GENERATION_TASKS"], 1),
+    (["--model-adapter-path", ""], ["--model-adapter-path is required"], 1),
+    (["--model-path", "none"], ["--model-path is required"], 1),
+    (["--fsdp-trainable-mode", "partial"], ["--fsdp-trainable-mode 'partial' must be 'full' or 'lora'"], 1),
+    (["--fsdp-trainable-mode", "lora", "--fsdp-master-dtype", "fp32"], ["needs --lora-rank > 0"], 1),
+    (["--lora-rank", "8"], ["--lora-rank 8 without --fsdp-trainable-mode lora"], 1),
+    (LORA + ["--lora-dropout", "0.1"], ["--lora-dropout 0.1: must be 0.0"], 1),
+    (LORA + ["--fsdp-cpu-offload"], ["--fsdp-cpu-offload is rejected under --fsdp-trainable-mode lora"], 1),
+    (
+        ["--weight-sync-mode", "adapter"],
+        ["--weight-sync-mode 'adapter' under --fsdp-trainable-mode full", "--weight-sync-mode adapter needs --lora-adapter-mode"],
+        2,
+    ),
+    (LORA + ["--lora-adapter-mode", "--weight-sync-mode", "full"], ["--lora-adapter-mode with an explicit --weight-sync-mode full"], 1),
+    (LORA + ["--weight-sync-mode", "adapter"], ["--weight-sync-mode adapter needs --lora-adapter-mode"], 1),
+    (["--sampling-config", json.dumps({**SAMPLING, "sde_indices": [0, 2]})], ["key 'sde_indices' [0, 2] trains step 0"], 1),
+    (
+        ["--sampling-config", json.dumps({**SAMPLING, "sde_resample_per_rollout": True, "num_sde_steps": 2, "sde_pool": [0, 1, 2]})],
+        ["key 'sde_pool' [0, 1, 2] lets the per-rollout redraw pick step 0"],
+        1,
+    ),
+    (
+        ["--sampling-config", json.dumps({"num_inference_steps": 12, "eta": 0.7, "num_sde_steps": 3, "sde_timestep_fraction": [0.0, 0.5]})],
+        ["key 'sde_timestep_fraction' [0.0, 0.5] over 12 steps starts at step 0"],
+        1,
+    ),
+    (["--weight-sync-wire-dtype", "fp16"], ["--weight-sync-wire-dtype 'fp16' must be one of"], 1),
+    (["--fully-async"], ["--fully-async is rejected"], 1),
+    (["--hybrid"], ["--hybrid is rejected"], 1),
+    (["--colocate", "false"], ["--colocate must stay on"], 1),
+    (["--kl-coef", "0.01"], ["--kl-coef 0.01: FlowGRPO here has no reference model"], 1),
+    (["--use-kl-loss"], ["--use-kl-loss: FlowGRPO here has no reference model"], 1),
+    (["--rollout-num-gpus-per-engine", "0"], ["--rollout-num-gpus-per-engine must be >= 1"], 1),
+    (
+        ["--rollout-num-gpus-per-engine", "3"],
+        ["--rollout-num-gpus-per-engine 3 does not divide the actor world size 2", "only 1 is supported"],
+        2,
+    ),
+    (["--rollout-num-gpus-per-engine", "2"], ["--rollout-num-gpus-per-engine 2: each rank runs its own"], 1),
+    (["--reward-required-components", '["pickscore", "ocr"]'], ["--reward-required-components 'ocr' has no --reward-component-weights entry"], 1),
+    (["--use-dynamic-batch-size"], ["--use-dynamic-batch-size is rejected"], 1),
+    (["--max-tokens-per-gpu", "4096"], ["--max-tokens-per-gpu is rejected"], 1),
+    (["--autoscaler-config", "{}"], ["--autoscaler-config is rejected"], 1),
+    (["--save-hf", "{tmp}/hf"], ["--save-hf is rejected: export a committed checkpoint offline"], 1),
+    (["--load-debug-rollout-data", "{tmp}/x.pt"], ["--load-debug-rollout-data is rejected"], 1),
+    # ours: backend, dotpaths and hooks
+    (["--train-backend", "megatron"], ["--train-backend 'megatron': only 'fsdp' exists here"], 1),
+    (
+        ["--model-adapter-path", "relax.models.qwen_image.adapter.QwenImageAdapter"],
+        ["relax.* modules do not exist here; use trainer.models.qwen_image.QwenImageAdapter"],
+        1,
+    ),
+    (["--model-adapter-path", "QwenImageAdapter"], ["is not a dotpath of the form package.module.Class"], 1),
+    (["--model-adapter-path", "trainer.models.no_such_family.Adapter"], ["module file trainer/models/no_such_family.py does not exist"], 1),
+    (["--reward-scorer-path", "trainer.rewards.nope.Scorer"], ["module file trainer/rewards/nope.py does not exist"], 1),
+    (
+        ["--rollout-function-path", "relax.engine.rollout.native_generation.generate_rollout"],
+        ["--rollout-function-path relax.engine.rollout.native_generation.generate_rollout: not used here"],
+        1,
+    ),
+    (["--custom-convert-samples-to-train-data-path", "a.b"], ["--custom-convert-samples-to-train-data-path a.b: not used here"], 1),
+    (["--custom-reward-post-process-path", "a.b"], ["--custom-reward-post-process-path a.b: not used here"], 1),
+    # ours: candidate split
+    (["--global-batch-size", "12"], ["--global-batch-size 12 != --rollout-batch-size 4 x --n-samples-per-prompt 4 = 16"], 1),
+    (["--actor-num-gpus-per-node", "3"], ["= 16 candidates do not divide evenly over 3 ranks"], 1),
+    (["--num-updates-per-batch", "3"], ["--num-updates-per-batch 3 does not divide the 8 candidates per rank"], 1),
+    (["--micro-batch-size", "3"], ["--micro-batch-size 3 does not divide the 4 candidates of each update"], 1),
+    (["--rollout-batch-size", "none"], ["--rollout-batch-size is required"], 1),
+    (["--n-samples-per-prompt", "0"], ["--n-samples-per-prompt must be >= 1, got 0"], 1),
+    (["--num-updates-per-batch", "0"], ["--num-updates-per-batch must be >= 1, got 0"], 1),
+    (["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1, got 0"], 1),
+    (["--num-rollout", "0"], ["--num-rollout must be >= 1, got 0"], 1),
+    (["--engine-batch-size", "-1"], ["--engine-batch-size must be >= 0"], 1),
+    # ours: paths
+    (["--prompt-data", "{tmp}/missing.jsonl"], ["--prompt-data {tmp}/missing.jsonl: does not exist"], 1),
+    (["--prompt-data", "{tmp}"], ["--prompt-data {tmp}: is not a file"], 1),
+    (["--model-path", "{tmp}/no-model"], ["--model-path {tmp}/no-model: does not exist"], 1),
+    (["--reward-model-path", "none"], ["--reward-model-path is required"], 1),
+    (["--reward-model-path", "{tmp}/no-pickscore"], ["--reward-model-path {tmp}/no-pickscore: does not exist"], 1),
+    (["--eval-prompt-data", "ps", "{tmp}/no-eval.jsonl"], ["--eval-prompt-data ps {tmp}/no-eval.jsonl: does not exist"], 1),
+    (["--load", "{tmp}/no-ckpt"], ["--load {tmp}/no-ckpt: does not exist"], 1),
+    (["--artifact-root", "none"], ["--artifact-root is required"], 1),
+    # ours: numbers and choices
+    (["--eps-clip", "0"], ["--eps-clip must be > 0"], 1),
+    (["--eps-clip-high", "-0.1"], ["--eps-clip-high must be > 0"], 1),
+    (["--lr", "0"], ["--lr must be a finite number > 0"], 1),
+    (["--min-lr", "1"], ["--min-lr 1.0 must be in [0, --lr"], 1),
+    (["--adam-beta2", "1.0"], ["--adam-beta2 must be in [0, 1)"], 1),
+    (["--adam-eps", "0"], ["--adam-eps must be > 0"], 1),
+    (["--clip-grad", "0"], ["--clip-grad must be > 0"], 1),
+    (["--weight-decay", "-1"], ["--weight-decay must be >= 0"], 1),
+    (["--fsdp-lr-scheduler", "cosine", "--lr-decay-iters", "0"], ["--lr-decay-iters must be >= 1"], 1),
+    (["--fsdp-lr-scheduler", "step"], ["--fsdp-lr-scheduler 'step' must be"], 1),
+    (["--fsdp-param-dtype", "fp16"], ["--fsdp-param-dtype 'fp16' must be one of"], 1),
+    (["--fsdp-master-dtype", "fp8"], ["--fsdp-master-dtype 'fp8' must be one of"], 1),
+    (["--fsdp-load-wave-size", "-1"], ["--fsdp-load-wave-size must be >= 0"], 1),
+    (["--weight-sync-bucket-size-mb", "0"], ["--weight-sync-bucket-size-mb must be >= 1"], 1),
+    (["--advantage-estimator", "ppo"], ["--advantage-estimator 'ppo': only 'grpo'"], 1),
+    (["--generative-advantage-std-mode", "global"], ["--generative-advantage-std-mode 'global' must be"], 1),
+    (
+        ["--disable-grpo-std-normalization", "--generative-advantage-std-mode", "batch"],
+        ["--disable-grpo-std-normalization contradicts --generative-advantage-std-mode batch"],
+        1,
+    ),
+    (["--lora-adapter-mode"], ["--lora-adapter-mode / --lora-merge-mode need --fsdp-trainable-mode lora", "--weight-sync-mode 'adapter' under"], 2),
+    (LORA + ["--lora-adapter-mode", "--lora-merge-mode"], ["--lora-adapter-mode and --lora-merge-mode are exclusive"], 1),
+    (LORA + ["--lora-target-modules", "[]"], ["--lora-target-modules is an empty list"], 1),
+    # ours: reward
+    (["--reward-runtime", "dedicated"], ["--reward-runtime 'dedicated' must be 'cpu', 'colocate' or 'remote' ('dedicated' was removed"], 1),
+    (["--reward-runtime", "remote"], ["--reward-runtime remote needs --reward-endpoint"], 1),
+    (["--reward-scorer-path", "none"], ["--reward-scorer-path is required unless --reward-runtime remote"], 1),
+    (["--reward-component-weights", '{"pickscore": "high"}'], ["--reward-component-weights 'pickscore': weight must be a finite number"], 1),
+    # ours: eval / checkpoints
+    (["--eval-interval", "0"], ["--eval-interval must be >= 1"], 1),
+    (["--n-samples-per-eval-prompt", "0"], ["--n-samples-per-eval-prompt must be >= 1"], 1),
+    (["--eval-prompt-data", "a", "{tmp}/train.jsonl", "a", "{tmp}/eval.jsonl"], ["--eval-prompt-data names must be unique"], 1),
+    (["--save", "none"], ["--save-interval needs --save DIR"], 1),
+    (["--rotate-ckpt"], ["--rotate-ckpt needs --max-actor-ckpt-to-keep"], 1),
+    (["--max-actor-ckpt-to-keep", "0"], ["--max-actor-ckpt-to-keep must be >= 1"], 1),
+    # ours: placement / Ray-only flags
+    (["--resource", '{"actor": [1, 2], "rollout": [1, 1]}'], ["--resource actor [1, 2] != rollout [1, 1]"], 1),
+    (["--resource", '{"actor": [1, 4], "rollout": [1, 4]}'], ["--resource actor [1, 4] = 4 devices but the world size is 2"], 1),
+    (["--resource", '{"actor": [1, 2], "rollout": [1, 2], "critic": [1, 1]}'], ["--resource has unknown roles ['critic']"], 1),
+    (["--rollout-num-gpus", "4"], ["--rollout-num-gpus 4 != world size 2"], 1),
+    (["--actor-num-nodes", "0"], ["--actor-num-nodes must be >= 1"], 1),
+    (["--use-fault-tolerance"], ["--use-fault-tolerance is rejected"], 1),
+    (["--use-wandb"], ["--use-wandb is rejected"], 1),
+    (["--use-clearml"], ["--use-clearml is rejected"], 1),
+    # ours: sampling config problems folded in
+    (["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 4.0})], ["key 'guidance_scale': must be 1.0"], 1),
+    (
+        ["--sampling-config", json.dumps({**SAMPLING, "eta": -1, "heigth": 64})],
+        ["key 'heigth': unknown key (did you mean 'height'?)", "key 'eta': must be a number >= 0"],
+        2,
+    ),
+    (["--sampling-config", json.dumps({"eta": 0.7})], ["--sampling-config trains no SDE step"], 1),
+    (["--sampling-config", "none"], ["--sampling-config trains no SDE step"], 1),
+]
+
+
+@pytest.mark.parametrize("extra, needles, count", ERROR_CASES, ids=[" ".join(c[0])[:60] for c in ERROR_CASES])
+def test_each_rule_on_its_own(base, tmp_path, extra, needles, count):
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    needles = [n.replace("{tmp}", str(tmp_path)) for n in needles]
+    got = problems(base + extra)
+    assert len(got) == count, got
+    for needle in needles:
+        assert any(needle in line for line in got), (needle, got)
+
+
+def test_sglang_engine_needs_bf16_wire(base):
+    got = problems(base + ["--rollout-engine-class-path", "sglang", "--weight-sync-wire-dtype", "fp32"])
+    assert any("--weight-sync-wire-dtype fp32 with the sglang engine" in p for p in got), got
+    assert not any("sglang engine" in p for p in problems(base + ["--weight-sync-wire-dtype", "fp32"]))
+
+
+def test_world_size_from_torchrun_must_match_actor_flags(base):
+    got = problems(base, world_size=4)
+    assert len(got) == 1 and "= 2 but torchrun started 4 ranks" in got[0], got
+    # without actor flags the torchrun world decides the split: 16 over 4 ranks -> 4 per rank,
+    # 2 per update, micro-batch 2: fine; over 3 ranks it does not divide
+    no_actor = base + ["--actor-num-gpus-per-node", "none"]
+    assert problems(no_actor, world_size=4) == []
+    got = problems(no_actor, world_size=3)
+    assert len(got) == 1 and "do not divide evenly over 3 ranks" in got[0], got
+
+
+def test_unknown_world_size_skips_split_with_a_warning(base):
+    cfg = load_config(base + ["--actor-num-gpus-per-node", "none", "--micro-batch-size", "3"])
+    warns = validate(cfg)
+    assert any("world size unknown" in w for w in warns), warns
+
+
+WARNING_CASES = [
+    (["--fsdp-trainable-mode", "lora", "--lora-rank", "8"], "without --fsdp-master-dtype fp32"),
+    (["--async-save"], "--async-save has no effect"),
+    (["--lr-decay-style", "cosine"], "--lr-decay-style cosine has no effect"),
+    (["--save-debug-train-data", "x.pt"], "--save-debug-train-data has no effect"),
+    (["--num-updates-per-batch", "1"], "--num-updates-per-batch 1: the importance ratio is always exactly 1"),
+    (["--n-samples-per-prompt", "1", "--rollout-batch-size", "16"], "--n-samples-per-prompt 1: a group of one"),
+    (["--artifact-retention-rollouts", "0"], "grows without bound"),
+    (["--eval-interval", "none"], "--eval-prompt-data is set but --eval-interval is not"),
+    (["--fsdp-cpu-offload"], "--fsdp-cpu-offload: gradient clipping over CPU-offloaded DTensors"),
+]
+
+
+@pytest.mark.parametrize("extra, needle", WARNING_CASES, ids=[" ".join(c[0]) for c in WARNING_CASES])
+def test_each_warning_on_its_own(base, extra, needle):
+    warns = warnings_of(base + extra)
+    assert len(warns) == 1 and needle in warns[0], warns
+
+
+def test_several_violations_are_listed_in_one_error(base, tmp_path):
+    bad = base + [
+        "--kl-coef", "0.1",
+        "--fully-async",
+        "--micro-batch-size", "3",
+        "--prompt-data", str(tmp_path / "nope.jsonl"),
+        "--sampling-config", json.dumps({**SAMPLING, "sde_indices": [0, 1]}),
+        "--save-hf", str(tmp_path / "hf"),
+        "--lora-rank", "4",
+    ]
+    with pytest.raises(PreflightError) as info:
+        validate(load_config(bad))
+    msg = str(info.value)
+    assert msg.startswith(HEADER + "\n")
+    for flag in ("--kl-coef", "--fully-async", "--micro-batch-size 3", "--prompt-data", "trains step 0", "--save-hf", "--lora-rank 4"):
+        assert flag in msg, (flag, msg)
+    assert len(info.value.problems) == 7
+    assert isinstance(info.value, ValueError)
+
+
+def test_preflight_does_not_create_anything(base, tmp_path):
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    warnings_of(base)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -1,0 +1,1026 @@
+"""One typed config tree for a training run, and the recipe/CLI loader.
+
+Every field is a flag: its name is the flag name with dashes turned into
+underscores (``--rollout-batch-size`` <-> ``cfg.rollout.rollout_batch_size``), and
+flag names are unique across sections. Names, types and defaults follow the
+reference's Configuration Reference; where this trainer deviates (the default
+backend, flags that only exist for Ray machinery) docs/configuration.md records
+the decision and why.
+
+A recipe is a TOML file whose keys are flag names (dashes or underscores).
+Tables are allowed only where a flag's value is itself a dict (sampling-config,
+reward-component-weights, resource, autoscaler-config). String values may use
+``${VAR}`` / ``${VAR:-default}`` environment expansion. CLI flags override the
+recipe. Unknown keys and flags are errors with a did-you-mean suggestion.
+
+This module imports no torch: preflight and ``--preflight-only`` run before any
+heavy import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A recipe or command line could not be turned into a RunConfig."""
+
+
+def _flag(default: Any = None, help: str = "", *, factory: Any = None) -> Any:
+    """A dataclass field carrying its flag help text."""
+    meta = {"help": help}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Short names for the shipped implementations. Preflight never imports these modules.
+
+DEFAULT_MODEL_ADAPTER = "trainer.models.qwen_image.QwenImageAdapter"
+
+ENGINE_SHORT_NAMES = {
+    "native": "trainer.engine.native.NativeEngine",
+    "sglang": "trainer.engine.sglang_engine.SGLangEngine",
+}
+
+SCORER_SHORT_NAMES = {
+    "pickscore": "trainer.rewards.pickscore.PickScoreScorer",
+    "ocr": "trainer.rewards.ocr.OcrScorer",
+    "jpeg_compressibility": "trainer.rewards.jpeg.JpegCompressibilityScorer",
+    "jpeg_incompressibility": "trainer.rewards.jpeg.JpegIncompressibilityScorer",
+    "color": "trainer.rewards.color.ColorScorer",
+}
+
+#: scorers that load a model from --reward-model-path (the others need no weights)
+SCORERS_NEEDING_MODEL = frozenset({"trainer.rewards.pickscore.PickScoreScorer"})
+
+
+def resolve_engine_path(name: str) -> str:
+    """`native` / `sglang` -> the engine class dotpath; any other value is returned as given."""
+    return ENGINE_SHORT_NAMES.get(name, name)
+
+
+def resolve_scorer_path(name: str | None) -> str | None:
+    """A scorer short name (see SCORER_SHORT_NAMES) -> its dotpath; other values unchanged."""
+    if name is None:
+        return None
+    return SCORER_SHORT_NAMES.get(name, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class ModelConfig:
+    train_backend: str = _flag(
+        "fsdp",
+        "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); the "
+        "reference's 'megatron' is rejected.",
+    )
+    generation_task: str | None = _flag(
+        None,
+        "Generation task; required, must be one of GENERATION_TASKS ('t2i'). Also names the "
+        "artifact and checkpoint subdirectory.",
+    )
+    model_path: str | None = _flag(
+        None,
+        "Local diffusers model directory (e.g. ${MODEL_DIR}/Qwen-Image); required, must exist. "
+        "Nothing is downloaded.",
+    )
+    model_revision: str | None = _flag(
+        None,
+        "Optional revision label; recorded in the base-model hash that resume checks. "
+        "Loading is always from --model-path.",
+    )
+    model_adapter_path: str = _flag(
+        DEFAULT_MODEL_ADAPTER,
+        "Dotpath module.Class of the model adapter; required. A new model family is a new "
+        "adapter plus its task in GENERATION_TASKS.",
+    )
+
+
+@dataclass
+class RolloutConfig:
+    rollout_engine_class_path: str = _flag(
+        "native",
+        "Rollout engine: 'native' (diffusers + our SDE sampler), 'sglang', or a module.Class "
+        "dotpath. The sglang engine requires --weight-sync-wire-dtype bf16.",
+    )
+    rollout_function_path: str | None = _flag(
+        None,
+        "Reference hook; must stay unset: the rollout stage is built into the training loop.",
+    )
+    custom_convert_samples_to_train_data_path: str | None = _flag(
+        None,
+        "Reference hook; must stay unset: each rank replays the candidates it generated.",
+    )
+    custom_reward_post_process_path: str | None = _flag(
+        None,
+        "Reference hook; must stay unset: scoring and group normalisation are built in "
+        "(choose the scorer with --reward-scorer-path).",
+    )
+    rollout_num_gpus_per_engine: int = _flag(
+        1,
+        "Devices per rollout engine; must be >= 1 and divide the world size. Each rank holds "
+        "its own in-process engine, so only 1 is supported here.",
+    )
+    rollout_batch_size: int | None = _flag(
+        None,
+        "Prompts per rollout (number of GRPO groups); required, >= 1.",
+    )
+    n_samples_per_prompt: int | None = _flag(
+        None,
+        "Candidates per prompt (the GRPO group size); required, >= 1 (2 or more to get any "
+        "advantage signal).",
+    )
+    global_batch_size: int | None = _flag(
+        None,
+        "Candidates per rollout; must equal rollout_batch_size x n_samples_per_prompt and "
+        "divide evenly over the world size. Unset = that product.",
+    )
+    rollout_seed: int = _flag(42, "Seed of the deterministic prompt order.")
+    generation_seed: int = _flag(
+        1234,
+        "Base seed of every candidate's x_T and per-step noise (a pure function of this seed, "
+        "the sample id and the step).",
+    )
+    sampling_config: dict | None = _flag(
+        None,
+        "Sampling geometry as a JSON object (TOML: a table); required. Keys: height, width, "
+        "num_inference_steps, guidance_scale (must be 1.0), eta (set it explicitly), sde_type, "
+        "sde_indices / sde_pool / num_sde_steps / sde_timestep_fraction (must never train "
+        "step 0 under sde_type 'sde'), ... see docs/configuration.md.",
+    )
+    prompt_data: str | None = _flag(
+        None, "Training prompt set (JSONL, one {\"prompt\": ...} per line); required, must exist."
+    )
+    num_rollout: int | None = _flag(
+        None, "Number of rollouts (training steps) to run; required, >= 1."
+    )
+    engine_batch_size: int = _flag(
+        0,
+        "Candidates per DiT forward during rollout; must be >= 0. 0 = auto (all of a rank's "
+        "candidates of a rollout at once, bounded by the engine).",
+    )
+
+
+@dataclass
+class ArtifactConfig:
+    artifact_root: str | None = _flag(
+        None,
+        "Root directory for trajectory sidecars and PNGs "
+        "(<root>/<task>/rollout_<k>/...); required. Multi-node: must be shared storage.",
+    )
+    artifact_retention_rollouts: int = _flag(
+        2,
+        "How many rollout directories to keep; older ones are deleted at the start of each "
+        "rollout. <= 0 keeps everything and grows without bound (warned).",
+    )
+
+
+@dataclass
+class FsdpConfig:
+    fsdp_trainable_mode: str = _flag(
+        "full",
+        "'full' or 'lora'; must agree with --lora-rank ('lora' needs > 0, 'full' needs 0).",
+    )
+    fsdp_trainable_attr: str = _flag(
+        "transformer",
+        "Attribute of the model bundle that holds the trainable module; everything else is "
+        "frozen and lives in the rollout engine.",
+    )
+    fsdp_param_dtype: str = _flag(
+        "bf16", "FSDP2 compute (all-gathered) parameter dtype: 'bf16' or 'fp32'."
+    )
+    fsdp_reduce_dtype: str = _flag("fp32", "Gradient reduction dtype: 'bf16' or 'fp32'.")
+    fsdp_master_dtype: str | None = _flag(
+        None,
+        "Storage dtype of the trainable parameters (the optimizer's master copy): 'fp32', "
+        "'bf16' or unset (keep the loaded dtype). LoRA should use 'fp32' (warned otherwise).",
+    )
+    no_fsdp_reshard_after_forward: bool = _flag(
+        False, "Keep parameters gathered after forward (more memory, fewer all-gathers)."
+    )
+    fsdp_activation_checkpointing: bool = _flag(
+        False, "Recompute each transformer block in backward; effectively required on the real model."
+    )
+    fsdp_cpu_offload: bool = _flag(
+        False,
+        "FSDP2 CPU parameter offload. Rejected under --fsdp-trainable-mode lora; under full "
+        "FT gradient clipping over offloaded DTensors is known to fail (warned).",
+    )
+    fsdp_load_wave_size: int = _flag(
+        0,
+        "Load the base model on at most N ranks at a time (bounds host RAM at launch); must be "
+        ">= 0, 0 = all at once.",
+    )
+    fsdp_lr_scheduler: str = _flag(
+        "constant",
+        "Post-warmup learning-rate shape: 'constant' (ignores the decay flags), 'linear' or "
+        "'cosine' (decay to --min-lr over --lr-decay-iters optimizer steps).",
+    )
+    fsdp_debug_fingerprint: bool = _flag(
+        False,
+        "Log an abs-sum fingerprint of the trainable weights around each step and the logp "
+        "parity line. Costs a full reduction and a host sync per step.",
+    )
+
+
+@dataclass
+class LoraConfig:
+    lora_rank: int = _flag(
+        0, "LoRA rank; must be > 0 exactly when --fsdp-trainable-mode lora, else 0."
+    )
+    lora_alpha: int = _flag(
+        16,
+        "LoRA alpha (scale = alpha / rank). Recorded in the checkpoint: resume refuses a "
+        "different value.",
+    )
+    lora_dropout: float = _flag(
+        0.0,
+        "LoRA dropout; must be 0.0 (a stochastic forward breaks the ratio == 1 anchor of the "
+        "first update).",
+    )
+    lora_target_modules: list[str] | None = _flag(
+        None,
+        "Module-name suffixes to adapt (JSON list or space separated). Unset = the model "
+        "adapter's own list.",
+    )
+    lora_adapter_mode: bool = _flag(
+        False,
+        "Sync only the LoRA tensors to the engine each step (implies --weight-sync-mode "
+        "adapter). Needs --fsdp-trainable-mode lora; excludes --lora-merge-mode.",
+    )
+    lora_merge_mode: bool = _flag(
+        False,
+        "Sync the full transformer with B@A folded into each base weight. Needs "
+        "--fsdp-trainable-mode lora; excludes --lora-adapter-mode. Neither flag = merge.",
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _flag(1e-6, "Peak AdamW learning rate; must be > 0.")
+    min_lr: float = _flag(
+        0.0, "Floor of the linear/cosine decay; must be in [0, --lr]."
+    )
+    lr_warmup_iters: int = _flag(
+        0, "Linear warmup length in optimizer steps (not rollouts); must be >= 0."
+    )
+    lr_decay_iters: int | None = _flag(
+        None,
+        "Decay length in optimizer steps for linear/cosine; must be >= 1 when set. Unset = "
+        "num_rollout x num_updates_per_batch.",
+    )
+    lr_decay_style: str | None = _flag(
+        None,
+        "Megatron's decay flag; has no effect here (use --fsdp-lr-scheduler). Warned when set.",
+    )
+    weight_decay: float = _flag(0.01, "AdamW weight decay; must be >= 0.")
+    adam_beta1: float = _flag(0.9, "AdamW beta1; must be in [0, 1).")
+    adam_beta2: float = _flag(0.999, "AdamW beta2; must be in [0, 1).")
+    adam_eps: float = _flag(
+        1e-8,
+        "AdamW eps; must be > 0. Full FT uses 1e-15: per-element grads are ~1e-8, so 1e-8 "
+        "would dominate the denominator.",
+    )
+    clip_grad: float = _flag(1.0, "Gradient-norm clip before each optimizer step; must be > 0.")
+
+
+@dataclass
+class GrpoConfig:
+    advantage_estimator: str = _flag("grpo", "Advantage estimator; only 'grpo' is supported.")
+    eps_clip: float = _flag(
+        0.2, "PPO clip range; must be > 0. FlowGRPO uses a tiny one (both recipes: 1e-4)."
+    )
+    eps_clip_high: float | None = _flag(
+        None, "Optional asymmetric upper clip; must be > 0 when set."
+    )
+    num_updates_per_batch: int = _flag(
+        1,
+        "Disjoint optimizer updates per rollout batch (a split, not a replay); must divide the "
+        "per-rank candidate count. 1 keeps the ratio at exactly 1: use 2 or more (warned).",
+    )
+    micro_batch_size: int = _flag(
+        1,
+        "Candidates per replay forward; must divide each update's per-rank share "
+        "(global_batch_size / world / num_updates_per_batch). Keep it as large as memory allows.",
+    )
+    disable_grpo_std_normalization: bool = _flag(
+        False,
+        "Do not divide group-centred rewards by the group std (Dr.GRPO). Same as "
+        "--generative-advantage-std-mode none; contradicting values are an error.",
+    )
+    generative_advantage_std_mode: str | None = _flag(
+        None,
+        "Std divisor after per-prompt centring: 'group', 'batch' or 'none'. Unset = 'group', "
+        "or 'none' with --disable-grpo-std-normalization.",
+    )
+    kl_coef: float = _flag(
+        0.0, "Must be 0: FlowGRPO here has no reference model and no KL term."
+    )
+    use_kl_loss: bool = _flag(
+        False, "Must be off: FlowGRPO here has no reference model and no KL term."
+    )
+    use_dynamic_batch_size: bool = _flag(
+        False,
+        "Must be off: diffusion latents are fixed-shape, there is no token-budget batching "
+        "(use --micro-batch-size).",
+    )
+    max_tokens_per_gpu: int | None = _flag(
+        None, "Must stay unset: no token-budget batching (use --micro-batch-size)."
+    )
+
+
+@dataclass
+class RewardConfig:
+    reward_runtime: str = _flag(
+        "cpu",
+        "Where the scorer runs: 'cpu' or 'colocate' (in this process, on CPU or on the "
+        "rank's device) or 'remote' (needs --reward-endpoint).",
+    )
+    reward_scorer_path: str | None = _flag(
+        None,
+        "Scorer short name (pickscore, ocr, jpeg_compressibility, jpeg_incompressibility, "
+        "color) or module.Class dotpath; required unless --reward-runtime remote.",
+    )
+    reward_model_path: str | None = _flag(
+        None,
+        "Local model directory of the scorer (e.g. ${MODEL_DIR}/PickScore_v1); required and "
+        "must exist for scorers that load weights (pickscore).",
+    )
+    reward_required_components: list[str] | None = _flag(
+        None,
+        "Component names that must be present (JSON list); a missing or non-finite one fails "
+        "the group. Each needs a --reward-component-weights entry.",
+    )
+    reward_component_weights: dict[str, float] | None = _flag(
+        None,
+        "{component: weight} (JSON object; TOML table) combining the group-normalised "
+        "components into one advantage; weights must be finite numbers.",
+    )
+    reward_endpoint: str | None = _flag(
+        None, "HTTP endpoint of a remote scorer; required when --reward-runtime remote."
+    )
+
+
+@dataclass
+class SyncConfig:
+    weight_sync_mode: str = _flag(
+        "full",
+        "'full' or 'adapter'. Derived: --lora-adapter-mode implies 'adapter'; an explicit "
+        "contradicting value is an error.",
+    )
+    weight_sync_wire_dtype: str = _flag(
+        "bf16",
+        "Dtype of the tensors handed to the engine: 'bf16' or 'fp32' (fp32 makes the sync "
+        "exact for fp32 CPU runs). The sglang engine requires 'bf16'.",
+    )
+    weight_sync_bucket_size_mb: int = _flag(
+        512, "Bucket size of the gathered-weight stream in MB; must be >= 1."
+    )
+
+
+@dataclass
+class ColocateConfig:
+    colocate: bool = _flag(
+        True,
+        "Actor and engine time-share each device; must stay on (the only mode here).",
+    )
+    offload_train: bool = _flag(
+        False,
+        "Move the actor's parameters and optimizer state to pinned host memory during "
+        "rollout; a failed release/resume is fatal.",
+    )
+    offload_rollout: bool = _flag(
+        False,
+        "Move the engine's modules to host memory during the update; a failed release/resume "
+        "is fatal.",
+    )
+    fully_async: bool = _flag(False, "Must be off: training is synchronous colocate only.")
+    hybrid: bool = _flag(False, "Must be off: training is synchronous colocate only.")
+    actor_num_nodes: int | None = _flag(
+        None,
+        "Nodes of the run. With --actor-num-gpus-per-node it gives the world size outside "
+        "torchrun; under torchrun their product must equal WORLD_SIZE.",
+    )
+    actor_num_gpus_per_node: int | None = _flag(
+        None,
+        "Ranks per node (torchrun --nproc-per-node). Product with --actor-num-nodes must "
+        "equal WORLD_SIZE under torchrun.",
+    )
+    rollout_num_gpus: int | None = _flag(
+        None,
+        "Devices used for rollout; with colocation every rank has an engine, so when set it "
+        "must equal the world size.",
+    )
+    resource: dict | None = _flag(
+        None,
+        "Reference placement, e.g. {\"actor\": [1, 8], \"rollout\": [1, 8]} (nodes, devices "
+        "per node). When set, actor and rollout must be equal (colocate) and their product "
+        "must equal the world size.",
+    )
+    use_fault_tolerance: bool = _flag(
+        False,
+        "Must be off: a failed weight sync raises on every rank; restart with --load.",
+    )
+    autoscaler_config: dict | None = _flag(
+        None, "Must stay unset: in-process engines have no elastic scale-out."
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = _flag(
+        None, "Checkpoint directory (<save>/<task>/iter_<n>/); unset = no checkpoints."
+    )
+    load: str | None = _flag(
+        None,
+        "Resume from this checkpoint directory (usually the same as --save); must exist. "
+        "Unset = start at rollout 0.",
+    )
+    save_interval: int | None = _flag(
+        None, "Save every N rollouts; must be >= 1 and needs --save."
+    )
+    rotate_ckpt: bool = _flag(
+        False,
+        "Accepted for compatibility; rotation happens whenever --max-actor-ckpt-to-keep is "
+        "set, which this flag then requires.",
+    )
+    max_actor_ckpt_to_keep: int | None = _flag(
+        None, "Keep only the newest N committed checkpoints; must be >= 1. Unset = keep all."
+    )
+    async_save: bool = _flag(
+        False, "Has no effect: the checkpoint write is synchronous (warned when set)."
+    )
+    save_hf: str | None = _flag(
+        None,
+        "Must stay unset: export a committed checkpoint offline with "
+        "tools/export_checkpoint.py.",
+    )
+
+
+@dataclass
+class EvalConfig:
+    eval_prompt_data: list[tuple[str, str]] = _flag(
+        help="Held-out prompt sets as NAME PATH pairs (CLI: --eval-prompt-data pickscore "
+        "eval.jsonl [NAME PATH ...]; TOML: a flat list or a list of pairs); files must exist.",
+        factory=list,
+    )
+    eval_interval: int | None = _flag(
+        None, "Evaluate every N rollouts; must be >= 1 and needs --eval-prompt-data."
+    )
+    n_samples_per_eval_prompt: int = _flag(
+        1, "Candidates per eval prompt; must be >= 1."
+    )
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: str | None = _flag(
+        None, "TensorBoard event directory; unset = console metrics only."
+    )
+    use_wandb: bool = _flag(
+        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
+    )
+    use_clearml: bool = _flag(
+        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
+    )
+    use_metrics_service: bool = _flag(
+        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
+    )
+
+
+@dataclass
+class DebugConfig:
+    load_debug_rollout_data: str | None = _flag(
+        None,
+        "Must stay unset: each rank replays the trajectories it generated; there is no "
+        "rollout-data replay file.",
+    )
+    save_debug_train_data: str | None = _flag(
+        None,
+        "Has no effect: train data are numeric tensors plus sidecars under --artifact-root, "
+        "not token sequences (warned when set).",
+    )
+
+
+#: section attribute -> section class, in the order help and to_dict() list them
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "rollout": RolloutConfig,
+    "artifacts": ArtifactConfig,
+    "fsdp": FsdpConfig,
+    "lora": LoraConfig,
+    "optim": OptimConfig,
+    "grpo": GrpoConfig,
+    "reward": RewardConfig,
+    "sync": SyncConfig,
+    "colocate": ColocateConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "logging": LoggingConfig,
+    "debug": DebugConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """The whole run: one instance of every section.
+
+    `explicit` holds the flag names (underscore form) that a recipe or the CLI set;
+    preflight uses it where the reference distinguishes "set" from "defaulted"
+    (e.g. an explicit --weight-sync-mode that contradicts --lora-adapter-mode).
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    artifacts: ArtifactConfig = field(default_factory=ArtifactConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    explicit: frozenset = field(default_factory=frozenset, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """{section: {field: value}}, JSON-serialisable (pairs become 2-lists)."""
+        out: dict[str, dict[str, Any]] = {}
+        for sec in SECTIONS:
+            obj = getattr(self, sec)
+            out[sec] = {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return out
+
+    def to_flags(self) -> dict[str, Any]:
+        """{flag-name-with-dashes: value} over every flag: a complete recipe of this run."""
+        return {name.replace("_", "-"): val for sec in self.to_dict().values() for name, val in sec.items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> "RunConfig":
+        """Inverse of to_dict(); unknown sections or fields raise ConfigError."""
+        flat: dict[str, Any] = {}
+        for sec, values in data.items():
+            if sec not in SECTIONS:
+                raise ConfigError(f"unknown config section '{sec}'{_suggest(sec, list(SECTIONS))}")
+            for k, v in values.items():
+                if k not in FLAGS or FLAGS[k].section != sec:
+                    raise ConfigError(f"unknown field '{sec}.{k}'")
+                flat[k] = _coerce_native(FLAGS[k], v, origin=f"{sec}.{k}")
+        return _build(flat, explicit=frozenset())
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# Flag table
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One flag: where it lives and how its value is parsed.
+
+    kind: 'int' | 'float' | 'str' | 'bool' | 'list' (list[str]) | 'dict' | 'pairs'.
+    """
+
+    name: str
+    section: str
+    kind: str
+    optional: bool
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _kind_of(tp: Any) -> tuple[str, bool]:
+    """Map a field annotation to (kind, optional)."""
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    if optional:
+        (tp,) = [a for a in args if a is not type(None)]
+    origin = typing.get_origin(tp) or tp
+    if origin is bool:
+        return "bool", optional
+    if origin is int:
+        return "int", optional
+    if origin is float:
+        return "float", optional
+    if origin is str:
+        return "str", optional
+    if origin is dict:
+        return "dict", optional
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return ("pairs" if typing.get_origin(item) is tuple else "list"), optional
+    raise TypeError(f"unsupported config field type {tp!r}")
+
+
+def _build_flag_table() -> dict[str, FlagSpec]:
+    table: dict[str, FlagSpec] = {}
+    for sec, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in table:
+                raise TypeError(f"flag {f.name} is declared in both {table[f.name].section} and {sec}")
+            kind, optional = _kind_of(hints[f.name])
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            table[f.name] = FlagSpec(f.name, sec, kind, optional, default, f.metadata.get("help", ""))
+    return table
+
+
+#: underscore flag name -> FlagSpec, for every flag
+FLAGS: dict[str, FlagSpec] = _build_flag_table()
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    """' (did you mean X?)' for the closest candidate, or ''."""
+    hits = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean '{hits[0]}'?)" if hits else ""
+
+
+def _lookup(raw: str, origin: str, as_flag: bool) -> FlagSpec:
+    name = raw.replace("-", "_")
+    spec = FLAGS.get(name)
+    if spec is None:
+        if as_flag:
+            cands = [s.flag for s in FLAGS.values()]
+            sugg = _suggest("--" + raw.replace("_", "-"), cands)
+        else:
+            cands = [n.replace("_", "-") for n in FLAGS]
+            sugg = _suggest(raw.replace("_", "-"), cands)
+        what = f"flag '--{raw}'" if as_flag else f"key '{raw}'"
+        raise ConfigError(
+            f"{origin}: unknown {what}{sugg}; `python -m trainer.train --help` lists every flag"
+        )
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------
+# Value parsing
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _parse_bool(s: str) -> bool | None:
+    low = s.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    return None
+
+
+def _coerce_text(spec: FlagSpec, text: str, origin: str) -> Any:
+    """Parse a string value (from the CLI, or a TOML string for a non-string flag)."""
+    where = f"{origin}: {spec.flag}"
+    if spec.optional and text.strip().lower() in ("none", "null"):
+        return None
+    if spec.kind == "str":
+        return text
+    if spec.kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{where} expects an integer, got {text!r}") from None
+    if spec.kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{where} expects a number, got {text!r}") from None
+    if spec.kind == "bool":
+        b = _parse_bool(text)
+        if b is None:
+            raise ConfigError(f"{where} expects true/false, got {text!r}")
+        return b
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} expects JSON ({spec.kind}), got {text!r}: {exc}") from None
+    return _coerce_native(spec, value, origin)
+
+
+def _coerce_native(spec: FlagSpec, value: Any, origin: str) -> Any:
+    """Check/convert an already-typed value (TOML or JSON) to the flag's type."""
+    where = f"{origin}: {spec.flag}"
+    if value is None:
+        if spec.optional:
+            return None
+        raise ConfigError(f"{where} cannot be null")
+    if isinstance(value, str) and spec.kind != "str":
+        if spec.kind in ("list", "pairs") and not value.lstrip().startswith("["):
+            value = value.split()
+        else:
+            return _coerce_text(spec, value, origin)
+    k = spec.kind
+    if k == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} expects a string, got {value!r}")
+        return value
+    if k == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} expects true/false, got {value!r}")
+        return value
+    if k == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where} expects an integer, got {value!r}")
+        return value
+    if k == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} expects a number, got {value!r}")
+        return float(value)
+    if k == "list":
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise ConfigError(f"{where} expects a list of strings, got {value!r}")
+        return list(value)
+    if k == "dict":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} expects a JSON object / TOML table, got {value!r}")
+        return dict(value)
+    if k == "pairs":
+        return _coerce_pairs(value, where)
+    raise AssertionError(k)
+
+
+def _coerce_pairs(value: Any, where: str) -> list[tuple[str, str]]:
+    """[name, path, name, path, ...] or [[name, path], ...] -> [(name, path), ...]."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list) and all(isinstance(x, list) for x in value):
+        items = value
+    elif isinstance(value, list) and all(isinstance(x, str) for x in value):
+        if len(value) % 2:
+            raise ConfigError(f"{where} expects NAME PATH pairs, got an odd number of values: {value!r}")
+        items = [value[i : i + 2] for i in range(0, len(value), 2)]
+    else:
+        raise ConfigError(f"{where} expects NAME PATH pairs, got {value!r}")
+    out = []
+    for item in items:
+        if len(item) != 2 or not all(isinstance(x, str) for x in item):
+            raise ConfigError(f"{where} expects NAME PATH pairs, got {item!r}")
+        out.append((item[0], item[1]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment expansion
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(text: str, origin: str, env: dict[str, str] | None = None) -> str:
+    """Replace ${VAR} and ${VAR:-default} in `text`; an unset VAR without default raises.
+
+    Only the braced form is expanded, so a literal '$' elsewhere is left alone.
+    """
+    env = os.environ if env is None else env
+
+    def sub(m: re.Match) -> str:
+        var, default = m.group(1), m.group(2)
+        val = env.get(var)
+        if val is None or (val == "" and default is not None):
+            if default is None:
+                raise ConfigError(
+                    f"{origin} uses ${{{var}}} but the environment variable {var} is not set; "
+                    f"export {var}=... or pass the flag on the command line"
+                )
+            return default
+        return val
+
+    return _ENV_RE.sub(sub, text)
+
+
+def _expand_tree(value: Any, origin: str, env: dict[str, str] | None) -> Any:
+    if isinstance(value, str):
+        return expand_env(value, origin, env)
+    if isinstance(value, list):
+        return [_expand_tree(v, origin, env) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand_tree(v, origin, env) for k, v in value.items()}
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_recipe(
+    path: str | Path, env: dict[str, str] | None = None, skip: frozenset | set = frozenset()
+) -> dict[str, Any]:
+    """Parse a TOML recipe into {underscore flag name: typed value}.
+
+    Keys whose flag is in `skip` (overridden on the command line) are checked for
+    existence but neither expanded nor parsed, so an unset ${VAR} there is no error.
+    Raises ConfigError for a missing file, bad TOML, an unknown key (with a
+    suggestion), a key given twice (dash and underscore form), a table where the flag
+    is not a dict, a wrong value type, or an unset ${VAR}.
+    """
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"recipe {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"recipe {path} is not valid TOML: {exc}") from None
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, value in raw.items():
+        spec = _lookup(key, f"recipe {path}", as_flag=False)
+        if spec.name in seen:
+            raise ConfigError(f"recipe {path}: '{key}' and '{seen[spec.name]}' set the same flag {spec.flag}")
+        seen[spec.name] = key
+        if spec.name in skip:
+            continue
+        if isinstance(value, dict) and spec.kind not in ("dict", "pairs"):
+            raise ConfigError(
+                f"recipe {path}: '{key}' is a table, but {spec.flag} is not a dict-valued flag; "
+                "tables are only for sampling-config, reward-component-weights, resource and "
+                "autoscaler-config (section tables like [fsdp] are not used: keys are flat)"
+            )
+        value = _expand_tree(value, f"recipe {path} key '{key}'", env)
+        out[spec.name] = _coerce_native(spec, value, f"recipe {path}")
+    return out
+
+
+def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """Split `argv` into (--config path or None, {underscore flag name: value}).
+
+    Forms: `--flag value`, `--flag=value`; a bool flag alone means true and may take an
+    explicit true/false; list flags take several values or one JSON list;
+    --eval-prompt-data takes NAME PATH pairs; dict flags take one JSON object.
+    """
+    config: str | None = None
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if not tok.startswith("--") or tok == "--":
+            raise ConfigError(f"command line: unexpected argument {tok!r}; flags look like --name value")
+        name, eq, inline = tok[2:].partition("=")
+        i += 1
+        if name == "config":
+            if eq:
+                config = inline
+            elif i < len(argv):
+                config, i = argv[i], i + 1
+            else:
+                raise ConfigError("command line: --config needs a recipe path")
+            continue
+        spec = _lookup(name, "command line", as_flag=True)
+        if eq:
+            values = [inline]
+        else:
+            values = []
+            while i < len(argv) and not argv[i].startswith("--"):
+                values.append(argv[i])
+                i += 1
+        out[spec.name] = _cli_value(spec, values)
+    return config, out
+
+
+def _cli_value(spec: FlagSpec, values: list[str]) -> Any:
+    where = "command line"
+    if spec.kind == "bool":
+        if not values:
+            return True
+        if len(values) == 1:
+            return _coerce_text(spec, values[0], where)
+    elif spec.kind == "list" and values:
+        if len(values) == 1 and values[0].lstrip().startswith("["):
+            return _coerce_text(spec, values[0], where)
+        return list(values)
+    elif spec.kind == "pairs" and values:
+        if len(values) == 1 and values[0].lstrip().startswith(("[", "{")):
+            return _coerce_text(spec, values[0], where)
+        return _coerce_pairs(values, f"{where}: {spec.flag}")
+    elif len(values) == 1:
+        return _coerce_text(spec, values[0], where)
+    if not values:
+        raise ConfigError(f"command line: {spec.flag} needs a value")
+    raise ConfigError(f"command line: {spec.flag} takes one value, got {values!r} (quote JSON values)")
+
+
+def _build(flat: dict[str, Any], explicit: frozenset) -> RunConfig:
+    """Instantiate every section from defaults overridden by `flat`."""
+    kwargs: dict[str, Any] = {}
+    for sec, cls in SECTIONS.items():
+        vals = {k: v for k, v in flat.items() if FLAGS[k].section == sec}
+        kwargs[sec] = cls(**vals)
+    return RunConfig(**kwargs, explicit=explicit)
+
+
+def finalize(cfg: RunConfig) -> RunConfig:
+    """Fill the derived values the reference derives, without overriding explicit ones.
+
+    - global_batch_size unset -> rollout_batch_size x n_samples_per_prompt;
+    - weight_sync_mode not set explicitly -> 'adapter' under --lora-adapter-mode;
+    - generative_advantage_std_mode unset -> 'none' with --disable-grpo-std-normalization,
+      else 'group';
+    - lr_decay_iters unset -> num_rollout x num_updates_per_batch (all optimizer steps);
+    - short names -> dotpaths: --rollout-engine-class-path native/sglang and
+      --reward-scorer-path pickscore/ocr/..., so downstream code only sees dotpaths.
+    Contradictions between explicit values are left for preflight to report.
+    """
+    r = cfg.rollout
+    if r.global_batch_size is None and r.rollout_batch_size and r.n_samples_per_prompt:
+        r.global_batch_size = r.rollout_batch_size * r.n_samples_per_prompt
+    if "weight_sync_mode" not in cfg.explicit and cfg.lora.lora_adapter_mode:
+        cfg.sync.weight_sync_mode = "adapter"
+    if cfg.grpo.generative_advantage_std_mode is None:
+        cfg.grpo.generative_advantage_std_mode = (
+            "none" if cfg.grpo.disable_grpo_std_normalization else "group"
+        )
+    if cfg.optim.lr_decay_iters is None and r.num_rollout:
+        cfg.optim.lr_decay_iters = r.num_rollout * max(cfg.grpo.num_updates_per_batch, 1)
+    r.rollout_engine_class_path = resolve_engine_path(r.rollout_engine_class_path)
+    cfg.reward.reward_scorer_path = resolve_scorer_path(cfg.reward.reward_scorer_path)
+    return cfg
+
+
+def load_config(argv: list[str], env: dict[str, str] | None = None) -> RunConfig:
+    """`--config RECIPE.toml` (optional) then CLI flags, which override the recipe.
+
+    Environment expansion applies to recipe values only (the shell already expanded
+    the command line). Returns a finalized RunConfig; raises ConfigError on any
+    parse problem. Semantic checks are preflight's job (trainer.preflight.validate).
+    """
+    recipe_path, cli = parse_cli(list(argv))
+    flat: dict[str, Any] = read_recipe(recipe_path, env, skip=frozenset(cli)) if recipe_path else {}
+    flat.update(cli)
+    return finalize(_build(flat, explicit=frozenset(flat)))
+
+
+# ----------------------------------------------------------------------------------------------
+# World size
+
+
+def world_size_from_env(env: dict[str, str] | None = None) -> int | None:
+    """WORLD_SIZE as set by torchrun, or None outside torchrun."""
+    env = os.environ if env is None else env
+    raw = env.get("WORLD_SIZE")
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from None
+
+
+def recipe_world_size(cfg: RunConfig) -> int | None:
+    """actor_num_nodes x actor_num_gpus_per_node (a missing factor counts as 1), or None
+    when neither is set."""
+    c = cfg.colocate
+    if c.actor_num_nodes is None and c.actor_num_gpus_per_node is None:
+        return None
+    return (c.actor_num_nodes or 1) * (c.actor_num_gpus_per_node or 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Help
+
+
+def format_help() -> str:
+    """Every flag with its type, default and constraint, grouped by section."""
+    lines = [
+        "usage: python -m trainer.train --config RECIPE.toml [--flag value ...] [--preflight-only]",
+        "",
+        "Recipe keys are these flag names (dashes or underscores); the command line overrides the recipe.",
+    ]
+    for sec in SECTIONS:
+        lines += ["", f"[{sec}]"]
+        for spec in FLAGS.values():
+            if spec.section != sec:
+                continue
+            default = json.dumps(_jsonable(spec.default))
+            lines.append(f"  {spec.flag} ({spec.kind}, default {default})")
+            lines.append(f"      {spec.help}")
+    return "\n".join(lines)

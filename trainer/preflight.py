@@ -1,0 +1,577 @@
+"""Launch-time validation of a RunConfig: every violation at once, before any model loads.
+
+`validate(cfg, world_size)` checks the reference's "Preflight validation" list (errors
+and warnings) plus this trainer's own rules (candidate split over the torchrun world,
+paths that must exist, hooks and Ray-only flags that have no meaning here). It
+collects every problem and raises one PreflightError listing them, one line per
+violation naming the flag(s) and the fix; warnings are returned for the caller to log.
+
+Imports no torch and loads nothing: only the config, the task vocabulary and the
+torch-free sampling-config parser.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from trainer.config import (
+    DEFAULT_MODEL_ADAPTER,
+    ENGINE_SHORT_NAMES,
+    SCORERS_NEEDING_MODEL,
+    RunConfig,
+    recipe_world_size,
+    resolve_engine_path,
+    resolve_scorer_path,
+)
+from trainer.models.base import GENERATION_TASKS
+from trainer.sampling import parse_sampling_config, trainable_step_zero_routes
+
+HEADER = "Generative RL config validation failed:"
+
+_DTYPES = ("bf16", "fp32")
+_DOTPATH_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+#: the reference's relax.* dotpaths -> what replaces them here
+RELAX_REPLACEMENTS = {
+    "relax.models.qwen_image.adapter.QwenImageAdapter": DEFAULT_MODEL_ADAPTER,
+    "relax.backends.sglang.diffusion_engine.SGLangNativeGenerationEngine": (
+        "'sglang' (trainer.engine.sglang_engine.SGLangEngine) or 'native' "
+        "(trainer.engine.native.NativeEngine)"
+    ),
+    "relax.engine.rewards.pickscore.PickScoreScorer": "trainer.rewards.pickscore.PickScoreScorer",
+}
+
+
+class PreflightError(ValueError):
+    """The config cannot run. `problems` holds one line per violation."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(HEADER + "".join(f"\n  - {p}" for p in self.problems))
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> list[str]:
+    """Check `cfg` for a run on `world_size` ranks; return warnings, raise PreflightError.
+
+    world_size: torchrun's WORLD_SIZE, or None outside torchrun, in which case the
+    recipe's --actor-num-nodes x --actor-num-gpus-per-node is used; when neither is
+    known the per-rank checks are skipped with a warning.
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    world = _check_world(cfg, world_size, errors, warnings)
+    _check_task_and_model(cfg, errors)
+    _check_hooks(cfg, errors)
+    _check_trainable(cfg, errors, warnings)
+    _check_sync(cfg, errors)
+    _check_sampling(cfg, errors)
+    _check_colocate(cfg, world, errors)
+    _check_geometry(cfg, world, errors, warnings)
+    _check_grpo(cfg, errors, warnings)
+    _check_optim(cfg, errors, warnings)
+    _check_reward(cfg, errors)
+    _check_artifacts_eval_ckpt(cfg, errors, warnings)
+    _check_unsupported(cfg, errors, warnings)
+    if errors:
+        raise PreflightError(errors)
+    return warnings
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_dotpath(flag: str, value: str, errors: list[str]) -> None:
+    """Shape module.Class; relax.* named with its replacement; trainer.* module file exists."""
+    if value.startswith("relax.") or value == "relax":
+        repl = RELAX_REPLACEMENTS.get(value)
+        hint = f"use {repl}" if repl else "point it at a trainer.* implementation"
+        errors.append(f"{flag} {value}: the reference's relax.* modules do not exist here; {hint}")
+        return
+    if not _DOTPATH_RE.match(value):
+        errors.append(f"{flag} {value!r} is not a dotpath of the form package.module.Class")
+        return
+    module = value.rsplit(".", 1)[0]
+    if module.split(".")[0] == "trainer":
+        rel = Path(*module.split("."))
+        if not ((_PACKAGE_ROOT / rel).with_suffix(".py").is_file() or (_PACKAGE_ROOT / rel / "__init__.py").is_file()):
+            errors.append(f"{flag} {value}: module file {rel}.py does not exist in this checkout; check the spelling")
+
+
+def _positive_int(flag: str, value: int | None, errors: list[str], *, minimum: int = 1, required: bool = False) -> bool:
+    """True when `value` is set and >= minimum; otherwise record why (if required or set)."""
+    if value is None:
+        if required:
+            errors.append(f"{flag} is required (an integer >= {minimum})")
+        return False
+    if value < minimum:
+        errors.append(f"{flag} must be >= {minimum}, got {value}")
+        return False
+    return True
+
+
+def _need_existing(flag: str, value: str | None, kind: str, errors: list[str], *, required: bool) -> None:
+    """`kind` is 'dir' or 'file'."""
+    if not value:
+        if required:
+            errors.append(f"{flag} is required (an existing {'directory' if kind == 'dir' else 'file'})")
+        return
+    p = Path(value)
+    ok = p.is_dir() if kind == "dir" else p.is_file()
+    if not ok:
+        what = "directory" if kind == "dir" else "file"
+        state = "is not a " + what if p.exists() else "does not exist"
+        errors.append(f"{flag} {value}: {state}; point it at an existing local {what} (nothing is downloaded)")
+
+
+# ----------------------------------------------------------------------------------------------
+# groups of rules
+
+
+def _check_world(cfg: RunConfig, world_size: int | None, errors: list[str], warnings: list[str]) -> int | None:
+    recipe_world = recipe_world_size(cfg)
+    c = cfg.colocate
+    for flag, v in (("--actor-num-nodes", c.actor_num_nodes), ("--actor-num-gpus-per-node", c.actor_num_gpus_per_node)):
+        if v is not None and v < 1:
+            errors.append(f"{flag} must be >= 1, got {v}")
+            recipe_world = None
+    if world_size is not None:
+        if world_size < 1:
+            errors.append(f"world size must be >= 1, got {world_size}")
+            return None
+        if recipe_world is not None and recipe_world != world_size:
+            errors.append(
+                f"--actor-num-nodes x --actor-num-gpus-per-node = {recipe_world} but torchrun started "
+                f"{world_size} ranks (WORLD_SIZE); launch with --nproc-per-node {recipe_world} (NPROC="
+                f"{recipe_world}) or set the actor flags to match"
+            )
+        return world_size
+    if recipe_world is None:
+        warnings.append(
+            "world size unknown (no WORLD_SIZE and no --actor-num-gpus-per-node): the per-rank "
+            "candidate split was not checked"
+        )
+    return recipe_world
+
+
+def _check_task_and_model(cfg: RunConfig, errors: list[str]) -> None:
+    m = cfg.model
+    if m.train_backend != "fsdp":
+        errors.append(
+            f"--train-backend {m.train_backend!r}: only 'fsdp' exists here (FSDP2 over torchrun "
+            "ranks); remove the flag or set it to fsdp"
+        )
+    if m.generation_task not in GENERATION_TASKS:
+        errors.append(
+            f"--generation-task {m.generation_task!r} is not in GENERATION_TASKS {GENERATION_TASKS}; "
+            "set --generation-task t2i"
+        )
+    if not m.model_adapter_path:
+        errors.append(f"--model-adapter-path is required (e.g. {DEFAULT_MODEL_ADAPTER})")
+    else:
+        _check_dotpath("--model-adapter-path", m.model_adapter_path, errors)
+    _need_existing("--model-path", m.model_path, "dir", errors, required=True)
+
+
+def _check_hooks(cfg: RunConfig, errors: list[str]) -> None:
+    r = cfg.rollout
+    hooks = (
+        ("--rollout-function-path", r.rollout_function_path, "the rollout stage is built into the training loop"),
+        (
+            "--custom-convert-samples-to-train-data-path",
+            r.custom_convert_samples_to_train_data_path,
+            "each rank replays the candidates it generated; there is no conversion step",
+        ),
+        (
+            "--custom-reward-post-process-path",
+            r.custom_reward_post_process_path,
+            "scoring and group normalisation are built in; choose the scorer with --reward-scorer-path",
+        ),
+    )
+    for flag, value, why in hooks:
+        if value:
+            errors.append(f"{flag} {value}: not used here ({why}); remove the flag")
+    engine = r.rollout_engine_class_path
+    if not engine:
+        errors.append(f"--rollout-engine-class-path is required: one of {sorted(ENGINE_SHORT_NAMES)} or a dotpath")
+    else:
+        _check_dotpath("--rollout-engine-class-path", resolve_engine_path(engine), errors)
+
+
+def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+    f, lo = cfg.fsdp, cfg.lora
+    mode = f.fsdp_trainable_mode
+    if mode not in ("full", "lora"):
+        errors.append(f"--fsdp-trainable-mode {mode!r} must be 'full' or 'lora'")
+    if mode == "lora" and lo.lora_rank <= 0:
+        errors.append(f"--fsdp-trainable-mode lora needs --lora-rank > 0, got {lo.lora_rank}")
+    if lo.lora_rank > 0 and mode != "lora":
+        errors.append(
+            f"--lora-rank {lo.lora_rank} without --fsdp-trainable-mode lora; set both for LoRA, or "
+            "--lora-rank 0 for full fine-tune"
+        )
+    if lo.lora_rank < 0:
+        errors.append(f"--lora-rank must be >= 0, got {lo.lora_rank}")
+    if mode == "lora":
+        if lo.lora_dropout != 0:
+            errors.append(
+                f"--lora-dropout {lo.lora_dropout}: must be 0.0 under LoRA (a stochastic forward breaks "
+                "the ratio == 1 anchor of the first update)"
+            )
+        if f.fsdp_cpu_offload:
+            errors.append(
+                "--fsdp-cpu-offload is rejected under --fsdp-trainable-mode lora (gradient clipping over "
+                "CPU-offloaded adapter DTensors has no collective backend); use --offload-train"
+            )
+        if f.fsdp_master_dtype != "fp32":
+            warnings.append(
+                "--fsdp-trainable-mode lora without --fsdp-master-dtype fp32: bf16 masters round off the "
+                "~1e-4 relative RL updates and the policy stops moving"
+            )
+        if lo.lora_alpha <= 0:
+            errors.append(f"--lora-alpha must be > 0, got {lo.lora_alpha}")
+    elif f.fsdp_cpu_offload:
+        warnings.append(
+            "--fsdp-cpu-offload: gradient clipping over CPU-offloaded DTensors is known to fail "
+            "('No backend type associated with device type cpu'); prefer --offload-train"
+        )
+    if mode == "full":
+        if cfg.sync.weight_sync_mode != "full":
+            errors.append(
+                f"--weight-sync-mode {cfg.sync.weight_sync_mode!r} under --fsdp-trainable-mode full; "
+                "full fine-tune syncs the whole transformer: use --weight-sync-mode full"
+            )
+        if lo.lora_adapter_mode or lo.lora_merge_mode:
+            errors.append(
+                "--lora-adapter-mode / --lora-merge-mode need --fsdp-trainable-mode lora; remove them "
+                "for full fine-tune"
+            )
+    if lo.lora_adapter_mode and lo.lora_merge_mode:
+        errors.append("--lora-adapter-mode and --lora-merge-mode are exclusive; pick one")
+    if lo.lora_target_modules is not None and not lo.lora_target_modules:
+        errors.append("--lora-target-modules is an empty list; leave it unset to use the adapter's own targets")
+    for flag, v in (("--fsdp-param-dtype", f.fsdp_param_dtype), ("--fsdp-reduce-dtype", f.fsdp_reduce_dtype)):
+        if v not in _DTYPES:
+            errors.append(f"{flag} {v!r} must be one of {_DTYPES}")
+    if f.fsdp_master_dtype is not None and f.fsdp_master_dtype not in _DTYPES:
+        errors.append(f"--fsdp-master-dtype {f.fsdp_master_dtype!r} must be one of {_DTYPES} or unset")
+    if f.fsdp_load_wave_size < 0:
+        errors.append(f"--fsdp-load-wave-size must be >= 0 (0 = all ranks at once), got {f.fsdp_load_wave_size}")
+    if not f.fsdp_trainable_attr:
+        errors.append("--fsdp-trainable-attr is empty; the default is 'transformer'")
+
+
+def _check_sync(cfg: RunConfig, errors: list[str]) -> None:
+    s, lo = cfg.sync, cfg.lora
+    if s.weight_sync_mode not in ("full", "adapter"):
+        errors.append(f"--weight-sync-mode {s.weight_sync_mode!r} must be 'full' or 'adapter'")
+    elif lo.lora_adapter_mode and s.weight_sync_mode != "adapter":
+        errors.append(
+            f"--lora-adapter-mode with an explicit --weight-sync-mode {s.weight_sync_mode}: adapter mode "
+            "syncs only LoRA tensors; drop --weight-sync-mode (it is derived) or set it to adapter"
+        )
+    elif s.weight_sync_mode == "adapter" and not lo.lora_adapter_mode:
+        errors.append("--weight-sync-mode adapter needs --lora-adapter-mode (and --fsdp-trainable-mode lora)")
+    if s.weight_sync_wire_dtype not in _DTYPES:
+        errors.append(f"--weight-sync-wire-dtype {s.weight_sync_wire_dtype!r} must be one of {_DTYPES}")
+    elif (
+        s.weight_sync_wire_dtype != "bf16"
+        and resolve_engine_path(cfg.rollout.rollout_engine_class_path) == ENGINE_SHORT_NAMES["sglang"]
+    ):
+        errors.append(
+            f"--weight-sync-wire-dtype {s.weight_sync_wire_dtype} with the sglang engine: its weight "
+            "update path takes bf16; use --weight-sync-wire-dtype bf16"
+        )
+    if s.weight_sync_bucket_size_mb < 1:
+        errors.append(f"--weight-sync-bucket-size-mb must be >= 1, got {s.weight_sync_bucket_size_mb}")
+
+
+def _check_sampling(cfg: RunConfig, errors: list[str]) -> None:
+    """Fold trainer.sampling's own problem list and step-0 routes into `errors`."""
+    try:
+        parsed = parse_sampling_config(cfg.rollout.sampling_config)
+    except ValueError as exc:
+        # The first line is a summary ("invalid --sampling-config (N problems):"); every
+        # further line already names the flag and the key.
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        detail = [ln for ln in lines if not ln.startswith("invalid --sampling-config")]
+        errors.extend(detail or lines)
+        return
+    if parsed.sde_indices is None and parsed.num_sde_steps < 1:
+        errors.append(
+            "--sampling-config trains no SDE step (no sde_indices and num_sde_steps 0); set e.g. "
+            '"sde_indices": [1, 3, 5] (see configs/qwen_image_t2i_lora_8gpu.toml)'
+        )
+    errors.extend(trainable_step_zero_routes(parsed))
+
+
+def _check_colocate(cfg: RunConfig, world: int | None, errors: list[str]) -> None:
+    c, r = cfg.colocate, cfg.rollout
+    if c.fully_async:
+        errors.append("--fully-async is rejected: training is synchronous colocate only; remove the flag")
+    if c.hybrid:
+        errors.append("--hybrid is rejected: training is synchronous colocate only; remove the flag")
+    if not c.colocate:
+        errors.append("--colocate must stay on: actor and engine time-share every device here")
+    n = r.rollout_num_gpus_per_engine
+    if n < 1:
+        errors.append(f"--rollout-num-gpus-per-engine must be >= 1, got {n}")
+    else:
+        if world is not None and world % n:
+            errors.append(
+                f"--rollout-num-gpus-per-engine {n} does not divide the actor world size {world}; each "
+                "engine's devices must tile the FSDP ranks"
+            )
+        if n > 1:
+            errors.append(
+                f"--rollout-num-gpus-per-engine {n}: each rank runs its own in-process engine on its own "
+                "device, so only 1 is supported; remove the flag"
+            )
+    if c.rollout_num_gpus is not None and world is not None and c.rollout_num_gpus != world:
+        errors.append(
+            f"--rollout-num-gpus {c.rollout_num_gpus} != world size {world}: with colocation every rank "
+            "runs an engine; remove the flag"
+        )
+    if c.resource is not None:
+        _check_resource(c.resource, world, errors)
+    if c.use_fault_tolerance:
+        errors.append(
+            "--use-fault-tolerance is rejected: a failed weight sync raises on every rank; restart with "
+            "--load <checkpoint dir>"
+        )
+    if c.autoscaler_config is not None:
+        errors.append("--autoscaler-config is rejected: in-process engines have no elastic scale-out; remove it")
+
+
+def _check_resource(res: dict, world: int | None, errors: list[str]) -> None:
+    def total(key: str) -> int | None:
+        v = res.get(key)
+        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v)):
+            errors.append(f"--resource {key!r} must be [nodes, devices_per_node] with positive integers, got {v!r}")
+            return None
+        return v[0] * v[1]
+
+    unknown = sorted(set(res) - {"actor", "rollout"})
+    if unknown:
+        errors.append(f"--resource has unknown roles {unknown}; only 'actor' and 'rollout' exist")
+    actor, rollout = total("actor"), total("rollout")
+    if actor is None or rollout is None:
+        return
+    if res["actor"] != res["rollout"]:
+        errors.append(
+            f"--resource actor {res['actor']} != rollout {res['rollout']}: colocation runs both on the "
+            "same devices"
+        )
+    elif world is not None and actor != world:
+        errors.append(f"--resource actor {res['actor']} = {actor} devices but the world size is {world}")
+
+
+def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnings: list[str]) -> None:
+    r, g = cfg.rollout, cfg.grpo
+    ok_b = _positive_int("--rollout-batch-size", r.rollout_batch_size, errors, required=True)
+    ok_n = _positive_int("--n-samples-per-prompt", r.n_samples_per_prompt, errors, required=True)
+    ok_u = _positive_int("--num-updates-per-batch", g.num_updates_per_batch, errors)
+    ok_m = _positive_int("--micro-batch-size", g.micro_batch_size, errors)
+    _positive_int("--num-rollout", r.num_rollout, errors, required=True)
+    if r.engine_batch_size < 0:
+        errors.append(f"--engine-batch-size must be >= 0 (0 = auto), got {r.engine_batch_size}")
+    if ok_n and r.n_samples_per_prompt < 2:
+        warnings.append(
+            "--n-samples-per-prompt 1: a group of one has no reward variance, every advantage is 0; use 2 or more"
+        )
+    if ok_u and g.num_updates_per_batch == 1:
+        warnings.append(
+            "--num-updates-per-batch 1: the importance ratio is always exactly 1, so the clipped loss never "
+            "clips; use 2 or more"
+        )
+    if not (ok_b and ok_n):
+        return
+    total = r.rollout_batch_size * r.n_samples_per_prompt
+    gbs = r.global_batch_size if r.global_batch_size is not None else total
+    if gbs != total:
+        errors.append(
+            f"--global-batch-size {gbs} != --rollout-batch-size {r.rollout_batch_size} x "
+            f"--n-samples-per-prompt {r.n_samples_per_prompt} = {total}; set it to {total} or leave it unset"
+        )
+        return
+    if world is None or world < 1:
+        return
+    if total % world:
+        errors.append(
+            f"--rollout-batch-size x --n-samples-per-prompt = {total} candidates do not divide evenly over "
+            f"{world} ranks; make the product a multiple of {world}"
+        )
+        return
+    per_rank = total // world
+    if not (ok_u and ok_m):
+        return
+    if per_rank % g.num_updates_per_batch:
+        errors.append(
+            f"--num-updates-per-batch {g.num_updates_per_batch} does not divide the {per_rank} candidates per "
+            f"rank ({total} / {world} ranks); pick a divisor of {per_rank}"
+        )
+        return
+    per_update = per_rank // g.num_updates_per_batch
+    if per_update % g.micro_batch_size:
+        errors.append(
+            f"--micro-batch-size {g.micro_batch_size} does not divide the {per_update} candidates of each "
+            f"update on a rank ({per_rank} per rank / --num-updates-per-batch {g.num_updates_per_batch}); "
+            f"pick a divisor of {per_update}"
+        )
+
+
+def _check_grpo(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+    g = cfg.grpo
+    if g.advantage_estimator != "grpo":
+        errors.append(f"--advantage-estimator {g.advantage_estimator!r}: only 'grpo' is supported")
+    if not (g.eps_clip > 0):
+        errors.append(f"--eps-clip must be > 0, got {g.eps_clip} (FlowGRPO recipes use 1e-4)")
+    if g.eps_clip_high is not None and not (g.eps_clip_high > 0):
+        errors.append(f"--eps-clip-high must be > 0 when set, got {g.eps_clip_high}")
+    mode = g.generative_advantage_std_mode
+    if mode is not None and mode not in ("group", "batch", "none"):
+        errors.append(f"--generative-advantage-std-mode {mode!r} must be 'group', 'batch' or 'none'")
+    elif g.disable_grpo_std_normalization and mode in ("group", "batch"):
+        errors.append(
+            f"--disable-grpo-std-normalization contradicts --generative-advantage-std-mode {mode}; drop one "
+            "(the disable flag means 'none')"
+        )
+    if g.kl_coef != 0:
+        errors.append(f"--kl-coef {g.kl_coef}: FlowGRPO here has no reference model and no KL term; set it to 0")
+    if g.use_kl_loss:
+        errors.append("--use-kl-loss: FlowGRPO here has no reference model and no KL term; remove the flag")
+
+
+def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+    o, f = cfg.optim, cfg.fsdp
+    if not (o.lr > 0) or not math.isfinite(o.lr):
+        errors.append(f"--lr must be a finite number > 0, got {o.lr}")
+    elif not (0 <= o.min_lr <= o.lr):
+        errors.append(f"--min-lr {o.min_lr} must be in [0, --lr {o.lr}]")
+    if o.lr_warmup_iters < 0:
+        errors.append(f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
+    if f.fsdp_lr_scheduler not in ("constant", "linear", "cosine"):
+        errors.append(f"--fsdp-lr-scheduler {f.fsdp_lr_scheduler!r} must be 'constant', 'linear' or 'cosine'")
+    elif f.fsdp_lr_scheduler != "constant":
+        if o.lr_decay_iters is None:
+            errors.append(f"--fsdp-lr-scheduler {f.fsdp_lr_scheduler} needs --lr-decay-iters (optimizer steps)")
+        elif o.lr_decay_iters < 1:
+            errors.append(f"--lr-decay-iters must be >= 1, got {o.lr_decay_iters}")
+    if o.lr_decay_style is not None and f.fsdp_lr_scheduler == "constant":
+        warnings.append(
+            f"--lr-decay-style {o.lr_decay_style} has no effect: the post-warmup shape is --fsdp-lr-scheduler "
+            "(constant); set --fsdp-lr-scheduler linear/cosine instead"
+        )
+    if o.weight_decay < 0:
+        errors.append(f"--weight-decay must be >= 0, got {o.weight_decay}")
+    for flag, v in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
+        if not (0 <= v < 1):
+            errors.append(f"{flag} must be in [0, 1), got {v}")
+    if not (o.adam_eps > 0):
+        errors.append(f"--adam-eps must be > 0, got {o.adam_eps}")
+    if not (o.clip_grad > 0):
+        errors.append(f"--clip-grad must be > 0, got {o.clip_grad}")
+
+
+def _check_reward(cfg: RunConfig, errors: list[str]) -> None:
+    rw = cfg.reward
+    if rw.reward_runtime not in ("cpu", "colocate", "remote"):
+        hint = " ('dedicated' was removed: use colocate)" if rw.reward_runtime == "dedicated" else ""
+        errors.append(f"--reward-runtime {rw.reward_runtime!r} must be 'cpu', 'colocate' or 'remote'{hint}")
+    if rw.reward_runtime == "remote" and not rw.reward_endpoint:
+        errors.append("--reward-runtime remote needs --reward-endpoint URL")
+    scorer = resolve_scorer_path(rw.reward_scorer_path)
+    if scorer is None:
+        if rw.reward_runtime != "remote":
+            errors.append(
+                "--reward-scorer-path is required unless --reward-runtime remote (e.g. pickscore, ocr, "
+                "jpeg_compressibility, color)"
+            )
+    else:
+        _check_dotpath("--reward-scorer-path", scorer, errors)
+    if scorer in SCORERS_NEEDING_MODEL and rw.reward_runtime != "remote":
+        _need_existing("--reward-model-path", rw.reward_model_path, "dir", errors, required=True)
+    elif rw.reward_model_path:
+        _need_existing("--reward-model-path", rw.reward_model_path, "dir", errors, required=False)
+    weights = rw.reward_component_weights or {}
+    for name, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            errors.append(f"--reward-component-weights {name!r}: weight must be a finite number, got {w!r}")
+    for comp in rw.reward_required_components or []:
+        if comp not in weights:
+            errors.append(
+                f"--reward-required-components {comp!r} has no --reward-component-weights entry; add "
+                f'{{"{comp}": 1.0}}'
+            )
+
+
+def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+    a, e, ck = cfg.artifacts, cfg.eval, cfg.checkpoint
+    if not a.artifact_root:
+        errors.append("--artifact-root is required (a directory for trajectory sidecars and PNGs)")
+    elif Path(a.artifact_root).exists() and not Path(a.artifact_root).is_dir():
+        errors.append(f"--artifact-root {a.artifact_root} exists and is not a directory")
+    if a.artifact_retention_rollouts <= 0:
+        warnings.append(
+            f"--artifact-retention-rollouts {a.artifact_retention_rollouts} keeps every rollout's sidecars and "
+            "images: the artifact root grows without bound"
+        )
+    _need_existing("--prompt-data", cfg.rollout.prompt_data, "file", errors, required=True)
+    names = [n for n, _ in e.eval_prompt_data]
+    if len(set(names)) != len(names):
+        errors.append(f"--eval-prompt-data names must be unique, got {names}")
+    for name, path in e.eval_prompt_data:
+        _need_existing(f"--eval-prompt-data {name}", path, "file", errors, required=True)
+    if e.eval_interval is not None:
+        if _positive_int("--eval-interval", e.eval_interval, errors) and not e.eval_prompt_data:
+            errors.append("--eval-interval needs --eval-prompt-data NAME PATH")
+    elif e.eval_prompt_data:
+        warnings.append("--eval-prompt-data is set but --eval-interval is not: no evaluation will run")
+    _positive_int("--n-samples-per-eval-prompt", e.n_samples_per_eval_prompt, errors)
+    if ck.save_interval is not None:
+        if _positive_int("--save-interval", ck.save_interval, errors) and not ck.save:
+            errors.append("--save-interval needs --save DIR")
+    if ck.max_actor_ckpt_to_keep is not None:
+        _positive_int("--max-actor-ckpt-to-keep", ck.max_actor_ckpt_to_keep, errors)
+    elif ck.rotate_ckpt:
+        errors.append("--rotate-ckpt needs --max-actor-ckpt-to-keep N (how many checkpoints to keep)")
+    if ck.load:
+        _need_existing("--load", ck.load, "dir", errors, required=True)
+    if ck.save and Path(ck.save).exists() and not Path(ck.save).is_dir():
+        errors.append(f"--save {ck.save} exists and is not a directory")
+    if ck.async_save:
+        warnings.append("--async-save has no effect: the checkpoint write is synchronous")
+    if ck.save_hf:
+        errors.append(
+            "--save-hf is rejected: export a committed checkpoint offline with tools/export_checkpoint.py"
+        )
+
+
+def _check_unsupported(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+    g, d, lg = cfg.grpo, cfg.debug, cfg.logging
+    if g.use_dynamic_batch_size:
+        errors.append(
+            "--use-dynamic-batch-size is rejected: diffusion latents are fixed-shape, there is no token-budget "
+            "batching; use --micro-batch-size"
+        )
+    if g.max_tokens_per_gpu is not None:
+        errors.append("--max-tokens-per-gpu is rejected: there is no token-budget batching; use --micro-batch-size")
+    if d.load_debug_rollout_data:
+        errors.append(
+            "--load-debug-rollout-data is rejected: each rank replays the trajectories it generated; remove it"
+        )
+    if d.save_debug_train_data:
+        warnings.append(
+            "--save-debug-train-data has no effect: train data are numeric tensors plus the sidecars under "
+            "--artifact-root"
+        )
+    for flag, on in (
+        ("--use-wandb", lg.use_wandb),
+        ("--use-clearml", lg.use_clearml),
+        ("--use-metrics-service", lg.use_metrics_service),
+    ):
+        if on:
+            errors.append(f"{flag} is rejected: TensorBoard (--tensorboard-dir) is the only tracker here")

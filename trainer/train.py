@@ -1,0 +1,73 @@
+"""Entry point: `python -m trainer.train --config RECIPE.toml [--flag value ...] [--preflight-only]`.
+
+Normally launched by `bash run.sh train RECIPE` (torchrun, one process per device).
+Stages: parse the config, run preflight, then hand over to the training loop.
+With --preflight-only it prints the resolved config as JSON followed by
+`preflight ok` (exit 0), or the list of violations (exit 2). Config and preflight
+errors always exit 2, before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+from trainer.config import ConfigError, format_help, load_config, world_size_from_env
+from trainer.preflight import PreflightError, validate
+
+EXIT_CONFIG = 2
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(format_help())
+        return 0
+    preflight_only = "--preflight-only" in argv
+    argv = [a for a in argv if a != "--preflight-only"]
+    rank0 = _is_rank0()
+    try:
+        cfg = load_config(argv)
+        world = world_size_from_env()
+    except ConfigError as exc:
+        if rank0:
+            print(f"config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if preflight_only and rank0:
+        print(json.dumps(cfg.to_dict(), indent=2))
+    try:
+        warnings = validate(cfg, world)
+    except PreflightError as exc:
+        if rank0:
+            print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG
+    if rank0:
+        for w in warnings:
+            print(f"preflight warning: {w}", file=sys.stderr)
+    if preflight_only:
+        if rank0:
+            print("preflight ok")
+        return 0
+    # The loop is imported only after preflight so a bad config never pays for torch.
+    if importlib.util.find_spec("trainer.loop") is None:
+        if rank0:
+            print(
+                "preflight ok, but training is not available in this build (trainer/loop.py is missing); "
+                "use --preflight-only to check a recipe",
+                file=sys.stderr,
+            )
+        return EXIT_CONFIG
+    from trainer.loop import run
+
+    result = run(cfg)
+    return int(result) if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
