@@ -1,0 +1,175 @@
+"""Remote scoring against tools/reward_server.py on 127.0.0.1 (a thread, and once the real CLI in
+a subprocess); a dead endpoint fails fast with an error naming it; tools/score.py on a folder."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tools.reward_server import make_server
+from trainer.rewards.base import ImageBatch
+from trainer.rewards.color import ColorScorer, color_palette
+from trainer.rewards.manager import RewardManager
+from trainer.rewards.post_process import post_process
+from trainer.rewards.remote import RemoteScorer, RewardEndpointError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def serving(scorer):
+    server = make_server(scorer, "127.0.0.1", 0, "test.scorer")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"http://{host}:{port}/score"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def color_batch():
+    pal = color_palette()
+    imgs = torch.stack([torch.tensor(pal[c]).view(3, 1, 1).expand(3, 6, 6) * t for c, t in
+                        (("red", 1.0), ("red", 0.6), ("blue", 0.9), ("blue", 0.3))])
+    return imgs, ["a red kite", "a red kite", "a blue kite", "a kite"]  # the last names no colour
+
+
+def test_remote_scores_match_local_and_nan_travels_as_null():
+    imgs, prompts = color_batch()
+    local = ColorScorer()(ImageBatch.from_any(imgs), prompts, [{}] * 4)["color"]
+    with serving(ColorScorer()) as url:
+        client = RemoteScorer(url, timeout_s=10, max_retries=0)
+        assert client.components == ("color",) and client.info()["scorer"] == "test.scorer"
+        remote = client(ImageBatch.from_any(imgs), prompts, [{"sample_id": str(i)} for i in range(4)])["color"]
+        torch.testing.assert_close(remote, local, equal_nan=True)  # PNG transport is lossless
+        assert math.isnan(remote[3])
+        # the whole reward path through the remote runtime, in batches of 3
+        manager = RewardManager("remote", endpoint=url, batch_size=3)
+        res = post_process(imgs, prompts, group_size=2, manager=manager, required_components=["color"])
+        assert res.failed_groups == [1] and res.valid.tolist() == [True, True, False, False]
+        assert res.advantages[0] > 0 > res.advantages[1]
+
+
+class FlakyScorer(ColorScorer):
+    """Fails its first `fail` calls with an exception (the server answers 500)."""
+
+    def __init__(self, fail):
+        super().__init__()
+        self.fail, self.calls = fail, 0
+
+    def score(self, images, prompts, metadata):
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise RuntimeError("scorer out of memory")
+        return super().score(images, prompts, metadata)
+
+
+def test_server_errors_are_retried_then_reported():
+    imgs, prompts = color_batch()
+    batch = ImageBatch.from_any(imgs)
+    flaky = FlakyScorer(fail=1)
+    with serving(flaky) as url:
+        out = RemoteScorer(url, timeout_s=10, max_retries=2, backoff_s=0.01)(batch, prompts, [{}] * 4)
+        assert flaky.calls == 2 and torch.isfinite(out["color"][:3]).all()
+    broken = FlakyScorer(fail=100)
+    with serving(broken) as url:
+        with pytest.raises(RewardEndpointError, match="out of memory") as err:
+            RemoteScorer(url, timeout_s=10, max_retries=2, backoff_s=0.01)(batch, prompts, [{}] * 4)
+        assert url in str(err.value) and "3 attempt" in str(err.value) and broken.calls == 3
+        # a malformed request is a 400 and is not retried
+        with pytest.raises(RewardEndpointError, match="rejected"):
+            RemoteScorer(url, max_retries=5, backoff_s=10)._exchange(b'{"prompts": ["a"], "images": ["%%%"]}')
+
+
+def test_dead_endpoint_fails_fast_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    url = f"http://127.0.0.1:{port}/score"
+    imgs, prompts = color_batch()
+    t0 = time.monotonic()
+    with pytest.raises(RewardEndpointError) as err:
+        RewardManager("remote", endpoint=url, remote_max_retries=2, remote_backoff_s=0.05).score(imgs, prompts)
+    assert time.monotonic() - t0 < 5
+    msg = str(err.value)
+    assert url in msg and "--reward-endpoint" in msg and "3 attempt" in msg
+    with pytest.raises(ValueError, match="--reward-endpoint"):
+        RemoteScorer("127.0.0.1:8000")
+
+
+def test_reward_server_cli_in_subprocess():
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "reward_server.py"), "--reward-scorer-path",
+         "trainer.rewards.color.ColorScorer", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        url = line.split()[-1]
+        imgs, prompts = color_batch()
+        out = RemoteScorer(url, timeout_s=20, max_retries=0)(ImageBatch.from_any(imgs), prompts, [{}] * 4)
+        assert out["color"][0].item() == pytest.approx(1.0)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+
+
+# --- tools/score.py ------------------------------------------------------------------------------
+
+def run_score(argv):
+    from tools import score
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert score.main(argv) == 0
+    return [json.loads(line) for line in buf.getvalue().splitlines()]
+
+
+def test_score_tool_matches_artifact_names_and_order(tmp_path):
+    pal = color_palette()
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": f"a {c} ball", "metadata": {"i": i}}) + "\n"
+                                   for i, c in enumerate(("red", "green", "blue"))))
+    art = tmp_path / "rollout_3"
+    art.mkdir()
+    # group 2 (blue) sample 1 is blue; group 0 (red) sample 0 is green
+    Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["blue"])).save(art / "group_00000002_sample_0001.png")
+    Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["green"])).save(art / "group_00000000_sample_0000.png")
+    (art / "group_00000002.safetensors").write_bytes(b"")  # sidecars are ignored
+    rows = run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(art),
+                      "--prompt-data", str(prompt_file)])
+    assert [(r["image"], r["group"], r["slot"], r["prompt"]) for r in rows] == [
+        ("group_00000000_sample_0000.png", 0, 0, "a red ball"),
+        ("group_00000002_sample_0001.png", 2, 1, "a blue ball"),
+    ]
+    assert rows[0]["scores"]["color"] == pytest.approx(math.exp(-4))  # green image, red prompt
+    assert rows[1]["scores"]["color"] == pytest.approx(1.0)
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name, c in (("b.png", "red"), ("a.png", "green"), ("c.png", "white")):
+        Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal[c])).save(plain / name)
+    rows = run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(plain),
+                      "--prompt-data", str(prompt_file), "--batch-size", "2"])
+    assert [r["image"] for r in rows] == ["a.png", "b.png", "c.png"]  # sorted, paired with lines in order
+    assert rows[1]["scores"]["color"] == pytest.approx(math.exp(-4))  # red image vs "green": d^2 = 2, 2 sigma^2 = 0.5
+    (plain / "d.png").write_bytes((plain / "a.png").read_bytes())
+    with pytest.raises(ValueError, match="4 images .* 3 prompts"):
+        run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(plain),
+                   "--prompt-data", str(prompt_file)])

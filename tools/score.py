@@ -1,0 +1,116 @@
+"""Score a folder of images against their prompts and print one JSON line per image.
+
+    python tools/score.py --reward-scorer-path trainer.rewards.pickscore.PickScoreScorer \
+        --reward-model-path /models/PickScore_v1 --images runs/art/t2i/rollout_12 \
+        --prompt-data data/prompts.jsonl
+
+Images are matched to prompts by the rollout artifact naming group_<8 digits>_sample_<4 digits>.png
+(the group index is the 0-based line index of the prompt file) when every image in the folder is
+named that way; otherwise the sorted image files are paired with the prompt lines in order, and
+the counts must agree. The prompt file is JSONL: {"prompt": "...", "metadata": {...}} per line.
+Output lines: {"image": FILE, "prompt": ..., "group": G or null, "slot": S or null,
+"scores": {component: value or null}}. Scoring goes through the same manager as training
+(--reward-runtime cpu / colocate / remote), so the numbers match the training run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ARTIFACT_RE = re.compile(r"^group_(\d{8})_sample_(\d{4})\.png$")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
+    """(prompt, metadata) per line of a JSONL prompt file. Every line must be an object with a
+    string "prompt"; the error names the file and line."""
+    entries = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                raise ValueError(f"{path}:{lineno}: empty line (group indices are line indices; remove it)")
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise ValueError(f'{path}:{lineno}: expected an object with a string "prompt"')
+            entries.append((rec["prompt"], dict(rec.get("metadata") or {})))
+    return entries
+
+
+def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]]) -> list[dict]:
+    """[{path, prompt, metadata, group, slot}] in output order (see the module docstring)."""
+    files = sorted(p for p in Path(image_dir).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(f"--images {image_dir}: no image files found")
+    named = [ARTIFACT_RE.match(p.name) for p in files]
+    rows = []
+    if all(named):
+        for p, m in zip(files, named):
+            g, s = int(m.group(1)), int(m.group(2))
+            if g >= len(prompts):
+                raise ValueError(
+                    f"{p.name}: group {g} but --prompt-data has only {len(prompts)} lines "
+                    "(is it the prompt file this rollout was generated from?)"
+                )
+            rows.append({"path": p, "prompt": prompts[g][0], "metadata": prompts[g][1], "group": g, "slot": s})
+        return rows
+    if len(files) != len(prompts):
+        raise ValueError(
+            f"--images {image_dir} has {len(files)} images and --prompt-data has {len(prompts)} prompts; "
+            "without group_<8d>_sample_<4d>.png names they are paired in sorted order, so the counts must match"
+        )
+    for p, (prompt, md) in zip(files, prompts):
+        rows.append({"path": p, "prompt": prompt, "metadata": md, "group": None, "slot": None})
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reward-scorer-path", default=None, help="dotpath of a GenerativeRewardScorer")
+    p.add_argument("--reward-model-path", default=None, help="local model directory for scorers that need weights")
+    p.add_argument("--reward-runtime", default="cpu", choices=("cpu", "colocate", "remote"))
+    p.add_argument("--reward-endpoint", default=None, help="URL of a reward server (with --reward-runtime remote)")
+    p.add_argument("--device", default="cpu", help="device for --reward-runtime colocate, e.g. cuda:0")
+    p.add_argument("--images", required=True, help="folder of images")
+    p.add_argument("--prompt-data", required=True, help="JSONL prompt file")
+    p.add_argument("--batch-size", type=int, default=16, help="images per scorer call")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from PIL import Image
+
+    from trainer.rewards.manager import RewardManager
+
+    rows = match_images(args.images, read_prompt_file(args.prompt_data))
+    manager = RewardManager(
+        args.reward_runtime, args.reward_scorer_path, args.reward_model_path, args.device, args.reward_endpoint,
+        batch_size=args.batch_size,
+    )
+    for start in range(0, len(rows), args.batch_size):
+        chunk = rows[start:start + args.batch_size]
+        images = []
+        for r in chunk:
+            with Image.open(r["path"]) as im:
+                images.append(im.convert("RGB"))
+        out = manager.score(images, [r["prompt"] for r in chunk], [r["metadata"] for r in chunk])
+        for i, r in enumerate(chunk):
+            scores = {}
+            for name, t in out.components.items():
+                v = float(t[i])
+                scores[name] = v if math.isfinite(v) else None
+            line = {"image": r["path"].name, "prompt": r["prompt"], "group": r["group"], "slot": r["slot"], "scores": scores}
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
