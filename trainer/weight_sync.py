@@ -271,6 +271,7 @@ class WeightSyncer:
         (version not committed, train/weight_sync_failures incremented).
         """
         version = self.policy_version + 1
+        engine_version = getattr(engine, "policy_version", None)
         t0 = time.perf_counter()
         try:
             manifest = self._handoff(model, engine, version)
@@ -280,7 +281,7 @@ class WeightSyncer:
                                       f"commit_weight_version({version})")
         except Exception as exc:
             self.failures += 1
-            self._roll_back(engine)
+            self._roll_back(engine, engine_version)
             if isinstance(exc, WeightSyncError):
                 raise
             raise WeightSyncError(f"weight sync to version {version} failed: {exc!r}") from exc
@@ -296,11 +297,13 @@ class WeightSyncer:
             "perf/weight_sync_time": time.perf_counter() - t0,
         }
 
-    def _roll_back(self, engine: Any) -> None:
-        """Keep the engine's version label at the last committed one, so a retry rebuilds `version`."""
+    def _roll_back(self, engine: Any, engine_version: int | None) -> None:
+        """Put the engine's version label back to what it was before the attempt (a retry rebuilds
+        the same version). The weights themselves may be partly replaced: the caller must not
+        sample with this engine before a successful sync."""
         try:
-            if getattr(engine, "policy_version", self.policy_version) != self.policy_version:
-                engine.commit_weight_version(self.policy_version)
+            if engine_version is not None and getattr(engine, "policy_version", engine_version) != engine_version:
+                engine.commit_weight_version(engine_version)
         except Exception:  # the sync error is what the caller must see; this is best effort
             log.exception("could not restore the engine's policy_version to %d", self.policy_version)
 

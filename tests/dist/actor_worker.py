@@ -1,0 +1,173 @@
+"""torchrun worker (2 ranks, CPU, gloo) for tests/test_actor_dist.py.
+
+Runs every multi-process actor check in ONE launch (a launch costs ~10 s) and writes
+<out_dir>/rank<r>.json: {"checks": {name: bool}, "figures": {...}} or {"error": traceback}.
+Usage: python -m torch.distributed.run --nproc-per-node 2 tests/dist/actor_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module.*returned a view tensor")
+
+import torch  # noqa: E402
+
+from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, merged_state,  # noqa: E402
+                             replay, tiny_transformer)
+from trainer.actor import Actor, MicroBatchMismatchError, apply_lora, model_name  # noqa: E402
+from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit  # noqa: E402
+from trainer.engine.base import WeightManifest, WeightSyncError  # noqa: E402
+from trainer.weight_sync import WeightSyncer  # noqa: E402
+
+ADV = {0: torch.tensor([1.0, -1.0, 0.5, -0.5]), 1: torch.tensor([-0.3, 0.8, -1.2, 0.7])}
+
+
+def gathered(model) -> dict[str, torch.Tensor]:
+    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def exact(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class BadManifest(ReceiverEngine):
+    """Receives a manifest that promises one tensor more than arrives."""
+
+    def update_weights_from_tensors(self, named, manifest):
+        bad = WeightManifest(manifest.kind, manifest.tensor_count + 1, manifest.total_bytes,
+                             manifest.name_shape_hash, manifest.version)
+        super().update_weights_from_tensors(named, bad)
+
+
+def full_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
+    cfg = make_cfg("full", fsdp__fsdp_activation_checkpointing=True)
+    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"))
+    before = gathered(actor.model)
+    batch = make_batch(4, seed=10 + rank)
+    m = actor.train_step(batch, ADV[rank], replay)
+    after = gathered(actor.model)
+    trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+    checks["full_every_trainable_changed"] = bool(trainable) and all(not torch.equal(before[n], after[n]) for n in trainable)
+    checks["full_never_trained_frozen"] = bool(actor.never_trained) and all(
+        torch.equal(before[n], after[n]) for n in actor.never_trained)
+    first, second = actor.last_update_stats
+    checks["first_update_ratio_exactly_1"] = first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
+    checks["second_update_ratio_not_1"] = (second["ratio_max"].item(), second["ratio_min"].item()) != (1.0, 1.0)
+    checks["two_updates_two_optimizer_steps"] = m["train/optimizer_steps"] == 2 and actor.optimizer_steps == 2
+    figures["full_train"] = m
+
+    engine = ReceiverEngine(tiny_transformer(seed=5))
+    syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=0.05)
+    sm = syncer.sync(actor.model, engine)
+    g = gathered(actor.model)
+    checks["full_sync_engine_matches_gathered"] = exact({n: p.detach() for n, p in engine.transformer.named_parameters()}, g)
+    probe = make_batch(2, seed=99)
+    with torch.no_grad():
+        checks["full_sync_engine_forward_matches_actor"] = torch.equal(replay(engine.transformer, probe),
+                                                                       replay(actor.model, probe))
+    checks["full_sync_version_committed"] = engine.policy_version == syncer.policy_version == 1
+    figures["full_sync"] = sm
+
+    # a manifest mismatch raises on every rank and leaves the version where it was
+    try:
+        syncer.sync(actor.model, BadManifest(copy.deepcopy(engine.transformer)))
+        checks["bad_manifest_raises"] = False
+    except WeightSyncError:
+        checks["bad_manifest_raises"] = True
+    checks["bad_manifest_version_unchanged"] = syncer.policy_version == 1 and syncer.failures == 1
+
+    # offload / onload round trip, bit exact, storage really freed
+    optim_before = [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in s.items()}
+                    for s in actor.optimizer.state.values()]
+    om = actor.offload()
+    checks["offload_frees_storage"] = all(p._local_tensor.untyped_storage().nbytes() == 0
+                                          for p in actor.model.parameters())
+    actor.onload()
+    optim_after = [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in s.items()}
+                   for s in actor.optimizer.state.values()]
+    checks["offload_roundtrip_params_bit_exact"] = exact(g, gathered(actor.model))
+    checks["offload_roundtrip_optimizer_bit_exact"] = len(optim_before) == len(optim_after) and all(
+        exact(a, b) for a, b in zip(optim_before, optim_after))
+    figures["offload"] = om
+
+    # ranks that disagree on the micro-batch count raise instead of deadlocking
+    try:
+        n = 4 if rank == 0 else 6
+        actor.train_step(make_batch(n, seed=3), torch.linspace(-1, 1, n), replay)
+        checks["microbatch_mismatch_raises"] = False
+    except MicroBatchMismatchError:
+        checks["microbatch_mismatch_raises"] = True
+
+
+def lora_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
+    cfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32", fsdp__no_fsdp_reshard_after_forward=True)
+    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), default_lora_targets=LORA_TARGETS)
+    before = gathered(actor.model)
+    m = actor.train_step(make_batch(4, seed=20 + rank), ADV[rank], replay)
+    after = gathered(actor.model)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    lora = {n for n in before if ".lora_" in n and n not in actor.never_trained}
+    checks["lora_only_adapter_changed"] = bool(lora) and changed == lora
+    figures["lora_train"] = m
+
+    engine = ReceiverEngine(tiny_transformer())
+    ad = WeightSyncer("adapter", wire_dtype="fp32", lora_config=actor.lora_config, verify_checksum=False)
+    am = ad.sync(actor.model, engine)
+    eng_lora = {n.replace(".default.", "."): p.detach() for n, p in engine.transformer.named_parameters() if ".lora_" in n}
+    act_lora = {n.replace(".default.", "."): t for n, t in after.items() if ".lora_" in n}
+    checks["adapter_sync_engine_matches_gathered"] = exact(eng_lora, act_lora)
+    probe = make_batch(2, seed=98)
+    with torch.no_grad():
+        checks["adapter_sync_engine_forward_matches_actor"] = torch.allclose(
+            replay(engine.transformer, probe), replay(actor.model, probe), rtol=0, atol=1e-6)
+    figures["adapter_sync"] = am
+
+    merge = WeightSyncer("merged", wire_dtype="fp32", bucket_size_mb=0.05)
+    try:
+        merge.sync(actor.model, engine)  # the engine now holds LoRA layers
+        checks["full_sync_into_lora_engine_raises"] = False
+    except WeightSyncError:
+        checks["full_sync_into_lora_engine_raises"] = True
+    checks["full_sync_into_lora_engine_version_unchanged"] = merge.policy_version == 0 and engine.policy_version == 1
+
+    plain = ReceiverEngine(tiny_transformer(seed=7))
+    mm = merge.sync(actor.model, plain)
+    ref_model = tiny_transformer()
+    apply_lora(ref_model, LORA_TARGETS, actor.lora_config["rank"], actor.lora_config["alpha"])
+    ref_model.load_state_dict({n: after[model_name(n)] for n, _ in ref_model.named_parameters()})
+    ref = merged_state(ref_model)
+    got = {n: p.detach() for n, p in plain.transformer.named_parameters()}
+    checks["merge_sync_engine_matches_merged"] = set(got) == set(ref) and all(
+        torch.allclose(got[k], ref[k], rtol=0, atol=1e-6) for k in ref)
+    with torch.no_grad():
+        checks["merge_sync_engine_forward_matches_actor"] = torch.allclose(
+            replay(plain.transformer, probe), replay(actor.model, probe), rtol=0, atol=1e-5)
+    figures["merge_sync"] = mm
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    info = init_distributed("cpu")
+    result: dict = {"rank": info.rank, "world_size": info.world_size, "checks": {}, "figures": {}}
+    code = 0
+    try:
+        mesh = build_mesh("cpu")
+        full_checks(info.rank, mesh, result["checks"], result["figures"])
+        lora_checks(info.rank, mesh, result["checks"], result["figures"])
+    except Exception:
+        result["error"] = traceback.format_exc()
+        code = 1
+    with open(os.path.join(out_dir, f"rank{info.rank}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    shutdown_and_exit(code)
+
+
+if __name__ == "__main__":
+    main()
