@@ -183,6 +183,7 @@ def test_post_process_end_to_end_with_color_scorer():
     images += [torch.full((3, 8, 8), 0.5)] * 3
     prompts += ["a cube"] * 3  # names no colour: NaN, the group fails
     manager = get_reward_manager("cpu", "trainer.rewards.color.ColorScorer", batch_size=4)
+    assert get_reward_manager("cpu", "color") is manager  # short names resolve to the same entry
     res = post_process(torch.stack(images), prompts, group_size=3, manager=manager,
                        required_components=["color"], component_weights={"color": 1.0})
     assert res.failed_groups == [2] and res.valid.sum() == 6
@@ -195,8 +196,9 @@ def test_post_process_end_to_end_with_color_scorer():
                                reward_model_path=None, reward_endpoint=None,
                                reward_required_components=["color"], reward_component_weights={"color": 1.0}),
         grpo=SimpleNamespace(generative_advantage_std_mode=None, disable_grpo_std_normalization=True),
+        rollout=SimpleNamespace(n_samples_per_prompt=3),
     )
-    res_cfg = post_process_from_config(cfg, torch.stack(images), prompts, group_size=3)
+    res_cfg = post_process_from_config(cfg, torch.stack(images), prompts)
     raw = res.components["color"].view(3, 3)[:2]
     torch.testing.assert_close(res_cfg.advantages.view(3, 3)[:2], raw - raw.mean(dim=1, keepdim=True))
 

@@ -152,7 +152,7 @@ def test_score_tool_matches_artifact_names_and_order(tmp_path):
     Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["blue"])).save(art / "group_00000002_sample_0001.png")
     Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["green"])).save(art / "group_00000000_sample_0000.png")
     (art / "group_00000002.safetensors").write_bytes(b"")  # sidecars are ignored
-    rows = run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(art),
+    rows = run_score(["--reward-scorer-path", "color", "--images", str(art),
                       "--prompt-data", str(prompt_file)])
     assert [(r["image"], r["group"], r["slot"], r["prompt"]) for r in rows] == [
         ("group_00000000_sample_0000.png", 0, 0, "a red ball"),

@@ -87,7 +87,10 @@ def make_server(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reward-scorer-path", required=True, help="dotpath of a GenerativeRewardScorer")
+    p.add_argument(
+        "--reward-scorer-path", required=True,
+        help="dotpath of a GenerativeRewardScorer, or a shipped short name (pickscore, ocr, color, ...)",
+    )
     p.add_argument("--reward-model-path", default=None, help="local model directory, for scorers that need weights")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")

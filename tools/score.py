@@ -73,7 +73,10 @@ def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]]) -> list
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reward-scorer-path", default=None, help="dotpath of a GenerativeRewardScorer")
+    p.add_argument(
+        "--reward-scorer-path", default=None,
+        help="dotpath of a GenerativeRewardScorer, or a shipped short name (pickscore, ocr, color, ...)",
+    )
     p.add_argument("--reward-model-path", default=None, help="local model directory for scorers that need weights")
     p.add_argument("--reward-runtime", default="cpu", choices=("cpu", "colocate", "remote"))
     p.add_argument("--reward-endpoint", default=None, help="URL of a reward server (with --reward-runtime remote)")

@@ -158,8 +158,16 @@ def import_dotpath(dotpath: str, flag: str = "--reward-scorer-path") -> Any:
         raise ValueError(f"{flag}={dotpath!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
+def resolve_scorer_path(scorer_path: str | None) -> str | None:
+    """A shipped scorer's short name (its component name, e.g. "pickscore") -> its dotpath;
+    anything else unchanged."""
+    return SHIPPED_SCORERS.get(scorer_path, scorer_path) if scorer_path else scorer_path
+
+
 def build_scorer(scorer_path: str, model_path: str | None = None, device: str = "cpu") -> Any:
-    """Import the scorer class at `scorer_path` and build it with (model_path, device)."""
+    """Import the scorer class at `scorer_path` (a dotpath or a shipped short name) and build it
+    with (model_path, device)."""
+    scorer_path = resolve_scorer_path(scorer_path)
     cls = import_dotpath(scorer_path)
     scorer = cls(model_path=model_path, device=device)
     for attr in ("components", "required_tracks", "score"):

@@ -22,7 +22,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from trainer.rewards.base import ImageBatch, RewardError, build_scorer, check_scores, metadata_list
+from trainer.rewards.base import (
+    ImageBatch,
+    RewardError,
+    build_scorer,
+    check_scores,
+    metadata_list,
+    resolve_scorer_path,
+)
 
 RUNTIMES = ("colocate", "cpu", "remote")
 
@@ -71,7 +78,7 @@ class RewardManager:
         if batch_size < 1:
             raise ValueError(f"reward batch_size must be >= 1, got {batch_size}")
         self.runtime = runtime
-        self.scorer_path = scorer_path
+        self.scorer_path = scorer_path = resolve_scorer_path(scorer_path)
         self.model_path = model_path
         self.batch_size = int(batch_size)
         if runtime == "remote":
@@ -154,6 +161,7 @@ def get_reward_manager(
     `remote` ignores everything but the endpoint, so equivalent configurations share one manager.
     kwargs (batch_size, remote_*) apply only when the manager is first built.
     """
+    scorer_path = resolve_scorer_path(scorer_path)
     if runtime == "remote":
         key = (None, None, runtime, None, endpoint)
     else:

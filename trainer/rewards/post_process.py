@@ -205,16 +205,19 @@ def post_process_from_config(
     prompts: Sequence[str],
     metadata: Sequence[dict] | None = None,
     *,
-    group_size: int,
+    group_size: int | None = None,
     device: str | torch.device = "cpu",
 ) -> RewardResult:
     """post_process with every setting read from a run config (duck-typed): cfg.reward
     (reward_runtime, reward_scorer_path, reward_model_path, reward_endpoint,
-    reward_required_components, reward_component_weights) and cfg.grpo
-    (generative_advantage_std_mode, disable_grpo_std_normalization)."""
+    reward_required_components, reward_component_weights), cfg.grpo
+    (generative_advantage_std_mode, disable_grpo_std_normalization) and, unless group_size is
+    given, cfg.rollout.n_samples_per_prompt. `device` is the engine's (used by colocate)."""
     from trainer.rewards.manager import reward_manager_from_config
 
     reward, grpo = cfg.reward, getattr(cfg, "grpo", None)
+    if group_size is None:
+        group_size = int(cfg.rollout.n_samples_per_prompt)
     std_mode = resolve_std_mode(
         getattr(grpo, "generative_advantage_std_mode", None),
         bool(getattr(grpo, "disable_grpo_std_normalization", False)),
