@@ -375,3 +375,9 @@ def test_recipes_hold_no_machine_paths():
         for line in path.read_text().splitlines():
             value = line.split("#", 1)[0]
             assert not re.search(r'"/|"~|"[A-Za-z]:\\', value), f"{path.name}: {line}"
+
+
+def test_configuration_doc_lists_every_flag():
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [spec.flag for spec in FLAGS.values() if f"`{spec.flag}`" not in doc]
+    assert missing == []

@@ -24,11 +24,15 @@ import difflib
 import json
 import os
 import re
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+    import tomli as tomllib
 
 
 class ConfigError(ValueError):
@@ -100,8 +104,8 @@ class ModelConfig:
     )
     model_revision: str | None = _flag(
         None,
-        "Optional revision label; recorded in the base-model hash that resume checks. "
-        "Loading is always from --model-path.",
+        "Optional revision label handed to the model adapter; loading is always from "
+        "--model-path (nothing is fetched).",
     )
     model_adapter_path: str = _flag(
         DEFAULT_MODEL_ADAPTER,
