@@ -1,0 +1,527 @@
+"""The native rollout engine: an in-process Qwen-Image pipeline built on diffusers components
+plus our own SDE sampler (trainer/flow_grpo.py).
+
+What one `generate` call does:
+
+1. encodes every distinct prompt once (alone, so a prompt's conditioning never depends on
+   which other prompts share the rollout), with diffusers' QwenImagePipeline.encode_prompt;
+2. groups the candidates by sampling geometry (size, schedule, trained steps, SDE settings)
+   and runs the DiT on up to `max_batch_size` candidates of several prompts per forward, the
+   text conditioning zero-padded to the chunk's longest prompt with its mask;
+3. per candidate, draws x_T and each trained step's noise on CPU from its seed recipe
+   (trainer/sampling.py), so the randomness of a candidate is bit-identical in any batch, on
+   any rank or device;
+4. takes the SDE step (sde / dance) at the trained steps and the ODE (Euler) step elsewhere,
+   recording per trained step the packed latents before / after (in the compute dtype), the
+   sigma pair, the timestep and the log-prob (fp32);
+5. decodes the final latents with the VAE into float [3, H, W] images in [0, 1] on CPU.
+
+Batching is exact in the noise and in the math, but not bit-exact in the floats: on these CPUs
+(MKL) a GEMM's rounding depends on its row count, and the attention's on the padded text
+length, so a candidate alone and inside a mixed batch differ by ~1e-7 in a DiT output
+(tests/test_engine.py measures it). Training never depends on that: the actor replays the
+recorded latents.
+
+Weights arrive as in-process tensors (`update_weights_from_tensors`, `set_lora_tensors`),
+verified against a manifest before anything is copied; `commit_weight_version` labels them.
+`release_memory` / `resume_memory` move modules to pinned host memory and back on CUDA; on CPU
+they are bookkeeping, still verified.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from trainer.engine.base import RolloutRequest, WeightManifest, WeightSyncError
+from trainer.models.qwen_image import (
+    QWEN_IMAGE_LORA_TARGETS,
+    check_model_dir,
+    dit_velocity,
+    img_shapes_for,
+    load_qwen_image_transformer,
+    pack_latents,
+    packed_grid,
+    pad_text,
+    unpack_latents,
+    vae_scale_factor_from_config,
+)
+
+log = logging.getLogger(__name__)
+
+#: tags of release_memory / resume_memory -> engine modules ("weights" is the DiT, as in SGLang)
+MEMORY_TAGS = {"weights": "transformer", "transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
+_MODULES = ("transformer", "text_encoder", "vae")
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """A torch dtype from a dtype, a name ("bf16", "fp32", ...) or None (fp32 on CPU, where bf16
+    is ~2x slower; bf16 on CUDA)."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown engine dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def prompt_template_start_idx(tokenizer, template: str) -> int:
+    """Number of tokens of the prompt template's prefix (the system turn), which encode_prompt
+    drops from the text encoder's output. Computed from the tokenizer because it depends on it
+    (34 for the real Qwen-Image tokenizer; longer for the tiny byte-level one) and
+    save_pretrained does not store it."""
+    prefix = template.split("{}")[0]
+    return len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+
+
+def _geometry_key(r: RolloutRequest) -> tuple:
+    """Candidates with equal keys can share a DiT forward (same grid, schedule and SDE steps)."""
+    return (r.height, r.width, r.num_inference_steps, tuple(float(s) for s in r.sigmas), tuple(r.sde_indices),
+            float(r.eta), r.sde_type, float(r.sigma_max),
+            None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape))
+
+
+class NativeEngine:
+    """In-process Qwen-Image rollout engine (implements trainer.engine.base.RolloutEngine).
+
+    model_path: local diffusers Qwen-Image directory (nothing is downloaded).
+    device: where the pipeline runs (default: cuda if available, else cpu); under torchrun pass
+      the rank's own device.
+    dtype: compute dtype of every module (default bf16 on CUDA, fp32 on CPU).
+    max_batch_size: candidates per DiT forward / VAE decode; <= 0 means all candidates of a
+      geometry at once.
+    max_sequence_length: text tokens kept after the template prefix (Qwen-Image's 512 window).
+    """
+
+    def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
+                 max_sequence_length: int = 512, revision: str | None = None):
+        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        from trainer.sampling import load_scheduler_config
+
+        path = check_model_dir(model_path, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
+        self.model_path = str(path)
+        self.revision = revision
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.max_batch_size = int(max_batch_size)
+        self.max_sequence_length = int(max_sequence_length)
+
+        self.scheduler_config = load_scheduler_config(self.model_path)
+        self.transformer = load_qwen_image_transformer(path, dtype=self.dtype).to(self.device).eval()
+        self.vae = AutoencoderKLQwenImage.from_pretrained(
+            str(path), subfolder="vae", dtype=self.dtype, local_files_only=True).to(self.device).eval()
+        self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            str(path / "text_encoder"), dtype=self.dtype, local_files_only=True).to(self.device).eval()
+        self.tokenizer = Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        for module in (self.transformer, self.vae, self.text_encoder):
+            module.requires_grad_(False)
+
+        # The pipeline object only lends its prompt encoding (template, drop, 512 window); the
+        # sampling loop is ours. It shares the modules, so nothing is loaded twice.
+        self._pipe = QwenImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config),
+            vae=self.vae, text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
+        self._pipe.prompt_template_encode_start_idx = prompt_template_start_idx(
+            self.tokenizer, self._pipe.prompt_template_encode)
+
+        self.vae_scale_factor = vae_scale_factor_from_config(self.vae.config)
+        self.latent_channels = int(self.vae.config.z_dim)
+        self.num_train_timesteps = int(self.scheduler_config.get("num_train_timesteps", 1000))
+        self.policy_version = 0
+        self._resident = {name: True for name in _MODULES}
+        self._lora_config: dict[str, Any] | None = None
+        self.last_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ generation
+
+    def sigma_schedule(self, height: int, width: int, num_inference_steps: int) -> list[float]:
+        """The driver's N + 1 sigmas for this model's scheduler config at height x width."""
+        from trainer.sampling import image_seq_len, sigma_schedule
+
+        return sigma_schedule(self.scheduler_config, num_inference_steps,
+                              image_seq_len(height, width, self.vae_scale_factor))
+
+    @torch.no_grad()
+    def encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_embeds [T, D] in the engine dtype, mask [T] int64) of one prompt, on the device."""
+        embeds, mask = self._pipe.encode_prompt(prompt=[prompt], device=self.device,
+                                                max_sequence_length=self.max_sequence_length)
+        embeds = embeds[0].to(self.dtype)
+        mask = torch.ones(embeds.shape[0], dtype=torch.int64, device=self.device) if mask is None \
+            else mask[0].to(torch.int64)
+        return embeds, mask
+
+    @torch.no_grad()
+    def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
+        """Generate every request; one response per request, same order (see the protocol).
+
+        Response tensors are on CPU: image [3, H, W] float32 in [0, 1]; trajectory_latents /
+        trajectory_next_latents [S, L, C] in the engine dtype; sigmas / sigmas_next / timesteps /
+        log_probs [S] fp32; prompt_embeds [T, D]; prompt_embeds_mask [T] int64.
+        """
+        self._require_resident(_MODULES, "generate")
+        if not requests:
+            return []
+        for r in requests:
+            self._check_request(r)
+        t0 = time.perf_counter()
+        conds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for r in requests:
+            if r.prompt not in conds:
+                conds[r.prompt] = self.encode_prompt(r.prompt)
+
+        buckets: "OrderedDict[tuple, list[int]]" = OrderedDict()
+        for i, r in enumerate(requests):
+            buckets.setdefault(_geometry_key(r), []).append(i)
+        out: list[dict[str, Any] | None] = [None] * len(requests)
+        forwards = 0
+        for idx in buckets.values():
+            step = self.max_batch_size if self.max_batch_size > 0 else len(idx)
+            for start in range(0, len(idx), step):
+                chunk = idx[start:start + step]
+                responses, n = self._generate_chunk([requests[i] for i in chunk], conds)
+                forwards += n
+                for i, resp in zip(chunk, responses):
+                    out[i] = resp
+        self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
+                           "dit_forwards": float(forwards), "generate_time": time.perf_counter() - t0}
+        return out  # type: ignore[return-value]
+
+    def _check_request(self, r: RolloutRequest) -> None:
+        if float(r.guidance_scale) != 1.0:
+            raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale} != 1.0; the native engine "
+                             "samples without CFG because the actor replays a single positive-conditioned forward")
+        if not r.sde_indices:
+            raise ValueError(f"request {r.sample_id}: empty sde_indices; a rollout needs at least one trained SDE step")
+        if len(r.sigmas) != r.num_inference_steps + 1:
+            raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
+                             "(need num_inference_steps + 1, terminal 0 included)")
+        if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
+            raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
+
+    def _init_shape(self, r: RolloutRequest) -> list[int]:
+        from trainer.sampling import latent_grid
+
+        if r.init_noise_latent_shape is not None:
+            return [int(v) for v in r.init_noise_latent_shape]
+        return [self.latent_channels, *latent_grid(r.height, r.width, self.vae_scale_factor)]
+
+    def _generate_chunk(self, reqs: list[RolloutRequest], conds) -> tuple[list[dict[str, Any]], int]:
+        """Denoise and decode candidates of one geometry together; returns (responses, DiT forwards)."""
+        from trainer.flow_grpo import ode_step, sde_step
+        from trainer.sampling import initial_noise, step_noise, timesteps_from_sigmas
+
+        r0 = reqs[0]
+        b = len(reqs)
+        rows, cols = packed_grid(r0.height, r0.width, self.vae_scale_factor)
+        shape = self._init_shape(r0)
+        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != self.transformer.config.in_channels:
+            raise ValueError(
+                f"x_T shape {shape} does not fit {r0.height}x{r0.width} on this model (expected "
+                f"[{self.transformer.config.in_channels // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
+                "init_noise_latent_shape or height/width")
+        x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
+        x = pack_latents(x_t).to(device=self.device, dtype=self.dtype)
+        embeds, mask = pad_text([conds[r.prompt][0] for r in reqs], [conds[r.prompt][1] for r in reqs])
+        img_shapes = img_shapes_for(b, r0.height, r0.width, self.vae_scale_factor)
+        sigmas = [float(s) for s in r0.sigmas]
+        timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
+        trained = set(int(i) for i in r0.sde_indices)
+        lat, nxt, logps = [], [], []
+        for i in range(r0.num_inference_steps):
+            t = torch.full((b,), timesteps[i], dtype=torch.float32)
+            v = dit_velocity(self.transformer, x, t, embeds, mask, img_shapes)
+            if i in trained:
+                noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
+                s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
+                s_next = torch.full((b,), sigmas[i + 1], dtype=torch.float32, device=self.device)
+                x_next, logp = sde_step(x, v, s, s_next, r0.eta, noise.to(self.device), r0.sde_type, r0.sigma_max,
+                                        out_dtype=self.dtype)
+                lat.append(x.cpu())
+                nxt.append(x_next.cpu())
+                logps.append(logp.float().cpu())
+                x = x_next
+            else:
+                x = ode_step(x, v, sigmas[i], sigmas[i + 1]).to(self.dtype)
+        images = self._decode(x, rows, cols)
+
+        steps = sorted(trained)
+        sig = torch.tensor([sigmas[i] for i in steps], dtype=torch.float32)
+        sig_next = torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32)
+        ts = torch.tensor([timesteps[i] for i in steps], dtype=torch.float32)
+        lat_all, nxt_all, logp_all = torch.stack(lat, 1), torch.stack(nxt, 1), torch.stack(logps, 1)
+        responses = []
+        for j, r in enumerate(reqs):
+            e, m = conds[r.prompt]
+            responses.append({
+                "prompt": r.prompt,
+                "sample_id": r.sample_id,
+                "group_index": r.group_index,
+                "slot": r.slot,
+                "generation_seed": r.generation_seed,
+                "metadata": dict(r.metadata),
+                "image": images[j],
+                "trajectory_latents": lat_all[j].clone(),
+                "trajectory_next_latents": nxt_all[j].clone(),
+                "sigmas": sig.clone(),
+                "sigmas_next": sig_next.clone(),
+                "timesteps": ts.clone(),
+                "log_probs": logp_all[j].clone(),
+                "sde_indices": list(steps),
+                "prompt_embeds": e.cpu(),
+                "prompt_embeds_mask": m.cpu(),
+                "height": r.height,
+                "width": r.width,
+                "vae_scale_factor": self.vae_scale_factor,
+                "num_inference_steps": r.num_inference_steps,
+                "eta": r.eta,
+                "sde_type": r.sde_type,
+                "sigma_max": r.sigma_max,
+                "policy_version": self.policy_version,
+                "latent_dtype": str(self.dtype).replace("torch.", ""),
+            })
+        return responses, r0.num_inference_steps
+
+    def _decode(self, packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
+        QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
+        z = unpack_latents(packed, rows, cols).unsqueeze(2).to(self.vae.dtype)
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
+        image = self.vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+    # ------------------------------------------------------------------ weights
+
+    def holds_lora(self) -> bool:
+        """True once LoRA layers were injected into the engine's transformer."""
+        from trainer.weight_sync import model_has_lora
+
+        return model_has_lora(self.transformer)
+
+    def _engine_named_params(self) -> dict[str, torch.nn.Parameter]:
+        from trainer.weight_sync import strip_wrapper_segments
+
+        return {strip_wrapper_segments(n): p for n, p in self.transformer.named_parameters()}
+
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
+        """Copy transformer tensors (diffusers names; all of them or one bucket of a sync) into
+        the existing parameters. Everything is checked before anything is copied: the manifest
+        (count / bytes / ordered name-shape hash), that the DiT holds no LoRA layers, that every
+        name is known and every shape matches. Raises WeightSyncError naming the problem."""
+        from trainer.weight_sync import verify_manifest
+
+        self._require_resident(("transformer",), "update_weights_from_tensors", WeightSyncError)
+        if self.holds_lora():
+            raise WeightSyncError(
+                "full/merged weight sync into an engine whose transformer holds LoRA layers: the base weights "
+                "are now *.base_layer.* and the adapter would keep its old values; use set_lora_tensors "
+                "(--lora-adapter-mode) or a fresh engine, never both on one engine")
+        verify_manifest(named_tensors, manifest)
+        params = self._engine_named_params()
+        self._check_names_shapes(named_tensors, params, manifest.kind)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor.to(params[name].device), non_blocking=False)
+
+    @staticmethod
+    def _check_names_shapes(named_tensors, params, kind: str) -> None:
+        unknown = [n for n, _ in named_tensors if n not in params]
+        if unknown:
+            raise WeightSyncError(f"{kind} sync: {len(unknown)} tensor name(s) the engine's transformer does not have, "
+                                  f"e.g. {unknown[:3]}; strip wrapper segments (weight_sync.strip_wrapper_segments) "
+                                  "and map names with the adapter's weight_name_map")
+        bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in named_tensors
+               if tuple(t.shape) != tuple(params[n].shape)]
+        if bad:
+            raise WeightSyncError(f"{kind} sync: shape mismatch for {len(bad)} tensor(s), e.g. "
+                                  + "; ".join(f"{n}: got {g}, engine {e}" for n, g, e in bad[:3]))
+        seen = set()
+        dup = [n for n, _ in named_tensors if n in seen or seen.add(n)]
+        if dup:
+            raise WeightSyncError(f"{kind} sync: duplicate tensor names {dup[:3]}")
+
+    def set_lora_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest,
+                         lora_config: dict[str, Any]) -> None:
+        """Install (first call: inject a peft LoRA with `lora_config` into the DiT) or replace the
+        adapter tensors. Names are peft names without the adapter segment
+        ("transformer_blocks.0.attn.to_q.lora_A.weight"); every LoRA tensor of the engine must be
+        sent, with matching shapes. lora_config: rank (or r), alpha (or lora_alpha),
+        target_modules (default: the adapter's eight attention projections)."""
+        from trainer.weight_sync import verify_manifest
+
+        self._require_resident(("transformer",), "set_lora_tensors", WeightSyncError)
+        verify_manifest(named_tensors, manifest)
+        cfg = _normalize_lora_config(lora_config)
+        if self._lora_config is None:
+            if self.holds_lora():
+                raise WeightSyncError("the engine's transformer already holds LoRA layers it did not install")
+            self._inject_lora(cfg)
+        elif cfg != self._lora_config:
+            raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
+                                  f"({self._lora_config}); rank, alpha and targets cannot change within a run")
+        params = {n: p for n, p in self._engine_named_params().items() if ".lora_" in n}
+        self._check_names_shapes(named_tensors, params, "adapter")
+        missing = sorted(set(params) - {n for n, _ in named_tensors})
+        if missing:
+            raise WeightSyncError(f"adapter sync lacks {len(missing)} of the engine's {len(params)} LoRA tensors, "
+                                  f"e.g. {missing[:3]}; every adapter tensor must be sent")
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor.to(params[name].device))
+
+    def _inject_lora(self, cfg: dict[str, Any]) -> None:
+        from peft import LoraConfig
+
+        self.transformer.add_adapter(LoraConfig(r=cfg["rank"], lora_alpha=cfg["alpha"],
+                                                target_modules=list(cfg["target_modules"]), lora_dropout=0.0,
+                                                init_lora_weights=True), adapter_name="default")
+        self.transformer.requires_grad_(False)
+        # keep adapter tensors in the engine's dtype and device, like the base weights
+        self.transformer.to(device=self.device, dtype=self.dtype)
+        self._lora_config = cfg
+
+    def load_lora_dir(self, path) -> dict[str, Any]:
+        """Install a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as
+        peft's save_pretrained / tools/export_checkpoint.py --form adapter write it). Returns
+        the LoRA config used."""
+        from safetensors.torch import load_file
+
+        from trainer.weight_sync import build_manifest
+
+        d = Path(path)
+        cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+        if not cfg_file.is_file() or not weights.is_file():
+            raise FileNotFoundError(f"--lora {str(path)!r} must be a PEFT adapter directory holding "
+                                    "adapter_config.json and adapter_model.safetensors")
+        raw = json.loads(cfg_file.read_text())
+        cfg = {"rank": raw.get("r"), "alpha": raw.get("lora_alpha"), "target_modules": raw.get("target_modules")}
+        named = []
+        for key, tensor in load_file(str(weights)).items():
+            for prefix in ("base_model.model.", "transformer."):
+                if key.startswith(prefix):
+                    key = key[len(prefix):]
+            named.append((key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."), tensor))
+        self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
+        return _normalize_lora_config(cfg)
+
+    def get_weights_checksum(self) -> str:
+        """weight_sync.weights_checksum over the DiT's parameters (diffusers names, wrapper
+        segments stripped): the weights the engine samples with."""
+        from trainer.weight_sync import weights_checksum
+
+        self._require_resident(("transformer",), "get_weights_checksum")
+        return weights_checksum(self._engine_named_params().items())
+
+    def commit_weight_version(self, version: int) -> None:
+        self.policy_version = int(version)
+
+    # ------------------------------------------------------------------ memory
+
+    def _modules_for(self, tags: Iterable[str] | None) -> list[str]:
+        if tags is None:
+            return list(_MODULES)
+        out = []
+        for tag in tags:
+            if tag not in MEMORY_TAGS:
+                raise ValueError(f"unknown memory tag {tag!r}; use {sorted(MEMORY_TAGS)}")
+            if MEMORY_TAGS[tag] not in out:
+                out.append(MEMORY_TAGS[tag])
+        return out
+
+    def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Move the modules (all, or those of `tags`) to pinned host memory (CUDA) and mark them
+        released. Verified: raises RuntimeError if a tensor stayed on the device (fatal: a
+        silently resident engine makes the colocated actor OOM much later)."""
+        for name in self._modules_for(tags):
+            if not self._resident[name]:
+                continue
+            module = getattr(self, name)
+            if self.device.type != "cpu":
+                _move_module_storage(module, torch.device("cpu"), pin=True)
+            self._verify_placement(name, torch.device("cpu"))
+            self._resident[name] = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Bring modules back to the device; tags=("weights",) onloads only the transformer.
+        Verified like release_memory."""
+        for name in self._modules_for(tags):
+            if self._resident[name]:
+                continue
+            module = getattr(self, name)
+            if self.device.type != "cpu":
+                _move_module_storage(module, self.device, pin=False)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            self._verify_placement(name, self.device)
+            self._resident[name] = True
+
+    def memory_state(self) -> dict[str, bool]:
+        """module name -> resident on the device."""
+        return dict(self._resident)
+
+    def _verify_placement(self, name: str, device: torch.device) -> None:
+        module = getattr(self, name)
+        wrong = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                 if t.device.type != device.type]
+        if wrong:
+            raise RuntimeError(f"engine {name}: {len(wrong)} tensor(s) not on {device} after a memory move, "
+                               f"e.g. {wrong[:3]}; the release/resume failed (fatal)")
+
+    def _require_resident(self, names, what: str, exc=RuntimeError) -> None:
+        off = [n for n in names if not self._resident[n]]
+        if off:
+            raise exc(f"{what}: engine module(s) {off} are released to host memory; call "
+                      f"resume_memory() first")
+
+
+def _normalize_lora_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    rank = cfg.get("rank", cfg.get("r"))
+    alpha = cfg.get("alpha", cfg.get("lora_alpha"))
+    targets = cfg.get("target_modules") or QWEN_IMAGE_LORA_TARGETS
+    if rank is None or int(rank) <= 0 or alpha is None:
+        raise WeightSyncError(f"lora_config needs rank > 0 and alpha, got {cfg}")
+    if isinstance(targets, str):
+        targets = [targets]
+    return {"rank": int(rank), "alpha": float(alpha), "target_modules": tuple(sorted(targets))}
+
+
+def _move_module_storage(module: torch.nn.Module, device: torch.device, pin: bool) -> None:
+    """Move every parameter and buffer of `module` to `device` in place (param.data swap, so
+    references held elsewhere, e.g. by the optimizer-free engine, stay valid); host copies are
+    pinned when `pin`, so the way back is a fast async copy."""
+    for sub in module.modules():
+        for key, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            p.data = _to(p.data, device, pin)
+        for key, b in list(sub._buffers.items()):
+            if b is None:
+                continue
+            sub._buffers[key] = _to(b, device, pin)
+
+
+def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if device.type == "cpu":
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
+        out.copy_(t)
+        return out
+    return t.to(device, non_blocking=t.is_pinned())
