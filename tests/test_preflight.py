@@ -294,3 +294,11 @@ def test_preflight_does_not_create_anything(base, tmp_path):
     before = sorted(p.name for p in tmp_path.rglob("*"))
     warnings_of(base)
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_sampling_problems_and_step_zero_are_reported_together(base):
+    bad = {**SAMPLING, "guidance_scale": 3.0, "sde_indices": [0, 1]}
+    got = problems(base + ["--sampling-config", json.dumps(bad)])
+    assert len(got) == 2, got
+    assert any("key 'guidance_scale': must be 1.0" in p for p in got)
+    assert any("key 'sde_indices' [0, 1] trains step 0" in p for p in got)

@@ -291,14 +291,24 @@ def _check_sync(cfg: RunConfig, errors: list[str]) -> None:
 
 def _check_sampling(cfg: RunConfig, errors: list[str]) -> None:
     """Fold trainer.sampling's own problem list and step-0 routes into `errors`."""
+    raw = cfg.rollout.sampling_config
     try:
-        parsed = parse_sampling_config(cfg.rollout.sampling_config)
+        parsed = parse_sampling_config(raw)
     except ValueError as exc:
         # The first line is a summary ("invalid --sampling-config (N problems):"); every
         # further line already names the flag and the key.
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         detail = [ln for ln in lines if not ln.startswith("invalid --sampling-config")]
         errors.extend(detail or lines)
+        # Still report step-0 routes: re-parse without the keys already reported, so one run
+        # of preflight lists both kinds of problem.
+        bad = set(re.findall(r"key '([^']+)'", str(exc)))
+        rest = {k: v for k, v in (raw or {}).items() if k not in bad}
+        try:
+            parsed = parse_sampling_config(rest)
+        except ValueError:
+            return
+        errors.extend(trainable_step_zero_routes(parsed))
         return
     if parsed.sde_indices is None and parsed.num_sde_steps < 1:
         errors.append(
