@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -381,3 +382,81 @@ def test_configuration_doc_lists_every_flag():
     doc = (ROOT / "docs" / "configuration.md").read_text()
     missing = [spec.flag for spec in FLAGS.values() if f"`{spec.flag}`" not in doc]
     assert missing == []
+
+
+# The reference's validated LoRA launch block, verbatim but for ${MODEL_DIR} / ${DATA_DIR}.
+REFERENCE_LORA_BLOCK = r"""
+--resource '{"actor": [1, 8], "rollout": [1, 8]}'
+--colocate
+--train-backend fsdp
+--generation-task t2i
+--model-path ${MODEL_DIR}/Qwen-Image
+--model-adapter-path relax.models.qwen_image.adapter.QwenImageAdapter
+--rollout-engine-class-path relax.backends.sglang.diffusion_engine.SGLangNativeGenerationEngine
+--rollout-function-path relax.engine.rollout.native_generation.generate_rollout
+--custom-convert-samples-to-train-data-path relax.engine.rollout.native_generation.convert_samples_to_train_data
+--custom-reward-post-process-path relax.engine.rewards.generative.post_process
+--rollout-batch-size 32
+--n-samples-per-prompt 8
+--global-batch-size 256
+--micro-batch-size 1
+--rollout-seed 42
+--eval-prompt-data pickscore ${DATA_DIR}/processed/t2i/pickapic_eval256.jsonl
+--eval-interval 10
+--n-samples-per-eval-prompt 2
+--sampling-config '{"height":384,"width":384,"num_inference_steps":12,"guidance_scale":1.0,"eta":0.7,"sde_type":"sde","sde_indices":[3,4,5],"sde_resample_per_rollout":true,"num_sde_steps":3,"sde_pool":[1,2,3,4,5],"driver_xt":true,"sample_id_mode":"metadata"}'
+--generation-seed 42
+--lora-rank 64
+--lora-alpha 128
+--lora-dropout 0.0
+--lora-adapter-mode          # script default; set ADAPTER_MODE=0 for merge-mode sync validation
+--fsdp-trainable-mode lora
+--fsdp-trainable-attr transformer
+--fsdp-param-dtype bf16
+--fsdp-reduce-dtype fp32
+--fsdp-master-dtype fp32
+--fsdp-activation-checkpointing
+--fsdp-load-wave-size 2
+--offload-train
+--offload-rollout
+--advantage-estimator grpo
+--eps-clip 1e-4
+--generative-advantage-std-mode group
+--num-updates-per-batch 2
+--lr 3e-4
+--lr-warmup-iters 0
+--adam-eps 1e-8
+--weight-decay 0.0
+--reward-runtime colocate
+--reward-scorer-path relax.engine.rewards.pickscore.PickScoreScorer
+--reward-model-path ${MODEL_DIR}/PickScore_v1
+--reward-required-components '["pickscore"]'
+--reward-component-weights '{"pickscore":1.0}'
+--weight-sync-wire-dtype bf16
+--weight-sync-bucket-size-mb 2048
+--rollout-num-gpus-per-engine 1
+--save ${EXP_DIR}/runs/qwen-image-t2i-lora/
+--save-interval 20
+--max-actor-ckpt-to-keep 10
+"""
+
+
+def test_reference_command_line_parses_and_names_every_replacement(recipe_env):
+    text = "\n".join(line.split("#", 1)[0] for line in REFERENCE_LORA_BLOCK.splitlines())
+    for var, value in recipe_env.items():
+        text = text.replace("${%s}" % var, value)
+    argv = shlex.split(text)
+    cfg = load_config(argv)
+    assert cfg.rollout.global_batch_size == 256 and cfg.sync.weight_sync_mode == "adapter"
+    with pytest.raises(PreflightError) as info:
+        validate(cfg, 8)
+    flags = sorted(p.split(" ", 1)[0] for p in info.value.problems)
+    # every reference-only dotpath is named with what replaces it, plus the run's own
+    # required flags that the reference passes elsewhere
+    assert flags == sorted([
+        "--model-adapter-path", "--rollout-engine-class-path", "--rollout-function-path",
+        "--custom-convert-samples-to-train-data-path", "--custom-reward-post-process-path",
+        "--reward-scorer-path", "--num-rollout", "--artifact-root", "--prompt-data",
+    ]), info.value.problems
+    assert "use trainer.models.qwen_image.QwenImageAdapter" in str(info.value)
+    assert "use trainer.rewards.pickscore.PickScoreScorer" in str(info.value)
