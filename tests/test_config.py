@@ -460,3 +460,11 @@ def test_reference_command_line_parses_and_names_every_replacement(recipe_env):
     ]), info.value.problems
     assert "use trainer.models.qwen_image.QwenImageAdapter" in str(info.value)
     assert "use trainer.rewards.pickscore.PickScoreScorer" in str(info.value)
+
+
+def test_readme_links_and_commands_exist():
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)\)", readme):
+        assert (ROOT / target).exists(), target
+    for path in re.findall(r"`(configs/[\w.]+\.toml)`", readme):
+        assert (ROOT / path).is_file(), path
