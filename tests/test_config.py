@@ -21,7 +21,6 @@ from trainer.config import (
     expand_env,
     format_help,
     load_config,
-    read_recipe,
     recipe_world_size,
     world_size_from_env,
 )
