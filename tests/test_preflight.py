@@ -302,3 +302,12 @@ def test_sampling_problems_and_step_zero_are_reported_together(base):
     assert len(got) == 2, got
     assert any("key 'guidance_scale': must be 1.0" in p for p in got)
     assert any("key 'sde_indices' [0, 1] trains step 0" in p for p in got)
+
+
+def test_a_shipped_but_absent_implementation_is_named_as_such(base, monkeypatch):
+    import trainer.preflight as pf
+
+    path = "trainer.models.no_such_family.Adapter"
+    monkeypatch.setattr(pf, "_SHIPPED_DOTPATHS", pf._SHIPPED_DOTPATHS | {path})
+    got = problems(base + ["--model-adapter-path", path])
+    assert len(got) == 1 and "is not in this build" in got[0] and "spelling" not in got[0], got

@@ -19,6 +19,7 @@ from pathlib import Path
 from trainer.config import (
     DEFAULT_MODEL_ADAPTER,
     ENGINE_SHORT_NAMES,
+    SCORER_SHORT_NAMES,
     SCORERS_NEEDING_MODEL,
     RunConfig,
     recipe_world_size,
@@ -33,6 +34,9 @@ HEADER = "Generative RL config validation failed:"
 _DTYPES = ("bf16", "fp32")
 _DOTPATH_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+_SHIPPED_DOTPATHS = frozenset(
+    [DEFAULT_MODEL_ADAPTER, *ENGINE_SHORT_NAMES.values(), *SCORER_SHORT_NAMES.values()]
+)
 
 #: the reference's relax.* dotpaths -> what replaces them here
 RELAX_REPLACEMENTS = {
@@ -98,7 +102,9 @@ def _check_dotpath(flag: str, value: str, errors: list[str]) -> None:
     if module.split(".")[0] == "trainer":
         rel = Path(*module.split("."))
         if not ((_PACKAGE_ROOT / rel).with_suffix(".py").is_file() or (_PACKAGE_ROOT / rel / "__init__.py").is_file()):
-            errors.append(f"{flag} {value}: module file {rel}.py does not exist in this checkout; check the spelling")
+            shipped = value in _SHIPPED_DOTPATHS
+            hint = "this implementation is not in this build" if shipped else "check the spelling"
+            errors.append(f"{flag} {value}: module file {rel}.py does not exist in this checkout; {hint}")
 
 
 def _positive_int(flag: str, value: int | None, errors: list[str], *, minimum: int = 1, required: bool = False) -> bool:
