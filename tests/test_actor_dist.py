@@ -24,6 +24,10 @@ EXPECTED = {
     "adapter_sync_engine_matches_gathered", "adapter_sync_engine_forward_matches_actor",
     "full_sync_into_lora_engine_raises", "full_sync_into_lora_engine_version_unchanged",
     "merge_sync_engine_matches_merged", "merge_sync_engine_forward_matches_actor",
+    "real_replay_matches_sampler_logprob", "real_full_every_trainable_changed", "real_first_update_ratio_exactly_1",
+    "real_full_sync_engine_dit_matches_gathered", "real_engine_samples_new_version",
+    "real_replay_after_sync_matches_sampler", "real_adapter_sync_engine_matches",
+    "real_merged_sync_into_lora_engine_raises",
 }
 
 
@@ -34,10 +38,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("actor_dist")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           str(ROOT / "tests" / "dist" / "actor_worker.py"), str(out)]
+           str(ROOT / "tests" / "dist" / "actor_worker.py"), str(out), str(tiny_model_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     ranks = []

@@ -300,12 +300,19 @@ def plan_updates(n_local: int, num_updates: int, micro_batch_size: int) -> list[
             for u in range(num_updates)]
 
 
+#: batch entries shared by all candidates even when their leading size happens to equal n
+SHARED_BATCH_KEYS = ("sde_indices",)
+
+
 def slice_batch(batch: dict[str, Any], start: int, end: int, n: int) -> dict[str, Any]:
     """Rows [start, end) of every per-candidate entry of `batch` (tensor or list whose leading size is n);
-    other entries (scalars, shared tensors) are passed through unchanged."""
+    other entries (scalars, shared tensors, SHARED_BATCH_KEYS) are passed through unchanged.
+    A family whose batch has other shared [n]-sized entries passes its own slice_fn to train_step."""
     out = {}
     for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
+        if k in SHARED_BATCH_KEYS:
+            out[k] = v
+        elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
             out[k] = v[start:end]
         elif isinstance(v, (list, tuple)) and len(v) == n:
             out[k] = v[start:end]
@@ -455,13 +462,15 @@ class Actor:
 
     # -- the FlowGRPO update ------------------------------------------------------------------
     def train_step(self, batch: dict[str, Any], advantages: torch.Tensor, replay_fn: ReplayFn,
-                   valid: torch.Tensor | None = None) -> dict[str, float]:
+                   valid: torch.Tensor | None = None,
+                   slice_fn: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None) -> dict[str, float]:
         """One rollout's update over this rank's candidates. Collective: every rank calls it.
 
         batch: per-candidate entries with leading size n (what replay_fn consumes);
         advantages: [n]; valid: [n] bool (False = candidate of a failed reward group: replayed so
         every rank runs the same collectives, but excluded from the loss); replay_fn(model, rows)
-        -> logp [b, S] (fp32 preferred).
+        -> logp [b, S] (fp32 preferred); slice_fn(batch, start, end) -> rows [start, end) (default
+        slice_batch; Qwen-Image: lambda b, s, e: select_candidates(b, slice(s, e))).
 
         1. plan: n split into num_updates_per_batch disjoint equal parts of micro-batches; ranks
            MAX-check they agree on the micro-batch count (raise, never deadlock).
@@ -476,6 +485,7 @@ class Actor:
         t_start = time.perf_counter()
         g = self.grpo
         n = int(advantages.shape[0])
+        cut = slice_fn or (lambda b, s, e: slice_batch(b, s, e, n))
         plan = plan_updates(n, int(g.num_updates_per_batch), int(g.micro_batch_size))
         n_mb = sum(len(p) for p in plan)
         cdev = collective_device()
@@ -516,7 +526,7 @@ class Actor:
             for u, part in enumerate(plan):
                 if run[u]:
                     for (s, e) in part:
-                        old[(s, e)] = replay_fn(self.model, slice_batch(batch, s, e, n)).detach().float()
+                        old[(s, e)] = replay_fn(self.model, cut(batch, s, e)).detach().float()
 
         # 4: the updates
         acc = torch.zeros(8, dtype=torch.float64, device=self.device)  # weighted stat sums, see below
@@ -533,7 +543,7 @@ class Actor:
             self.optimizer.zero_grad(set_to_none=True)
             upd = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
             for (s, e) in part:
-                logp = replay_fn(self.model, slice_batch(batch, s, e, n))
+                logp = replay_fn(self.model, cut(batch, s, e))
                 if logp.dim() == 1:
                     logp = logp[:, None]
                 rows = ok[s:e]

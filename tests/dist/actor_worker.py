@@ -2,7 +2,8 @@
 
 Runs every multi-process actor check in ONE launch (a launch costs ~10 s) and writes
 <out_dir>/rank<r>.json: {"checks": {name: bool}, "figures": {...}} or {"error": traceback}.
-Usage: python -m torch.distributed.run --nproc-per-node 2 tests/dist/actor_worker.py OUT_DIR
+Usage: python -m torch.distributed.run --nproc-per-node 2 tests/dist/actor_worker.py OUT_DIR [TINY_MODEL_DIR]
+(with TINY_MODEL_DIR, the Qwen-Image adapter + native engine checks run too)
 """
 
 from __future__ import annotations
@@ -152,8 +153,85 @@ def lora_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     figures["merge_sync"] = mm
 
 
+SAMPLING = {"height": 64, "width": 64, "num_inference_steps": 6, "eta": 0.7, "sde_type": "sde",
+            "sde_indices": [1, 3]}
+
+
+def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: dict) -> None:
+    """The Qwen-Image adapter + native engine on the tiny pipeline: rollout -> replay parity ->
+    update -> sync -> the engine's DiT is the actor's gathered weights, and it samples with them."""
+    from trainer.engine.native import NativeEngine
+    from trainer.models.qwen_image import QwenImageAdapter, select_candidates
+    from trainer.sampling import parse_sampling_config
+
+    adapter, sampling = QwenImageAdapter(), parse_sampling_config(SAMPLING)
+    engine = NativeEngine(model_dir, device="cpu", dtype=torch.float32)
+    sigmas = engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps)
+
+    def rollout(eng, seed):
+        reqs = [adapter.build_rollout_request(p, group_index=2 * rank + g, slot=s, sample_id=f"r{rank}:{g}:{s}",
+                                              sampling=sampling, sde_indices=list(sampling.sde_indices),
+                                              sigmas=sigmas, generation_seed=seed)
+                for g, p in enumerate(["a red cube", "two cats on a sofa"]) for s in range(2)]
+        return eng.generate(reqs)
+
+    def replay_fn(model, rows):
+        return torch.stack([adapter.replay_transition(model, rows, c, sampling)
+                            for c in range(rows["latents"].shape[1])], dim=1)
+
+    def cut(b, s, e):
+        return select_candidates(b, slice(s, e))
+
+    responses = rollout(engine, 11)
+    batch = adapter.pack_trajectory(responses)
+    adv = ADV[rank]
+    cfg = make_cfg("full")
+    actor = Actor.from_adapter(adapter, model_dir, mesh, cfg, device=torch.device("cpu"))
+    with torch.no_grad():
+        anchor = replay_fn(actor.model, batch)
+    figures["real_replay_vs_sampler_max_abs"] = float((anchor - batch["log_probs"]).abs().max())
+    checks["real_replay_matches_sampler_logprob"] = figures["real_replay_vs_sampler_max_abs"] <= 1e-5
+    before = gathered(actor.model)
+    m = actor.train_step(batch, adv, replay_fn, slice_fn=cut)
+    after = gathered(actor.model)
+    trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+    checks["real_full_every_trainable_changed"] = all(not torch.equal(before[n], after[n]) for n in trainable)
+    checks["real_first_update_ratio_exactly_1"] = actor.last_update_stats[0]["ratio_max"].item() == 1.0 == \
+        actor.last_update_stats[0]["ratio_min"].item()
+    figures["real_full_train"] = m
+    syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=1, name_map=adapter.weight_name_map)
+    figures["real_full_sync"] = syncer.sync(actor.model, engine)
+    dit = {n: p.detach() for n, p in engine.transformer.named_parameters()}
+    checks["real_full_sync_engine_dit_matches_gathered"] = exact(dit, after)
+    again = rollout(engine, 11)
+    checks["real_engine_samples_new_version"] = all(r["policy_version"] == 1 for r in again) and not torch.equal(
+        again[0]["image"], responses[0]["image"])
+    with torch.no_grad():
+        rebatch = adapter.pack_trajectory(again)
+        checks["real_replay_after_sync_matches_sampler"] = float(
+            (replay_fn(actor.model, rebatch) - rebatch["log_probs"]).abs().max()) <= 1e-5
+
+    # LoRA: adapter sync into a fresh engine, then a merged sync into it must be refused by both sides
+    lcfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32")
+    lactor = Actor.from_adapter(adapter, model_dir, mesh, lcfg, device=torch.device("cpu"))
+    lactor.train_step(batch, adv, replay_fn, slice_fn=cut)
+    leng = NativeEngine(model_dir, device="cpu", dtype=torch.float32)
+    WeightSyncer("adapter", wire_dtype="fp32", lora_config=lactor.lora_config,
+                 name_map=adapter.weight_name_map).sync(lactor.model, leng)
+    lg = gathered(lactor.model)
+    eng_lora = {n.replace(".default.", "."): p.detach() for n, p in leng.transformer.named_parameters() if ".lora_" in n}
+    checks["real_adapter_sync_engine_matches"] = exact(eng_lora, {n.replace(".default.", "."): t for n, t in lg.items()
+                                                                  if ".lora_" in n})
+    try:
+        WeightSyncer("merged", wire_dtype="fp32").sync(lactor.model, leng)
+        checks["real_merged_sync_into_lora_engine_raises"] = False
+    except WeightSyncError:
+        checks["real_merged_sync_into_lora_engine_raises"] = leng.policy_version == 1
+
+
 def main() -> None:
     out_dir = sys.argv[1]
+    model_dir = sys.argv[2] if len(sys.argv) > 2 else None
     info = init_distributed("cpu")
     result: dict = {"rank": info.rank, "world_size": info.world_size, "checks": {}, "figures": {}}
     code = 0
@@ -161,6 +239,8 @@ def main() -> None:
         mesh = build_mesh("cpu")
         full_checks(info.rank, mesh, result["checks"], result["figures"])
         lora_checks(info.rank, mesh, result["checks"], result["figures"])
+        if model_dir:
+            real_model_checks(info.rank, mesh, model_dir, result["checks"], result["figures"])
     except Exception:
         result["error"] = traceback.format_exc()
         code = 1
