@@ -149,8 +149,11 @@ def test_score_tool_matches_artifact_names_and_order(tmp_path):
     art = tmp_path / "rollout_3"
     art.mkdir()
     # group 2 (blue) sample 1 is blue; group 0 (red) sample 0 is green
-    Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["blue"])).save(art / "group_00000002_sample_0001.png")
-    Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["green"])).save(art / "group_00000000_sample_0000.png")
+    def save(color, path):
+        Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal[color])).save(path)
+
+    save("blue", art / "group_00000002_sample_0001.png")
+    save("green", art / "group_00000000_sample_0000.png")
     (art / "group_00000002.safetensors").write_bytes(b"")  # sidecars are ignored
     rows = run_score(["--reward-scorer-path", "color", "--images", str(art),
                       "--prompt-data", str(prompt_file)])
@@ -164,11 +167,11 @@ def test_score_tool_matches_artifact_names_and_order(tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()
     for name, c in (("b.png", "red"), ("a.png", "green"), ("c.png", "white")):
-        Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal[c])).save(plain / name)
+        save(c, plain / name)
     rows = run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(plain),
                       "--prompt-data", str(prompt_file), "--batch-size", "2"])
     assert [r["image"] for r in rows] == ["a.png", "b.png", "c.png"]  # sorted, paired with lines in order
-    assert rows[1]["scores"]["color"] == pytest.approx(math.exp(-4))  # red image vs "green": d^2 = 2, 2 sigma^2 = 0.5
+    assert rows[1]["scores"]["color"] == pytest.approx(math.exp(-4))  # red vs "green": exp(-2 / 0.5)
     (plain / "d.png").write_bytes((plain / "a.png").read_bytes())
     with pytest.raises(ValueError, match="4 images .* 3 prompts"):
         run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(plain),

@@ -43,7 +43,8 @@ def test_image_batch_accepts_engine_and_file_forms_and_caches_views():
     for other in (from_list, from_pil):
         assert all(np.array_equal(a, b) for a, b in zip(from_batch.uint8, other.uint8))
     # bf16 quantises through fp32: at most one level off from the fp32 path
-    assert max(int(np.abs(a.astype(int) - b.astype(int)).max()) for a, b in zip(from_batch.uint8, from_bf16.uint8)) <= 1
+    diffs = [int(np.abs(a.astype(int) - b.astype(int)).max()) for a, b in zip(from_batch.uint8, from_bf16.uint8)]
+    assert max(diffs) <= 1
     assert from_batch.pil is from_batch.pil and from_batch.float_tensors is from_batch.float_tensors
     sub = from_batch.slice(1, 3)
     assert len(sub) == 2 and sub.pil[0] is from_batch.pil[1]
@@ -63,7 +64,8 @@ def test_shipped_dotpaths_import_and_declare_components():
 
 def test_jpeg_rewards_rank_flat_above_noise():
     gen = torch.Generator().manual_seed(0)
-    batch = ImageBatch.from_any(torch.stack([solid((0.3, 0.6, 0.9), 64, 64), torch.rand(3, 64, 64, generator=gen)]))
+    flat, noise = solid((0.3, 0.6, 0.9), 64, 64), torch.rand(3, 64, 64, generator=gen)
+    batch = ImageBatch.from_any(torch.stack([flat, noise]))
     comp = JpegCompressibilityScorer()(batch, ["x", "x"], [{}, {}])["jpeg_compressibility"]
     incomp = JpegIncompressibilityScorer()(batch, ["x", "x"], [{}, {}])["jpeg_incompressibility"]
     sizes = [jpeg_size_kb(im) for im in batch.pil]
@@ -146,7 +148,8 @@ def test_ocr_scorer_reads_rendered_text():
 # --- PickScore -------------------------------------------------------------------------------------
 
 def _bytes_to_unicode() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    # GPT-2 / CLIP byte-to-symbol table: printable bytes map to themselves, the rest above 255
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:

@@ -91,10 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--reward-scorer-path", required=True,
         help="dotpath of a GenerativeRewardScorer, or a shipped short name (pickscore, ocr, color, ...)",
     )
-    p.add_argument("--reward-model-path", default=None, help="local model directory, for scorers that need weights")
+    p.add_argument("--reward-model-path", default=None, help="local model directory for scorers that need weights")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
-    p.add_argument("--device", default="cpu", help='"cpu" (CUDA hidden from the scorer) or a torch device such as cuda:0')
+    p.add_argument(
+        "--device", default="cpu", help='"cpu" (CUDA hidden from the scorer) or a torch device such as cuda:0'
+    )
     p.add_argument("--max-request-mb", type=float, default=512.0, help="largest accepted request body")
     return p.parse_args(argv)
 

@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, t in out.components.items():
                 v = float(t[i])
                 scores[name] = v if math.isfinite(v) else None
-            line = {"image": r["path"].name, "prompt": r["prompt"], "group": r["group"], "slot": r["slot"], "scores": scores}
-            print(json.dumps(line), flush=True)
+            line = {"image": r["path"].name, "prompt": r["prompt"], "group": r["group"], "slot": r["slot"]}
+            print(json.dumps({**line, "scores": scores}), flush=True)
     return 0
 
 

@@ -193,7 +193,8 @@ def check_scores(
         t = torch.as_tensor(value).detach().to("cpu", torch.float32).reshape(-1)
         if t.numel() != batch_size:
             raise RewardError(
-                f"{source} returned {t.numel()} values for component {name!r}, expected {batch_size} (one per image)"
+                f"{source} returned {t.numel()} values for component {name!r}, "
+                f"expected {batch_size} (one per image)"
             )
         out[str(name)] = t
     return out

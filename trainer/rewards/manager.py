@@ -91,7 +91,8 @@ class RewardManager:
             return
         if not scorer_path:
             raise ValueError(
-                f"--reward-runtime={runtime} needs --reward-scorer-path (e.g. trainer.rewards.pickscore.PickScoreScorer)"
+                f"--reward-runtime={runtime} needs --reward-scorer-path "
+                "(e.g. pickscore or trainer.rewards.pickscore.PickScoreScorer)"
             )
         self.device = "cpu" if runtime == "cpu" else str(device)
         with self._placement():
@@ -134,7 +135,8 @@ class RewardManager:
             with self._placement():
                 raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
             score_time += time.perf_counter() - t0
-            parts.append((start, stop, check_scores(raw, stop - start, f"scorer {self.scorer_path or self.device}")))
+            source = f"scorer {self.scorer_path or self.device}"
+            parts.append((start, stop, check_scores(raw, stop - start, source)))
         names = sorted({name for _, _, s in parts for name in s})
         out = {name: torch.full((n,), float("nan"), dtype=torch.float32) for name in names}
         for start, stop, s in parts:

@@ -52,7 +52,8 @@ class PickScoreScorer:
     def __init__(self, model_path: str | None = None, device: str = "cpu"):
         if not model_path:
             raise ValueError(
-                "trainer.rewards.pickscore.PickScoreScorer needs --reward-model-path (a local PickScore_v1 directory)"
+                "trainer.rewards.pickscore.PickScoreScorer needs --reward-model-path "
+                "(a local PickScore_v1 directory)"
             )
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"--reward-model-path={model_path} is not a directory")

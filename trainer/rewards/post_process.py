@@ -47,7 +47,9 @@ class RewardResult:
     group_size: int
 
 
-def resolve_std_mode(std_mode: str | None, disable_std_normalization: bool = False, group_size: int | None = None) -> str:
+def resolve_std_mode(
+    std_mode: str | None, disable_std_normalization: bool = False, group_size: int | None = None
+) -> str:
     """The std divisor to use after per-group centering.
 
     `std_mode` (--generative-advantage-std-mode) wins when set; unset, it follows the legacy
@@ -252,13 +254,17 @@ def gather_scores(
     names_per_rank: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(names_per_rank, sorted(local), group=group)
     names = sorted({n for ns in names_per_rank for n in ns})
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # NCCL reduces device tensors only; gloo reduces CPU ones.
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     buf = torch.zeros(len(names) + 1, total, dtype=torch.float32)
     for row, name in enumerate(names):
         if name in local:
             values = torch.as_tensor(local[name]).detach().to("cpu", torch.float32).reshape(-1)
             if values.numel() != idx.numel():
-                raise RewardError(f"component {name!r}: {values.numel()} scores for {idx.numel()} candidate positions")
+                raise RewardError(
+                    f"component {name!r}: {values.numel()} scores for {idx.numel()} candidate positions"
+                )
             buf[row, idx] = values
         else:
             buf[row, idx] = float("nan")
@@ -270,6 +276,7 @@ def gather_scores(
     if not torch.equal(owners, torch.ones(total)):
         bad = (owners != 1).nonzero().flatten()[:8].tolist()
         raise RewardError(
-            f"reward gather: candidate positions {bad} were scored by {owners[bad].tolist()} ranks, expected exactly 1"
+            f"reward gather: candidate positions {bad} were scored by {owners[bad].tolist()} ranks, "
+            "expected exactly 1 (each rank must pass the global positions of the candidates it scored)"
         )
     return {name: buf[row].clone() for row, name in enumerate(names)}

@@ -111,7 +111,9 @@ def decode_response(body: bytes, batch_size: int, endpoint: str) -> dict[str, to
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RewardEndpointError(f"reward endpoint {endpoint} returned a body that is not JSON: {e}") from e
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
-        raise RewardEndpointError(f"reward endpoint {endpoint} must return {{component: [numbers]}}, got {str(data)[:200]}")
+        raise RewardEndpointError(
+            f"reward endpoint {endpoint} must return {{component: [numbers]}}, got {str(data)[:200]}"
+        )
     try:
         scores = {k: [math.nan if x is None else float(x) for x in v] for k, v in data.items()}
     except (TypeError, ValueError) as e:
@@ -130,7 +132,9 @@ class RemoteScorer:
 
     def __init__(self, endpoint: str, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 1.0):
         if not endpoint or not endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"--reward-endpoint={endpoint!r} must be an http(s):// URL, e.g. http://host:8000/score")
+            raise ValueError(
+                f"--reward-endpoint={endpoint!r} must be an http(s):// URL, e.g. http://host:8000/score"
+            )
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
