@@ -1,0 +1,376 @@
+"""Rollout artifacts: trajectory sidecars, PNGs, layout and retention.
+
+Layout (the reference's)::
+
+    <root>/<task>/rollout_<7 digits>/group_<8 digits>.safetensors          one sidecar per group
+    <root>/<task>/rollout_<7 digits>/group_<8 digits>_sample_<4 digits>.png one image per candidate
+    <root>/eval/<task>/rollout_<7 digits>/...                               evaluation, same layout
+
+A sidecar is one safetensors file with flattened namespaces (K candidates of the group, S
+trained steps, L packed tokens of C channels, T text tokens of width D):
+
+    common.slots / common.policy_versions / common.seed_hashes   [K] int64
+    common.sde_indices                                          [S] int64
+    common.sigmas / common.sigmas_next / common.timesteps        [S] fp32
+    common.height / common.width / common.vae_scale_factor      0-d int64
+    conditions.prompt_embeds [T, D], conditions.prompt_embeds_mask [T] int64  (shared by the group)
+    tracks.latents / tracks.next_latents [K, S, L, C] (sampler dtype), tracks.log_probs [K, S] fp32
+
+and string metadata: the format tag, task, rollout id, group index, prompt, sample ids, the
+sampling config and its fingerprint, the weight-manifest hash, and `candidates`: one small JSON
+manifest per candidate (policy version, sampling fingerprint, weight-manifest hash, sample id).
+
+Every file is written to `<name>.tmp`, fsynced, then atomically renamed (and the directory
+fsynced), so a crash never leaves a file under its real name that is not complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SIDECAR_FORMAT = "flowgrpo-trajectory-sidecar/1"
+_ROLLOUT_RE = re.compile(r"^rollout_(\d{7,})$")
+REQUIRED_SIDECAR_KEYS = (
+    "common.slots", "common.policy_versions", "common.seed_hashes", "common.sde_indices", "common.sigmas",
+    "common.sigmas_next", "common.timesteps", "common.height", "common.width", "common.vae_scale_factor",
+    "conditions.prompt_embeds", "conditions.prompt_embeds_mask",
+    "tracks.latents", "tracks.next_latents", "tracks.log_probs",
+)
+
+
+class ArtifactError(RuntimeError):
+    """An artifact file is missing, partial, corrupt or of another format; names the file."""
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def task_root(root, task: str, *, eval: bool = False) -> Path:
+    """<root>/<task> for training rollouts, <root>/eval/<task> for evaluation."""
+    return Path(root) / "eval" / task if eval else Path(root) / task
+
+
+def rollout_dir(root, task: str, rollout_id: int, *, eval: bool = False) -> Path:
+    """<root>/<task>/rollout_<7 digits> (eval: under <root>/eval/<task>)."""
+    if int(rollout_id) < 0:
+        raise ValueError(f"rollout id must be >= 0, got {rollout_id}")
+    return task_root(root, task, eval=eval) / f"rollout_{int(rollout_id):07d}"
+
+
+def sidecar_name(group_index: int) -> str:
+    return f"group_{int(group_index):08d}.safetensors"
+
+
+def image_name(group_index: int, slot: int) -> str:
+    return f"group_{int(group_index):08d}_sample_{int(slot):04d}.png"
+
+
+def sidecar_path(root, task: str, rollout_id: int, group_index: int, *, eval: bool = False) -> Path:
+    return rollout_dir(root, task, rollout_id, eval=eval) / sidecar_name(group_index)
+
+
+def image_path(root, task: str, rollout_id: int, group_index: int, slot: int, *, eval: bool = False) -> Path:
+    return rollout_dir(root, task, rollout_id, eval=eval) / image_name(group_index, slot)
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening a directory; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path, data: bytes, *, overwrite: bool = False) -> Path:
+    """Write `data` to `path` via `<path>.tmp` -> fsync -> os.replace -> fsync(dir).
+
+    On any failure the .tmp file is removed and nothing exists under `path` that was not there
+    before. Refuses to replace an existing file unless `overwrite` (two writers for one file is
+    a bug, not something to paper over)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; artifacts are never overwritten silently (remove it, or "
+                              "use a new rollout id / output directory)")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def write_sidecar(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *,
+                  overwrite: bool = False) -> Path:
+    """Atomically write a safetensors file of CPU-contiguous `tensors` with str->str `metadata`."""
+    from safetensors.torch import save
+
+    data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                metadata={str(k): str(v) for k, v in metadata.items()})
+    return atomic_write_bytes(path, data, overwrite=overwrite)
+
+
+def read_sidecar(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a sidecar. Raises ArtifactError naming the file when it is
+    missing, truncated / corrupt, of another format, or lacks required keys."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        hint = " (a .tmp of it exists: the write never completed)" if path.with_name(path.name + ".tmp").exists() else ""
+        raise ArtifactError(f"trajectory sidecar {path} does not exist{hint}; regenerate the rollout")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated / garbled files
+        raise ArtifactError(f"trajectory sidecar {path} is corrupt or partial ({type(e).__name__}: {e}); "
+                            "delete it and regenerate the rollout") from None
+    if metadata.get("format") != SIDECAR_FORMAT:
+        raise ArtifactError(f"{path} is not a trajectory sidecar of format {SIDECAR_FORMAT!r} "
+                            f"(format={metadata.get('format')!r})")
+    missing = [k for k in REQUIRED_SIDECAR_KEYS if k not in tensors]
+    if missing:
+        raise ArtifactError(f"trajectory sidecar {path} lacks {missing}; it was written by another version or "
+                            "damaged: regenerate the rollout")
+    return tensors, metadata
+
+
+def write_png(path, image: torch.Tensor, *, overwrite: bool = False) -> Path:
+    """Atomically write a float [3, H, W] image in [0, 1] as an 8-bit RGB PNG."""
+    import io
+
+    from PIL import Image
+
+    if image.dim() != 3 or image.shape[0] != 3:
+        raise ValueError(f"{path}: image must be [3, H, W], got {tuple(image.shape)}")
+    arr = (image.detach().float().clamp(0, 1) * 255.0).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    buf = io.BytesIO()
+    Image.fromarray(arr, mode="RGB").save(buf, format="PNG")
+    return atomic_write_bytes(path, buf.getvalue(), overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------- group sidecars
+
+
+def candidate_manifest(response: Mapping[str, Any], *, sampling_fingerprint: str, weight_manifest_hash: str | None,
+                       rollout_id: int | None) -> dict[str, Any]:
+    """The small JSON manifest a candidate carries (train_metadata): provenance of its sample."""
+    return {
+        "sample_id": str(response.get("sample_id")),
+        "group_index": int(response.get("group_index", -1)),
+        "slot": int(response.get("slot", -1)),
+        "rollout_id": rollout_id,
+        "policy_version": int(response.get("policy_version", 0)),
+        "sampling_fingerprint": sampling_fingerprint,
+        "weight_manifest_hash": weight_manifest_hash,
+    }
+
+
+def _seed_hash(response: Mapping[str, Any]) -> int:
+    from trainer.sampling import candidate_seed
+
+    return candidate_seed(int(response.get("generation_seed", 0)), str(response["sample_id"]))
+
+
+def group_sidecar_payload(responses: list[Mapping[str, Any]], *, task: str, rollout_id: int | None,
+                          sampling: Any = None, weight_manifest_hash: str | None = None
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of one group's sidecar from its candidates' responses (any order;
+    stored by slot). All candidates must share the prompt, the trained steps and the geometry."""
+    if not responses:
+        raise ValueError("a group sidecar needs at least one candidate")
+    rs = sorted(responses, key=lambda r: int(r["slot"]))
+    first = rs[0]
+    for r in rs[1:]:
+        if r["prompt"] != first["prompt"] or int(r["group_index"]) != int(first["group_index"]):
+            raise ValueError(f"candidates of group {first['group_index']} disagree on prompt / group index "
+                             f"({r.get('sample_id')})")
+        if list(r["sde_indices"]) != list(first["sde_indices"]) or (r["height"], r["width"]) != (first["height"], first["width"]):
+            raise ValueError(f"candidates of group {first['group_index']} disagree on trained steps or geometry")
+    slots = [int(r["slot"]) for r in rs]
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"group {first['group_index']} has duplicate slots {slots}")
+    fingerprint = _fingerprint(sampling)
+    manifests = [r.get("train_metadata") or candidate_manifest(
+        r, sampling_fingerprint=fingerprint, weight_manifest_hash=weight_manifest_hash, rollout_id=rollout_id)
+        for r in rs]
+    mask = first.get("prompt_embeds_mask")
+    if mask is None:
+        mask = torch.ones(first["prompt_embeds"].shape[0], dtype=torch.int64)
+    i64 = torch.int64
+    tensors = {
+        "common.slots": torch.tensor(slots, dtype=i64),
+        "common.policy_versions": torch.tensor([int(r.get("policy_version", 0)) for r in rs], dtype=i64),
+        "common.seed_hashes": torch.tensor([_seed_hash(r) for r in rs], dtype=i64),
+        "common.sde_indices": torch.tensor([int(i) for i in first["sde_indices"]], dtype=i64),
+        "common.sigmas": first["sigmas"].float(),
+        "common.sigmas_next": first["sigmas_next"].float(),
+        "common.timesteps": first["timesteps"].float(),
+        "common.height": torch.tensor(int(first["height"]), dtype=i64),
+        "common.width": torch.tensor(int(first["width"]), dtype=i64),
+        "common.vae_scale_factor": torch.tensor(int(first.get("vae_scale_factor", 8)), dtype=i64),
+        "conditions.prompt_embeds": first["prompt_embeds"],
+        "conditions.prompt_embeds_mask": mask.to(i64),
+        "tracks.latents": torch.stack([r["trajectory_latents"] for r in rs]),
+        "tracks.next_latents": torch.stack([r["trajectory_next_latents"] for r in rs]),
+        "tracks.log_probs": torch.stack([r["log_probs"].float() for r in rs]),
+    }
+    metadata = {
+        "format": SIDECAR_FORMAT,
+        "task": task,
+        "rollout_id": json.dumps(rollout_id),
+        "group_index": str(int(first["group_index"])),
+        "prompt": first["prompt"],
+        "prompt_metadata": json.dumps(first.get("metadata") or {}, sort_keys=True),
+        "sample_ids": json.dumps([str(r["sample_id"]) for r in rs]),
+        "generation_seeds": json.dumps([int(r.get("generation_seed", 0)) for r in rs]),
+        "num_inference_steps": str(int(first.get("num_inference_steps", 0))),
+        "eta": repr(float(first.get("eta", getattr(sampling, "eta", 0.0)))),
+        "sde_type": str(first.get("sde_type", getattr(sampling, "sde_type", "sde"))),
+        "sigma_max": repr(float(first.get("sigma_max", getattr(sampling, "sigma_max", 0.99)))),
+        "latent_dtype": str(first["trajectory_latents"].dtype).replace("torch.", ""),
+        "sampling": json.dumps(sampling.to_dict() if hasattr(sampling, "to_dict") else None, sort_keys=True),
+        "sampling_fingerprint": fingerprint,
+        "weight_manifest_hash": json.dumps(weight_manifest_hash),
+        "policy_version": str(max(int(r.get("policy_version", 0)) for r in rs)),
+        "candidates": json.dumps(manifests, sort_keys=True),
+    }
+    return tensors, metadata
+
+
+def write_group_sidecar(path, responses: list[Mapping[str, Any]], *, task: str, rollout_id: int | None,
+                        sampling: Any = None, weight_manifest_hash: str | None = None,
+                        overwrite: bool = False) -> Path:
+    """Build and atomically write one group's sidecar (group_sidecar_payload + write_sidecar)."""
+    tensors, metadata = group_sidecar_payload(responses, task=task, rollout_id=rollout_id, sampling=sampling,
+                                              weight_manifest_hash=weight_manifest_hash)
+    return write_sidecar(path, tensors, metadata, overwrite=overwrite)
+
+
+def sidecar_to_responses(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Rebuild per-candidate responses (without images) from a sidecar, slot order; the
+    adapter's pack_trajectory accepts them."""
+    sample_ids = json.loads(metadata["sample_ids"])
+    seeds = json.loads(metadata.get("generation_seeds", "null")) or [0] * len(sample_ids)
+    manifests = json.loads(metadata.get("candidates", "[]"))
+    sde = [int(i) for i in tensors["common.sde_indices"].tolist()]
+    out = []
+    for k, slot in enumerate(tensors["common.slots"].tolist()):
+        out.append({
+            "prompt": metadata["prompt"],
+            "metadata": json.loads(metadata.get("prompt_metadata", "{}")),
+            "sample_id": sample_ids[k],
+            "group_index": int(metadata["group_index"]),
+            "slot": int(slot),
+            "generation_seed": int(seeds[k]),
+            "trajectory_latents": tensors["tracks.latents"][k],
+            "trajectory_next_latents": tensors["tracks.next_latents"][k],
+            "log_probs": tensors["tracks.log_probs"][k],
+            "sigmas": tensors["common.sigmas"],
+            "sigmas_next": tensors["common.sigmas_next"],
+            "timesteps": tensors["common.timesteps"],
+            "sde_indices": sde,
+            "prompt_embeds": tensors["conditions.prompt_embeds"],
+            "prompt_embeds_mask": tensors["conditions.prompt_embeds_mask"],
+            "height": int(tensors["common.height"]),
+            "width": int(tensors["common.width"]),
+            "vae_scale_factor": int(tensors["common.vae_scale_factor"]),
+            "num_inference_steps": int(metadata.get("num_inference_steps", 0)),
+            "eta": float(metadata.get("eta", "nan")),
+            "sde_type": metadata.get("sde_type", "sde"),
+            "sigma_max": float(metadata.get("sigma_max", "0.99")),
+            "policy_version": int(tensors["common.policy_versions"][k]),
+            "train_metadata": manifests[k] if k < len(manifests) else None,
+        })
+    return out
+
+
+def _fingerprint(sampling: Any) -> str:
+    if sampling is None:
+        return ""
+    if hasattr(sampling, "fingerprint"):
+        return sampling.fingerprint()
+    from trainer.sampling import parse_sampling_config
+
+    return parse_sampling_config(sampling).fingerprint()
+
+
+# ----------------------------------------------------------------------------- rollout dirs, retention
+
+
+def list_rollout_dirs(root, task: str, *, eval: bool = False) -> list[tuple[int, Path]]:
+    """(rollout id, dir) of every rollout_<digits> directory of the task, ascending id. Other
+    entries are ignored (and never deleted)."""
+    base = task_root(root, task, eval=eval)
+    if not base.is_dir():
+        return []
+    out = []
+    for entry in base.iterdir():
+        m = _ROLLOUT_RE.match(entry.name)
+        if m and entry.is_dir():
+            out.append((int(m.group(1)), entry))
+    return sorted(out)
+
+
+def prune_stale_artifacts(root, task: str, keep: int, *, eval: bool = False) -> list[Path]:
+    """Delete all but the `keep` newest rollout directories (by rollout id) of the task;
+    keep <= 0 keeps everything. Returns the removed directories.
+
+    Called at the start of a rollout after its own directory exists, so `keep` counts it:
+    afterwards exactly `keep` rollouts remain (--artifact-retention-rollouts)."""
+    if keep <= 0:
+        return []
+    dirs = list_rollout_dirs(root, task, eval=eval)
+    stale = [d for _, d in dirs[:-keep]] if len(dirs) > keep else []
+    for d in stale:
+        shutil.rmtree(d)
+        log.info("artifact retention: removed %s", d)
+    return stale
+
+
+def prepare_rollout_dir(root, task: str, rollout_id: int, *, eval: bool = False) -> Path:
+    """Create the rollout's directory, empty. Files left there by an earlier attempt at the same
+    rollout id (a run resumed from a checkpoint before it) are stale and are removed, with a
+    warning naming them."""
+    d = rollout_dir(root, task, rollout_id, eval=eval)
+    if d.exists():
+        leftovers = sorted(p.name for p in d.iterdir())
+        if leftovers:
+            log.warning("replacing %d artifact file(s) of an earlier attempt at %s (e.g. %s)", len(leftovers), d,
+                        leftovers[:3])
+        shutil.rmtree(d)
+    d.mkdir(parents=True, exist_ok=False)
+    return d
+
+
+def iter_sidecars(directory) -> Iterable[Path]:
+    """The complete sidecars of a rollout directory (no .tmp leftovers), by group index."""
+    return sorted(p for p in Path(directory).glob("group_*.safetensors") if p.is_file())
