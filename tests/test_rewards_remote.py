@@ -96,6 +96,22 @@ def test_server_errors_are_retried_then_reported():
             RemoteScorer(url, max_retries=5, backoff_s=10)._exchange(b'{"prompts": ["a"], "images": ["%%%"]}')
 
 
+class SlowScorer(ColorScorer):
+    def score(self, images, prompts, metadata):
+        time.sleep(1.0)
+        return super().score(images, prompts, metadata)
+
+
+def test_slow_endpoint_times_out_with_bounded_retries():
+    imgs, prompts = color_batch()
+    with serving(SlowScorer()) as url:
+        t0 = time.monotonic()
+        with pytest.raises(RewardEndpointError, match="2 attempt.*timed out") as err:
+            client = RemoteScorer(url, timeout_s=0.2, max_retries=1, backoff_s=0.01)
+            client(ImageBatch.from_any(imgs), prompts, [{}] * 4)
+        assert url in str(err.value) and time.monotonic() - t0 < 1.5
+
+
 def test_dead_endpoint_fails_fast_naming_it():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
