@@ -1,0 +1,236 @@
+"""One rollout: plan, generate this rank's share, write artifacts, return the local batch.
+
+    plan       resolve the trained SDE steps once (same on every rank, no communication), the
+               driver's sigma schedule, and this rank's contiguous block of the global
+               (group, slot) candidate list;
+    generate   one engine.generate call for all local candidates (the engine batches them);
+    artifacts  one PNG per candidate (written by the rank that made it) and one sidecar per
+               group; a group split over ranks has its small tracks gathered to the rank that
+               holds its slot 0, which writes it;
+    return     this rank's responses and the adapter's trajectory batch for the update: each
+               rank replays what it generated, large tensors never cross ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from trainer import artifacts
+
+log = logging.getLogger(__name__)
+
+
+def local_candidates(num_groups: int, group_size: int, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """This rank's (group_index, slot) pairs: a contiguous block of the group-major global list
+    [(0,0), (0,1), ..., (G-1, K-1)]. With N = G*K candidates, rank r gets
+    [r*N//W, (r+1)*N//W) (blocks differ by at most one when W does not divide N)."""
+    if num_groups < 0 or group_size < 1:
+        raise ValueError(f"need num_groups >= 0 and group_size >= 1, got {num_groups}, {group_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    total = num_groups * group_size
+    start, end = rank * total // world_size, (rank + 1) * total // world_size
+    return [(i // group_size, i % group_size) for i in range(start, end)]
+
+
+def rank_of_candidate(index: int, num_candidates: int, world_size: int) -> int:
+    """The rank whose local_candidates block holds global candidate `index` (group-major)."""
+    if not 0 <= index < num_candidates:
+        raise ValueError(f"candidate {index} is outside 0..{num_candidates - 1}")
+    # smallest r with (r + 1) * N // W > index
+    return next(r for r in range(world_size) if (r + 1) * num_candidates // world_size > index)
+
+
+def group_owner(group_index: int, group_size: int, num_groups: int, world_size: int) -> int:
+    """The rank holding (group_index, slot 0): the writer of the group's sidecar."""
+    return rank_of_candidate(group_index * group_size, num_groups * group_size, world_size)
+
+
+def split_groups(num_groups: int, group_size: int, world_size: int) -> list[int]:
+    """Groups whose candidates live on more than one rank (the same answer on every rank)."""
+    n = num_groups * group_size
+    return [g for g in range(num_groups)
+            if rank_of_candidate(g * group_size, n, world_size) != rank_of_candidate((g + 1) * group_size - 1, n, world_size)]
+
+
+@dataclass
+class RolloutOutput:
+    """What one rank gets back from a rollout."""
+
+    rollout_id: int | None
+    sde_indices: list[int]
+    #: this rank's (group_index, slot) pairs, in the order of `responses`
+    candidates: list[tuple[int, int]]
+    responses: list[dict[str, Any]]
+    #: adapter.pack_trajectory(responses), or None when this rank has no candidates
+    batch: dict[str, Any] | None
+    artifact_dir: Path | None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _prompt_and_metadata(item: Any) -> tuple[str, dict[str, Any]]:
+    """A prompt group as (prompt, metadata): a trainer.data.PromptRecord, a JSONL-style dict
+    {"prompt", "metadata"}, or a bare string."""
+    if isinstance(item, str):
+        return item, {}
+    if isinstance(item, Mapping):
+        return str(item["prompt"]), dict(item.get("metadata") or {})
+    if hasattr(item, "to_dict"):
+        d = item.to_dict()
+        return str(d["prompt"]), dict(d.get("metadata") or {})
+    raise TypeError(f"a prompt group must be a PromptRecord, a dict with 'prompt' or a str, got {type(item).__name__}")
+
+
+def driver_sigmas(engine: Any, sampling: Any) -> list[float]:
+    """The driver's N + 1 sigmas for this geometry, from the engine's own scheduler config."""
+    if hasattr(engine, "sigma_schedule"):
+        return list(engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps))
+    from trainer.sampling import image_seq_len, sigma_schedule
+
+    return sigma_schedule(engine.scheduler_config, sampling.num_inference_steps,
+                          image_seq_len(sampling.height, sampling.width, engine.vae_scale_factor))
+
+
+def _dist_info(rank, world_size):
+    import torch.distributed as dist
+
+    active = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if active else 0
+    if world_size is None:
+        world_size = dist.get_world_size() if active else 1
+    return int(rank), int(world_size), active and world_size > 1
+
+
+def generate_rollout(
+    engine: Any,
+    adapter: Any,
+    prompts: Sequence[Any],
+    *,
+    rollout_id: int,
+    sampling: Any,
+    group_size: int,
+    generation_seed: int,
+    artifact_root=None,
+    task: str = "t2i",
+    retention: int = 2,
+    eval: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    weight_manifest_hash: str | None = None,
+) -> RolloutOutput:
+    """Run rollout `rollout_id` over `prompts` (one GRPO group per prompt, `group_size`
+    candidates each) on this rank and write its artifacts under `artifact_root` (None: write
+    nothing).
+
+    `sampling` is a trainer.sampling.SamplingConfig. Evaluation (`eval=True`) resolves the
+    trained steps without the per-rollout redraw (rollout_id None in resolve_sde_indices, the
+    fixed `sde_indices` fallback) and writes under <root>/eval/<task>/rollout_<rollout_id>.
+    rank / world_size default to torch.distributed's (or 0 / 1). Collective when
+    torch.distributed is initialised with more than one rank: every rank must call it.
+    """
+    from trainer.sampling import make_sample_id, resolve_sde_indices
+
+    t0 = time.perf_counter()
+    rank, world_size, distributed = _dist_info(rank, world_size)
+    if world_size > 1 and not distributed and artifact_root is not None \
+            and split_groups(len(prompts), group_size, world_size):
+        raise ValueError(f"rank {rank} of {world_size} without an initialised torch.distributed process group: "
+                         "groups split over ranks could not be gathered into one sidecar; initialise the "
+                         "process group (torchrun) or pass world_size=1")
+    n_steps = int(sampling.num_inference_steps)
+
+    # 1. plan
+    sde_indices = resolve_sde_indices(sampling, n_steps, None if eval else rollout_id)
+    if not sde_indices:
+        raise ValueError(
+            "the resolved trained SDE step set is empty: --sampling-config needs sde_indices, or num_sde_steps "
+            "(with sde_pool / sde_timestep_fraction); a rollout records and trains only those steps")
+    sigmas = driver_sigmas(engine, sampling)
+    groups = [_prompt_and_metadata(p) for p in prompts]
+    mine = local_candidates(len(groups), group_size, rank, world_size)
+
+    # 2. artifact directory and retention (one writer; the others wait for it)
+    out_dir = None
+    if artifact_root is not None:
+        out_dir = artifacts.rollout_dir(artifact_root, task, rollout_id, eval=eval)
+        if rank == 0:
+            artifacts.prepare_rollout_dir(artifact_root, task, rollout_id, eval=eval)
+            artifacts.prune_stale_artifacts(artifact_root, task, retention, eval=eval)
+        if distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # 3. generate
+    requests = []
+    for g, slot in mine:
+        prompt, metadata = groups[g]
+        sample_id = make_sample_id(sampling.sample_id_mode, g, slot, metadata)
+        seed = generation_seed if sampling.driver_xt else generation_seed + g * group_size + slot
+        requests.append(adapter.build_rollout_request(
+            prompt, group_index=g, slot=slot, sample_id=sample_id, sampling=sampling, sde_indices=sde_indices,
+            sigmas=sigmas, generation_seed=seed, metadata=metadata))
+    t_gen = time.perf_counter()
+    responses = engine.generate(requests) if requests else []
+    t_gen = time.perf_counter() - t_gen
+    fingerprint = sampling.fingerprint()
+    for r in responses:
+        adapter.validate_rollout_response(r)
+        r["rollout_id"] = rollout_id
+        r["train_metadata"] = artifacts.candidate_manifest(
+            r, sampling_fingerprint=fingerprint, weight_manifest_hash=weight_manifest_hash, rollout_id=rollout_id)
+
+    # 4. artifacts
+    t_write = time.perf_counter()
+    if artifact_root is not None:
+        _write_artifacts(responses, out_dir, groups, group_size, world_size, distributed, rank, task=task,
+                         rollout_id=rollout_id, sampling=sampling, weight_manifest_hash=weight_manifest_hash)
+    t_write = time.perf_counter() - t_write
+
+    batch = adapter.pack_trajectory(responses) if responses else None
+    stats = {
+        "rollout/candidates_local": float(len(responses)),
+        "perf/rollout_generate_time": t_gen,
+        "perf/rollout_artifact_time": t_write,
+        "perf/rollout_time": time.perf_counter() - t0,
+    }
+    return RolloutOutput(rollout_id=rollout_id, sde_indices=list(sde_indices), candidates=mine,
+                         responses=responses, batch=batch, artifact_dir=out_dir, stats=stats)
+
+
+def _write_artifacts(responses, out_dir: Path, groups, group_size: int, world_size: int, distributed: bool,
+                     rank: int, *, task, rollout_id, sampling, weight_manifest_hash) -> None:
+    for r in responses:
+        artifacts.write_png(out_dir / artifacts.image_name(r["group_index"], r["slot"]), r["image"])
+    by_group: dict[int, list[dict]] = {}
+    for r in responses:
+        by_group.setdefault(int(r["group_index"]), []).append(r)
+    split = set(split_groups(len(groups), group_size, world_size)) if distributed else set()
+    if split:
+        import torch.distributed as dist
+
+        # only the split groups' small tracks travel (no images: each rank wrote its own PNGs)
+        payload = {g: [{k: v for k, v in r.items() if k != "image"} for r in rs]
+                   for g, rs in by_group.items() if g in split}
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, payload)
+        for src, part in enumerate(gathered):
+            if src == rank:
+                continue
+            for g, rs in (part or {}).items():
+                if group_owner(g, group_size, len(groups), world_size) == rank:
+                    by_group.setdefault(g, []).extend(rs)
+    for g, rs in sorted(by_group.items()):
+        if g in split and group_owner(g, group_size, len(groups), world_size) != rank:
+            continue
+        artifacts.write_group_sidecar(out_dir / artifacts.sidecar_name(g), rs, task=task, rollout_id=rollout_id,
+                                      sampling=sampling, weight_manifest_hash=weight_manifest_hash)
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
