@@ -127,10 +127,17 @@ class WeightsChecksum:
         x = tensor.detach().reshape(-1).to(torch.float64)
         w = (torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 1009 + 1).to(torch.float64)
         self._names.append((name, tuple(tensor.shape)))
-        self._stats.append(torch.stack([x.sum(), x.abs().sum(), (x * w).sum()]).cpu())
+        self._stats.append(torch.stack([x.sum(), x.abs().sum(), (x * w).sum()]))
 
     def hexdigest(self) -> str:
-        rows = sorted(zip(self._names, (s.tolist() for s in self._stats)), key=lambda r: r[0][0])
+        by_device: dict[torch.device, list[int]] = {}
+        for i, s in enumerate(self._stats):
+            by_device.setdefault(s.device, []).append(i)
+        values: list[list[float]] = [[] for _ in self._stats]
+        for idx in by_device.values():  # one host transfer per device
+            for i, row in zip(idx, torch.stack([self._stats[i] for i in idx]).cpu().tolist()):
+                values[i] = row
+        rows = sorted(zip(self._names, values), key=lambda r: r[0][0])
         h = hashlib.sha256()
         for (name, shape), stats in rows:
             h.update(f"{name}:{','.join(map(str, shape))}:{':'.join(float(v).hex() for v in stats)}\n".encode())
