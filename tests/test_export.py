@@ -1,0 +1,327 @@
+"""tools/export_checkpoint.py: real checkpoints of the tiny model, exported and loaded back.
+
+The checkpoints are made the way training makes them: the FSDP2 actor (on a one-rank gloo group
+created in this process) is built from the tiny pipeline directory through the Qwen-Image
+adapter, takes one FlowGRPO update so its weights differ from the base, and is saved with
+trainer.checkpoint.save_checkpoint. The reference output is the trained (sharded) actor's own
+forward on a fixed input; every export must reproduce it after loading with diffusers / peft.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.dist.tiny import LATENT_HW, LORA_TARGETS, TEXT_LEN, make_batch, make_cfg, replay
+from tools import export_checkpoint as ex
+from trainer import checkpoint as ck
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5])
+RANK, ALPHA = 4, 8  # alpha != rank, so a wrong merge scale shows
+
+
+def fixed_input():
+    g = torch.Generator().manual_seed(123)
+    return dict(hidden_states=torch.randn(2, LATENT_HW * LATENT_HW, 16, generator=g),
+                encoder_hidden_states=torch.randn(2, TEXT_LEN, 16, generator=g),
+                encoder_hidden_states_mask=torch.ones(2, TEXT_LEN, dtype=torch.long),
+                timestep=torch.tensor([0.9, 0.4]),
+                img_shapes=[(1, LATENT_HW, LATENT_HW)] * 2)
+
+
+@torch.no_grad()
+def forward(model) -> torch.Tensor:
+    return model(**fixed_input(), return_dict=False)[0].detach().clone()
+
+
+def base_transformer(model_dir):
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel.from_pretrained(str(model_dir), subfolder="transformer").eval()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    import torch.distributed as dist
+    from trainer.distributed import build_mesh, init_distributed
+
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    created = not dist.is_initialized()
+    init_distributed("cpu")
+    yield build_mesh("cpu")
+    if created:
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def train_and_save(mesh, model_dir, save_dir, mode):
+    """One update of the real actor on the tiny model, then a real checkpoint (iteration 1).
+    Returns the trained model's output on the fixed input."""
+    from trainer.actor import Actor
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    cfg = make_cfg(mode, fsdp__fsdp_activation_checkpointing=True)
+    cfg.lora.lora_rank, cfg.lora.lora_alpha = (RANK, ALPHA) if mode == "lora" else (0, ALPHA)
+    actor = Actor.from_adapter(QwenImageAdapter(), str(model_dir), mesh, cfg, device=torch.device("cpu"))
+    actor.train_step(make_batch(4, seed=3), ADV, replay)
+    contract = {"mode": mode, "task": "t2i", "base_model_path": str(model_dir), "base_model_hash": "tiny",
+                "lora_rank": RANK if mode == "lora" else 0, "lora_alpha": ALPHA, "lora_dropout": 0.0,
+                "lora_target_modules": list(LORA_TARGETS) if mode == "lora" else []}
+    assert ck.save_checkpoint(save_dir, "t2i", 1, model=actor.model, optimizer=actor.optimizer,
+                              trainer_state={"rollout_id": 1, "policy_version": 1}, weight_sync_manifest={},
+                              adapter_contract=contract, trainable_only=(mode == "lora"))
+    actor.model.eval()
+    return forward(actor.model)
+
+
+@pytest.fixture(scope="module")
+def trained(mesh, tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("export_ckpts")
+    out = {"base": forward(base_transformer(tiny_model_dir))}
+    for mode in ("full", "lora"):
+        out[mode] = train_and_save(mesh, tiny_model_dir, root / mode, mode)
+        out[mode + "_save"] = root / mode
+        # the update moved the policy well beyond the comparison tolerance
+        assert (out[mode] - out["base"]).abs().max() > 1e-3
+    return out
+
+
+def export(trained, mode, out, **kw):
+    return ex.export_checkpoint(trained[mode + "_save"], "t2i", 1, out, **kw)
+
+
+def assert_reproduces(got, trained, mode):
+    torch.testing.assert_close(got, trained[mode], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- round trips
+
+def test_full_merged_export_loads_as_a_pipeline_and_reproduces(trained, tiny_model_dir, tmp_path):
+    from diffusers import QwenImagePipeline
+
+    # no --base-model-path: a full fine-tune falls back to the base recorded in the contract
+    info = export(trained, "full", tmp_path / "merged", form="merged", verify=True)
+    assert info["verify"]["tensors"] == 77 and info["transformer"]["weights_from_base"] == []
+    pipe = QwenImagePipeline.from_pretrained(str(tmp_path / "merged"))
+    assert_reproduces(forward(pipe.transformer.eval()), trained, "full")
+    saved = json.loads((tmp_path / "merged" / "export_info.json").read_text())
+    assert saved["mode"] == "full" and saved["iteration"] == 1 and saved["policy_version"] == 1
+    # the other components are the base's, byte for byte
+    for rel in ("model_index.json", "vae/config.json", "scheduler/scheduler_config.json"):
+        assert (tmp_path / "merged" / rel).read_bytes() == (tiny_model_dir / rel).read_bytes()
+    assert not (tmp_path / "merged" / "vae").is_symlink()
+
+
+def test_lora_merged_export_folds_the_adapter_and_reproduces(trained, tiny_model_dir, tmp_path):
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.torch import load_file
+
+    info = export(trained, "lora", tmp_path / "merged", form="merged", base_model_path=tiny_model_dir,
+                  verify=True, components="symlink")
+    # 2 blocks x 8 targets, minus the last block's never-trained text-output modules
+    assert info["verify"]["lora_modules_checked"] == 14 and info["lora"]["scaling"] == ALPHA / RANK
+    sd = load_file(str(tmp_path / "merged" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert not [k for k in sd if "lora" in k or "base_layer" in k]
+    model = QwenImageTransformer2DModel.from_pretrained(str(tmp_path / "merged"), subfolder="transformer")
+    assert_reproduces(forward(model.eval()), trained, "lora")
+    assert (tmp_path / "merged" / "vae").is_symlink()
+
+
+def test_adapter_export_loads_with_peft_and_diffusers_and_reproduces(trained, tiny_model_dir, tmp_path):
+    from peft import LoraConfig, PeftModel
+
+    info = export(trained, "lora", tmp_path / "adapter", form="adapter", verify=True)
+    # the contract's base path is found, so peft's injection into the base was checked too
+    assert info["verify"]["peft_injection_checked"] and info["adapter"]["tensors"] == 28
+    cfg = LoraConfig.from_pretrained(str(tmp_path / "adapter"))
+    assert (cfg.r, cfg.lora_alpha) == (RANK, ALPHA)
+
+    peft_model = PeftModel.from_pretrained(base_transformer(tiny_model_dir), str(tmp_path / "adapter"))
+    assert_reproduces(forward(peft_model.eval()), trained, "lora")
+
+    transformer = base_transformer(tiny_model_dir)
+    transformer.load_lora_adapter(str(tmp_path / "adapter"), weight_name="adapter_model.safetensors",
+                                  prefix="base_model.model")
+    assert_reproduces(forward(transformer.eval()), trained, "lora")
+
+
+def test_bf16_merged_export_keeps_the_dtype_asked_for(trained, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    export(trained, "lora", tmp_path / "m16", form="merged", base_model_path=tiny_model_dir, verify=True,
+           dtype="bf16", components="hardlink")
+    sd = load_file(str(tmp_path / "m16" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert {t.dtype for t in sd.values()} == {torch.bfloat16}
+    # hard links share the inode with the base
+    assert os.stat(tmp_path / "m16" / "vae" / "config.json").st_ino == os.stat(tiny_model_dir / "vae" / "config.json").st_ino
+
+
+# ---------------------------------------------------------------- refusals and errors
+
+def test_lora_merged_without_base_is_refused_with_the_reason(trained, tmp_path):
+    with pytest.raises(ex.ExportError, match="needs --base-model-path.*nothing to fold it into"):
+        export(trained, "lora", tmp_path / "out", form="merged")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_full_checkpoint_has_no_adapter_form(trained, tmp_path):
+    with pytest.raises(ex.ExportError, match="--form adapter needs a LoRA checkpoint"):
+        export(trained, "full", tmp_path / "out", form="adapter")
+
+
+def test_non_empty_output_dir_is_refused(trained, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ex.ExportError, match="not an empty directory; refusing"):
+        export(trained, "lora", tmp_path / "out", form="adapter")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def copy_save(trained, mode, tmp_path):
+    dst = tmp_path / "save"
+    shutil.copytree(trained[mode + "_save"], dst)
+    return dst, dst / "t2i" / "iter_0000001"
+
+
+def test_missing_uncommitted_and_corrupt_checkpoints_name_the_directory(trained, tmp_path):
+    save, d = copy_save(trained, "lora", tmp_path)
+    with pytest.raises(ex.ExportError, match=r"iter_0000007 does not exist; committed iterations .*\[1\]"):
+        ex.export_checkpoint(save, "t2i", 7, tmp_path / "o1", form="adapter")
+    with pytest.raises(ex.ExportError, match="has no t2i2/ directory"):
+        ex.export_checkpoint(save, "t2i2", 1, tmp_path / "o1", form="adapter")
+
+    shard = next((d / "fsdp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a truncated shard
+    with pytest.raises(ex.ExportError, match=f"reading the DCP shards in {d / 'fsdp'} failed"):
+        ex.export_checkpoint(save, "t2i", 1, tmp_path / "o2", form="adapter")
+
+    (d / "COMMITTED").unlink()
+    with pytest.raises(ex.ExportError, match=f"{d} has no COMMITTED marker"):
+        ex.export_checkpoint(save, "t2i", 1, tmp_path / "o3", form="adapter")
+    assert not [p for p in tmp_path.iterdir() if p.name != "save"]  # nothing half-written left behind
+
+
+def test_contract_without_alpha_is_refused(trained, tmp_path):
+    save, d = copy_save(trained, "lora", tmp_path)
+    contract = json.loads((d / "adapter_contract.json").read_text())
+    del contract["lora_alpha"]
+    (d / "adapter_contract.json").write_text(json.dumps(contract))
+    with pytest.raises(ex.ExportError, match="no lora_alpha"):
+        ex.export_checkpoint(save, "t2i", 1, tmp_path / "o", form="adapter")
+
+
+def test_wrong_base_model_is_refused(trained, tmp_path):
+    from tools.make_tiny_model import build_tiny_pipeline
+    from diffusers import QwenImageTransformer2DModel
+
+    other = build_tiny_pipeline(tmp_path / "other")
+    # a transformer of another width: the LoRA pairs do not fit its weights
+    small = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                        attention_head_dim=8, num_attention_heads=3, joint_attention_dim=16,
+                                        axes_dims_rope=(4, 2, 2))
+    shutil.rmtree(other / "transformer")
+    small.save_pretrained(str(other / "transformer"))
+    with pytest.raises(ex.ExportError, match="wrong --base-model-path"):
+        export(trained, "lora", tmp_path / "o", form="merged", base_model_path=other)
+
+
+# ---------------------------------------------------------------- --verify is not vacuous
+
+def test_verify_catches_a_tampered_merged_export(trained, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    export(trained, "lora", tmp_path / "m", form="merged", base_model_path=tiny_model_dir)
+    f = tmp_path / "m" / "transformer" / "diffusion_pytorch_model.safetensors"
+    sd = load_file(str(f))
+    ckpt = ex.load_checkpoint(trained["lora_save"], "t2i", 1)
+    lora = ex.lora_settings(ckpt)
+    assert ex.verify_merged(tmp_path / "m", ckpt, tiny_model_dir, lora)["lora_modules_changed"] == 14
+
+    # the adapter left unfolded in one weight (what a merge with the wrong name would do)
+    name = "transformer_blocks.0.attn.to_q.weight"
+    save_file({**sd, name: load_file(str(tiny_model_dir / "transformer" / f.name))[name]}, str(f))
+    with pytest.raises(ex.ExportError, match="to_q.weight: value differs"):
+        ex.verify_merged(tmp_path / "m", ckpt, tiny_model_dir, lora)
+    # adapter tensors smuggled into a merged transformer
+    save_file({**sd, "transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(RANK, 48)}, str(f))
+    with pytest.raises(ex.ExportError, match="adapter tensors in a merged export"):
+        ex.verify_merged(tmp_path / "m", ckpt, tiny_model_dir, lora)
+    # a wrong alpha gives a wrong scale
+    with pytest.raises(ex.ExportError, match="differs from W"):
+        save_file(sd, str(f))
+        ex.verify_merged(tmp_path / "m", ckpt, tiny_model_dir, ex.LoraSettings(RANK, ALPHA * 2, ()))
+
+
+def test_verify_catches_a_tampered_adapter(trained, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    export(trained, "lora", tmp_path / "a", form="adapter")
+    ckpt = ex.load_checkpoint(trained["lora_save"], "t2i", 1)
+    lora = ex.lora_settings(ckpt)
+    f = tmp_path / "a" / "adapter_model.safetensors"
+    sd = load_file(str(f))
+    key = "base_model.model.transformer_blocks.0.attn.to_k.lora_B.weight"
+    save_file({**sd, key: sd[key] * 1.5}, str(f))
+    with pytest.raises(ex.ExportError, match="to_k.lora_B.weight: shape or value differs"):
+        ex.verify_adapter(tmp_path / "a", ckpt, lora, tiny_model_dir)
+    save_file({k: v for k, v in sd.items() if "to_v" not in k}, str(f))
+    with pytest.raises(ex.ExportError, match="names differ from the checkpoint"):
+        ex.verify_adapter(tmp_path / "a", ckpt, lora, tiny_model_dir)
+
+
+# ---------------------------------------------------------------- pieces
+
+def test_merge_formula_matches_peft_merge():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(6, 5))
+    base_w = lin[0].weight.detach().clone()
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=6, target_modules=["0"]), lin)
+    with torch.no_grad():
+        lin[0].lora_B["default"].weight.normal_()
+    a, b = lin[0].lora_A["default"].weight.detach(), lin[0].lora_B["default"].weight.detach()
+    lin[0].merge()
+    ours = ex.merge_lora_weight(base_w, a, b, 6 / 2)
+    torch.testing.assert_close(ours, lin[0].base_layer.weight.detach(), rtol=0, atol=1e-6)
+    assert ex.merge_lora_weight(base_w.bfloat16(), a, b, 3.0).dtype == torch.bfloat16
+
+
+def test_cli_exports_and_reports_errors(trained, tmp_path, capsys):
+    rc = ex.main(["--save-dir", str(trained["lora_save"]), "--task", "t2i", "--output-dir", str(tmp_path / "a"),
+                  "--form", "adapter", "--verify"])  # --iteration omitted: the newest committed one
+    assert rc == 0 and "(verified)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "a" / "export_info.json").read_text())["iteration"] == 1
+    rc = ex.main(["--save-dir", str(trained["lora_save"]), "--iteration", "1", "--output-dir", str(tmp_path / "b"),
+                  "--form", "merged"])
+    assert rc == 2 and "needs --base-model-path" in capsys.readouterr().err
+
+
+def test_sharded_base_keeps_its_shard_layout(trained, tiny_model_dir, tmp_path):
+    from diffusers import QwenImageTransformer2DModel
+
+    base = tmp_path / "sharded_base"
+    shutil.copytree(tiny_model_dir, base)
+    shutil.rmtree(base / "transformer")
+    base_transformer(tiny_model_dir).save_pretrained(str(base / "transformer"), max_shard_size="200KB")
+    shards = sorted(p.name for p in (base / "transformer").glob("*.safetensors"))
+    assert len(shards) > 2
+
+    export(trained, "lora", tmp_path / "m", form="merged", base_model_path=base, verify=True)
+    tdir = tmp_path / "m" / "transformer"
+    assert sorted(p.name for p in tdir.glob("*.safetensors")) == shards
+    index = json.loads((tdir / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    assert index["weight_map"] == json.loads(
+        (base / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
+    model = QwenImageTransformer2DModel.from_pretrained(str(tmp_path / "m"), subfolder="transformer")
+    assert_reproduces(forward(model.eval()), trained, "lora")

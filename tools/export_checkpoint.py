@@ -1,0 +1,804 @@
+"""Export a committed training checkpoint as a diffusers pipeline or as a PEFT adapter.
+
+    python tools/export_checkpoint.py --form merged \\
+        --save-dir runs/ckpt --task t2i --iteration 100 --output-dir out/merged \\
+        --base-model-path /models/Qwen-Image --verify
+    python tools/export_checkpoint.py --form adapter \\
+        --save-dir runs/ckpt --task t2i --iteration 100 --output-dir out/adapter --verify
+
+It reads the DCP shards of `<save-dir>/<task>/iter_<7 digits>/fsdp/` offline, in one process
+(no torchrun), and trusts only an iteration with a COMMITTED marker.
+
+--form merged   a directly loadable diffusers pipeline directory. Every base component except
+                transformer/ comes from --base-model-path (copied by default, see --components);
+                transformer/ is written with the base's own file layout (same shard files, same
+                tensor names, same dtypes unless --dtype) holding the trained weights:
+                  full fine-tune: the checkpoint's tensors (a weight the checkpoint lacks, e.g. a
+                                  frozen never-trained one, is the base's, and is listed in
+                                  export_info.json);
+                  LoRA:           W' = W + (B @ A) * (alpha / rank) for every adapted module,
+                                  computed in fp32 and cast to W's dtype; every other weight is
+                                  the base's, bit for bit.
+--form adapter  a HF-PEFT adapter directory (LoRA checkpoints only): adapter_config.json plus
+                adapter_model.safetensors with the names peft's save_pretrained writes
+                ("base_model.model.<module>.lora_A.weight"), so that
+                PeftModel.from_pretrained(base_transformer, DIR) loads it; the safetensors header
+                also carries diffusers' "lora_adapter_metadata" so that
+                transformer.load_lora_adapter(DIR, weight_name="adapter_model.safetensors",
+                prefix="base_model.model") gets the right alpha.
+
+The output is written into a hidden staging directory next to --output-dir, verified there
+(--verify) and renamed into place only when complete: an interrupted export never leaves a
+half-written --output-dir, and an existing non-empty --output-dir is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `trainer` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
+from trainer.weight_sync import strip_wrapper_segments  # noqa: E402
+
+log = logging.getLogger("export_checkpoint")
+
+DEFAULT_ADAPTER = "trainer.models.qwen_image.QwenImageAdapter"
+FORMS = ("merged", "adapter")
+COMPONENT_MODES = ("copy", "hardlink", "symlink")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: the key prefix PeftModel.save_pretrained puts in front of every module name of the wrapped model
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+EXPORT_INFO = "export_info.json"
+#: safetensors header key diffusers' load_lora_adapter reads the LoraConfig kwargs from
+DIFFUSERS_LORA_METADATA_KEY = "lora_adapter_metadata"
+#: DCP key prefix of the model state (the optimizer lives under "optim.")
+MODEL_PREFIX = "model."
+
+
+class ExportError(RuntimeError):
+    """The checkpoint, the base model or the output directory cannot be used; the message says
+    which file / flag and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the checkpoint
+
+
+@dataclass
+class Checkpoint:
+    """One committed iteration, read offline.
+
+    tensors: the model tensors under their diffusers names (wrapper segments and peft's adapter
+    name removed: "transformer_blocks.0.attn.to_q.lora_A.weight"), in the dtype they were saved in
+    (the master dtype). For a LoRA run these are only the trained adapter tensors.
+    """
+
+    path: Path
+    iteration: int
+    contract: dict[str, Any]
+    trainer_state: dict[str, Any]
+    mode: str
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
+def find_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None) -> tuple[Path, int]:
+    """The directory of a COMMITTED iteration (the newest when `iteration` is None).
+
+    Raises ExportError naming the directory when it is missing, uncommitted or lacks its DCP
+    metadata, listing the committed iterations that do exist."""
+    save = Path(save_dir)
+    if not (save / task).is_dir():
+        raise ExportError(f"--save-dir {str(save)!r} has no {task}/ directory: no checkpoints of task {task!r} "
+                          f"there (expected {save / task / 'iter_0000000'}/...)")
+    committed = committed_iterations(save, task)
+    if iteration is None:
+        if not committed:
+            raise ExportError(f"{save / task} holds no COMMITTED iteration; nothing can be exported")
+        iteration = committed[-1]
+    d = iteration_dir(save, task, iteration)
+    if not d.is_dir():
+        raise ExportError(f"{d} does not exist; committed iterations under {save / task}: {committed or 'none'}")
+    if not (d / COMMITTED).is_file():
+        raise ExportError(f"{d} has no {COMMITTED} marker: the save never completed (or was interrupted), so "
+                          f"its shards cannot be trusted; pick a committed --iteration from {committed or 'none'}")
+    if not (d / "fsdp" / ".metadata").is_file():
+        raise ExportError(f"{d / 'fsdp'} has no DCP .metadata file although {d.name} is COMMITTED: the "
+                          "checkpoint is damaged; export an earlier iteration")
+    return d, iteration
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{path} is missing although its directory is COMMITTED: the checkpoint is damaged; "
+                          "export an earlier iteration") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path} is not valid JSON ({e}): the checkpoint is damaged") from None
+
+
+def dcp_model_metadata(fsdp_dir: Path) -> dict[str, Any]:
+    """DCP key -> TensorStorageMetadata of every "model.*" entry of the checkpoint in `fsdp_dir`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(str(fsdp_dir)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a damaged checkpoint
+        raise ExportError(f"{fsdp_dir}: cannot read the DCP metadata ({e!r}); the checkpoint is damaged") from None
+    out = {}
+    for key, meta in md.state_dict_metadata.items():
+        if not key.startswith(MODEL_PREFIX):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ExportError(f"{fsdp_dir}: model entry {key!r} is not a tensor; not a checkpoint of a transformer")
+        out[key] = meta
+    if not out:
+        raise ExportError(f"{fsdp_dir} holds no '{MODEL_PREFIX}*' tensors: not a checkpoint written by "
+                          "trainer.checkpoint.save_checkpoint")
+    return out
+
+
+def read_dcp_tensors(fsdp_dir: Path, keys: Iterable[str], metadata: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Load the DCP entries `keys` (full, unsharded tensors on CPU) in this one process.
+
+    DCP reshards on load: every tensor is materialised at its global shape whatever the world
+    size that saved it. Only the requested entries are read from disk."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
+    if not state:
+        return {}
+    try:
+        with warnings.catch_warnings():  # single-process loading is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=FileSystemReader(str(fsdp_dir)), no_dist=True)
+    except BaseException as e:  # CheckpointException derives from BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ExportError(f"reading the DCP shards in {fsdp_dir} failed ({type(e).__name__}: {e}); the "
+                          "checkpoint is damaged or incomplete: export an earlier iteration") from None
+    return state
+
+
+def is_lora_name(name: str) -> bool:
+    parts = name.split(".")
+    return "lora_A" in parts or "lora_B" in parts
+
+
+def contract_mode(contract: dict[str, Any]) -> str | None:
+    """'full' | 'lora' | None (absent) from adapter_contract.json ("mode", or "fsdp_trainable_mode")."""
+    mode = contract.get("mode", contract.get("fsdp_trainable_mode"))
+    return None if mode is None else str(mode)
+
+
+def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, *,
+                    name_map: Callable[[str], str] | None = None) -> Checkpoint:
+    """Read a committed iteration's sidecars and every model tensor (see Checkpoint).
+
+    name_map: the model adapter's training-name -> diffusers-name map, applied after the
+    wrapper segments are stripped. The mode comes from adapter_contract.json and must agree
+    with the tensors (a LoRA checkpoint holds lora_A/lora_B tensors, a full one none)."""
+    d, iteration = find_checkpoint(save_dir, task, iteration)
+    contract = _read_json(d / CONTRACT)
+    state = _read_json(d / TRAINER_STATE)
+    meta = dcp_model_metadata(d / "fsdp")
+    raw = read_dcp_tensors(d / "fsdp", list(meta), meta)
+    name_map = name_map or (lambda n: n)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in raw.items():
+        name = name_map(strip_wrapper_segments(key[len(MODEL_PREFIX):]))
+        if name in tensors:
+            raise ExportError(f"{d / 'fsdp'}: two entries map to the same name {name!r}; cannot export")
+        tensors[name] = t
+    has_lora = any(is_lora_name(n) for n in tensors)
+    mode = contract_mode(contract)
+    if mode is None:
+        mode = "lora" if has_lora else "full"
+        log.warning("%s records no mode; the tensors say %r", d / CONTRACT, mode)
+    if mode not in ("full", "lora"):
+        raise ExportError(f"{d / CONTRACT}: mode {mode!r} is neither 'full' nor 'lora'")
+    if mode == "lora" and not has_lora:
+        raise ExportError(f"{d / CONTRACT} says mode 'lora' but {d / 'fsdp'} holds no lora_A/lora_B tensors: "
+                          "the checkpoint is inconsistent")
+    if mode == "full" and has_lora:
+        raise ExportError(f"{d / CONTRACT} says mode 'full' but {d / 'fsdp'} holds lora_A/lora_B tensors: "
+                          "the checkpoint is inconsistent")
+    return Checkpoint(path=d, iteration=iteration, contract=contract, trainer_state=state, mode=mode, tensors=tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """rank, alpha (scaling = alpha / rank, peft's default non-rsLoRA rule) and the training's
+    target-module suffixes (for the record; the adapter lists the exact modules it holds)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def lora_pairs(tensors: dict[str, torch.Tensor], where: Path | str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module name -> (A [r, in], B [out, r]) from "<module>.lora_A.weight" / "<module>.lora_B.weight".
+
+    Raises ExportError for a half pair, a LoRA tensor of another kind (DoRA magnitude, bias,
+    embedding LoRA: training never makes them) or mismatched ranks within a pair."""
+    a_of: dict[str, torch.Tensor] = {}
+    b_of: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not is_lora_name(name):
+            continue
+        for kind, box in (("lora_A", a_of), ("lora_B", b_of)):
+            suffix = f".{kind}.weight"
+            if name.endswith(suffix):
+                box[name[: -len(suffix)]] = t
+                break
+        else:
+            raise ExportError(f"{where}: unsupported LoRA tensor {name!r} (only lora_A.weight / lora_B.weight "
+                              "of linear layers are exported)")
+    if set(a_of) != set(b_of):
+        odd = sorted(set(a_of) ^ set(b_of))
+        raise ExportError(f"{where}: LoRA tensors without their partner for modules {odd[:5]}; damaged checkpoint")
+    pairs = {}
+    for module in sorted(a_of):
+        a, b = a_of[module], b_of[module]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ExportError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                              "which do not form B @ A")
+        pairs[module] = (a, b)
+    return pairs
+
+
+def lora_settings(ckpt: Checkpoint, default_targets: Iterable[str] = ()) -> LoraSettings:
+    """Rank (from the tensors, checked against the contract), alpha (from the contract: it cannot
+    be recovered from the weights) and target modules (contract, else the model adapter's)."""
+    where = ckpt.path / CONTRACT
+    pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp")
+    ranks = {int(a.shape[0]) for a, _ in pairs.values()}
+    if len(ranks) != 1:
+        raise ExportError(f"{ckpt.path / 'fsdp'}: LoRA ranks differ between modules ({sorted(ranks)}); "
+                          "per-module ranks are not supported")
+    rank = ranks.pop()
+    saved_rank = ckpt.contract.get("lora_rank")
+    if saved_rank is not None and int(saved_rank) != rank:
+        raise ExportError(f"{where} records lora_rank {saved_rank} but the tensors have rank {rank}; "
+                          "the checkpoint is inconsistent")
+    alpha = ckpt.contract.get("lora_alpha")
+    if alpha is None:
+        raise ExportError(f"{where} records no lora_alpha: the merge scale alpha / rank cannot be recovered from "
+                          "the weights, and a guessed one silently rescales the policy")
+    targets = ckpt.contract.get("lora_target_modules") or list(default_targets)
+    return LoraSettings(rank=rank, alpha=float(alpha), target_modules=tuple(str(t) for t in targets))
+
+
+def merge_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """W' = W + (B @ A) * scaling, computed in fp32 and returned in W's dtype.
+
+    weight [out, in], lora_a [r, in], lora_b [out, r]. fp32 because the RL updates are ~1e-4
+    relative: added in bf16 they would round away (the same rule the merged weight sync follows).
+    """
+    if tuple(weight.shape) != (lora_b.shape[0], lora_a.shape[1]):
+        raise ValueError(f"base weight {tuple(weight.shape)} does not match B @ A = "
+                         f"{(lora_b.shape[0], lora_a.shape[1])}")
+    merged = weight.float() + (lora_b.float() @ lora_a.float()) * float(scaling)
+    return merged.to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the base model's transformer files
+
+
+def base_transformer_layout(base: Path) -> tuple[list[str], dict[str, str], str | None]:
+    """(safetensors file names, tensor name -> file name, index file name or None) of
+    <base>/transformer/, read from the safetensors headers (no tensor data)."""
+    from safetensors import safe_open
+
+    tdir = base / "transformer"
+    if not (tdir / "config.json").is_file():
+        raise ExportError(f"--base-model-path {str(base)!r} has no transformer/config.json: not a diffusers "
+                          "pipeline directory")
+    index_files = sorted(tdir.glob("*.safetensors.index.json"))
+    if len(index_files) > 1:
+        raise ExportError(f"{tdir} holds several safetensors index files {[p.name for p in index_files]}; "
+                          "keep exactly one")
+    if index_files:
+        weight_map = _read_json(index_files[0]).get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+        index = index_files[0].name
+    else:
+        files = sorted(p.name for p in tdir.glob("*.safetensors"))
+        index = None
+        weight_map = {}
+    if not files:
+        raise ExportError(f"{tdir} holds no *.safetensors weights (a .bin transformer is not supported: "
+                          "re-save the base with safe_serialization=True)")
+    located: dict[str, str] = {}
+    for fname in files:
+        if not (tdir / fname).is_file():
+            raise ExportError(f"{tdir / fname} is listed by the index but missing")
+        with safe_open(str(tdir / fname), "pt") as f:
+            for key in f.keys():
+                located[key] = fname
+    if index and set(located) != set(weight_map):
+        raise ExportError(f"{tdir / index} does not match the tensors of its shard files")
+    return files, located, index
+
+
+def _resolve_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ExportError(f"--dtype must be one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
+
+
+def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lora: LoraSettings | None,
+                             dtype: torch.dtype | None) -> dict[str, Any]:
+    """Write <out>/transformer/ with the base's file layout and the trained weights (module docstring).
+
+    Works one base shard at a time, so memory stays at about one shard (plus, for full
+    fine-tune, that shard's checkpoint tensors). Returns a summary for export_info.json."""
+    from safetensors import safe_open
+
+    files, located, index = base_transformer_layout(base)
+    tdir = base / "transformer"
+    unknown = sorted(n for n in ckpt.tensors if not is_lora_name(n) and n not in located)
+    pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
+    unknown += sorted(m for m in pairs if f"{m}.weight" not in located)
+    if unknown:
+        raise ExportError(f"the checkpoint has {len(unknown)} weights the base transformer at {tdir} does not, e.g. "
+                          f"{unknown[:3]}: --base-model-path is not the model this run trained")
+    out_tdir.mkdir(parents=True)
+    for extra in sorted(tdir.iterdir()):  # config.json and anything else that is not weights
+        if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name != index:
+            shutil.copy2(extra, out_tdir / extra.name)
+    from_base: list[str] = []
+    total = 0
+    for fname in files:
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(tdir / fname), "pt") as f:
+            for key in f.keys():
+                w = f.get_tensor(key)
+                target = dtype or w.dtype
+                if ckpt.mode == "full":
+                    if key in ckpt.tensors:
+                        t = ckpt.tensors[key]
+                        if t.shape != w.shape:
+                            raise ExportError(f"{key}: checkpoint shape {tuple(t.shape)} != base shape "
+                                              f"{tuple(w.shape)} in {tdir / fname}: wrong --base-model-path")
+                        w = t
+                    else:
+                        from_base.append(key)
+                elif key.endswith(".weight") and key[: -len(".weight")] in pairs:
+                    a, b = pairs[key[: -len(".weight")]]
+                    try:
+                        w = merge_lora_weight(w, a, b, lora.scaling)
+                    except ValueError as e:
+                        raise ExportError(f"{key} in {tdir / fname}: {e}: wrong --base-model-path") from None
+                out[key] = w.to(target)
+                total += out[key].numel() * out[key].element_size()
+        _save_safetensors(out, out_tdir / fname)
+    if index:
+        idx = _read_json(tdir / index)
+        idx["metadata"] = {**idx.get("metadata", {}), "total_size": total}
+        (out_tdir / index).write_text(json.dumps(idx, indent=2, sort_keys=True) + "\n")
+    if from_base:
+        log.info("%d transformer weights are not in the checkpoint (frozen, never trained) and come from the "
+                 "base: %s%s", len(from_base), from_base[:4], " ..." if len(from_base) > 4 else "")
+    return {"files": files, "tensors": len(located), "bytes": total, "weights_from_base": from_base,
+            "lora_modules_merged": len(pairs)}
+
+
+def place_components(base: Path, out: Path, how: str) -> list[str]:
+    """Put every entry of the base pipeline directory except transformer/ into `out`:
+    copy (default; a self-contained export), hardlink (no extra space, same filesystem only;
+    the files are shared, so editing one edits the other) or symlink (absolute links: the export
+    breaks when the base moves). Returns the entry names."""
+    if how not in COMPONENT_MODES:
+        raise ExportError(f"--components must be one of {COMPONENT_MODES}, got {how!r}")
+    if not (base / "model_index.json").is_file():
+        raise ExportError(f"--base-model-path {str(base)!r} has no model_index.json: not a diffusers pipeline "
+                          "directory")
+    names = []
+    for entry in sorted(base.iterdir()):
+        if entry.name == "transformer":
+            continue
+        dest = out / entry.name
+        try:
+            if how == "symlink":
+                dest.symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+            elif entry.is_dir():
+                shutil.copytree(entry, dest, copy_function=os.link if how == "hardlink" else shutil.copy2)
+            elif how == "hardlink":
+                os.link(entry, dest)
+            else:
+                shutil.copy2(entry, dest)
+        except OSError as e:
+            hint = " (hard links need the same filesystem: use --components copy)" if how == "hardlink" else ""
+            raise ExportError(f"placing {entry} into {out} by {how} failed: {e}{hint}") from None
+        names.append(entry.name)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# the adapter form
+
+
+def peft_adapter_state(ckpt: Checkpoint, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The LoRA tensors under the names PeftModel.save_pretrained writes for the transformer:
+    "base_model.model.<module>.lora_{A,B}.weight"."""
+    out = {}
+    for module, (a, b) in lora_pairs(ckpt.tensors, ckpt.path / "fsdp").items():
+        out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.to(dtype or a.dtype)
+        out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.to(dtype or b.dtype)
+    return out
+
+
+def peft_lora_config(modules: list[str], lora: LoraSettings, base_model_name_or_path: str | None):
+    """peft LoraConfig of the exported adapter.
+
+    target_modules lists the exact module names the checkpoint holds LoRA tensors for, not the
+    training's suffixes: modules that can never receive a gradient (the last block's text-output
+    path) are frozen in training and not checkpointed, and a suffix list would make peft inject
+    (and warn about) adapter layers that have no weights. Their LoRA delta in training was
+    B @ A = 0 (B starts at 0 and never moved), so leaving them out changes nothing."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=sorted(modules),
+                      bias="none", init_lora_weights=True, base_model_name_or_path=base_model_name_or_path,
+                      inference_mode=True)
+
+
+def write_adapter(ckpt: Checkpoint, out: Path, lora: LoraSettings, *, dtype: torch.dtype | None,
+                  base_model_name_or_path: str | None) -> dict[str, Any]:
+    """adapter_config.json + adapter_model.safetensors (module docstring) into `out`."""
+    state = peft_adapter_state(ckpt, dtype)
+    modules = sorted({k[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0] for k in state})
+    config = peft_lora_config(modules, lora, base_model_name_or_path)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    kwargs = config.to_dict()
+    for k, v in kwargs.items():
+        if isinstance(v, set):
+            kwargs[k] = sorted(v)
+    # diffusers strips the load prefix from the metadata keys too, so they carry the same prefix
+    # as the tensor names (diffusers' own pipeline-level save does this with "transformer.")
+    meta = {PEFT_PREFIX + k: v for k, v in kwargs.items()}
+    _save_safetensors(state, out / ADAPTER_WEIGHTS,
+                      {"format": "pt", DIFFUSERS_LORA_METADATA_KEY: json.dumps(meta, sort_keys=True, default=str)})
+    return {"modules": len(modules), "tensors": len(state),
+            "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+# ---------------------------------------------------------------------------------------------
+# verification
+
+
+def _meta_transformer(config_dir: Path):
+    """The transformer class named in <config_dir>/config.json, built on the meta device (no memory)."""
+    import diffusers
+
+    cfg = _read_json(config_dir / "config.json")
+    cls_name = cfg.get("_class_name")
+    cls = getattr(diffusers, str(cls_name), None)
+    if cls is None:
+        raise ExportError(f"{config_dir / 'config.json'} names class {cls_name!r}, which diffusers does not have")
+    with torch.device("meta"):
+        return cls.from_config(cls.load_config(str(config_dir)))
+
+
+def _read_safetensors_dir(tdir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for p in sorted(tdir.glob("*.safetensors")):
+        out.update(load_file(str(p)))
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, magnitude: float) -> bool:
+    """got (stored in some dtype) equals want (fp64) up to that dtype's rounding of a computation
+    whose operands are at most `magnitude`: |got - want| <= eps * (|want| + 4 * magnitude).
+    The magnitude term matters where W and the LoRA delta nearly cancel."""
+    eps = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0.0
+    return bool(((got.double() - want).abs() <= eps * (want.abs() + 4.0 * magnitude)).all())
+
+
+def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | None) -> dict[str, Any]:
+    """Reload the written transformer and check it against the checkpoint and the base.
+
+    - no lora_A / lora_B / base_layer tensor is present (a "transformer" of adapter tensors is
+      non-empty and finite, so it would pass a naive check);
+    - the names and shapes equal both the base's and those of the transformer class built from
+      the written config (what from_pretrained will ask for);
+    - full: every checkpoint tensor is written exactly (after the dtype cast), the others are the
+      base's; LoRA: every adapted weight equals W + (B @ A) * alpha / rank recomputed in fp64 up to
+      the stored dtype's rounding and differs from W where B @ A != 0; every other weight is the
+      base's bit for bit;
+    - every component of model_index.json is present.
+    Raises ExportError listing the first problems; returns counts."""
+    problems: list[str] = []
+    written = _read_safetensors_dir(out / "transformer")
+    base_sd = _read_safetensors_dir(base / "transformer")
+    bad_names = [n for n in written if is_lora_name(n) or "base_layer" in n.split(".")]
+    if bad_names:
+        problems.append(f"adapter tensors in a merged export: {bad_names[:3]}")
+    if set(written) != set(base_sd):
+        problems.append(f"names differ from the base: missing {sorted(set(base_sd) - set(written))[:3]}, "
+                        f"extra {sorted(set(written) - set(base_sd))[:3]}")
+    model = _meta_transformer(out / "transformer")
+    expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shape_bad = [k for k in expected_shapes if k not in written or tuple(written[k].shape) != expected_shapes[k]]
+    shape_bad += [k for k in written if k not in expected_shapes]
+    if shape_bad:
+        problems.append(f"{len(shape_bad)} tensors do not fit {type(model).__name__} built from the written "
+                        f"config, e.g. {shape_bad[:3]}")
+    pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
+    changed = 0
+    for name, w in written.items():
+        if name not in base_sd:
+            continue
+        base_w = base_sd[name]
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if ckpt.mode == "full":
+            want = ckpt.tensors.get(name, base_w)
+            if not torch.equal(w, want.to(w.dtype)):
+                problems.append(f"{name}: value differs from the checkpoint")
+        elif module in pairs:
+            a, b = pairs[module]
+            delta = (b.double() @ a.double()) * lora.scaling
+            magnitude = max(base_w.abs().max().item(), delta.abs().max().item())
+            if not _close(w, base_w.double() + delta, magnitude):
+                problems.append(f"{name}: value differs from W + (B @ A) * {lora.scaling:g}")
+            # a delta too small for the stored dtype may round away (bf16); only a representable one
+            # must show
+            if not torch.equal((base_w.double() + delta).to(w.dtype), base_w.to(w.dtype)):
+                changed += 1
+                if torch.equal(w, base_w.to(w.dtype)):
+                    problems.append(f"{name}: equals the base although B @ A != 0 (the adapter was not folded in)")
+        elif not torch.equal(w, base_w.to(w.dtype)):
+            problems.append(f"{name}: not adapted, but differs from the base")
+    index = _read_json(out / "model_index.json")
+    for comp, spec in index.items():
+        if not comp.startswith("_") and isinstance(spec, list) and spec[0] is not None and not (out / comp).exists():
+            problems.append(f"component {comp}/ named in model_index.json is missing")
+    if problems:
+        raise ExportError(f"--verify failed for the merged export in {out}: " + "; ".join(problems[:8])
+                          + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""))
+    return {"tensors": len(written), "lora_modules_checked": len(pairs), "lora_modules_changed": changed}
+
+
+def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path | None) -> dict[str, Any]:
+    """Reload the written adapter and check it against the checkpoint.
+
+    - adapter_config.json loads as a peft LoraConfig with the checkpoint's rank and alpha;
+    - adapter_model.safetensors holds exactly the checkpoint's LoRA tensors under peft's names,
+      equal in value (after the dtype cast);
+    - with a base model (--base-model-path or the contract's), peft injects this config into the
+      base transformer (built on the meta device: no weights are read) and the LoRA parameters
+      it creates are exactly the file's names and shapes: PeftModel.from_pretrained will load it
+      with no missing or unexpected key.
+    Raises ExportError listing the problems; returns counts."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    problems: list[str] = []
+    config = LoraConfig.from_pretrained(str(out))
+    if int(config.r) != lora.rank or float(config.lora_alpha) != lora.alpha:
+        problems.append(f"adapter_config.json has r={config.r}, lora_alpha={config.lora_alpha}; the checkpoint "
+                        f"has rank {lora.rank}, alpha {lora.alpha}")
+    written = load_file(str(out / ADAPTER_WEIGHTS))
+    want = {PEFT_PREFIX + n: t for n, t in ckpt.tensors.items()}
+    if set(written) != set(want):
+        problems.append(f"tensor names differ from the checkpoint: missing {sorted(set(want) - set(written))[:3]}, "
+                        f"extra {sorted(set(written) - set(want))[:3]}")
+    for name in sorted(set(written) & set(want)):
+        if written[name].shape != want[name].shape or not torch.equal(written[name], want[name].to(written[name].dtype)):
+            problems.append(f"{name}: shape or value differs from the checkpoint")
+    peft_checked = False
+    if base is not None:
+        from peft import inject_adapter_in_model
+
+        model = _meta_transformer(base / "transformer")
+        inject_adapter_in_model(config, model, adapter_name="default")
+        injected = {PEFT_PREFIX + strip_wrapper_segments(n): tuple(p.shape)
+                    for n, p in model.named_parameters() if is_lora_name(n)}
+        got = {k: tuple(v.shape) for k, v in written.items()}
+        if injected != got:
+            diff = sorted(set(injected.items()) ^ set(got.items()))
+            problems.append(f"peft's injection into the base at {base} does not match the file: {diff[:3]}")
+        peft_checked = True
+    if problems:
+        raise ExportError(f"--verify failed for the adapter export in {out}: " + "; ".join(problems[:8]))
+    return {"tensors": len(written), "peft_injection_checked": peft_checked}
+
+
+# ---------------------------------------------------------------------------------------------
+# the export
+
+
+def load_model_adapter(dotpath: str):
+    """Instantiate the model adapter class at `dotpath` ("package.module.Class")."""
+    module_name, _, cls_name = dotpath.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ExportError(f"--model-adapter-path {dotpath!r} cannot be imported ({e}); expected e.g. "
+                          f"{DEFAULT_ADAPTER}") from None
+    return cls()
+
+
+def _contract_base_path(contract: dict[str, Any]) -> str | None:
+    for key in ("base_model_path", "model_path"):
+        if contract.get(key):
+            return str(contract[key])
+    return None
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise ExportError(f"--output-dir {str(output_dir)!r} exists and is not an empty directory; refusing to "
+                          "overwrite it: choose a new directory or remove it yourself")
+
+
+def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, output_dir: str | os.PathLike,
+                      *, form: str, model_adapter_path: str = DEFAULT_ADAPTER,
+                      base_model_path: str | os.PathLike | None = None, verify: bool = False,
+                      dtype: str | None = None, components: str = "copy") -> dict[str, Any]:
+    """Export one committed iteration (see the module docstring). Returns the export_info dict,
+    which is also written to <output_dir>/export_info.json.
+
+    base_model_path: required for --form merged on a LoRA checkpoint; for a full fine-tune it
+    defaults to the base path recorded in adapter_contract.json. dtype: None keeps the base's
+    dtype per tensor (merged) or the checkpoint's (adapter)."""
+    if form not in FORMS:
+        raise ExportError(f"--form must be one of {FORMS}, got {form!r}")
+    out = Path(output_dir)
+    _check_output_dir(out)
+    tdtype = _resolve_dtype(dtype)
+    adapter = load_model_adapter(model_adapter_path)
+    name_map = getattr(adapter, "weight_name_map", None)
+    ckpt = load_checkpoint(save_dir, task, iteration, name_map=name_map)
+    lora = lora_settings(ckpt, getattr(adapter, "lora_target_modules", ())) if ckpt.mode == "lora" else None
+
+    base: Path | None = Path(base_model_path) if base_model_path else None
+    if form == "merged" and base is None:
+        if ckpt.mode == "lora":
+            raise ExportError(
+                f"--form merged of the LoRA checkpoint {ckpt.path} needs --base-model-path: a LoRA checkpoint holds "
+                "only the adapter (lora_A/lora_B), so without the base weights there is nothing to fold it into, "
+                "and the 'transformer' written would be made of adapter tensors. Pass the base model directory "
+                "the run trained on (its --model-path), or use --form adapter.")
+        recorded = _contract_base_path(ckpt.contract)
+        if recorded is None:
+            raise ExportError(f"--form merged needs --base-model-path (the pipeline's other components and the "
+                              f"transformer config come from it), and {ckpt.path / CONTRACT} records no base path")
+        base = Path(recorded)
+        log.info("using the base model recorded in %s: %s", ckpt.path / CONTRACT, base)
+    if form == "adapter" and ckpt.mode != "lora":
+        raise ExportError(f"--form adapter needs a LoRA checkpoint, but {ckpt.path} is a full fine-tune: "
+                          "use --form merged")
+    if base is not None and not base.is_dir():
+        raise ExportError(f"--base-model-path {str(base)!r} is not a directory")
+    if form == "adapter" and base is None and _contract_base_path(ckpt.contract):
+        recorded = Path(_contract_base_path(ckpt.contract))
+        base = recorded if recorded.is_dir() else None
+
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    info: dict[str, Any] = {
+        "form": form,
+        "source": str(ckpt.path),
+        "iteration": ckpt.iteration,
+        "task": task,
+        "mode": ckpt.mode,
+        "policy_version": ckpt.trainer_state.get("policy_version"),
+        "rollout_id": ckpt.trainer_state.get("rollout_id"),
+        "adapter_contract": ckpt.contract,
+        "base_model_path": None if base is None else str(base.resolve()),
+        "dtype": dtype or ("base" if form == "merged" else "checkpoint"),
+    }
+    if lora:
+        info["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "scaling": lora.scaling,
+                        "training_target_modules": list(lora.target_modules)}
+    try:
+        if form == "merged":
+            info["components"] = {"mode": components, "entries": place_components(base, staging, components)}
+            info["transformer"] = write_merged_transformer(ckpt, base, staging / "transformer", lora=lora, dtype=tdtype)
+            if verify:
+                info["verify"] = verify_merged(staging, ckpt, base, lora)
+        else:
+            info["adapter"] = write_adapter(ckpt, staging, lora, dtype=tdtype,
+                                            base_model_name_or_path=None if base is None else str(base.resolve()))
+            if verify:
+                info["verify"] = verify_adapter(staging, ckpt, lora, base)
+                if not info["verify"]["peft_injection_checked"]:
+                    log.warning("--verify: no base model (pass --base-model-path), so the peft injection check "
+                                "was skipped; the file was checked against the checkpoint")
+        (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
+        _check_output_dir(out)  # nothing appeared there meanwhile
+        if out.exists():
+            out.rmdir()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save-dir", required=True, help="the run's --save directory (holds <task>/iter_*/)")
+    p.add_argument("--task", default="t2i", help="generation task subdirectory (default t2i)")
+    p.add_argument("--iteration", type=int, default=None,
+                   help="iteration to export; must be COMMITTED (default: the newest committed one)")
+    p.add_argument("--output-dir", required=True, help="where to write the export; must not exist or be empty")
+    p.add_argument("--form", choices=FORMS, default="merged",
+                   help="merged: a diffusers pipeline directory; adapter: a HF-PEFT adapter (LoRA checkpoints only)")
+    p.add_argument("--model-adapter-path", default=DEFAULT_ADAPTER,
+                   help=f"dotted path of the model adapter class (default {DEFAULT_ADAPTER})")
+    p.add_argument("--base-model-path", default=None,
+                   help="the local base pipeline directory the run trained on; required for --form merged of a "
+                        "LoRA checkpoint (default for full fine-tune: the path recorded in adapter_contract.json)")
+    p.add_argument("--verify", action="store_true",
+                   help="reload what was written and check names, shapes and values against the checkpoint")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="dtype of the written weights (default: the base's per tensor for merged, the "
+                        "checkpoint's for adapter)")
+    p.add_argument("--components", choices=COMPONENT_MODES, default="copy",
+                   help="how --form merged places the base's non-transformer components: copy (default, "
+                        "self-contained), hardlink (same filesystem, no extra space), symlink (breaks if the base moves)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        info = export_checkpoint(args.save_dir, args.task, args.iteration, args.output_dir, form=args.form,
+                                 model_adapter_path=args.model_adapter_path, base_model_path=args.base_model_path,
+                                 verify=args.verify, dtype=args.dtype, components=args.components)
+    except ExportError as e:
+        print(f"export_checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    checked = " (verified)" if "verify" in info else ""
+    print(f"exported {info['source']} ({info['mode']}) as {info['form']} to {args.output_dir}{checked}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
