@@ -279,3 +279,13 @@ def test_bf16_master_fp32_and_wire_dtype(mesh):
     g = full_params(actor.model)
     assert all(torch.equal(p, g[n].to(torch.bfloat16)) for n, p in engine_params(engine).items())
     assert s.last_manifest.total_bytes == sum(t.numel() * 2 for t in g.values())
+
+
+def test_nonfinite_valid_advantage_raises_but_invalid_is_ignored(mesh):
+    actor = build(mesh, "full")
+    adv = ADV.clone()
+    adv[2] = float("nan")
+    with pytest.raises(ValueError, match="non-finite advantage"):
+        actor.train_step(make_batch(4), adv, replay)
+    m = actor.train_step(make_batch(4), adv, replay, valid=torch.tensor([True, True, False, True]))
+    assert m["train/optimizer_steps"] == 2 and math.isfinite(m["train/loss"])

@@ -496,18 +496,25 @@ class Actor:
         world = dist.get_world_size() if dist.is_initialized() else 1
 
         # 1-2: one MAX reduce carries the plan check and the per-update max |A|; one SUM the valid counts
-        masked_abs = (adv.abs() * ok).to(cdev)
+        bad_adv = (~torch.isfinite(adv) & ok).any().float().reshape(1).to(cdev)
+        masked_abs = torch.where(ok, adv.abs(), torch.zeros_like(adv)).to(cdev)
         ok_c = ok.to(cdev)
         part_max = torch.stack([masked_abs[p[0][0]:p[-1][1]].max() for p in plan])
         part_cnt = torch.stack([ok_c[p[0][0]:p[-1][1]].sum().float() for p in plan])
-        mx = all_reduce_max(torch.cat([torch.tensor([n_mb, -n_mb], dtype=torch.float32, device=cdev), part_max]))
+        mx = all_reduce_max(torch.cat([torch.tensor([n_mb, -n_mb], dtype=torch.float32, device=cdev), bad_adv,
+                                       part_max]))
+        mx = mx.tolist()  # the plan's only host syncs: two tiny reduces before any forward
         if int(mx[0]) != n_mb or int(-mx[1]) != n_mb:
             raise MicroBatchMismatchError(
                 f"rank {dist.get_rank() if dist.is_initialized() else 0} plans {n_mb} micro-batches but ranks range "
                 f"{int(-mx[1])}..{int(mx[0])}: every rank needs the same local candidate count, "
                 "--num-updates-per-batch and --micro-batch-size")
-        global_cnt = all_reduce_sum(part_cnt.clone())
-        run = [(float(mx[2 + u]) > ZERO_ADVANTAGE) and float(global_cnt[u]) > 0 for u in range(len(plan))]
+        if mx[2] > 0:
+            raise ValueError("non-finite advantage for a valid candidate on some rank: the reward/advantage stage must "
+                             "mark failed groups invalid instead of passing NaN/inf")
+        global_cnt = all_reduce_sum(part_cnt.clone()).tolist()
+        run = [mx[3 + u] > ZERO_ADVANTAGE and global_cnt[u] > 0 for u in range(len(plan))]
+        ok_host = ok.cpu()
 
         metrics: dict[str, float] = {"train/num_microbatches": float(n_mb)}
         skips = sum(len(p) for u, p in enumerate(plan) if not run[u])
@@ -546,13 +553,17 @@ class Actor:
                 logp = replay_fn(self.model, cut(batch, s, e))
                 if logp.dim() == 1:
                     logp = logp[:, None]
-                rows = ok[s:e]
-                n_rows = int(rows.sum())  # host sync; the mask is tiny and lives on the host path anyway
+                rows_host = ok_host[s:e]
+                n_rows = int(rows_host.sum())
                 transitions += logp.shape[0] * logp.shape[1]
                 if n_rows:
-                    loss, st = grpo_clip_loss(logp[rows], old[(s, e)][rows], adv[s:e][rows],
-                                              g.eps_clip, getattr(g, "eps_clip_high", None))
-                    scale = n_rows * world / float(global_cnt[u])
+                    if n_rows == e - s:
+                        lp, op, ad = logp, old[(s, e)], adv[s:e]
+                    else:  # index with a host-built index: boolean masking on the device would sync
+                        idx = torch.nonzero(rows_host).flatten().to(logp.device)
+                        lp, op, ad = logp.index_select(0, idx), old[(s, e)].index_select(0, idx), adv[s:e].index_select(0, idx)
+                    loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, getattr(g, "eps_clip_high", None))
+                    scale = n_rows * world / global_cnt[u]
                     (loss * scale).backward()
                     k = float(n_rows * logp.shape[1])  # elements behind these stats
                     rm, rs = st["ratio_mean"].double(), st["ratio_std"].double()
