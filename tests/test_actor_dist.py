@@ -27,7 +27,7 @@ EXPECTED = {
     "real_replay_matches_sampler_logprob", "real_full_every_trainable_changed", "real_first_update_ratio_exactly_1",
     "real_full_sync_engine_dit_matches_gathered", "real_engine_samples_new_version",
     "real_replay_after_sync_matches_sampler", "real_adapter_sync_engine_matches",
-    "real_merged_sync_into_lora_engine_raises",
+    "real_merged_sync_into_lora_engine_raises", "real_merged_sync_engine_matches", "load_waves_sequential",
 }
 
 

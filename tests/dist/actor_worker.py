@@ -222,11 +222,41 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     eng_lora = {n.replace(".default.", "."): p.detach() for n, p in leng.transformer.named_parameters() if ".lora_" in n}
     checks["real_adapter_sync_engine_matches"] = exact(eng_lora, {n.replace(".default.", "."): t for n, t in lg.items()
                                                                   if ".lora_" in n})
+    merged = WeightSyncer("merged", wire_dtype="fp32", name_map=adapter.weight_name_map)
     try:
-        WeightSyncer("merged", wire_dtype="fp32").sync(lactor.model, leng)
+        merged.sync(lactor.model, leng)
         checks["real_merged_sync_into_lora_engine_raises"] = False
     except WeightSyncError:
         checks["real_merged_sync_into_lora_engine_raises"] = leng.policy_version == 1
+    # merged sync into the (LoRA-free) engine of the full run: its DiT becomes base + B @ A * alpha / rank
+    ref_model = adapter.load_train_model(model_dir, dtype=torch.float32)
+    apply_lora(ref_model, adapter.lora_target_modules, lactor.lora_config["rank"], lactor.lora_config["alpha"])
+    ref_model.load_state_dict({n: lg[model_name(n)] for n, _ in ref_model.named_parameters()})
+    ref = merged_state(ref_model)
+    merged.policy_version = engine.policy_version
+    merged.sync(lactor.model, engine)
+    dit = {n: p.detach() for n, p in engine.transformer.named_parameters()}
+    checks["real_merged_sync_engine_matches"] = set(dit) == set(ref) and all(
+        torch.allclose(dit[k], ref[k], rtol=0, atol=1e-6) for k in ref) and engine.policy_version == 2
+
+
+def wave_checks(rank: int, checks: dict) -> None:
+    """--fsdp-load-wave-size 1 on 2 ranks: rank 1 starts loading only after rank 0 finished."""
+    import time
+
+    import torch.distributed as dist
+
+    from trainer.actor import load_in_waves
+
+    def load():
+        t0 = time.time()
+        time.sleep(0.3)
+        return torch.tensor([t0, time.time()], dtype=torch.float64)
+
+    span = load_in_waves(load, 1)
+    spans = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(spans, span)
+    checks["load_waves_sequential"] = bool(spans[1][0] >= spans[0][1])
 
 
 def main() -> None:
@@ -239,6 +269,7 @@ def main() -> None:
         mesh = build_mesh("cpu")
         full_checks(info.rank, mesh, result["checks"], result["figures"])
         lora_checks(info.rank, mesh, result["checks"], result["figures"])
+        wave_checks(info.rank, result["checks"])
         if model_dir:
             real_model_checks(info.rank, mesh, model_dir, result["checks"], result["figures"])
     except Exception:
