@@ -80,8 +80,12 @@ def train_and_save(mesh, model_dir, save_dir, mode):
     assert ck.save_checkpoint(save_dir, "t2i", 1, model=actor.model, optimizer=actor.optimizer,
                               trainer_state={"rollout_id": 1, "policy_version": 1}, weight_sync_manifest={},
                               adapter_contract=contract, trainable_only=(mode == "lora"))
+    if mode == "full":  # the same weights again, stored the way a LoRA run stores them: trainable only
+        assert ck.save_checkpoint(save_dir, "t2i", 2, model=actor.model, optimizer=actor.optimizer,
+                                  trainer_state={"rollout_id": 2, "policy_version": 1}, weight_sync_manifest={},
+                                  adapter_contract=contract, trainable_only=True)
     actor.model.eval()
-    return forward(actor.model)
+    return forward(actor.model), sorted(actor.never_trained)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,7 @@ def trained(mesh, tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("export_ckpts")
     out = {"base": forward(base_transformer(tiny_model_dir))}
     for mode in ("full", "lora"):
-        out[mode] = train_and_save(mesh, tiny_model_dir, root / mode, mode)
+        out[mode], out[mode + "_never_trained"] = train_and_save(mesh, tiny_model_dir, root / mode, mode)
         out[mode + "_save"] = root / mode
         # the update moved the policy well beyond the comparison tolerance
         assert (out[mode] - out["base"]).abs().max() > 1e-3
@@ -120,6 +124,23 @@ def test_full_merged_export_loads_as_a_pipeline_and_reproduces(trained, tiny_mod
     for rel in ("model_index.json", "vae/config.json", "scheduler/scheduler_config.json"):
         assert (tmp_path / "merged" / rel).read_bytes() == (tiny_model_dir / rel).read_bytes()
     assert not (tmp_path / "merged" / "vae").is_symlink()
+
+
+def test_full_checkpoint_of_trainable_weights_takes_the_frozen_ones_from_the_base(trained, tiny_model_dir,
+                                                                                  tmp_path):
+    from diffusers import QwenImageTransformer2DModel
+
+    info = ex.export_checkpoint(trained["full_save"], "t2i", 2, tmp_path / "m", form="merged",
+                                base_model_path=tiny_model_dir, verify=True)
+    assert info["transformer"]["weights_from_base"] == trained["full_never_trained"] != []
+    model = QwenImageTransformer2DModel.from_pretrained(str(tmp_path / "m"), subfolder="transformer")
+    assert_reproduces(forward(model.eval()), trained, "full")
+
+    # a gap that is not a frozen weight is a damaged checkpoint, not something to fill from the base
+    ckpt = ex.load_checkpoint(trained["full_save"], "t2i", 2)
+    del ckpt.tensors._raw_key["img_in.weight"]
+    with pytest.raises(ex.ExportError, match=r"lacks 1 trained transformer weights .*img_in.weight"):
+        ex.write_merged_transformer(ckpt, tiny_model_dir, tmp_path / "t", lora=None, dtype=None)
 
 
 def test_lora_merged_export_folds_the_adapter_and_reproduces(trained, tiny_model_dir, tmp_path):
@@ -153,6 +174,18 @@ def test_adapter_export_loads_with_peft_and_diffusers_and_reproduces(trained, ti
     transformer.load_lora_adapter(str(tmp_path / "adapter"), weight_name="adapter_model.safetensors",
                                   prefix="base_model.model")
     assert_reproduces(forward(transformer.eval()), trained, "lora")
+
+
+def test_adapter_export_loads_into_the_native_engine(trained, tiny_model_dir, tmp_path):
+    """tools/sample.py --lora goes through NativeEngine.load_lora_dir, which injects exactly the
+    adapter's target_modules and requires a tensor for every LoRA layer it made."""
+    from trainer.engine.native import NativeEngine
+
+    export(trained, "lora", tmp_path / "adapter", form="adapter")
+    engine = NativeEngine(tiny_model_dir, device="cpu", dtype=torch.float32)
+    cfg = engine.load_lora_dir(tmp_path / "adapter")
+    assert (cfg["rank"], cfg["alpha"]) == (RANK, ALPHA)
+    assert_reproduces(forward(engine.transformer.eval()), trained, "lora")
 
 
 def test_bf16_merged_export_keeps_the_dtype_asked_for(trained, tiny_model_dir, tmp_path):

@@ -44,7 +44,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -80,13 +80,53 @@ class ExportError(RuntimeError):
 # reading the checkpoint
 
 
+class CheckpointTensors(Mapping):
+    """The model tensors of one checkpoint by diffusers name, read from the DCP shards on demand.
+
+    Reading is lazy so that a full fine-tune of a 20 B model is exported one base shard at a
+    time instead of all at once; `load(names)` reads several entries in one DCP pass, `preload()`
+    reads and keeps everything (a LoRA checkpoint: small). Tensors come back at their global
+    shape, in the dtype they were saved in (the master dtype), on CPU.
+    """
+
+    def __init__(self, fsdp_dir: Path, raw_key: dict[str, str], metadata: dict[str, Any]) -> None:
+        self.fsdp_dir = fsdp_dir
+        self._raw_key = raw_key  # diffusers name -> DCP key
+        self._meta = metadata  # DCP key -> TensorStorageMetadata
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.load([name])[name]
+
+    def __iter__(self):
+        return iter(self._raw_key)
+
+    def __len__(self) -> int:
+        return len(self._raw_key)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._meta[self._raw_key[name]].size)
+
+    def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        names = list(names)
+        todo = [n for n in names if n not in self._cache]
+        raw = read_dcp_tensors(self.fsdp_dir, [self._raw_key[n] for n in todo], self._meta)
+        got = {n: raw[self._raw_key[n]] for n in todo}
+        got.update({n: self._cache[n] for n in names if n in self._cache})
+        return got
+
+    def preload(self) -> "CheckpointTensors":
+        self._cache = self.load(list(self._raw_key))
+        return self
+
+
 @dataclass
 class Checkpoint:
     """One committed iteration, read offline.
 
     tensors: the model tensors under their diffusers names (wrapper segments and peft's adapter
-    name removed: "transformer_blocks.0.attn.to_q.lora_A.weight"), in the dtype they were saved in
-    (the master dtype). For a LoRA run these are only the trained adapter tensors.
+    name removed: "transformer_blocks.0.attn.to_q.lora_A.weight"). For a LoRA run these are only
+    the trained adapter tensors (preloaded); for a full fine-tune they are read on demand.
     """
 
     path: Path
@@ -94,7 +134,7 @@ class Checkpoint:
     contract: dict[str, Any]
     trainer_state: dict[str, Any]
     mode: str
-    tensors: dict[str, torch.Tensor] = field(repr=False)
+    tensors: CheckpointTensors = field(repr=False)
 
 
 def find_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None) -> tuple[Path, int]:
@@ -200,14 +240,14 @@ def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | Non
     contract = _read_json(d / CONTRACT)
     state = _read_json(d / TRAINER_STATE)
     meta = dcp_model_metadata(d / "fsdp")
-    raw = read_dcp_tensors(d / "fsdp", list(meta), meta)
     name_map = name_map or (lambda n: n)
-    tensors: dict[str, torch.Tensor] = {}
-    for key, t in raw.items():
+    raw_key: dict[str, str] = {}
+    for key in meta:
         name = name_map(strip_wrapper_segments(key[len(MODEL_PREFIX):]))
-        if name in tensors:
-            raise ExportError(f"{d / 'fsdp'}: two entries map to the same name {name!r}; cannot export")
-        tensors[name] = t
+        if name in raw_key:
+            raise ExportError(f"{d / 'fsdp'}: {raw_key[name]!r} and {key!r} map to the same name {name!r}")
+        raw_key[name] = key
+    tensors = CheckpointTensors(d / "fsdp", raw_key, meta)
     has_lora = any(is_lora_name(n) for n in tensors)
     mode = contract_mode(contract)
     if mode is None:
@@ -221,6 +261,8 @@ def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | Non
     if mode == "full" and has_lora:
         raise ExportError(f"{d / CONTRACT} says mode 'full' but {d / 'fsdp'} holds lora_A/lora_B tensors: "
                           "the checkpoint is inconsistent")
+    if mode == "lora":
+        tensors.preload()  # the adapter only: small, and every tensor is needed
     return Checkpoint(path=d, iteration=iteration, contract=contract, trainer_state=state, mode=mode, tensors=tensors)
 
 
@@ -363,52 +405,69 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
 
 
+def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str]) -> list[str]:
+    """Base transformer weights a full fine-tune checkpoint lacks, checked to be exactly ones the
+    trainer freezes as never trained (trainer.actor.never_trained_param_names on the base's
+    architecture): those equal the base. Any other gap means a damaged checkpoint or the wrong base."""
+    from trainer.actor import never_trained_param_names
+
+    missing = sorted(n for n in located if n not in ckpt.tensors)
+    if not missing:
+        return []
+    frozen = set(never_trained_param_names(_meta_transformer(base / "transformer")))
+    unexplained = [n for n in missing if n not in frozen]
+    if unexplained:
+        raise ExportError(f"{ckpt.path / 'fsdp'} lacks {len(unexplained)} trained transformer weights of the base at "
+                          f"{base}, e.g. {unexplained[:3]}: the checkpoint is incomplete or --base-model-path is "
+                          "not the model this run trained")
+    return missing
+
+
 def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lora: LoraSettings | None,
                              dtype: torch.dtype | None) -> dict[str, Any]:
     """Write <out>/transformer/ with the base's file layout and the trained weights (module docstring).
 
-    Works one base shard at a time, so memory stays at about one shard (plus, for full
-    fine-tune, that shard's checkpoint tensors). Returns a summary for export_info.json."""
+    Works one base file at a time: memory stays at about one base shard plus that shard's
+    checkpoint tensors (full fine-tune) or the adapter (LoRA). Returns a summary for export_info.json."""
     from safetensors import safe_open
 
     files, located, index = base_transformer_layout(base)
     tdir = base / "transformer"
-    unknown = sorted(n for n in ckpt.tensors if not is_lora_name(n) and n not in located)
     pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
-    unknown += sorted(m for m in pairs if f"{m}.weight" not in located)
+    unknown = sorted(n for n in ckpt.tensors if not is_lora_name(n) and n not in located)
+    unknown += sorted(f"{m}.weight" for m in pairs if f"{m}.weight" not in located)
     if unknown:
         raise ExportError(f"the checkpoint has {len(unknown)} weights the base transformer at {tdir} does not, e.g. "
                           f"{unknown[:3]}: --base-model-path is not the model this run trained")
+    from_base = missing_from_full_checkpoint(ckpt, base, located) if ckpt.mode == "full" else []
     out_tdir.mkdir(parents=True)
     for extra in sorted(tdir.iterdir()):  # config.json and anything else that is not weights
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name != index:
             shutil.copy2(extra, out_tdir / extra.name)
-    from_base: list[str] = []
     total = 0
     for fname in files:
         out: dict[str, torch.Tensor] = {}
         with safe_open(str(tdir / fname), "pt") as f:
-            for key in f.keys():
+            keys = list(f.keys())
+            trained = ckpt.tensors.load([k for k in keys if k in ckpt.tensors]) if ckpt.mode == "full" else {}
+            for key in keys:
                 w = f.get_tensor(key)
                 target = dtype or w.dtype
-                if ckpt.mode == "full":
-                    if key in ckpt.tensors:
-                        t = ckpt.tensors[key]
-                        if t.shape != w.shape:
-                            raise ExportError(f"{key}: checkpoint shape {tuple(t.shape)} != base shape "
-                                              f"{tuple(w.shape)} in {tdir / fname}: wrong --base-model-path")
-                        w = t
-                    else:
-                        from_base.append(key)
-                elif key.endswith(".weight") and key[: -len(".weight")] in pairs:
-                    a, b = pairs[key[: -len(".weight")]]
+                module = key[: -len(".weight")] if key.endswith(".weight") else None
+                if key in trained:
+                    if trained[key].shape != w.shape:
+                        raise ExportError(f"{key}: checkpoint shape {tuple(trained[key].shape)} != base shape "
+                                          f"{tuple(w.shape)} in {tdir / fname}: wrong --base-model-path")
+                    w = trained[key]
+                elif module in pairs:
                     try:
-                        w = merge_lora_weight(w, a, b, lora.scaling)
+                        w = merge_lora_weight(w, *pairs[module], lora.scaling)
                     except ValueError as e:
                         raise ExportError(f"{key} in {tdir / fname}: {e}: wrong --base-model-path") from None
                 out[key] = w.to(target)
                 total += out[key].numel() * out[key].element_size()
         _save_safetensors(out, out_tdir / fname)
+        del out, trained
     if index:
         idx = _read_json(tdir / index)
         idx["metadata"] = {**idx.get("metadata", {}), "total_size": total}
@@ -518,15 +577,6 @@ def _meta_transformer(config_dir: Path):
         return cls.from_config(cls.load_config(str(config_dir)))
 
 
-def _read_safetensors_dir(tdir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for p in sorted(tdir.glob("*.safetensors")):
-        out.update(load_file(str(p)))
-    return out
-
-
 def _close(got: torch.Tensor, want: torch.Tensor, magnitude: float) -> bool:
     """got (stored in some dtype) equals want (fp64) up to that dtype's rounding of a computation
     whose operands are at most `magnitude`: |got - want| <= eps * (|want| + 4 * magnitude).
@@ -536,7 +586,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, magnitude: float) -> bool:
 
 
 def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | None) -> dict[str, Any]:
-    """Reload the written transformer and check it against the checkpoint and the base.
+    """Reload the written transformer, file by file, and check it against the checkpoint and the base.
 
     - no lora_A / lora_B / base_layer tensor is present (a "transformer" of adapter tensors is
       non-empty and finite, so it would pass a naive check);
@@ -544,51 +594,65 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
       the written config (what from_pretrained will ask for);
     - full: every checkpoint tensor is written exactly (after the dtype cast), the others are the
       base's; LoRA: every adapted weight equals W + (B @ A) * alpha / rank recomputed in fp64 up to
-      the stored dtype's rounding and differs from W where B @ A != 0; every other weight is the
-      base's bit for bit;
+      the stored dtype's rounding and differs from W wherever that dtype can show the difference;
+      every other weight is the base's bit for bit;
     - every component of model_index.json is present.
     Raises ExportError listing the first problems; returns counts."""
+    from safetensors import safe_open
+
     problems: list[str] = []
-    written = _read_safetensors_dir(out / "transformer")
-    base_sd = _read_safetensors_dir(base / "transformer")
-    bad_names = [n for n in written if is_lora_name(n) or "base_layer" in n.split(".")]
+    _, base_located, _ = base_transformer_layout(base)
+    try:
+        _, written_located, _ = base_transformer_layout(out)
+    except ExportError as e:
+        raise ExportError(f"--verify failed for the merged export in {out}: {e}") from None
+    bad_names = [n for n in written_located if is_lora_name(n) or "base_layer" in n.split(".")]
     if bad_names:
         problems.append(f"adapter tensors in a merged export: {bad_names[:3]}")
-    if set(written) != set(base_sd):
-        problems.append(f"names differ from the base: missing {sorted(set(base_sd) - set(written))[:3]}, "
-                        f"extra {sorted(set(written) - set(base_sd))[:3]}")
+    if set(written_located) != set(base_located):
+        problems.append(f"names differ from the base: missing {sorted(set(base_located) - set(written_located))[:3]}, "
+                        f"extra {sorted(set(written_located) - set(base_located))[:3]}")
     model = _meta_transformer(out / "transformer")
     expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    shape_bad = [k for k in expected_shapes if k not in written or tuple(written[k].shape) != expected_shapes[k]]
-    shape_bad += [k for k in written if k not in expected_shapes]
-    if shape_bad:
-        problems.append(f"{len(shape_bad)} tensors do not fit {type(model).__name__} built from the written "
-                        f"config, e.g. {shape_bad[:3]}")
+    del model
     pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
     changed = 0
-    for name, w in written.items():
-        if name not in base_sd:
-            continue
-        base_w = base_sd[name]
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if ckpt.mode == "full":
-            want = ckpt.tensors.get(name, base_w)
-            if not torch.equal(w, want.to(w.dtype)):
-                problems.append(f"{name}: value differs from the checkpoint")
-        elif module in pairs:
-            a, b = pairs[module]
-            delta = (b.double() @ a.double()) * lora.scaling
-            magnitude = max(base_w.abs().max().item(), delta.abs().max().item())
-            if not _close(w, base_w.double() + delta, magnitude):
-                problems.append(f"{name}: value differs from W + (B @ A) * {lora.scaling:g}")
-            # a delta too small for the stored dtype may round away (bf16); only a representable one
-            # must show
-            if not torch.equal((base_w.double() + delta).to(w.dtype), base_w.to(w.dtype)):
-                changed += 1
-                if torch.equal(w, base_w.to(w.dtype)):
-                    problems.append(f"{name}: equals the base although B @ A != 0 (the adapter was not folded in)")
-        elif not torch.equal(w, base_w.to(w.dtype)):
-            problems.append(f"{name}: not adapted, but differs from the base")
+    shape_bad: list[str] = sorted(set(expected_shapes) - set(written_located))
+    for fname in sorted(set(written_located.values())):
+        with safe_open(str(out / "transformer" / fname), "pt") as fw:
+            keys = list(fw.keys())
+            trained = ckpt.tensors.load([k for k in keys if k in ckpt.tensors]) if ckpt.mode == "full" else {}
+            for name in keys:
+                w = fw.get_tensor(name)
+                if tuple(w.shape) != expected_shapes.get(name):
+                    shape_bad.append(name)
+                if name not in base_located:
+                    continue
+                with safe_open(str(base / "transformer" / base_located[name]), "pt") as fb:
+                    base_w = fb.get_tensor(name)
+                module = name[: -len(".weight")] if name.endswith(".weight") else None
+                if ckpt.mode == "full":
+                    want = trained.get(name, base_w)
+                    if w.shape != want.shape or not torch.equal(w, want.to(w.dtype)):
+                        problems.append(f"{name}: value differs from the checkpoint")
+                elif module in pairs:
+                    a, b = pairs[module]
+                    delta = (b.double() @ a.double()) * lora.scaling
+                    magnitude = max(base_w.abs().max().item(), delta.abs().max().item())
+                    if w.shape != base_w.shape or not _close(w, base_w.double() + delta, magnitude):
+                        problems.append(f"{name}: value differs from W + (B @ A) * {lora.scaling:g}")
+                        continue
+                    # a delta too small for the stored dtype may round away (bf16); only a
+                    # representable one must show
+                    if not torch.equal((base_w.double() + delta).to(w.dtype), base_w.to(w.dtype)):
+                        changed += 1
+                        if torch.equal(w, base_w.to(w.dtype)):
+                            problems.append(f"{name}: equals the base although B @ A != 0 (not folded in)")
+                elif w.shape != base_w.shape or not torch.equal(w, base_w.to(w.dtype)):
+                    problems.append(f"{name}: not adapted, but differs from the base")
+    if shape_bad:
+        problems.append(f"{len(shape_bad)} tensors do not fit the transformer class built from the written "
+                        f"config, e.g. {shape_bad[:3]}")
     index = _read_json(out / "model_index.json")
     for comp, spec in index.items():
         if not comp.startswith("_") and isinstance(spec, list) and spec[0] is not None and not (out / comp).exists():
@@ -596,7 +660,7 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     if problems:
         raise ExportError(f"--verify failed for the merged export in {out}: " + "; ".join(problems[:8])
                           + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""))
-    return {"tensors": len(written), "lora_modules_checked": len(pairs), "lora_modules_changed": changed}
+    return {"tensors": len(written_located), "lora_modules_checked": len(pairs), "lora_modules_changed": changed}
 
 
 def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path | None) -> dict[str, Any]:
