@@ -289,3 +289,12 @@ def test_nonfinite_valid_advantage_raises_but_invalid_is_ignored(mesh):
         actor.train_step(make_batch(4), adv, replay)
     m = actor.train_step(make_batch(4), adv, replay, valid=torch.tensor([True, True, False, True]))
     assert m["train/optimizer_steps"] == 2 and math.isfinite(m["train/loss"])
+
+
+def test_fsdp_cpu_offload_full_and_rejected_with_lora(mesh):
+    actor = build(mesh, "full", fsdp__fsdp_cpu_offload=True)
+    assert actor.train_step(make_batch(4), ADV, replay)["train/optimizer_steps"] == 2
+    with pytest.raises(ValueError, match="fsdp-cpu-offload"):
+        build(mesh, "lora", fsdp__fsdp_cpu_offload=True)
+    with pytest.raises(ValueError, match="lora-dropout"):
+        build(mesh, "lora", lora__lora_dropout=0.1)
