@@ -24,6 +24,15 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _recipe_path(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -65,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     from trainer.loop import run
 
-    result = run(cfg)
+    result = run(cfg, recipe=_recipe_path(argv))
     return int(result) if isinstance(result, int) else 0
 
 

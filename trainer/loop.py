@@ -1,0 +1,507 @@
+"""The training loop: one FlowGRPO step per rollout id, read top to bottom as named stages.
+
+    plan -> rollout -> reward -> update -> sync -> eval -> checkpoint -> log
+
+Every rank runs the same loop on its own share of the rollout: it generates its contiguous
+block of the global (group, slot) candidate list, scores it, all-gathers the small reward
+vectors so every rank computes the same advantages, replays what it generated, and hands
+the new weights to its own in-process engine. Large tensors never cross ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("trainer")
+
+
+# ----------------------------------------------------------------------------------------------
+# small pure helpers
+
+def sync_kind(cfg: Any) -> str:
+    """full FT -> "full"; LoRA with --lora-adapter-mode -> "adapter"; LoRA otherwise -> "merged"."""
+    if cfg.fsdp.fsdp_trainable_mode == "full":
+        return "full"
+    return "adapter" if cfg.lora.lora_adapter_mode else "merged"
+
+
+def adapter_contract(cfg: Any, lora_targets: list[str] | None) -> dict[str, Any]:
+    """What must agree between a checkpoint and the run resuming it (checked by assert_resumable)."""
+    lora = cfg.fsdp.fsdp_trainable_mode == "lora"
+    return {
+        "mode": cfg.fsdp.fsdp_trainable_mode,
+        "task": cfg.model.generation_task,
+        "model_adapter_path": cfg.model.model_adapter_path,
+        "base_model_hash": base_model_hash(cfg.model.model_path, cfg.model.model_revision),
+        "lora_rank": cfg.lora.lora_rank if lora else 0,
+        "lora_alpha": cfg.lora.lora_alpha if lora else None,
+        "lora_dropout": cfg.lora.lora_dropout if lora else None,
+        "lora_target_modules": sorted(lora_targets) if lora and lora_targets else None,
+        "weight_sync_mode": sync_kind(cfg),
+    }
+
+
+def base_model_hash(model_path: str, revision: str | None) -> str:
+    """sha256 over the transformer's config and its weight files' names and sizes (cheap: no
+    weight bytes are read) plus the revision. Changes when the base model is swapped."""
+    import hashlib
+
+    h = hashlib.sha256()
+    tdir = Path(model_path) / "transformer"
+    cfg = tdir / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for f in sorted(tdir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    h.update(str(revision).encode())
+    return h.hexdigest()[:16]
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:  # noqa: BLE001 - a recipe record without a revision is still useful
+        return None
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "diffusers", "transformers", "peft", "safetensors", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+@dataclass
+class Timer:
+    """Wall time of one stage, host-synchronised on CUDA so the figure is the stage's own."""
+
+    device: torch.device
+    start: float = 0.0
+
+    def __enter__(self) -> "Timer":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.elapsed = time.perf_counter() - self.start
+
+
+def import_dotpath(dotpath: str, flag: str) -> Any:
+    """module.attr -> the object, with an error naming the flag."""
+    import importlib
+
+    module, _, attr = dotpath.rpartition(".")
+    if not module:
+        raise ValueError(f"{flag}={dotpath!r} is not a dotpath (module.Class)")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{flag}={dotpath!r} cannot be imported: {e}") from None
+
+
+def make_replay_fn(adapter: Any, sampling: Any):
+    """replay_fn(model, rows) -> logp [b, S]: every trained-step column of `rows` replayed
+    through `model` with the adapter's own replay (the same math the sampler used)."""
+
+    def replay(model: torch.nn.Module, rows: dict[str, Any]) -> torch.Tensor:
+        num_steps = int(rows["latents"].shape[1])
+        return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(num_steps)], dim=1)
+
+    return replay
+
+
+def weights_fingerprint(model: torch.nn.Module) -> float:
+    """abs-sum of the trainable weights over all ranks (a full reduction: debug only)."""
+    from trainer.actor import _local
+    from trainer.distributed import all_reduce_sum, collective_device
+
+    total = torch.zeros((), dtype=torch.float64, device=collective_device())
+    for p in model.parameters():
+        if p.requires_grad:
+            total += _local(p).detach().double().abs().sum().to(total.device)
+    return float(all_reduce_sum(total.reshape(1))[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer
+
+class Trainer:
+    """Everything one rank holds: the actor, the engine, the scorer, the data order."""
+
+    def __init__(self, cfg: Any, info: Any) -> None:
+        from trainer.actor import Actor, resolve_dtype
+        from trainer.data import PromptDataset, load_eval_sets
+        from trainer.distributed import build_mesh
+        from trainer.metrics import MetricsLogger
+        from trainer.sampling import parse_sampling_config
+        from trainer.weight_sync import WeightSyncer
+
+        self.cfg, self.info = cfg, info
+        self.rank, self.world, self.device = info.rank, info.world_size, info.device
+        self.task = cfg.model.generation_task
+        self.group_size = int(cfg.rollout.n_samples_per_prompt)
+        self.num_groups = int(cfg.rollout.rollout_batch_size)
+        self.sampling = parse_sampling_config(cfg.rollout.sampling_config)
+        self.adapter = import_dotpath(cfg.model.model_adapter_path, "--model-adapter-path")()
+
+        # data: the order is a pure function of (seed, rollout id), identical on every rank
+        self.dataset = PromptDataset.from_jsonl(cfg.rollout.prompt_data, task=self.task)
+        self.order = self.dataset.order(self.num_groups, int(cfg.rollout.rollout_seed))
+        self.eval_sets = load_eval_sets(cfg.eval.eval_prompt_data, task=self.task) if cfg.eval.eval_prompt_data else {}
+
+        # the engine samples in the dtype the actor replays in: a bf16 rollout replayed in fp32
+        # differs by ~3e-4 per element, which the 1e-4 clip range would see as policy drift
+        compute_dtype = resolve_dtype(cfg.fsdp.fsdp_param_dtype) or torch.float32
+        engine_cls = import_dotpath(cfg.rollout.rollout_engine_class_path, "--rollout-engine-class-path")
+        self.engine = engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
+                                 max_batch_size=int(cfg.rollout.engine_batch_size or 0),
+                                 revision=cfg.model.model_revision)
+
+        self.mesh = build_mesh(self.device.type)
+        num_rollout = int(cfg.rollout.num_rollout)
+        self.actor = Actor.from_adapter(self.adapter, cfg.model.model_path, self.mesh, cfg, device=self.device,
+                                        total_optimizer_steps=num_rollout * int(cfg.grpo.num_updates_per_batch))
+        self.replay_fn = make_replay_fn(self.adapter, self.sampling)
+        lora_targets = (self.actor.lora_config or {}).get("target_modules")
+        self.contract = adapter_contract(cfg, list(lora_targets) if lora_targets else None)
+        self.syncer = WeightSyncer(sync_kind(cfg), wire_dtype=cfg.sync.weight_sync_wire_dtype,
+                                   bucket_size_mb=cfg.sync.weight_sync_bucket_size_mb,
+                                   name_map=self.adapter.weight_name_map, lora_config=self.actor.lora_config)
+
+        tb_dir = cfg.logging.tensorboard_dir or (str(Path(cfg.checkpoint.save) / "tensorboard") if cfg.checkpoint.save else None)
+        self.metrics = MetricsLogger(tb_dir, self.rank)
+        self.checkpoint_failures = 0
+        self.start_rollout = 0
+        self.first_rewards: list[float] = []
+
+    # -- start-up ------------------------------------------------------------------------------
+    def write_recipe_record(self) -> Path | None:
+        """<artifact_root>/recipes/<name>-<time>.json: what this run was started with."""
+        if self.rank != 0 or not self.cfg.artifacts.artifact_root:
+            return None
+        from trainer.artifacts import atomic_write_bytes
+
+        cfg = self.cfg
+        name = getattr(self, "recipe_name", "run")
+        record = {
+            "prompt_data": cfg.rollout.prompt_data,
+            "eval_prompt_data": [list(p) for p in cfg.eval.eval_prompt_data or []],
+            "data_order": {"rollout_seed": cfg.rollout.rollout_seed, "rollout_batch_size": self.num_groups},
+            "sampling_config": self.sampling.to_dict(),
+            "sampling_fingerprint": self.sampling.fingerprint(),
+            "advantage_std_mode": cfg.grpo.generative_advantage_std_mode,
+            "weight_sync_mode": sync_kind(cfg),
+            "world_size": self.world,
+            "git_revision": git_revision(),
+            "packages": package_versions(),
+            "config": cfg.to_dict(),
+        }
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        path = Path(cfg.artifacts.artifact_root) / "recipes" / f"{name}-{stamp}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode(), overwrite=True)
+        return path
+
+    def maybe_resume(self) -> None:
+        """--load: restore model, optimizer, policy version, lr step and RNG from the newest
+        COMMITTED iteration, hand the restored weights to the engine, continue at latest + 1."""
+        from trainer.checkpoint import load_checkpoint
+
+        load = self.cfg.checkpoint.load
+        if not load:
+            return
+        state = load_checkpoint(load, self.task, model=self.actor.model, optimizer=self.actor.optimizer,
+                                adapter_contract=self.contract, trainable_only=self.actor.mode == "lora")
+        if state is None:
+            log.warning("--load %s holds no committed checkpoint for task %s: starting from rollout 0", load, self.task)
+            return
+        self.actor.load_state_dict(state)
+        self.checkpoint_failures = int(state.get("checkpoint_failures", 0))
+        # The engine was loaded from --model-path: give it the restored policy under the
+        # checkpoint's own version number (sync() commits policy_version + 1).
+        self.syncer.load_state_dict({**state, "policy_version": int(state["policy_version"]) - 1})
+        self.syncer.sync(self.actor.model, self.engine)
+        self.start_rollout = int(state["rollout_id"]) + 1
+        if self.rank == 0:
+            log.info("resumed from %s iteration %d: policy version %d, lr step %d, continuing at rollout %d",
+                     load, state["iteration"], self.syncer.policy_version, self.actor.optimizer_steps, self.start_rollout)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self, k: int) -> dict[str, float]:
+        from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
+        from trainer.rewards.manager import reward_manager_from_config
+        from trainer.rollout import generate_rollout
+
+        cfg, colo = self.cfg, self.cfg.colocate
+        m: dict[str, float] = {}
+        t_step = time.perf_counter()
+
+        # 1. plan: this rollout's prompt groups (the trained steps are resolved inside the rollout)
+        prompts = [self.dataset[i] for i in self.order.groups_for_rollout(k)]
+
+        # 2. rollout: the engine owns the device
+        with Timer(self.device) as t:
+            out = generate_rollout(
+                self.engine, self.adapter, prompts, rollout_id=k, sampling=self.sampling, group_size=self.group_size,
+                generation_seed=int(cfg.rollout.generation_seed), artifact_root=cfg.artifacts.artifact_root,
+                task=self.task, retention=int(cfg.artifacts.artifact_retention_rollouts),
+                weight_manifest_hash=self._manifest_hash())
+        m["perf/rollout_time"] = t.elapsed
+        m.update({k_: v for k_, v in out.stats.items() if k_ != "perf/rollout_time"})
+
+        # 3. reward: score locally, all-gather the small vectors, same advantages on every rank
+        with Timer(self.device) as t:
+            manager = reward_manager_from_config(cfg.reward, self.device)
+            local_idx = [g * self.group_size + s for g, s in out.candidates]
+            scored = manager.score([r["image"] for r in out.responses], [r["prompt"] for r in out.responses],
+                                   [r.get("metadata") or {} for r in out.responses])
+            components = gather_scores(scored.components, local_idx, self.num_groups * self.group_size)
+            std_mode = resolve_std_mode(cfg.grpo.generative_advantage_std_mode,
+                                        cfg.grpo.disable_grpo_std_normalization, self.group_size)
+            reward = compute_advantages(components, self.group_size,
+                                        required_components=cfg.reward.reward_required_components,
+                                        component_weights=cfg.reward.reward_component_weights,
+                                        std_mode=std_mode, score_time=scored.score_time)
+        m["perf/reward_time"] = t.elapsed
+        m.update(reward.metrics)
+
+        # 4. update: the actor owns the device
+        with Timer(self.device) as t:
+            if colo.offload_rollout:
+                self.engine.release_memory()
+            if self.actor.offloaded:
+                m.update(self.actor.onload())
+            debug = bool(cfg.fsdp.fsdp_debug_fingerprint)
+            if debug:
+                m.update(self._logp_parity(out.batch))
+                before = weights_fingerprint(self.actor.model)
+            idx = torch.tensor(local_idx, dtype=torch.long)
+            m.update(self.actor.train_step(out.batch, reward.advantages[idx], self.replay_fn, reward.valid[idx]))
+            if debug:
+                after = weights_fingerprint(self.actor.model)
+                m["debug/weights_abs_sum_before"], m["debug/weights_abs_sum_after"] = before, after
+                if self.rank == 0:
+                    log.info("[fingerprint] rollout %d: trainable abs-sum %.9g -> %.9g (delta %.3g)",
+                             k, before, after, after - before)
+        m["perf/train_time"] = t.elapsed
+
+        # 5. sync: the new weights into this rank's engine, verified, then committed
+        with Timer(self.device) as t:
+            if colo.offload_rollout:
+                self.engine.resume_memory(tags=("weights",))
+            m.update(self.syncer.sync(self.actor.model, self.engine))
+        m["perf/sync_time"] = t.elapsed
+
+        # 6. checkpoint (the actor is still resident, which DCP needs)
+        if self._due(k, cfg.checkpoint.save_interval) and cfg.checkpoint.save:
+            with Timer(self.device) as t:
+                m["train/checkpoint_failures"] = float(self.save(k))
+            m["perf/checkpoint_time"] = t.elapsed
+
+        # the device goes back to the engine for the next rollout
+        if colo.offload_train:
+            m.update(self.actor.offload())
+        if colo.offload_rollout:
+            self.engine.resume_memory()
+
+        # 7. eval
+        if self.eval_sets and self._due(k, cfg.eval.eval_interval):
+            with Timer(self.device) as t:
+                m.update(self.evaluate(k))
+            m["perf/eval_time"] = t.elapsed
+
+        m["perf/step_time"] = time.perf_counter() - t_step
+        m["train/checkpoint_failures"] = float(self.checkpoint_failures)
+        self._log_images(k, out, reward)
+        return m
+
+    def _due(self, k: int, interval: int | None) -> bool:
+        last = k == int(self.cfg.rollout.num_rollout) - 1
+        return bool(interval) and ((k + 1) % int(interval) == 0 or last)
+
+    def _manifest_hash(self) -> str | None:
+        man = self.syncer.last_manifest
+        return man.name_shape_hash if man is not None else None
+
+    @torch.no_grad()
+    def _logp_parity(self, batch: dict[str, Any]) -> dict[str, float]:
+        """[logp parity]: the replayed pi_old anchor vs the engine's own sampling log-prob."""
+        from trainer.distributed import all_reduce_max, collective_device
+
+        replayed = self.replay_fn(self.actor.model, batch).float().cpu()
+        diff = (replayed - batch["log_probs"].float()).abs().max().reshape(1).to(collective_device())
+        worst = float(all_reduce_max(diff)[0])
+        if self.rank == 0:
+            log.info("[logp parity] max |replayed anchor - sampler log-prob| = %.3g", worst)
+        return {"debug/logp_parity_max_abs": worst}
+
+    def _log_images(self, k: int, out: Any, reward: Any) -> None:
+        if self.rank != 0 or not out.responses:
+            return
+        shown = out.responses[: min(8, len(out.responses))]
+        captions = []
+        for r in shown:
+            pos = r["group_index"] * self.group_size + r["slot"]
+            scores = ", ".join(f"{c}={float(v[pos]):.4f}" for c, v in sorted(reward.components.items()))
+            captions.append(f"g{r['group_index']} s{r['slot']} [{scores}] {r['prompt']}")
+        self.metrics.log_image_grid(k, "rollout/candidates", [r["image"] for r in shown], captions)
+
+    # -- eval and checkpoints --------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, k: int) -> dict[str, float]:
+        """Each eval set with the deterministic sde_indices (no per-rollout redraw), so the
+        figure is comparable across steps; eval/<name>/<component>_mean."""
+        from trainer.rewards.manager import reward_manager_from_config
+        from trainer.rewards.post_process import gather_scores
+        from trainer.rollout import generate_rollout
+
+        cfg = self.cfg
+        n = int(cfg.eval.n_samples_per_eval_prompt)
+        manager = reward_manager_from_config(cfg.reward, self.device)
+        out_m: dict[str, float] = {}
+        for name, ds in self.eval_sets.items():
+            records = [ds[i] for i in range(len(ds))]
+            out = generate_rollout(self.engine, self.adapter, records, rollout_id=k, sampling=self.sampling,
+                                   group_size=n, generation_seed=int(cfg.rollout.generation_seed),
+                                   artifact_root=cfg.artifacts.artifact_root, task=self.task,
+                                   retention=int(cfg.artifacts.artifact_retention_rollouts), eval=True,
+                                   weight_manifest_hash=self._manifest_hash())
+            scored = manager.score([r["image"] for r in out.responses], [r["prompt"] for r in out.responses],
+                                   [r.get("metadata") or {} for r in out.responses])
+            idx = [g * n + s for g, s in out.candidates]
+            comps = gather_scores(scored.components, idx, len(records) * n)
+            for c, v in comps.items():
+                finite = v[torch.isfinite(v)]
+                out_m[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
+        return out_m
+
+    def save(self, k: int) -> int:
+        """One checkpoint of rollout k; a failed write is counted, never fatal."""
+        from trainer.checkpoint import save_checkpoint
+
+        cfg = self.cfg
+        state = {
+            "rollout_id": k,
+            "task": self.task,
+            "model_adapter_path": cfg.model.model_adapter_path,
+            "sampling_fingerprint": self.sampling.fingerprint(),
+            "checkpoint_failures": self.checkpoint_failures,
+            **self.actor.state_dict(),
+            **self.syncer.state_dict(),
+        }
+        man = self.syncer.last_manifest
+        manifest = None if man is None else {"kind": man.kind, "tensor_count": man.tensor_count,
+                                             "total_bytes": man.total_bytes, "name_shape_hash": man.name_shape_hash,
+                                             "version": man.version}
+        keep = int(cfg.checkpoint.max_actor_ckpt_to_keep or 0) if cfg.checkpoint.rotate_ckpt or cfg.checkpoint.max_actor_ckpt_to_keep else 0
+        ok = save_checkpoint(cfg.checkpoint.save, self.task, k, model=self.actor.model, optimizer=self.actor.optimizer,
+                             trainer_state=state, weight_sync_manifest=manifest, adapter_contract=self.contract,
+                             trainable_only=self.actor.mode == "lora", max_to_keep=keep)
+        if not ok:
+            self.checkpoint_failures += 1
+        return self.checkpoint_failures
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        num_rollout = int(cfg.rollout.num_rollout)
+        components = list(cfg.reward.reward_component_weights or {}) or list(cfg.reward.reward_required_components or [])
+        bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=self.rank != 0,
+                   dynamic_ncols=True, leave=True)
+        history = []
+        for k in bar:
+            metrics = self.step(k)
+            self.metrics.log(k, metrics)
+            history.append(metrics)
+            if self.rank == 0:
+                if not components:
+                    components = sorted(c[len("reward/"):-len("_mean")] for c in metrics
+                                        if c.startswith("reward/") and c.endswith("_mean") and "advantage" not in c
+                                        and "group_std" not in c)
+                bar.write(self.metrics.console_line(k, metrics, components))
+        self.metrics.close()
+        return {"history": history, "components": components}
+
+
+def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
+    """First-vs-last figures of each reward component: the mean of reward/<c>_mean over the
+    first and the last `window` rollouts, and the mean within-group std (the learning signal)."""
+    out = {}
+    for c in components:
+        series = [h[f"reward/{c}_mean"] for h in history if f"reward/{c}_mean" in h]
+        stds = [h.get(f"reward/{c}_group_std_mean", h.get("reward/group_std_mean")) for h in history]
+        stds = [s for s in stds if s is not None]
+        if not series:
+            continue
+        w = min(window, len(series))
+        out[c] = {
+            "first_mean": sum(series[:w]) / w,
+            "last_mean": sum(series[-w:]) / w,
+            "group_std_first": sum(stds[:w]) / max(len(stds[:w]), 1),
+            "group_std_last": sum(stds[-w:]) / max(len(stds[-w:]), 1),
+            "rollouts": len(series),
+        }
+    return out
+
+
+def run(cfg: Any, recipe: str | None = None) -> int:
+    """Build this rank's trainer, resume if asked, train, print a summary; returns the exit code.
+
+    A rank that fails prints its traceback and exits non-zero at once; torchrun then stops the
+    other ranks instead of leaving them waiting in a collective.
+    """
+    from trainer.distributed import init_distributed, shutdown_and_exit
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    code = 0
+    info = None
+    try:
+        info = init_distributed()
+        if info.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        torch.manual_seed(int(cfg.rollout.rollout_seed) + info.rank)
+        trainer = Trainer(cfg, info)
+        trainer.recipe_name = Path(recipe).stem if recipe else "run"
+        trainer.maybe_resume()
+        record = trainer.write_recipe_record()
+        result = trainer.fit()
+        if info.rank == 0:
+            summary = summarize(result["history"], result["components"])
+            print(json.dumps({"summary": summary, "recipe_record": str(record) if record else None,
+                              "tensorboard_dir": str(trainer.metrics.log_dir) if trainer.metrics.log_dir else None,
+                              "artifact_root": cfg.artifacts.artifact_root, "save": cfg.checkpoint.save}), flush=True)
+    except BaseException:  # noqa: BLE001 - report, then take the whole job down
+        rank = info.rank if info is not None else os.environ.get("RANK", "?")
+        print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = 1
+    if code != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no collective teardown: the other ranks may be inside one
+    shutdown_and_exit(code)
