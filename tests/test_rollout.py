@@ -121,7 +121,8 @@ def test_split_groups_need_a_process_group(engine, tmp_path):
 
 def test_two_ranks_gather_split_group(engine, tmp_path, tiny_model_dir):
     """3 groups x 2 on 2 ranks: group 1 is split; its sidecar must hold both slots and match
-    a single-process rollout of the same candidates."""
+    a single-process rollout of the same candidates. The worker also replays its own batch
+    through an FSDP2-sharded actor and checks the log-probs (<= 1e-5)."""
     from tests.workers.launch import torchrun
 
     torchrun("tests/test_rollout.py", nproc=2, args=[str(tiny_model_dir), str(tmp_path / "dist")], timeout=240)
@@ -152,6 +153,25 @@ def main(model_dir: str, root: str) -> None:
     assert len(out.batch["sample_ids"]) == 3
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, out.candidates)
+
+    # the adapter's replay also works through an FSDP2-sharded actor (per block, then the root)
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.distributed import build_mesh
+    from trainer.models.qwen_image import QwenImageAdapter
+    from trainer.sampling import parse_sampling_config
+
+    adapter = QwenImageAdapter()
+    actor = adapter.load_train_model(model_dir, dtype=torch.float32)
+    mesh = build_mesh("cpu")
+    for block in actor.transformer_blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(actor, mesh=mesh)
+    with torch.no_grad():
+        for col in range(len(out.sde_indices)):
+            logp = adapter.replay_transition(actor, out.batch, col, parse_sampling_config(SAMPLING))
+            err = (logp - out.batch["log_probs"][:, col]).abs().max().item()
+            assert err <= 1e-5, f"rank {info.rank}: FSDP2 replay of column {col} differs by {err}"
     if info.rank == 0:
         with open(f"{root}/ranks.json", "w") as f:
             json.dump({str(r): [list(c) for c in cs] for r, cs in enumerate(gathered)}, f)
