@@ -1,10 +1,11 @@
 """tools/export_checkpoint.py: real checkpoints of the tiny model, exported and loaded back.
 
-The checkpoints are made the way training makes them: the FSDP2 actor (on a one-rank gloo group
-created in this process) is built from the tiny pipeline directory through the Qwen-Image
-adapter, takes one FlowGRPO update so its weights differ from the base, and is saved with
-trainer.checkpoint.save_checkpoint. The reference output is the trained (sharded) actor's own
-forward on a fixed input; every export must reproduce it after loading with diffusers / peft.
+The checkpoints are made the way training makes them, in ONE torchrun launch of this file
+(2 ranks, gloo, CPU; see `make_checkpoints` at the bottom): the FSDP2 actor is built from the
+tiny pipeline directory through the Qwen-Image adapter, takes one FlowGRPO update so its weights
+differ from the base, and is saved with trainer.checkpoint.save_checkpoint, so every tensor is
+sharded over two DCP files. The reference output is the trained (sharded) actor's own forward on
+a fixed input; every export must reproduce it after loading with diffusers / peft / the engine.
 """
 
 from __future__ import annotations
@@ -46,24 +47,6 @@ def base_transformer(model_dir):
     return QwenImageTransformer2DModel.from_pretrained(str(model_dir), subfolder="transformer").eval()
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    import torch.distributed as dist
-    from trainer.distributed import build_mesh, init_distributed
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    created = not dist.is_initialized()
-    init_distributed("cpu")
-    yield build_mesh("cpu")
-    if created:
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 def train_and_save(mesh, model_dir, save_dir, mode):
     """One update of the real actor on the tiny model, then a real checkpoint (iteration 1).
     Returns the trained model's output on the fixed input."""
@@ -89,14 +72,19 @@ def train_and_save(mesh, model_dir, save_dir, mode):
 
 
 @pytest.fixture(scope="module")
-def trained(mesh, tiny_model_dir, tmp_path_factory):
+def trained(tiny_model_dir, tmp_path_factory):
+    from tests.workers.launch import torchrun
+
     root = tmp_path_factory.mktemp("export_ckpts")
-    out = {"base": forward(base_transformer(tiny_model_dir))}
+    torchrun("tests/test_export.py", nproc=2, args=["--make-checkpoints", str(root), str(tiny_model_dir)])
+    out = torch.load(root / "refs.pt")
+    out["base"] = forward(base_transformer(tiny_model_dir))
     for mode in ("full", "lora"):
-        out[mode], out[mode + "_never_trained"] = train_and_save(mesh, tiny_model_dir, root / mode, mode)
         out[mode + "_save"] = root / mode
         # the update moved the policy well beyond the comparison tolerance
         assert (out[mode] - out["base"]).abs().max() > 1e-3
+        # both ranks wrote shards: the export has to reassemble every tensor
+        assert len(list((root / mode / "t2i" / "iter_0000001" / "fsdp").glob("*.distcp"))) == 2
     return out
 
 
@@ -233,7 +221,7 @@ def test_missing_uncommitted_and_corrupt_checkpoints_name_the_directory(trained,
     with pytest.raises(ex.ExportError, match="has no t2i2/ directory"):
         ex.export_checkpoint(save, "t2i2", 1, tmp_path / "o1", form="adapter")
 
-    shard = next((d / "fsdp").glob("*.distcp"))
+    shard = sorted((d / "fsdp").glob("*.distcp"))[-1]
     shard.write_bytes(shard.read_bytes()[:100])  # a truncated shard
     with pytest.raises(ex.ExportError, match=f"reading the DCP shards in {d / 'fsdp'} failed"):
         ex.export_checkpoint(save, "t2i", 1, tmp_path / "o2", form="adapter")
@@ -358,3 +346,32 @@ def test_sharded_base_keeps_its_shard_layout(trained, tiny_model_dir, tmp_path):
         (base / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
     model = QwenImageTransformer2DModel.from_pretrained(str(tmp_path / "m"), subfolder="transformer")
     assert_reproduces(forward(model.eval()), trained, "lora")
+
+
+# ---------------------------------------------------------------- the torchrun side
+
+def make_checkpoints(root: str, model_dir: str) -> None:
+    """Every rank: train and save a full and a LoRA checkpoint; rank 0 saves the reference outputs."""
+    import torch.distributed as dist
+    from pathlib import Path
+
+    from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit
+
+    init_distributed("cpu")
+    mesh = build_mesh("cpu")
+    refs = {}
+    for mode in ("full", "lora"):
+        refs[mode], refs[mode + "_never_trained"] = train_and_save(mesh, model_dir, Path(root) / mode, mode)
+    if dist.get_rank() == 0:
+        torch.save(refs, Path(root) / "refs.pt")
+    shutdown_and_exit(0)
+
+
+if __name__ == "__main__":
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module.*returned a view tensor")
+    if sys.argv[1:2] != ["--make-checkpoints"]:
+        raise SystemExit("usage: torchrun --nproc-per-node 2 tests/test_export.py --make-checkpoints ROOT MODEL_DIR")
+    make_checkpoints(sys.argv[2], sys.argv[3])

@@ -104,6 +104,9 @@ class CheckpointTensors(Mapping):
     def __len__(self) -> int:
         return len(self._raw_key)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._raw_key
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._meta[self._raw_key[name]].size)
 
