@@ -45,8 +45,14 @@ def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: di
                    fsdp__fsdp_activation_checkpointing=True, grpo__micro_batch_size=n // 2)
     actor = Actor(tiny_transformer(dtype=bf16).to(device), mesh, cfg, device=device)
     before = gathered(actor.model)
-    m = actor.train_step(batch, adv, replay)  # includes compile/warm-up effects
+    m = actor.train_step(batch, adv, replay)  # includes warm-up effects
+    first = actor.last_update_stats[0]
     m = actor.train_step(batch, adv, replay)
+    # the anchor (no_grad) and the first update (grad, checkpointed) must pick the same kernels
+    checks["first_update_ratio_exactly_1"] = all(
+        st["ratio_max"].item() == 1.0 == st["ratio_min"].item() for st in (first, actor.last_update_stats[0]))
+    checks["second_update_ratio_not_1"] = actor.last_update_stats[1]["ratio_max"].item() != 1.0 or \
+        actor.last_update_stats[1]["ratio_min"].item() != 1.0
     after = gathered(actor.model)
     trainable = {model_name(p_n) for p_n, p in actor.model.named_parameters() if p.requires_grad}
     checks["full_every_trainable_changed"] = all(not torch.equal(before[k], after[k]) for k in trainable)
