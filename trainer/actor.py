@@ -437,11 +437,14 @@ class Actor:
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
     def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: Any, *, device: torch.device,
-                     total_optimizer_steps: int | None = None) -> "Actor":
-        """Load the adapter's train model (in waves), build and shard it."""
+                     total_optimizer_steps: int | None = None, revision: str | None = None) -> "Actor":
+        """Load the adapter's train model in --fsdp-param-dtype (in waves), build and shard it.
+
+        The adapter returns the trainable module itself (--fsdp-trainable-attr names it in the
+        model bundle; the frozen text encoder / VAE are the engine's)."""
         fsdp = _sec(cfg, "fsdp")
         load_dtype = resolve_dtype(fsdp.fsdp_param_dtype)
-        model = load_in_waves(lambda: adapter.load_train_model(model_path, dtype=load_dtype),
+        model = load_in_waves(lambda: adapter.load_train_model(model_path, dtype=load_dtype, revision=revision),
                               int(fsdp.fsdp_load_wave_size or 0))
         return cls(model, mesh, cfg, device=device, default_lora_targets=tuple(adapter.lora_target_modules),
                    total_optimizer_steps=total_optimizer_steps)
