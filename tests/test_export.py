@@ -184,7 +184,8 @@ def test_bf16_merged_export_keeps_the_dtype_asked_for(trained, tiny_model_dir, t
     sd = load_file(str(tmp_path / "m16" / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert {t.dtype for t in sd.values()} == {torch.bfloat16}
     # hard links share the inode with the base
-    assert os.stat(tmp_path / "m16" / "vae" / "config.json").st_ino == os.stat(tiny_model_dir / "vae" / "config.json").st_ino
+    linked, original = tmp_path / "m16" / "vae" / "config.json", tiny_model_dir / "vae" / "config.json"
+    assert os.stat(linked).st_ino == os.stat(original).st_ino
 
 
 # ---------------------------------------------------------------- refusals and errors

@@ -287,7 +287,7 @@ class LoraSettings:
         return self.alpha / self.rank
 
 
-def lora_pairs(tensors: dict[str, torch.Tensor], where: Path | str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def lora_pairs(tensors: Mapping[str, torch.Tensor], where: Path | str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """module name -> (A [r, in], B [out, r]) from "<module>.lora_A.weight" / "<module>.lora_B.weight".
 
     Raises ExportError for a half pair, a LoRA tensor of another kind (DoRA magnitude, bias,
@@ -532,9 +532,10 @@ def peft_lora_config(modules: list[str], lora: LoraSettings, base_model_name_or_
 
     target_modules lists the exact module names the checkpoint holds LoRA tensors for, not the
     training's suffixes: modules that can never receive a gradient (the last block's text-output
-    path) are frozen in training and not checkpointed, and a suffix list would make peft inject
-    (and warn about) adapter layers that have no weights. Their LoRA delta in training was
-    B @ A = 0 (B starts at 0 and never moved), so leaving them out changes nothing."""
+    path) are frozen in training and not checkpointed, and a suffix list would make a loader
+    create adapter layers that have no weights (NativeEngine.load_lora_dir refuses such an
+    adapter as incomplete). Their LoRA delta in training was B @ A = 0 (B starts at 0 and never
+    moved), so leaving them out changes nothing."""
     from peft import LoraConfig
 
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=sorted(modules),
@@ -691,7 +692,8 @@ def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path |
         problems.append(f"tensor names differ from the checkpoint: missing {sorted(set(want) - set(written))[:3]}, "
                         f"extra {sorted(set(written) - set(want))[:3]}")
     for name in sorted(set(written) & set(want)):
-        if written[name].shape != want[name].shape or not torch.equal(written[name], want[name].to(written[name].dtype)):
+        got, exp = written[name], want[name]
+        if got.shape != exp.shape or not torch.equal(got, exp.to(got.dtype)):
             problems.append(f"{name}: shape or value differs from the checkpoint")
     peft_checked = False
     if base is not None:
@@ -848,7 +850,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "checkpoint's for adapter)")
     p.add_argument("--components", choices=COMPONENT_MODES, default="copy",
                    help="how --form merged places the base's non-transformer components: copy (default, "
-                        "self-contained), hardlink (same filesystem, no extra space), symlink (breaks if the base moves)")
+                        "self-contained), hardlink (same filesystem, no extra space), symlink (breaks if the "
+                        "base moves)")
     return p.parse_args(argv)
 
 
