@@ -275,3 +275,22 @@ def test_release_and_resume_memory_on_cpu(tiny_model_dir, adapter, sampling):
     assert torch.isfinite(eng.generate(reqs)[0]["image"]).all()
     with pytest.raises(ValueError, match="unknown memory tag"):
         eng.release_memory(("optimizer",))
+
+
+def test_bf16_rollout_replays_in_bf16_and_fp32(tiny_model_dir, adapter):
+    """The CUDA dtype path, on CPU: a bf16 engine records bf16 latents; a bf16 actor replays
+    them to the recorded log-prob; an fp32 actor accepts them too (inputs upcast losslessly,
+    timestep rounded through bf16 as the sampler did) and lands close."""
+    cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.bfloat16)
+    responses = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=1))
+    batch = adapter.pack_trajectory(responses)
+    assert batch["latents"].dtype == torch.bfloat16 and batch["prompt_embeds"].dtype == torch.bfloat16
+    assert batch["log_probs"].dtype == torch.float32
+    with torch.no_grad():
+        bf16 = adapter.replay_transition(adapter.load_train_model(str(tiny_model_dir), dtype=torch.bfloat16),
+                                         batch, 1, cfg)
+        fp32 = adapter.replay_transition(adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32),
+                                         batch, 1, cfg)
+    torch.testing.assert_close(bf16, batch["log_probs"][:, 1], atol=1e-5, rtol=0)
+    assert 0 < (fp32 - batch["log_probs"][:, 1]).abs().max() < 5e-3  # measured ~1e-4..6e-4

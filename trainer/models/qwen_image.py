@@ -172,18 +172,22 @@ def dit_velocity(
     prompt_embeds: torch.Tensor,
     prompt_embeds_mask: torch.Tensor | None,
     img_shapes,
+    *,
+    rollout_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Velocity [B, L, C] predicted by the Qwen-Image DiT, called exactly as the engine calls it.
 
-    latents [B, L, C] (the compute dtype), timesteps [B] fp32 scheduler timesteps
-    (sigma * 1000; cast to the latents' dtype, then divided by 1000, as QwenImagePipeline
-    does: sampling.transformer_timestep), prompt_embeds [B, T, D], prompt_embeds_mask [B, T] (1 = token; always passed, so
-    the padded and unpadded cases run the same attention path). Works for the bare module, a
-    peft-injected one and an FSDP2-sharded one: it is a plain forward call.
+    latents [B, L, C] in the dtype the module computes in; timesteps [B] fp32 scheduler
+    timesteps (sigma * 1000), rounded through `rollout_dtype` (default: the latents' dtype)
+    and divided by 1000 as QwenImagePipeline does (sampling.transformer_timestep), so a replay
+    in another dtype still sees the timestep the sampler saw; prompt_embeds [B, T, D] (cast to
+    the latents' dtype); prompt_embeds_mask [B, T] (1 = token; always passed, so the padded
+    and unpadded cases run the same attention path). A plain forward call: works for the bare
+    module, a peft-injected one and an FSDP2-sharded one.
     """
     from trainer.sampling import transformer_timestep
 
-    t = transformer_timestep(timesteps, dtype=latents.dtype).to(latents.device)
+    t = transformer_timestep(timesteps, dtype=rollout_dtype or latents.dtype).to(latents.device, latents.dtype)
     mask = None if prompt_embeds_mask is None else prompt_embeds_mask.to(device=latents.device)
     out = transformer(
         hidden_states=latents,
@@ -415,27 +419,33 @@ class QwenImageAdapter:
         """Log-prob [B] (fp32) of trained-step column `step` of `batch`, recomputed through
         `transformer` with the sampler's math (flow_grpo.replay_transition_logp).
 
-        Runs the DiT on batch["latents"][:, step] in the dtype those latents carry (keep it equal
-        to the rollout's: a bf16 rollout replayed in fp32 differs by ~3e-4). Tensors are moved to
-        the transformer's device. Differentiable w.r.t. the transformer's parameters.
-        `sampling` supplies eta, sde_type and sigma_max.
+        The DiT input is the recorded latents cast to the module's parameter dtype (under FSDP2
+        mixed precision, its policy then casts to the compute dtype); the timestep is rounded
+        through the rollout's dtype, as the sampler did. Exact at equal dtypes; a bf16 rollout
+        replayed in fp32 differs by ~3e-4, so keep them equal. The log-prob math itself runs in
+        fp32 on the recorded tensors. Tensors are moved to the transformer's device.
+        Differentiable w.r.t. the transformer's parameters. `sampling` supplies eta, sde_type
+        and sigma_max.
         """
         from trainer.flow_grpo import replay_transition_logp
 
-        device = _module_device(transformer)
-        latents = batch["latents"][:, step].to(device)
+        device, compute_dtype = _module_device_dtype(transformer)
+        # contiguous like the sampler's own latents: a strided input takes another GEMM path,
+        # which in bf16 changes the velocity by an ulp and the log-prob by ~1e-4
+        recorded = batch["latents"][:, step].to(device).contiguous()
         next_latents = batch["next_latents"][:, step].to(device)
-        b = latents.shape[0]
+        b = recorded.shape[0]
         velocity = dit_velocity(
             transformer,
-            latents,
+            recorded.to(compute_dtype or recorded.dtype),  # lossless when the module is wider
             batch["timesteps"][:, step],
             batch["prompt_embeds"],
             batch.get("prompt_embeds_mask"),
             img_shapes_for(b, batch["height"], batch["width"], batch["vae_scale_factor"]),
+            rollout_dtype=recorded.dtype,
         )
         return replay_transition_logp(
-            latents,
+            recorded,
             next_latents,
             velocity,
             batch["sigmas"][:, step].to(device),
@@ -459,11 +469,11 @@ class QwenImageAdapter:
         return strip_wrapper_segments(name)
 
 
-def _module_device(module) -> torch.device:
-    """Device of the first parameter (a DTensor's local device under FSDP2); CPU if none."""
+def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:
+    """(device, dtype) of the first floating parameter; a DTensor's local shard under FSDP2
+    (whose MixedPrecisionPolicy then casts the inputs to its compute dtype). CPU / None if none."""
     for p in module.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        return local.device
-    return torch.device("cpu")
-
-
+        if local.is_floating_point():
+            return local.device, local.dtype
+    return torch.device("cpu"), None
