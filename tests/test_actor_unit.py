@@ -302,3 +302,20 @@ def test_fsdp_cpu_offload_full_and_rejected_with_lora(mesh):
         build(mesh, "lora", fsdp__fsdp_cpu_offload=True)
     with pytest.raises(ValueError, match="lora-dropout"):
         build(mesh, "lora", lora__lora_dropout=0.1)
+
+
+def test_colocate_handover_order(mesh):
+    from trainer.actor import begin_update, end_update
+
+    actor = build(mesh, "full", **LIGHT)
+    engine = ReceiverEngine(tiny_transformer(seed=1))
+    syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=64)
+    actor.offload()  # before the first rollout
+    begin_update(actor, engine, offload_train=True, offload_rollout=True)
+    assert not actor.offloaded and engine.calls == ["release:all"]
+    actor.train_step(make_batch(2), ADV[:2], replay)
+    m = end_update(actor, syncer, engine, offload_train=True, offload_rollout=True)
+    assert engine.calls == ["release:all", "resume:weights", "update", "commit:1", "resume:all"]
+    assert actor.offloaded and m["train/policy_version"] == 1 and m["perf/actor_offload_gb"] > 0
+    begin_update(actor, engine, offload_train=True, offload_rollout=False)
+    assert not actor.offloaded

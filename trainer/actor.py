@@ -699,3 +699,35 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"perf/actor_onload_gb": restored / 1e9, "perf/actor_onload_time": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------------------------
+# colocate hand-over between the engine (rollout) and the actor (update)
+
+def begin_update(actor: Actor, engine: Any, *, offload_train: bool, offload_rollout: bool) -> dict[str, float]:
+    """Rollout -> update: the engine's modules leave the device (--offload-rollout), then the actor's
+    storage comes back (--offload-train). Failures propagate (fatal)."""
+    metrics: dict[str, float] = {}
+    if offload_rollout:
+        engine.release_memory()
+    if offload_train and actor.offloaded:
+        metrics.update(actor.onload())
+    return metrics
+
+
+def end_update(actor: Actor, syncer: Any, engine: Any, *, offload_train: bool,
+               offload_rollout: bool) -> dict[str, float]:
+    """Update -> rollout: onload only the engine's transformer (tags=("weights",)), sync the new
+    weights into it (weight_sync.WeightSyncer), release the actor (--offload-train), then bring the
+    rest of the engine back for the next rollout. A failure anywhere propagates (fatal); a sync
+    failure leaves the policy version uncommitted.
+
+    Before the first rollout, with --offload-train, call actor.offload() once."""
+    if offload_rollout:
+        engine.resume_memory(("weights",))
+    metrics = syncer.sync(actor.model, engine)
+    if offload_train:
+        metrics.update(actor.offload())
+    if offload_rollout:
+        engine.resume_memory()
+    return metrics

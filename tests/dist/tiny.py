@@ -94,11 +94,19 @@ class ReceiverEngine:
         self.transformer = transformer
         self.policy_version = 0
         self.drop_one = drop_one  # test hook: silently lose one tensor, like a lenient loader would
+        self.calls: list[str] = []  # memory calls, in order
+
+    def release_memory(self, tags=None) -> None:
+        self.calls.append(f"release:{','.join(tags) if tags else 'all'}")
+
+    def resume_memory(self, tags=None) -> None:
+        self.calls.append(f"resume:{','.join(tags) if tags else 'all'}")
 
     def holds_lora(self) -> bool:
         return model_has_lora(self.transformer)
 
     def update_weights_from_tensors(self, named_tensors, manifest: WeightManifest) -> None:
+        self.calls.append("update")
         if self.holds_lora():
             raise WeightSyncError("engine transformer holds LoRA layers: full sync refused")
         verify_manifest(named_tensors, manifest)
@@ -131,6 +139,7 @@ class ReceiverEngine:
         return weights_checksum(self.transformer.named_parameters())
 
     def commit_weight_version(self, version: int) -> None:
+        self.calls.append(f"commit:{version}")
         self.policy_version = version
 
 
