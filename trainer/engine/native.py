@@ -82,7 +82,12 @@ def prompt_template_start_idx(tokenizer, template: str) -> int:
     (34 for the real Qwen-Image tokenizer; longer for the tiny byte-level one) and
     save_pretrained does not store it."""
     prefix = template.split("{}")[0]
-    return len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    probe = tokenizer(template.format("a photo"), add_special_tokens=False)["input_ids"]
+    if probe[:len(ids)] != ids:
+        raise ValueError("the tokenizer merges the prompt template's prefix with the prompt, so the prefix "
+                         "cannot be dropped by position; the tokenizer/ of --model-path is not a Qwen2 one")
+    return len(ids)
 
 
 def _geometry_key(r: RolloutRequest) -> tuple:
