@@ -1,0 +1,171 @@
+"""tools/bench.py on CPU: the FLOP model against counted FLOPs, the file-free model build, and one
+tiny end-to-end run whose JSON lines must be well-formed and finite. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools.bench import (REAL_TRANSFORMER_CONFIG, build_engine, build_text_encoder, build_transformer,
+                         dit_forward_flops, dit_param_counts, replay_flops, shape_configs)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _classify(name: str) -> str:
+    """Which FLOP-model bucket a DiT parameter belongs to, read from its module path."""
+    if name.endswith("bias"):
+        return "bias"
+    if ".norm_" in name or name.startswith("txt_norm"):
+        return "norm"
+    if "_mod." in name or name.startswith(("time_text_embed", "norm_out")):
+        return "sample"
+    if ".add_" in name or ".to_add_out" in name or ".txt_mlp" in name or name.startswith("txt_in"):
+        return "text"
+    return "image"
+
+
+@pytest.mark.parametrize("shape", ["tiny", "real"])
+def test_param_split_matches_the_module(shape):
+    """The analytic per-stream counts equal the module's own parameters, grouped by name (the
+    real 20.43 B model is built on the meta device: no memory)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = shape_configs(shape)[0]
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**cfg)
+    counted = {"image": 0, "text": 0, "sample": 0, "bias": 0, "norm": 0}
+    for name, p in model.named_parameters():
+        counted[_classify(name)] += p.numel()
+    want = dit_param_counts(cfg)
+    assert counted == {k: want[k] for k in counted}
+    assert sum(counted.values()) == want["total"]
+    if shape == "real":
+        assert want["total"] == pytest.approx(20.43e9, rel=1e-3)
+        assert want["image"] == pytest.approx(6.8e9, rel=1e-2)
+
+
+def test_forward_flops_match_counted_matmuls_at_tiny_shape():
+    """FlopCounterMode over a real forward of the tiny DiT (math SDPA, so attention shows up as
+    bmm) counts exactly the model's FLOPs, with unequal image and text lengths and batch 3."""
+    from diffusers import QwenImageTransformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = shape_configs("tiny")[0]
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(**cfg).eval()
+    b, rows, cols, t = 3, 4, 6, 5
+    x = torch.randn(b, rows * cols, cfg["in_channels"])
+    e = torch.randn(b, t, cfg["joint_attention_dim"])
+    with torch.no_grad(), FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(hidden_states=x, encoder_hidden_states=e, encoder_hidden_states_mask=torch.ones(b, t, dtype=torch.long),
+              timestep=torch.full((b,), 0.5), img_shapes=[[(1, rows, cols)]] * b, return_dict=False)
+    assert counter.get_total_flops() == dit_forward_flops(cfg, rows * cols, t, b)
+    # and by hand: 2 * (weights x tokens) for the linears, 4 L^2 d per layer for attention
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    per_stream = cfg["num_layers"] * (4 * d * d + 2 * d * 4 * d)
+    img = per_stream + cfg["in_channels"] * d + d * 4 * cfg["out_channels"]
+    txt = per_stream + cfg["joint_attention_dim"] * d
+    sample = cfg["num_layers"] * 12 * d * d + 256 * d + 3 * d * d
+    attn = 4 * (rows * cols + t) ** 2 * d * cfg["num_layers"]
+    assert dit_forward_flops(cfg, rows * cols, t, b) == b * (2 * (img * rows * cols + txt * t + sample) + attn)
+
+
+def test_real_shape_forward_is_about_9_9_tflop():
+    f = dit_forward_flops(REAL_TRANSFORMER_CONFIG, 576, 128, 1)
+    assert f == pytest.approx(9.9e12, rel=0.01)
+    assert dit_forward_flops(REAL_TRANSFORMER_CONFIG, 576, 128, 8) == pytest.approx(8 * f)
+    model, hw = replay_flops(REAL_TRANSFORMER_CONFIG, 576, 128, transitions=8, checkpointing=True)
+    assert model == pytest.approx(3 * 8 * f) and hw == pytest.approx(4 * 8 * f)
+    assert replay_flops(REAL_TRANSFORMER_CONFIG, 576, 128, 8, checkpointing=False)[1] == pytest.approx(model)
+
+
+def test_materialised_modules_match_a_normal_build():
+    """Meta build + to_empty + random fill leaves no meta tensor, recomputes the rope tables
+    (plain attributes) and the rotary inv_freq buffers exactly, and gives finite outputs."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from tools.make_tiny_model import build_text_encoder as reference_text_encoder
+    from tools.make_tiny_model import build_tokenizer
+
+    cpu = torch.device("cpu")
+    dit = build_transformer("tiny", cpu, torch.float32, seed=3)
+    ref = QwenImageTransformer2DModel(**shape_configs("tiny")[0])
+    assert torch.equal(dit.pos_embed.pos_freqs, ref.pos_embed.pos_freqs)
+    assert torch.equal(dit.pos_embed.neg_freqs, ref.pos_embed.neg_freqs)
+    again = build_transformer("tiny", cpu, torch.float32, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(dit.parameters(), again.parameters()))  # seeded: actor == engine
+
+    tok = build_tokenizer()
+    enc = build_text_encoder("tiny", tok, cpu, torch.float32)
+    ref_enc = reference_text_encoder(tok)
+    ref_buffers = dict(ref_enc.named_buffers())
+    assert ref_buffers, "the reference text encoder should hold rotary buffers"
+    for name, buf in enc.named_buffers():
+        assert torch.equal(buf, ref_buffers[name]), name
+    ids = tok("a red ball", return_tensors="pt")["input_ids"]
+    out = enc(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    assert torch.isfinite(out).all()
+
+
+def test_engine_is_the_native_engine_over_the_given_modules():
+    from trainer.engine.native import NativeEngine
+
+    engine = build_engine("tiny", torch.device("cpu"), torch.float32, max_batch_size=4)
+    assert type(engine) is NativeEngine
+    assert engine.vae_scale_factor == 4 and engine.latent_channels == 4
+    embeds, mask = engine.encode_prompt("a red ball")
+    assert embeds.shape[1] == 16 and int(mask.sum()) == embeds.shape[0]
+
+
+def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
+    """One CPU run of the whole bench (LoRA and --full) at a tiny geometry."""
+    out = tmp_path / "figures.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
+           "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
+           "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2",
+           "--dit-batches", "2", "--iters", "1", "--text-tokens", "8", "--full", "--out", str(out)]
+    # one thread: on a shared 2-core machine, two spinning OpenMP threads make tiny GEMMs ~10x slower
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines == printed
+    figures = {}
+    for line in lines:
+        assert set(line) >= {"figure", "value", "unit", "device", "world_size", "geometry"}
+        assert isinstance(line["value"], float) and math.isfinite(line["value"]), line
+        assert line["world_size"] == 1 and line["device"].startswith("cpu")
+        assert line["geometry"]["candidates"] == 4 and line["geometry"]["trained_steps"] == 2
+        figures.setdefault(line["figure"], []).append(line)
+    expected = {"matmul_tflops", "build_engine_s", "dit_forward_s", "dit_mfu", "rollout_s", "rollout_images_per_s",
+                "rollout_mfu", "reward_s", "full_sync_s", "full_sync_noverify_s", "replay_transitions_per_s_full",
+                "replay_mfu_full", "update_s_full", "merged_sync_s", "merged_sync_noverify_s",
+                "replay_transitions_per_s_lora", "replay_mfu_lora", "update_s_lora", "adapter_sync_s",
+                "actor_offload_s_lora", "actor_onload_s_lora", "engine_release_s", "engine_resume_s", "step_s",
+                "replay_logp_max_abs_err_lora", "replay_logp_max_abs_err_full"}
+    assert expected <= set(figures), expected - set(figures)
+    for name in ("rollout_images_per_s", "replay_transitions_per_s_lora", "dit_mfu", "step_s"):
+        assert all(line["value"] > 0 for line in figures[name]), name
+    # the fp32 replay through the actor reproduces the engine's log-probs (same seeded weights)
+    assert figures["replay_logp_max_abs_err_lora"][0]["value"] < 1e-4
+    step = figures["step_s"][0]
+    assert set(step["stages"]) == {"rollout", "reward", "update", "sync"}
+    assert sum(step["stages"].values()) <= step["value"] * 1.01
+    assert figures["update_s_lora"][0]["optimizer_steps"] == 2.0
+    # tiny geometry: 32 px / VAE factor 4 / patch 2 -> 4 x 4 image tokens
+    assert figures["dit_mfu"][0]["geometry"]["image_tokens"] == 16
+    assert figures["dit_mfu"][0]["tflop_per_forward"] == pytest.approx(
+        dit_forward_flops(shape_configs("tiny")[0], 16, step["geometry"]["text_tokens"], 2) / 1e12)

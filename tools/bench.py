@@ -1,0 +1,894 @@
+"""Time the project's own engine, actor and weight sync at Qwen-Image shape, with random weights.
+
+    torchrun --nproc-per-node 1 tools/bench.py --shape real --out bench/results/h200x1.jsonl
+    torchrun --nproc-per-node 2 tools/bench.py --shape real --full --out bench/results/h200x2.jsonl
+    python tools/bench.py --shape tiny --device cpu --height 64 --width 64 ...   (smoke test)
+
+Nothing is read from disk: every module (the 20.4 B DiT, the VAE, the Qwen2.5-VL-7B text
+encoder) is built on the meta device from its config, materialised on the rank's device with
+`to_empty`, then given cheap random values there (`materialise`). The code being timed is the
+project's: `NativeEngine` (trainer/engine/native.py) generates, `Actor` (trainer/actor.py)
+replays and updates through the adapter's `replay_transition`, `WeightSyncer`
+(trainer/weight_sync.py) hands weights over, `ColorScorer` + `compute_advantages` score.
+
+Every figure is one JSON line, printed by rank 0 and appended to --out:
+
+    {"figure": name, "value": v, "unit": u, "device": ..., "world_size": n, "geometry": {...}, ...}
+
+Times are the MAX over ranks (a step waits for its slowest rank), each phase is warmed up
+before it is timed, and CUDA is synchronised around every timer. docs/PERFORMANCE.md describes
+the figures, the FLOP model and the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+if __package__ in (None, ""):  # run as a script (torchrun tools/bench.py): make `trainer` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# shapes
+
+#: QwenImageTransformer2DModel of Qwen-Image (20.43 B parameters); equal to diffusers' defaults
+REAL_TRANSFORMER_CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                               num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                               axes_dims_rope=(16, 56, 56))
+#: AutoencoderKLQwenImage defaults are Qwen-Image's VAE (base_dim 96, z_dim 16, 8x spatial)
+REAL_VAE_CONFIG: dict[str, Any] = {}
+#: Qwen2.5-VL-7B-Instruct, the Qwen-Image text encoder (text model + vision tower)
+REAL_TEXT_CONFIG = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                        rms_norm_eps=1e-6, rope_theta=1000000.0, mrope_section=[16, 24, 24])
+REAL_VISION_CONFIG = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                          patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                          fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+#: the tiny test model's text encoder (tools/make_tiny_model.py builds the same sizes)
+TINY_TEXT_CONFIG = dict(vocab_size=None, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                        rms_norm_eps=1e-6, rope_theta=1000000.0, mrope_section=[1, 1, 2])
+TINY_VISION_CONFIG = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                          patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                          fullatt_block_indexes=[1])
+
+SHAPES = ("real", "tiny")
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def shape_configs(shape: str) -> tuple[dict, dict, dict, dict]:
+    """(transformer, vae, text, vision) configs of `shape` ("real" | "tiny")."""
+    from tools.make_tiny_model import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
+
+    if shape == "real":
+        return dict(REAL_TRANSFORMER_CONFIG), dict(REAL_VAE_CONFIG), dict(REAL_TEXT_CONFIG), dict(REAL_VISION_CONFIG)
+    if shape == "tiny":
+        return dict(TINY_TRANSFORMER_CONFIG), dict(TINY_VAE_CONFIG), dict(TINY_TEXT_CONFIG), dict(TINY_VISION_CONFIG)
+    raise ValueError(f"--shape must be one of {SHAPES}, got {shape!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the FLOP model (pure; docs/PERFORMANCE.md derives it)
+
+def dit_param_counts(cfg: dict) -> dict[str, int]:
+    """Parameters of a Qwen-Image DiT config, split by what each one multiplies.
+
+    d = heads * head_dim, f = 4d (diffusers FeedForward), L = num_layers, p = patch_size.
+    image   weights every image token meets: per block to_q/k/v, to_out.0 (4 d^2) and img_mlp
+            (2 d f); plus img_in (in_channels * d) and proj_out (d * p^2 * out_channels);
+    text    weights every text token meets: per block add_q/k/v_proj, to_add_out, txt_mlp; plus
+            txt_in (joint_attention_dim * d);
+    sample  weights applied once per sample (to the timestep embedding): per block img_mod and
+            txt_mod (2 * 6 d^2), the timestep MLP (256 d + d^2) and norm_out (2 d^2);
+    bias, norm  bias vectors and RMSNorm weights (elementwise work; not in the FLOP count);
+    total   everything (20.43 B at the real shape).
+    """
+    d = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    f = 4 * d
+    n_layers = int(cfg["num_layers"])
+    p2_out = int(cfg["patch_size"]) ** 2 * int(cfg.get("out_channels") or cfg["in_channels"])
+    stream_block = 4 * d * d + 2 * d * f
+    image = n_layers * stream_block + int(cfg["in_channels"]) * d + d * p2_out
+    text = n_layers * stream_block + int(cfg["joint_attention_dim"]) * d
+    sample = n_layers * 2 * 6 * d * d + 256 * d + d * d + 2 * d * d
+    bias = (2 * n_layers * (4 * d + f + d) + d + p2_out + d  # streams: projections, mlp, img_in, proj_out, txt_in
+            + n_layers * 2 * 6 * d + 2 * d + 2 * d)           # mods, timestep MLP, norm_out
+    norm = n_layers * 4 * int(cfg["attention_head_dim"]) + int(cfg["joint_attention_dim"])
+    return {"image": image, "text": text, "sample": sample, "bias": bias, "norm": norm,
+            "total": image + text + sample + bias + norm}
+
+
+def dit_forward_flops(cfg: dict, image_tokens: int, text_tokens: int, batch: int = 1) -> float:
+    """FLOPs of one DiT forward over `batch` samples (matmuls only, multiply-add = 2 FLOPs).
+
+        F = batch * [ 2 * (P_image * N_img + P_text * N_txt + P_sample)
+                      + 4 * (N_img + N_txt)^2 * d * L ]
+
+    The dual-stream MMDiT sends an image token only through image-stream weights and a text
+    token only through text-stream weights; the AdaLN *_mod linears run once per sample; joint
+    attention costs 2 * L_tot^2 * d for Q K^T and as much for P V per layer. Real shape, 384x384
+    (576 image + 128 text tokens), batch 1: 9.95e12.
+    """
+    c = dit_param_counts(cfg)
+    d = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    seq = int(image_tokens) + int(text_tokens)
+    linear = 2.0 * (c["image"] * image_tokens + c["text"] * text_tokens + c["sample"])
+    attention = 4.0 * seq * seq * d * int(cfg["num_layers"])
+    return float(batch) * (linear + attention)
+
+
+def replay_flops(cfg: dict, image_tokens: int, text_tokens: int, transitions: int = 1,
+                 checkpointing: bool = True) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of replaying `transitions` transitions with a backward.
+
+    Model FLOPs = 3 F (forward + a backward counted as 2 forwards); hardware FLOPs add the
+    forward that activation checkpointing recomputes (4 F). LoRA's backward skips the frozen
+    base weights' gradients, so for LoRA this convention over-counts the true work by ~F.
+    """
+    f = dit_forward_flops(cfg, image_tokens, text_tokens, transitions)
+    return 3.0 * f, (4.0 if checkpointing else 3.0) * f
+
+
+def image_tokens_for(height: int, width: int, vae_scale_factor: int, patch_size: int = 2) -> int:
+    """Packed image tokens of a height x width image: (H / (vsf * p)) * (W / (vsf * p))."""
+    f = vae_scale_factor * patch_size
+    return (int(height) // f) * (int(width) // f)
+
+
+# ----------------------------------------------------------------------------------------------
+# building random modules without files
+
+def _meta_build(factory: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
+    """factory() on the meta device (no memory, no init), floating parameters cast to `dtype`."""
+    with torch.device("meta"):
+        module = factory()
+    for p in module.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return module
+
+
+def _fill_random(module: torch.nn.Module) -> None:
+    """Cheap random values for every parameter, on its device: torch's own reset_parameters()
+    where a module has one (Linear, Conv, Embedding, LayerNorm: the default init), else ones for
+    1-D norm weights / gains, zeros for biases, N(0, 1/fan_in) for matrices. Finite and O(1)
+    activations are all that matters: timings do not depend on the values."""
+    done: set[int] = set()
+    for m in module.modules():
+        own = list(m.parameters(recurse=False))
+        if own and callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+            done.update(id(p) for p in own)
+    for name, p in module.named_parameters():
+        if id(p) in done:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.startswith("bias"):
+            p.zero_()
+        elif p.dim() <= 1:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(max(p[0].numel(), 1)))
+
+
+def _recompute_plain_tables(module: torch.nn.Module) -> None:
+    """Recompute tensors that to_empty cannot restore.
+
+    diffusers' Qwen-Image rope keeps its frequency tables as plain attributes (not buffers: a
+    buffer would lose the complex dtype's imaginary part on .to()), so after a meta build they
+    are meta tensors: rebuild them on CPU exactly as a normal construction does (the module
+    moves them to the device once, lru-cached). transformers' rotary embeddings keep inv_freq as
+    non-persistent buffers, which to_empty leaves uninitialised: the model's own _init_weights
+    recomputes them."""
+    from diffusers.models.transformers import transformer_qwenimage as tq
+
+    rope_types = tuple(t for t in (getattr(tq, "QwenEmbedRope", None), getattr(tq, "QwenEmbedLayer3DRope", None)) if t)
+    owner = module if hasattr(module, "_init_weights") else None
+    for m in module.modules():
+        if rope_types and isinstance(m, rope_types):
+            with torch.device("cpu"):
+                fresh = type(m)(theta=m.theta, axes_dim=list(m.axes_dim), scale_rope=m.scale_rope)
+            m.pos_freqs, m.neg_freqs = fresh.pos_freqs, fresh.neg_freqs
+            for cached in ("_get_device_freqs", "_compute_video_freqs"):
+                clear = getattr(getattr(m, cached, None), "cache_clear", None)
+                if callable(clear):
+                    clear()
+        elif owner is not None and "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq"):
+            owner._init_weights(m)
+
+
+def assert_materialised(module: torch.nn.Module, what: str) -> None:
+    """Raise if any parameter, buffer or plain tensor attribute of `module` is still on meta."""
+    bad = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    for name, m in module.named_modules():
+        bad += [f"{name}.{k}" for k, v in vars(m).items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if bad:
+        raise RuntimeError(f"{what}: {len(bad)} tensor(s) still on the meta device after materialising, e.g. "
+                           f"{bad[:3]}; add their recomputation to tools/bench.py:_recompute_plain_tables")
+
+
+def materialise(factory: Callable[[], torch.nn.Module], device: torch.device, dtype: torch.dtype, seed: int,
+                what: str) -> torch.nn.Module:
+    """Build `factory()` on meta, allocate it on `device` (to_empty), fill it with random values,
+    recompute its rope tables; eval mode, no grad. Deterministic in `seed` on one device type."""
+    module = _meta_build(factory, dtype)
+    module.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        _fill_random(module)
+        _recompute_plain_tables(module)
+    assert_materialised(module, what)
+    return module.eval().requires_grad_(False)
+
+
+def build_transformer(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """The Qwen-Image DiT of `shape` with random weights on `device`."""
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = shape_configs(shape)[0]
+    return materialise(lambda: QwenImageTransformer2DModel(**cfg), device, dtype, seed, f"{shape} transformer")
+
+
+def build_vae(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 1) -> torch.nn.Module:
+    from diffusers import AutoencoderKLQwenImage
+
+    cfg = shape_configs(shape)[1]
+    return materialise(lambda: AutoencoderKLQwenImage(**cfg), device, dtype, seed, f"{shape} VAE")
+
+
+def text_encoder_config(shape: str, tokenizer):
+    """Qwen2_5_VLConfig of `shape`; special-token ids are the (byte-level) tokenizer's own."""
+    from transformers import Qwen2_5_VLConfig
+
+    from tools.make_tiny_model import QWEN_SPECIAL_TOKENS
+
+    _, _, text, vision = shape_configs(shape)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    text = dict(text)
+    text["vocab_size"] = text["vocab_size"] or len(tokenizer)
+    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
+    return Qwen2_5_VLConfig(
+        text_config=dict(text, rope_parameters=rope, bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(vision),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+
+
+def build_text_encoder(shape: str, tokenizer, device: torch.device, dtype: torch.dtype, seed: int = 2):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = text_encoder_config(shape, tokenizer)
+    return materialise(lambda: Qwen2_5_VLForConditionalGeneration(config), device, dtype, seed,
+                       f"{shape} text encoder")
+
+
+def engine_from_modules(transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *,
+                        device: torch.device, dtype: torch.dtype, max_batch_size: int):
+    """A trainer.engine.native.NativeEngine over in-memory modules.
+
+    Uses NativeEngine.from_modules when the engine has it. Otherwise NativeEngine.__init__ runs
+    unchanged while its six loaders (model-dir check, scheduler config, transformer, VAE, text
+    encoder, tokenizer) are redirected to the given objects, so the object is the project's own
+    class, set up by its own code; an engine that grows another loader fails here, loudly.
+    """
+    from unittest import mock
+
+    import trainer.sampling as sampling_mod
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    from trainer.engine import native
+
+    kwargs = dict(device=device, dtype=dtype, max_batch_size=max_batch_size)
+    factory = getattr(native.NativeEngine, "from_modules", None)
+    if callable(factory):
+        return factory(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                       scheduler_config=dict(scheduler_config), **kwargs)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(native, "check_model_dir", lambda path, subfolders=(): Path(path)))
+        stack.enter_context(mock.patch.object(native, "load_qwen_image_transformer", lambda *a, **k: transformer))
+        stack.enter_context(mock.patch.object(sampling_mod, "load_scheduler_config",
+                                              lambda *a, **k: dict(scheduler_config)))
+        stack.enter_context(mock.patch.object(AutoencoderKLQwenImage, "from_pretrained", lambda *a, **k: vae))
+        stack.enter_context(mock.patch.object(Qwen2_5_VLForConditionalGeneration, "from_pretrained",
+                                              lambda *a, **k: text_encoder))
+        stack.enter_context(mock.patch.object(Qwen2Tokenizer, "from_pretrained", lambda *a, **k: tokenizer))
+        try:
+            engine = native.NativeEngine("<in-memory random Qwen-Image>", **kwargs)
+        except (OSError, FileNotFoundError) as exc:
+            raise RuntimeError(f"NativeEngine tried to read a file while tools/bench.py built it from in-memory "
+                               f"modules ({exc}); give NativeEngine a from_modules(...) constructor") from exc
+    if engine.transformer is not transformer or engine.vae is not vae or engine.text_encoder is not text_encoder:
+        raise RuntimeError("NativeEngine did not take the in-memory modules tools/bench.py handed it")
+    return engine
+
+
+def build_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch_size: int, seed: int = 0):
+    """NativeEngine over a random `shape` pipeline built on `device` (DiT seeded with `seed`)."""
+    from tools.make_tiny_model import QWEN_IMAGE_SCHEDULER_CONFIG, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    transformer = build_transformer(shape, device, dtype, seed)
+    vae = build_vae(shape, device, dtype, seed + 1)
+    text_encoder = build_text_encoder(shape, tokenizer, device, dtype, seed + 2)
+    return engine_from_modules(transformer, vae, text_encoder, tokenizer, QWEN_IMAGE_SCHEDULER_CONFIG,
+                               device=device, dtype=dtype, max_batch_size=max_batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# figures
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def timed(device: torch.device) -> Iterator[list[float]]:
+    """with timed(dev) as t: ...; t[0] is the wall time, device-synchronised at both ends."""
+    out = [0.0]
+    _sync(device)
+    start = time.perf_counter()
+    yield out
+    _sync(device)
+    out[0] = time.perf_counter() - start
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+@dataclass
+class Reporter:
+    """Emits figures: one JSON line each, printed and appended to `out` by rank 0.
+
+    Reductions across ranks are collective: every rank must call emit() for every figure.
+    """
+
+    out: Path | None
+    device: torch.device
+    geometry: dict[str, Any]
+    rank: int = 0
+    world_size: int = 1
+    lines: list[dict[str, Any]] = field(default_factory=list)
+
+    def reduce(self, value: float, op: str) -> float:
+        """MAX / MIN / MEAN of a scalar over ranks (no-op unlaunched)."""
+        from trainer.distributed import all_reduce_max, all_reduce_sum, collective_device
+
+        if self.world_size == 1:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device())
+        if op == "max":
+            return float(all_reduce_max(t)[0])
+        if op == "min":
+            return -float(all_reduce_max(-t)[0])
+        return float(all_reduce_sum(t)[0]) / self.world_size
+
+    def emit(self, figure: str, value: float, unit: str, op: str = "max", **extra: Any) -> dict[str, Any]:
+        value = self.reduce(value, op)
+        line = {"figure": figure, "value": value, "unit": unit, "device": device_name(self.device),
+                "world_size": self.world_size, "geometry": dict(self.geometry), **extra}
+        self.lines.append(line)
+        if self.rank == 0:
+            text = json.dumps(line, sort_keys=False)
+            print(text, flush=True)
+            if self.out is not None:
+                self.out.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.out, "a") as f:
+                    f.write(text + "\n")
+        return line
+
+    def phase_memory(self, phase: str) -> None:
+        """peak_mem_<phase> (GB, max over ranks) since the last reset; resets the peak. CUDA only."""
+        if self.device.type != "cuda":
+            return
+        peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+        self.emit(f"peak_mem_{phase}", peak, "GB")
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 10) -> float:
+    """Measured dense GEMM throughput (TFLOP/s) of n x n x n in `dtype`: the MFU denominator
+    unless --peak-tflops is given."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    with timed(device) as t:
+        for _ in range(iters):
+            a @ b
+    return 2.0 * n ** 3 * iters / t[0] / 1e12
+
+
+# ----------------------------------------------------------------------------------------------
+# the workload
+
+#: prompts name a palette colour so ColorScorer scores every candidate (a NaN would fail a group)
+_COLOURS = ("red", "green", "blue", "yellow", "cyan", "magenta", "orange", "purple")
+
+
+def make_prompts(n: int, tokenizer, template: str, start_idx: int, text_tokens: int) -> list[str]:
+    """n distinct prompts whose encoded conditioning (template suffix included, prefix dropped)
+    is `text_tokens` tokens long under `tokenizer`, so the DiT sees the intended text length."""
+    out = []
+    for i in range(n):
+        base = f"a {_COLOURS[i % len(_COLOURS)]} ball number {i}"
+        words = base
+        filler = " on a wide green field under a blue sky"
+        while True:
+            ids = tokenizer(template.format(words), add_special_tokens=False)["input_ids"]
+            if len(ids) - start_idx >= text_tokens:
+                break
+            words += filler
+        while len(tokenizer(template.format(words), add_special_tokens=False)["input_ids"]) - start_idx > text_tokens \
+                and len(words) > len(base):
+            words = words[:-1]
+        out.append(words)
+    return out
+
+
+def build_requests(engine, adapter, sampling, prompts: Sequence[str], group_size: int, sde_indices: list[int],
+                   seed: int, rollout_id: int) -> list:
+    """The rollout's RolloutRequests: prompts x group_size candidates, group-major."""
+    sigmas = engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps)
+    return [adapter.build_rollout_request(p, group_index=g, slot=s, sample_id=f"bench:{rollout_id}:{g}:{s}",
+                                          sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                          generation_seed=seed)
+            for g, p in enumerate(prompts) for s in range(group_size)]
+
+
+def make_replay_fn(adapter, sampling) -> Callable:
+    """replay_fn(model, rows) -> logp [b, S]: the adapter's replay over every trained column."""
+    def replay(model, rows):
+        return torch.stack([adapter.replay_transition(model, rows, s, sampling)
+                            for s in range(int(rows["latents"].shape[1]))], dim=1)
+    return replay
+
+
+def actor_cfg(args, mode: str):
+    """The config sections Actor reads, from trainer/config.py's own dataclasses."""
+    from types import SimpleNamespace
+
+    from trainer.config import FsdpConfig, GrpoConfig, LoraConfig, OptimConfig
+
+    lora = mode == "lora"
+    fsdp = FsdpConfig(fsdp_trainable_mode=mode, fsdp_param_dtype=args.dtype, fsdp_reduce_dtype="fp32",
+                      fsdp_master_dtype="fp32" if lora else None,
+                      fsdp_activation_checkpointing=not args.no_activation_checkpointing)
+    return SimpleNamespace(
+        fsdp=fsdp,
+        lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
+        optim=OptimConfig(lr=3e-4 if lora else 1e-5, weight_decay=0.0, adam_eps=1e-8 if lora else 1e-15),
+        grpo=GrpoConfig(eps_clip=1e-4, num_updates_per_batch=args.num_updates, micro_batch_size=args.micro_batch))
+
+
+def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype):
+    """trainer.actor.Actor over a fresh random DiT seeded like the engine's (same base weights)."""
+    from trainer.actor import Actor
+    from trainer.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
+
+    model = build_transformer(args.shape, device, dtype, seed=args.seed)
+    return Actor(model, mesh, actor_cfg(args, mode), device=device, default_lora_targets=QWEN_IMAGE_LORA_TARGETS)
+
+
+def _release_host_cache() -> None:
+    """Give cached pinned host blocks back (the offload paths pin tens of GB per phase)."""
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if callable(fn) and torch.cuda.is_available():
+        fn()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    _release_host_cache()
+
+
+def _mean_time(device: torch.device, fn: Callable[[], Any], iters: int) -> float:
+    with timed(device) as t:
+        for _ in range(iters):
+            fn()
+    return t[0] / max(iters, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# phases
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    rep: Reporter
+    mesh: Any
+    engine: Any
+    adapter: Any
+    sampling: Any
+    sde_indices: list[int]
+    prompts: list[str]
+    dit_cfg: dict
+    image_tokens: int
+    text_tokens: int
+    peak_tflops: float
+
+
+def phase_dit_forward(c: Ctx) -> None:
+    """dit_forward_s and dit_mfu at each --dit-batches size: the engine's transformer through
+    the adapter's dit_velocity (exactly the engine's rollout call), no grad."""
+    from trainer.models.qwen_image import dit_velocity, img_shapes_for
+
+    a, e = c.args, c.engine
+    embeds, mask = e.encode_prompt(c.prompts[0])
+    for b in a.dit_batches:
+        x = torch.randn(b, c.image_tokens, int(e.transformer.config.in_channels), device=c.device, dtype=c.dtype)
+        t = torch.full((b,), 500.0)
+        emb = embeds[None].expand(b, -1, -1)
+        msk = mask[None].expand(b, -1)
+        shapes = img_shapes_for(b, a.height, a.width, e.vae_scale_factor)
+        with torch.no_grad():
+            def fwd():
+                return dit_velocity(e.transformer, x, t, emb, msk, shapes)
+            fwd()
+            sec = c.rep.reduce(_mean_time(c.device, fwd, a.iters), "max")
+        flops = dit_forward_flops(c.dit_cfg, c.image_tokens, int(emb.shape[1]), b)
+        c.rep.emit("dit_forward_s", sec, "s", batch=b)
+        c.rep.emit("dit_mfu", flops / sec / 1e12 / c.peak_tflops, "fraction", batch=b,
+                   tflop_per_forward=flops / 1e12, peak_tflops=c.peak_tflops)
+    c.rep.phase_memory("dit_forward")
+
+
+def rollout(c: Ctx, rollout_id: int) -> tuple[list[dict], float]:
+    """One rollout of prompts x group_size candidates through engine.generate; (responses, s)."""
+    reqs = build_requests(c.engine, c.adapter, c.sampling, c.prompts, c.args.group_size, c.sde_indices,
+                          c.args.seed, rollout_id)
+    with timed(c.device) as t:
+        responses = c.engine.generate(reqs)
+    return responses, t[0]
+
+
+def phase_rollout(c: Ctx) -> list[dict]:
+    """rollout_images_per_s (text encode + DiT + VAE, batched by the engine) and rollout_mfu
+    (DiT FLOPs only over the whole rollout time)."""
+    a = c.args
+    rollout(c, rollout_id=0)  # warm-up: allocator, cuBLAS / cuDNN handles, rope caches
+    times, responses = [], []
+    for i in range(a.iters):
+        responses, sec = rollout(c, rollout_id=1 + i)
+        times.append(sec)
+    sec = c.rep.reduce(sum(times) / len(times), "max")
+    n = len(responses)
+    c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"))
+    c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n)
+    dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n) * a.steps
+    c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops)
+    c.rep.phase_memory("rollout")
+    return responses
+
+
+def score(c: Ctx, responses: list[dict]):
+    """(advantages [n], valid [n], seconds): ColorScorer + group-normalised advantages. A
+    degenerate result (random weights can give equal images) falls back to +-1 advantages so the
+    update is never skipped; the line says so."""
+    from trainer.rewards.base import ImageBatch
+    from trainer.rewards.color import ColorScorer
+    from trainer.rewards.post_process import compute_advantages
+
+    scorer = ColorScorer()
+    with timed(c.device) as t:
+        images = ImageBatch.from_any(torch.stack([r["image"] for r in responses]))
+        comps = scorer.score(images, [r["prompt"] for r in responses], [r.get("metadata", {}) for r in responses])
+        result = compute_advantages(comps, c.args.group_size)
+    adv, valid = result.advantages, result.valid
+    if result.degenerate or not bool(valid.any()):
+        n = adv.shape[0]
+        adv = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(n)])
+        valid = torch.ones(n, dtype=torch.bool)
+    return adv, valid, t[0], bool(result.degenerate)
+
+
+def _fwd_bwd(c: Ctx, actor, batch: dict, replay_fn) -> float:
+    """Seconds of one micro-batch forward + backward through the actor's sharded model."""
+    from trainer.models.qwen_image import select_candidates
+
+    rows = select_candidates(batch, slice(0, c.args.micro_batch))
+    actor.model.train()
+    with timed(c.device) as t:
+        logp = replay_fn(actor.model, rows)
+        logp.float().mean().backward()
+    actor.optimizer.zero_grad(set_to_none=True)
+    return t[0]
+
+
+def phase_replay(c: Ctx, actor, batch: dict, replay_fn, mode: str) -> None:
+    """replay_transitions_per_s and replay_mfu of one micro-batch forward + backward over all its
+    trained columns, and replay_logp_max_abs_err of the replay against the sampler's log-prob."""
+    from trainer.models.qwen_image import select_candidates
+
+    a = c.args
+    rows = select_candidates(batch, slice(0, a.micro_batch))
+    with torch.no_grad():
+        logp = replay_fn(actor.model, rows).float().cpu()
+    err = float((logp - rows["log_probs"].float()).abs().max())
+    c.rep.emit(f"replay_logp_max_abs_err_{mode}", err, "nats", mode=mode)
+    _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
+    sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
+    transitions = a.micro_batch * len(c.sde_indices)
+    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions,
+                                 not a.no_activation_checkpointing)
+    c.rep.emit(f"replay_transitions_per_s_{mode}", transitions / sec, "transitions/s", op="min", mode=mode,
+               micro_batch=a.micro_batch, seconds=sec)
+    c.rep.emit(f"replay_mfu_{mode}", model_f / sec / 1e12 / c.peak_tflops, "fraction", op="min", mode=mode,
+               hfu=hw_f / sec / 1e12 / c.peak_tflops, peak_tflops=c.peak_tflops)
+    c.rep.phase_memory(f"replay_{mode}")
+
+
+def phase_update(c: Ctx, actor, batch: dict, adv, valid, replay_fn, mode: str) -> float:
+    """update_s: Actor.train_step over the rank's candidates (anchor + num_updates updates)."""
+    actor.train_step(batch, adv, replay_fn, valid=valid, slice_fn=_select)  # warm-up (AdamW state)
+    with timed(c.device) as t:
+        metrics = actor.train_step(batch, adv, replay_fn, valid=valid, slice_fn=_select)
+    sec = c.rep.reduce(t[0], "max")
+    c.rep.emit(f"update_s_{mode}", sec, "s", mode=mode, optimizer_steps=metrics.get("train/optimizer_steps"),
+               transitions=int(adv.shape[0]) * len(c.sde_indices))
+    c.rep.phase_memory(f"update_{mode}")
+    return sec
+
+
+def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None = None) -> float:
+    """<kind>_sync_s: WeightSyncer(kind).sync(actor.model, engine), warmed up, mean of --iters."""
+    from trainer.weight_sync import WeightSyncer
+
+    a = c.args
+    syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, verify_checksum=verify,
+                          lora_config=actor.lora_config, policy_version=c.engine.policy_version)
+    syncer.sync(actor.model, c.engine)  # warm-up (the first adapter sync injects LoRA into the engine)
+    sec = c.rep.reduce(_mean_time(c.device, lambda: syncer.sync(actor.model, c.engine), a.iters), "max")
+    gb = syncer.last_manifest.total_bytes / 1e9 if syncer.last_manifest else 0.0
+    c.rep.emit(label or f"{kind}_sync_s", sec, "s", kind=kind, verify_checksum=verify, gb=gb,
+               tensors=syncer.last_manifest.tensor_count if syncer.last_manifest else 0)
+    c.rep.phase_memory(f"sync_{kind}")
+    return sec
+
+
+def phase_offload(c: Ctx, actor, mode: str) -> None:
+    """actor offload/onload and engine release/resume times (pinned host memory), warmed up."""
+    for i in range(2):
+        off = actor.offload()
+        on = actor.onload()
+        _release_host_cache()
+    c.rep.emit(f"actor_offload_s_{mode}", off["perf/actor_offload_time"], "s", gb=off["perf/actor_offload_gb"])
+    c.rep.emit(f"actor_onload_s_{mode}", on["perf/actor_onload_time"], "s", gb=on["perf/actor_onload_gb"])
+    for i in range(2):
+        with timed(c.device) as t_off:
+            c.engine.release_memory()
+        with timed(c.device) as t_on:
+            c.engine.resume_memory()
+        _release_host_cache()
+    c.rep.emit("engine_release_s", t_off[0], "s")
+    c.rep.emit("engine_resume_s", t_on[0], "s")
+    c.rep.phase_memory(f"offload_{mode}")
+
+
+def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
+    """step_s: one FlowGRPO step of the rank's candidates, top to bottom as the loop runs it:
+    rollout -> reward -> update -> sync (with --offload: actor offloaded around the rollout,
+    engine released around the update, as a colocated run does)."""
+    a = c.args
+    from trainer.weight_sync import WeightSyncer
+
+    syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, lora_config=actor.lora_config,
+                          policy_version=c.engine.policy_version)
+    stages: dict[str, float] = {}
+    with timed(c.device) as total:
+        if a.offload:
+            with timed(c.device) as t:
+                actor.offload()
+            stages["actor_offload"] = t[0]
+        responses, stages["rollout"] = rollout(c, rollout_id=100)
+        adv, valid, stages["reward"], degenerate = score(c, responses)
+        batch = c.adapter.pack_trajectory(responses)
+        if a.offload:
+            with timed(c.device) as t:
+                c.engine.release_memory()
+                actor.onload()
+            stages["swap_to_train"] = t[0]
+        with timed(c.device) as t:
+            actor.train_step(batch, adv, replay_fn, valid=valid, slice_fn=_select)
+        stages["update"] = t[0]
+        if a.offload:
+            with timed(c.device) as t:
+                c.engine.resume_memory()
+            stages["swap_to_sync"] = t[0]
+        with timed(c.device) as t:
+            syncer.sync(actor.model, c.engine)
+        stages["sync"] = t[0]
+    stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
+    c.rep.emit("step_s", total[0], "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
+               reward_degenerate=degenerate, candidates=len(responses))
+    c.rep.phase_memory("step")
+
+
+def _select(b, s, e):
+    """Actor.train_step's slice_fn for a Qwen-Image trajectory batch: candidates [s, e)."""
+    from trainer.models.qwen_image import select_candidates
+
+    return select_candidates(b, slice(s, e))
+
+
+def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:
+    """--full: full fine-tune replay, update (where AdamW state fits) and full sync.
+
+    Runs before any LoRA is installed in the engine (a full sync refuses a LoRA engine)."""
+    a = c.args
+    actor = build_actor(a, "full", c.mesh, c.device, c.dtype)
+    c.rep.phase_memory("build_actor_full")
+    phase_sync(c, actor, "full", verify=True)
+    phase_sync(c, actor, "full", verify=False, label="full_sync_noverify_s")
+    c.engine.release_memory()  # room for the full gradients; the engine's own release path
+    phase_replay(c, actor, batch, replay_fn, "full")
+    if _update_fits(c, actor):
+        phase_update(c, actor, batch, adv, valid, replay_fn, "full")
+    elif c.rep.rank == 0:
+        print("# full fine-tune update skipped: parameters + gradients + AdamW moments do not fit beside the "
+              "activations on this many devices (shard over more GPUs)", file=sys.stderr, flush=True)
+    del actor
+    _free(c.device)
+    c.engine.resume_memory()
+
+
+def _update_fits(c: Ctx, actor) -> bool:
+    """Whether a full-FT AdamW step fits on every rank: params + grads + 2 moments of the local
+    shard, plus 10% and 8 GB of activations, under the free device memory (True on CPU). The
+    answer is reduced over ranks so that all of them take the same branch (train_step is
+    collective)."""
+    if c.device.type != "cuda":
+        return True
+    from trainer.actor import _local
+
+    local = sum(_local(p).numel() * _local(p).element_size() for p in actor.model.parameters())
+    need = 4 * local * 1.1 + 8e9
+    free, _total = torch.cuda.mem_get_info(c.device)
+    return c.rep.reduce(1.0 if need < free else 0.0, "min") > 0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=SHAPES, default="real", help="real: Qwen-Image 20.4 B; tiny: the test model")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--out", type=Path, default=None, help="JSON-lines file the figures are appended to")
+    p.add_argument("--height", type=int, default=384, help="image height; a multiple of 16 (real) / 8 (tiny)")
+    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--steps", type=int, default=12, help="denoising steps per image")
+    p.add_argument("--trained-steps", type=int, default=3, help="SDE steps drawn from --sde-pool per rollout")
+    p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--eta", type=float, default=0.7)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per GPU")
+    p.add_argument("--group-size", type=int, default=8, help="candidates per prompt (prompts x group = per GPU)")
+    p.add_argument("--text-tokens", type=int, default=128, help="text conditioning length of every prompt")
+    p.add_argument("--max-batch", type=int, default=0, help="engine candidates per DiT forward; 0 = all")
+    p.add_argument("--micro-batch", type=int, default=8, help="replay micro-batch; must divide each update's share")
+    p.add_argument("--num-updates", type=int, default=2, help="--num-updates-per-batch of the recipe")
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--lora-alpha", type=int, default=128)
+    p.add_argument("--no-activation-checkpointing", action="store_true")
+    p.add_argument("--bucket-mb", type=float, default=2048, help="--weight-sync-bucket-size-mb")
+    p.add_argument("--sync-kind", choices=("adapter", "merged"), default="adapter", help="LoRA sync of the step")
+    p.add_argument("--full", action="store_true", help="also time full fine-tune replay / update and the full sync")
+    p.add_argument("--offload", action="store_true", help="the step offloads actor / engine around each stage")
+    p.add_argument("--skip-offload", action="store_true", help="skip the offload/onload figures (host RAM)")
+    p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--iters", type=int, default=2, help="timed repetitions after the warm-up")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="MFU denominator; default: the measured dense GEMM throughput")
+    p.add_argument("--gemm-size", type=int, default=8192, help="size of the GEMM that measures the peak")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
+        p.error(f"--micro-batch {args.micro_batch} x --num-updates {args.num_updates} must divide the "
+                f"{args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    from trainer.distributed import build_mesh, init_distributed
+    from trainer.models.qwen_image import QwenImageAdapter
+    from trainer.sampling import parse_sampling_config, resolve_sde_indices
+
+    args = parse_args(argv)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
+    dtype = _DTYPES[args.dtype]
+    created = not dist.is_initialized()
+    info = init_distributed(device_type)
+    try:
+        mesh = build_mesh(device_type)
+        device = info.device
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        engine = build_engine(args.shape, device, dtype, args.max_batch, seed=args.seed)
+        build_s = time.perf_counter() - t0
+        adapter = QwenImageAdapter(vae_scale_factor=engine.vae_scale_factor)
+        sampling = parse_sampling_config({
+            "height": args.height, "width": args.width, "num_inference_steps": args.steps, "eta": args.eta,
+            "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
+            "sde_pool": list(args.sde_pool)})
+        sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
+        pipe = engine._pipe
+        prompts = make_prompts(args.prompts, engine.tokenizer, pipe.prompt_template_encode,
+                               pipe.prompt_template_encode_start_idx, args.text_tokens)
+        text_tokens = int(engine.encode_prompt(prompts[0])[0].shape[0])
+        dit_cfg = dict(engine.transformer.config)
+        image_tokens = image_tokens_for(args.height, args.width, engine.vae_scale_factor,
+                                        int(dit_cfg["patch_size"]))
+        geometry = {"shape": args.shape, "height": args.height, "width": args.width, "steps": args.steps,
+                    "trained_steps": len(sde_indices), "sde_indices": sde_indices, "eta": args.eta,
+                    "prompts": args.prompts, "group_size": args.group_size,
+                    "candidates": args.prompts * args.group_size, "image_tokens": image_tokens,
+                    "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
+                    "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
+                    "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype}
+        rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
+        peak = args.peak_tflops
+        if peak is None:
+            peak = rep.reduce(matmul_tflops(device, dtype, args.gemm_size if device.type == "cuda"
+                                            else min(args.gemm_size, 512)), "min")
+            rep.emit("matmul_tflops", peak, "TFLOP/s", gemm=args.gemm_size if device.type == "cuda" else 512)
+        rep.emit("build_engine_s", build_s, "s")
+        rep.phase_memory("build_engine")
+        c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
+                image_tokens, text_tokens, peak)
+
+        phase_dit_forward(c)
+        responses = phase_rollout(c)
+        adv, valid, score_s, degenerate = score(c, responses)
+        rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
+        batch = adapter.pack_trajectory(responses)
+        replay_fn = make_replay_fn(adapter, sampling)
+
+        if args.full:
+            run_full(c, replay_fn, batch, adv, valid)
+
+        actor = build_actor(args, "lora", mesh, device, dtype)
+        rep.phase_memory("build_actor_lora")
+        phase_sync(c, actor, "merged", verify=True)
+        phase_sync(c, actor, "merged", verify=False, label="merged_sync_noverify_s")
+        phase_replay(c, actor, batch, replay_fn, "lora")
+        phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
+        if args.sync_kind == "adapter":  # installs LoRA in the engine: no merged sync after this
+            phase_sync(c, actor, "adapter")
+        if not args.skip_offload:
+            phase_offload(c, actor, "lora")
+        phase_step(c, actor, replay_fn, args.sync_kind)
+        return 0
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
