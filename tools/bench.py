@@ -404,7 +404,7 @@ class Reporter:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 10) -> float:
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 50) -> float:
     """Measured dense GEMM throughput (TFLOP/s) of n x n x n in `dtype`: the MFU denominator
     unless --peak-tflops is given."""
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -540,8 +540,8 @@ def phase_dit_forward(c: Ctx) -> None:
     for b in a.dit_batches:
         x = torch.randn(b, c.image_tokens, int(e.transformer.config.in_channels), device=c.device, dtype=c.dtype)
         t = torch.full((b,), 500.0)
-        emb = embeds[None].expand(b, -1, -1)
-        msk = mask[None].expand(b, -1)
+        emb = embeds[None].expand(b, -1, -1).contiguous()  # contiguous, like the engine's padded batch
+        msk = mask[None].expand(b, -1).contiguous()
         shapes = img_shapes_for(b, a.height, a.width, e.vae_scale_factor)
         with torch.no_grad():
             def fwd():
@@ -658,7 +658,8 @@ def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None 
 
     a = c.args
     syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, verify_checksum=verify,
-                          lora_config=actor.lora_config, policy_version=c.engine.policy_version)
+                          name_map=c.adapter.weight_name_map, lora_config=actor.lora_config,
+                          policy_version=c.engine.policy_version)
     syncer.sync(actor.model, c.engine)  # warm-up (the first adapter sync injects LoRA into the engine)
     sec = c.rep.reduce(_mean_time(c.device, lambda: syncer.sync(actor.model, c.engine), a.iters), "max")
     gb = syncer.last_manifest.total_bytes / 1e9 if syncer.last_manifest else 0.0
@@ -670,13 +671,13 @@ def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None 
 
 def phase_offload(c: Ctx, actor, mode: str) -> None:
     """actor offload/onload and engine release/resume times (pinned host memory), warmed up."""
-    for i in range(2):
+    for _ in range(2):  # the first round is the warm-up (pinned host blocks, allocator)
         off = actor.offload()
         on = actor.onload()
         _release_host_cache()
     c.rep.emit(f"actor_offload_s_{mode}", off["perf/actor_offload_time"], "s", gb=off["perf/actor_offload_gb"])
     c.rep.emit(f"actor_onload_s_{mode}", on["perf/actor_onload_time"], "s", gb=on["perf/actor_onload_gb"])
-    for i in range(2):
+    for _ in range(2):
         with timed(c.device) as t_off:
             c.engine.release_memory()
         with timed(c.device) as t_on:
@@ -691,11 +692,11 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
     """step_s: one FlowGRPO step of the rank's candidates, top to bottom as the loop runs it:
     rollout -> reward -> update -> sync (with --offload: actor offloaded around the rollout,
     engine released around the update, as a colocated run does)."""
-    a = c.args
     from trainer.weight_sync import WeightSyncer
 
-    syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, lora_config=actor.lora_config,
-                          policy_version=c.engine.policy_version)
+    a = c.args
+    syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, name_map=c.adapter.weight_name_map,
+                          lora_config=actor.lora_config, policy_version=c.engine.policy_version)
     stages: dict[str, float] = {}
     with timed(c.device) as total:
         if a.offload:
@@ -855,9 +856,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
         peak = args.peak_tflops
         if peak is None:
-            peak = rep.reduce(matmul_tflops(device, dtype, args.gemm_size if device.type == "cuda"
-                                            else min(args.gemm_size, 512)), "min")
-            rep.emit("matmul_tflops", peak, "TFLOP/s", gemm=args.gemm_size if device.type == "cuda" else 512)
+            gemm = args.gemm_size if device.type == "cuda" else min(args.gemm_size, 256)
+            peak = rep.reduce(matmul_tflops(device, dtype, gemm, iters=50 if device.type == "cuda" else 5), "min")
+            rep.emit("matmul_tflops", peak, "TFLOP/s", gemm=gemm)
         rep.emit("build_engine_s", build_s, "s")
         rep.phase_memory("build_engine")
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
