@@ -357,3 +357,15 @@ def test_importable_without_torch():
     code = "import sys, trainer.sampling as s; s.parse_sampling_config({}); s.resolve_sde_indices({}, 12, 1); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_rollout_generation_seed_fresh_per_rollout_and_reproducible():
+    from trainer.sampling import rollout_generation_seed
+
+    seeds = [rollout_generation_seed(42, k) for k in range(50)]
+    assert len(set(seeds)) == 50
+    assert seeds == [rollout_generation_seed(42, k) for k in range(50)]
+    assert rollout_generation_seed(43, 0) != seeds[0]
+    assert all(0 <= s < 2**63 for s in seeds)
+    with pytest.raises(ValueError, match="rollout_id"):
+        rollout_generation_seed(42, -1)

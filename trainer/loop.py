@@ -254,6 +254,7 @@ class Trainer:
         from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
         from trainer.rewards.manager import reward_manager_from_config
         from trainer.rollout import generate_rollout
+        from trainer.sampling import rollout_generation_seed
 
         cfg, colo = self.cfg, self.cfg.colocate
         m: dict[str, float] = {}
@@ -266,7 +267,8 @@ class Trainer:
         with Timer(self.device) as t:
             out = generate_rollout(
                 self.engine, self.adapter, prompts, rollout_id=k, sampling=self.sampling, group_size=self.group_size,
-                generation_seed=int(cfg.rollout.generation_seed), artifact_root=cfg.artifacts.artifact_root,
+                generation_seed=rollout_generation_seed(int(cfg.rollout.generation_seed), k),
+                artifact_root=cfg.artifacts.artifact_root,
                 task=self.task, retention=int(cfg.artifacts.artifact_retention_rollouts),
                 weight_manifest_hash=self._manifest_hash())
         m["perf/rollout_time"] = t.elapsed

@@ -556,6 +556,20 @@ def candidate_seed(generation_seed: int, sample_id: str) -> int:
     return _seed_from("flowgrpo-xt", int(generation_seed), sample_id)
 
 
+def rollout_generation_seed(generation_seed: int, rollout_id: int) -> int:
+    """The generation seed of training rollout `rollout_id`: sha256 of the base seed and the
+    rollout id, 63 bits.
+
+    A prompt drawn again in a later rollout (every epoch; every rollout on a small prompt set)
+    then explores fresh x_T and SDE noise instead of replaying the same few candidates forever,
+    while a candidate stays a pure function of (seed, rollout id, sample id, step), identical on
+    any rank, device or batch, and after a resume. Evaluation keeps the base seed, so its figure
+    is comparable across rollouts."""
+    if not _is_int(rollout_id) or rollout_id < 0:
+        raise ValueError(f"rollout_id must be an integer >= 0, got {rollout_id!r}")
+    return _seed_from("flowgrpo-rollout", int(generation_seed), str(int(rollout_id)))
+
+
 def step_seed(generation_seed: int, sample_id: str, step: int) -> int:
     """63-bit seed of one candidate's SDE noise at denoising step `step` (sha256 of the
     candidate seed and the step), independent of candidate_seed's stream."""
