@@ -294,3 +294,49 @@ def test_bf16_rollout_replays_in_bf16_and_fp32(tiny_model_dir, adapter):
                                          batch, 1, cfg)
     torch.testing.assert_close(bf16, batch["log_probs"][:, 1], atol=1e-5, rtol=0)
     assert 0 < (fp32 - batch["log_probs"][:, 1]).abs().max() < 5e-3  # measured ~1e-4..6e-4
+
+
+def test_weight_syncer_round_trip(tiny_model_dir, adapter):
+    """The actor side's WeightSyncer drives this engine end to end: full (bf16 wire, two
+    buckets, checksum verified) and adapter syncs commit their versions."""
+    from peft import LoraConfig
+
+    from trainer.weight_sync import WeightSyncer
+
+    actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    syncer = WeightSyncer("full", wire_dtype="bf16", bucket_size_mb=0.5, name_map=adapter.weight_name_map)
+    stats = syncer.sync(actor, eng)
+    assert eng.policy_version == 1 and stats["train/weight_sync_tensors"] == len(list(actor.parameters()))
+    for (name, p), (_, q) in zip(actor.named_parameters(), eng.transformer.named_parameters()):
+        assert torch.equal(p.detach().to(torch.bfloat16).float(), q), name
+
+    lora_engine = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    lora_actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    lora_actor.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=list(adapter.lora_target_modules)))
+    with torch.no_grad():
+        for n, p in lora_actor.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    lsync = WeightSyncer("adapter", wire_dtype="fp32", name_map=adapter.weight_name_map,
+                         lora_config={"rank": 2, "alpha": 4, "target_modules": list(adapter.lora_target_modules)})
+    lsync.sync(lora_actor, lora_engine)
+    assert lora_engine.policy_version == 1 and lora_engine.holds_lora()
+    assert torch.equal(_dit_out(lora_engine.transformer), _dit_out(lora_actor))
+    with pytest.raises(WeightSyncError):
+        syncer.sync(actor, lora_engine)  # full into a LoRA engine: refused, version kept
+    assert lora_engine.policy_version == 1
+
+
+def test_dance_sde_replays(tiny_model_dir, adapter):
+    cfg = parse_sampling_config({"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.5,
+                                 "sde_type": "dance", "sde_indices": [0, 2]})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    batch = adapter.pack_trajectory(eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)))
+    with torch.no_grad():
+        for col in range(2):
+            torch.testing.assert_close(adapter.replay_transition(eng.transformer, batch, col, cfg),
+                                       batch["log_probs"][:, col], atol=1e-5, rtol=0)
