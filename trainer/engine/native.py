@@ -525,6 +525,8 @@ def _move_module_storage(module: torch.nn.Module, device: torch.device, pin: boo
 
 
 def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if t.device.type == device.type:  # a tensor shared by two modules moves once
+        return t
     if device.type == "cpu":
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
         out.copy_(t)
