@@ -64,6 +64,8 @@ TINY_VISION_CONFIG = dict(depth=2, hidden_size=16, intermediate_size=32, num_hea
                           fullatt_block_indexes=[1])
 
 SHAPES = ("real", "tiny")
+#: phases --skip can leave out
+SKIPPABLE = ("dit", "merged", "replay", "update", "adapter", "offload", "step")
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -176,7 +178,7 @@ def _fill_random(module: torch.nn.Module) -> None:
         leaf = name.rsplit(".", 1)[-1]
         if leaf.startswith("bias"):
             p.zero_()
-        elif p.dim() <= 1:
+        elif p.dim() <= 1 or leaf == "gamma":  # norm gains (the VAE's RMS_norm keeps [C, 1, 1(, 1)] gammas)
             p.fill_(1.0)
         else:
             p.normal_(0.0, 1.0 / math.sqrt(max(p[0].numel(), 1)))
@@ -813,7 +815,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-kind", choices=("adapter", "merged"), default="adapter", help="LoRA sync of the step")
     p.add_argument("--full", action="store_true", help="also time full fine-tune replay / update and the full sync")
     p.add_argument("--offload", action="store_true", help="the step offloads actor / engine around each stage")
-    p.add_argument("--skip-offload", action="store_true", help="skip the offload/onload figures (host RAM)")
+    p.add_argument("--skip", nargs="+", default=[], choices=SKIPPABLE, metavar="PHASE",
+                   help=f"phases to leave out, of {SKIPPABLE} (e.g. offload when host RAM is short); the rollout "
+                        "always runs, it feeds the others")
     p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--iters", type=int, default=2, help="timed repetitions after the warm-up")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -879,7 +883,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
                 image_tokens, text_tokens, peak)
 
-        phase_dit_forward(c)
+        skip = set(args.skip)
+        if "dit" not in skip:
+            phase_dit_forward(c)
         responses = phase_rollout(c)
         adv, valid, score_s, degenerate = score(c, responses)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
@@ -891,15 +897,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         actor = build_actor(args, "lora", mesh, device, dtype)
         rep.phase_memory("build_actor_lora")
-        phase_sync(c, actor, "merged", verify=True)
-        phase_sync(c, actor, "merged", verify=False, label="merged_sync_noverify_s")
-        phase_replay(c, actor, batch, replay_fn, "lora")
-        phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
-        if args.sync_kind == "adapter":  # installs LoRA in the engine: no merged sync after this
+        if "merged" not in skip:
+            phase_sync(c, actor, "merged", verify=True)
+            phase_sync(c, actor, "merged", verify=False, label="merged_sync_noverify_s")
+        if "replay" not in skip:
+            phase_replay(c, actor, batch, replay_fn, "lora")
+        if "update" not in skip:
+            phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
+        if args.sync_kind == "adapter" and "adapter" not in skip:  # installs LoRA in the engine
             phase_sync(c, actor, "adapter")
-        if not args.skip_offload:
+        if "offload" not in skip:
             phase_offload(c, actor, "lora")
-        phase_step(c, actor, replay_fn, args.sync_kind)
+        if "step" not in skip:
+            phase_step(c, actor, replay_fn, args.sync_kind)
         return 0
     finally:
         if created and dist.is_initialized():
