@@ -1,0 +1,196 @@
+"""End to end: the real training loop under torchrun (2 gloo processes) on the tiny model.
+
+One uninterrupted run of 4 rollouts is compared with a run of 2 rollouts resumed with --load
+for 2 more: the weights, policy version, lr step and the images sampled after the resume must
+be identical. The same runs check the artifacts, the TensorBoard series and the checkpoints.
+A last test starts two single-process torchrun "nodes" on 127.0.0.1 (multi-node launch).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.workers.launch import ROOT, free_port
+
+# The reference's Monitoring series (those that exist on CPU: no perf/mem_* without CUDA).
+EXPECTED_SERIES = [
+    "train/loss", "train/ratio_mean", "train/ratio_std", "train/ratio_min", "train/ratio_max",
+    "train/clip_fraction", "train/approx_kl", "train/grad_norm", "train/lr", "train/optimizer_steps",
+    "train/optimizer_skips", "train/num_microbatches", "train/policy_version", "train/weight_sync_tensors",
+    "train/weight_sync_gb", "train/weight_sync_failures", "train/checkpoint_failures",
+    "reward/color_mean", "reward/color_std", "reward/color_min", "reward/color_max",
+    "reward/advantage_mean", "reward/advantage_std", "reward/num_groups", "reward/group_std_mean",
+    "reward/degenerate", "reward/score_time", "reward/score_samples_per_s",
+    "perf/train_transitions_per_s", "perf/train_samples_per_s",
+    "perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time", "perf/step_time",
+    "eval/demo/color_mean",
+]
+
+PROMPTS = ["a red ball", "a green cube", "a blue cup", "a yellow hat", "a purple box", "a cyan kite"]
+
+
+def _write_prompts(path: Path, prompts: list[str], prefix: str) -> Path:
+    with open(path, "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"prompt": p, "metadata": {"task": "t2i", "sample_id": f"{prefix}{i}"}}) + "\n")
+    return path
+
+
+def _recipe(tmp: Path, model_dir: Path, mode: str) -> Path:
+    train = _write_prompts(tmp / "train.jsonl", PROMPTS, "t")
+    evalf = _write_prompts(tmp / "eval.jsonl", ["a white ball", "a black cube"], "e")
+    lora = mode == "lora"
+    text = f"""
+actor-num-nodes = 1
+actor-num-gpus-per-node = 2
+generation-task = "t2i"
+model-path = "{model_dir}"
+prompt-data = "{train}"
+eval-prompt-data = ["demo", "{evalf}"]
+eval-interval = 2
+n-samples-per-eval-prompt = 2
+rollout-batch-size = 2
+n-samples-per-prompt = 4
+micro-batch-size = 2
+num-updates-per-batch = 2
+fsdp-trainable-mode = "{mode}"
+fsdp-param-dtype = "fp32"
+fsdp-reduce-dtype = "fp32"
+weight-sync-wire-dtype = "fp32"
+{'lora-rank = 4' if lora else ''}
+{'lora-alpha = 8' if lora else ''}
+{'lora-adapter-mode = true' if lora else ''}
+{'fsdp-master-dtype = "fp32"' if lora else ''}
+eps-clip = 1e-3
+lr = 1e-3
+weight-decay = 0.0
+reward-runtime = "cpu"
+reward-scorer-path = "color"
+save-interval = 1
+artifact-retention-rollouts = 2
+
+[sampling-config]
+height = 32
+width = 32
+num_inference_steps = 4
+eta = 1.0
+sde_type = "sde"
+sde_indices = [1, 2]
+"""
+    path = tmp / f"{mode}.toml"
+    path.write_text(text)
+    return path
+
+
+def _train(recipe: Path, out: Path, *args: str, timeout: float = 300) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "trainer.train", "--config", str(recipe),
+           "--artifact-root", str(out / "artifacts"), "--save", str(out / "ckpt"),
+           "--tensorboard-dir", str(out / "tb"), *args]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"training exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def _model_tensors(ckpt: Path, iteration: int) -> dict[str, torch.Tensor]:
+    from tools.export_checkpoint import load_checkpoint
+
+    return dict(load_checkpoint(ckpt, "t2i", iteration).tensors.items())
+
+
+def _state(ckpt: Path, iteration: int) -> dict:
+    return json.loads((ckpt / "t2i" / f"iter_{iteration:07d}" / "trainer_state.json").read_text())
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
+    recipe = _recipe(tmp_path, tiny_model_dir, mode)
+    a, b = tmp_path / "a", tmp_path / "b"
+    _train(recipe, a, "--num-rollout", "4")
+    _train(recipe, b, "--num-rollout", "2")
+    log = _train(recipe, b, "--num-rollout", "4", "--load", str(b / "ckpt"))
+    assert "continuing at rollout 2" in log
+
+    # same weights, policy version and lr step after rollout 3
+    ta, tb = _model_tensors(a / "ckpt", 3), _model_tensors(b / "ckpt", 3)
+    assert ta.keys() == tb.keys() and ta
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    sa, sb = _state(a / "ckpt", 3), _state(b / "ckpt", 3)
+    for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
+        assert sa[key] == sb[key], key
+    assert sa["policy_version"] == 4 and sa["lr_scheduler_steps"] == 8
+    if mode == "lora":
+        assert all("lora_" in n for n in ta), "a LoRA checkpoint stores only the adapter"
+        contract = json.loads((a / "ckpt" / "t2i" / "iter_0000003" / "adapter_contract.json").read_text())
+        assert contract["lora_rank"] == 4 and contract["lora_alpha"] == 8
+    # the resumed run sampled exactly what the uninterrupted one sampled after the resume point
+    for rollout in (2, 3):
+        da = a / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
+        db = b / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
+        pngs = sorted(p.name for p in da.glob("*.png"))
+        assert len(pngs) == 8 and pngs == sorted(p.name for p in db.glob("*.png"))
+        for name in pngs:
+            assert (da / name).read_bytes() == (db / name).read_bytes(), f"rollout {rollout} {name}"
+
+    if mode != "full":
+        return
+    # artifacts: the reference layout, retention keeps 2 rollouts, eval under eval/<task>/
+    rollouts = sorted(p.name for p in (a / "artifacts" / "t2i").iterdir())
+    assert rollouts == ["rollout_0000002", "rollout_0000003"]
+    assert sorted(p.name for p in (a / "artifacts" / "t2i" / "rollout_0000003").glob("*.safetensors")) == [
+        "group_00000000.safetensors", "group_00000001.safetensors"]
+    assert list((a / "artifacts" / "eval" / "t2i").iterdir())
+    records = list((a / "artifacts" / "recipes").glob("full-*.json"))
+    assert records and json.loads(records[0].read_text())["weight_sync_mode"] == "full"
+    # checkpoints: COMMITTED, markers
+    assert (a / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (a / "ckpt" / "t2i" / "iter_0000003" / "COMMITTED").is_file()
+    # metrics: every series of the reference's Monitoring table that exists on CPU
+    from trainer.metrics import read_scalars
+
+    scalars = read_scalars(a / "tb")
+    missing = [s for s in EXPECTED_SERIES if s not in scalars]
+    assert not missing, missing
+    assert [int(v) for _, v in scalars["train/policy_version"]] == [1, 2, 3, 4]
+    # the first update of every rollout starts at ratio 1: ratio_min <= 1 <= ratio_max
+    for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
+        assert lo <= 1.0 <= hi
+
+
+def test_two_nodes_on_loopback(tmp_path, tiny_model_dir):
+    """torchrun --nnodes 2 with one process per "node", rendezvous on 127.0.0.1: a rollout and
+    an update run across them."""
+    recipe = _recipe(tmp_path, tiny_model_dir, "full")
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    procs = []
+    for node in range(2):
+        out = tmp_path / "run"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "trainer.train", "--config", str(recipe), "--num-rollout", "1",
+               "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1",
+               "--artifact-root", str(out / "artifacts"), "--save", str(out / "ckpt"),
+               "--tensorboard-dir", str(out / "tb")]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-6000:]
+    assert '"summary"' in outs[0]
+    assert (tmp_path / "run" / "ckpt" / "t2i" / "iter_0000000" / "COMMITTED").is_file()
