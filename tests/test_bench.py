@@ -52,6 +52,26 @@ def test_param_split_matches_the_module(shape):
         assert want["image"] == pytest.approx(6.8e9, rel=1e-2)
 
 
+def test_real_vae_and_text_encoder_have_the_published_sizes():
+    """On the meta device (no memory): Qwen2.5-VL-7B is 8.29 B parameters, Qwen-Image's VAE 127 M,
+    and neither keeps a plain tensor attribute that to_empty would miss."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tools.bench import _meta_build, text_encoder_config
+    from tools.make_tiny_model import build_tokenizer
+
+    enc = _meta_build(lambda: Qwen2_5_VLForConditionalGeneration(text_encoder_config("real", build_tokenizer())),
+                      torch.bfloat16)
+    vae = _meta_build(lambda: AutoencoderKLQwenImage(**shape_configs("real")[1]), torch.bfloat16)
+    assert sum(p.numel() for p in enc.parameters()) == pytest.approx(8.29e9, rel=2e-3)
+    assert sum(p.numel() for p in vae.parameters()) == pytest.approx(126.9e6, rel=2e-3)
+    assert vae.config.z_dim == 16 and len(vae.config.temperal_downsample) == 3  # 16 channels, 8x spatial
+    assert all(p.dtype == torch.bfloat16 for p in enc.parameters())
+    for module in (enc, vae):
+        assert not [k for m in module.modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
+
+
 def test_forward_flops_match_counted_matmuls_at_tiny_shape():
     """FlopCounterMode over a real forward of the tiny DiT (math SDPA, so attention shows up as
     bmm) counts exactly the model's FLOPs, with unequal image and text lengths and batch 3."""
