@@ -555,7 +555,7 @@ def phase_dit_forward(c: Ctx) -> None:
             def fwd():
                 return dit_velocity(e.transformer, x, t, emb, msk, shapes)
             fwd()
-            sec = c.rep.reduce(_mean_time(c.device, fwd, a.iters), "max")
+            sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")  # cheap: average more
         flops = dit_forward_flops(c.dit_cfg, c.image_tokens, int(emb.shape[1]), b)
         c.rep.emit("dit_forward_s", sec, "s", batch=b)
         c.rep.emit("dit_mfu", flops / sec / 1e12 / c.peak_tflops, "fraction", batch=b,
@@ -592,7 +592,7 @@ def phase_rollout(c: Ctx) -> list[dict]:
 
 
 def score(c: Ctx, responses: list[dict]):
-    """(advantages [n], valid [n], seconds): ColorScorer + group-normalised advantages. A
+    """(advantages [n], valid [n], seconds, degenerate): ColorScorer + compute_advantages. A
     degenerate result (random weights can give equal images) falls back to +-1 advantages so the
     update is never skipped; the line says so."""
     from trainer.rewards.base import ImageBatch
@@ -825,6 +825,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gemm-size", type=int, default=8192, help="size of the GEMM that measures the peak")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.iters < 1:
+        p.error(f"--iters must be >= 1, got {args.iters}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
         p.error(f"--micro-batch {args.micro_batch} x --num-updates {args.num_updates} must divide the "
                 f"{args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
