@@ -456,14 +456,6 @@ def build_requests(engine, adapter, sampling, prompts: Sequence[str], group_size
             for g, p in enumerate(prompts) for s in range(group_size)]
 
 
-def make_replay_fn(adapter, sampling) -> Callable:
-    """replay_fn(model, rows) -> logp [b, S]: the adapter's replay over every trained column."""
-    def replay(model, rows):
-        return torch.stack([adapter.replay_transition(model, rows, s, sampling)
-                            for s in range(int(rows["latents"].shape[1]))], dim=1)
-    return replay
-
-
 def actor_cfg(args, mode: str):
     """The config sections Actor reads, from trainer/config.py's own dataclasses."""
     from types import SimpleNamespace
@@ -837,6 +829,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     from trainer.distributed import build_mesh, init_distributed
+    from trainer.loop import make_replay_fn
     from trainer.models.qwen_image import QwenImageAdapter
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
@@ -892,7 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         adv, valid, score_s, degenerate = score(c, responses)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
         batch = adapter.pack_trajectory(responses)
-        replay_fn = make_replay_fn(adapter, sampling)
+        replay_fn = make_replay_fn(adapter, sampling)  # the training loop's own
 
         if args.full:
             run_full(c, replay_fn, batch, adv, valid)
