@@ -28,6 +28,9 @@ EXPECTED = {
     "real_full_sync_engine_dit_matches_gathered", "real_engine_samples_new_version",
     "real_replay_after_sync_matches_sampler", "real_adapter_sync_engine_matches",
     "real_merged_sync_into_lora_engine_raises", "real_merged_sync_engine_matches", "load_waves_sequential",
+    "bucketed_full_bit_identical_to_full_tensor", "bucketed_merged_bit_identical_to_full_tensor",
+    "bucketed_adapter_bit_identical_to_full_tensor", "merged_sync_engine_bit_identical",
+    "full_sync_engine_bit_identical", "gather_uneven_shards_exact", "bucketed_path_gathers_every_param",
 }
 
 

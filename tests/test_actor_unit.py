@@ -104,9 +104,55 @@ def test_strip_names_manifest_and_checksum():
             verify_manifest(bad, m)
     c1 = weights_checksum([("a", a), ("b", b)])
     assert c1 == weights_checksum([("b", b), ("a", a.clone())])          # order-independent
-    assert c1 == weights_checksum([("a", a.double()), ("b", b)])         # values, not dtype
+    assert c1 != weights_checksum([("a", a.double()), ("b", b)])         # bits and dtype, not values
     assert c1 != weights_checksum([("a", a.flip(0)), ("b", b)])          # a permutation is caught
     assert c1 != weights_checksum([("a", a), ("b", b + 1e-6)])
+
+
+def _bits_changed(t: torch.Tensor, i: int) -> torch.Tensor:
+    """`t` with the lowest mantissa bit of flat element i flipped (the smallest possible change)."""
+    out = t.clone()
+    words = out.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    words[i] ^= 1
+    return out
+
+
+def test_checksum_reads_bits_and_catches_single_changes_and_swaps():
+    from trainer.weight_sync import CHECKSUM_PERIOD, WeightsChecksum, column_sums, tensor_words
+
+    g = torch.Generator().manual_seed(0)
+    # column sums are the exact int64 sums modulo 2^32, whatever the reduction order
+    w = torch.randint(-2**31, 2**31 - 1, (5 * CHECKSUM_PERIOD + 7,), dtype=torch.int32, generator=g)
+    ref = torch.zeros(CHECKSUM_PERIOD, dtype=torch.int64)
+    ref.index_add_(0, torch.arange(w.numel()) % CHECKSUM_PERIOD, w.long())
+    assert torch.equal(column_sums(w).long() & 0xFFFFFFFF, ref & 0xFFFFFFFF)
+    # the words are the raw bits: a bf16 pair is one int32 word, a view (odd offset) equals its copy
+    x = torch.randn(2 * CHECKSUM_PERIOD + 3, generator=g).to(torch.bfloat16)
+    assert tensor_words(x).numel() == x.numel()                # odd bf16 count: 16-bit words, widened
+    assert tensor_words(x[1:]).numel() == (x.numel() - 1) // 2   # even count: bf16 pairs as int32 words
+    assert torch.equal(tensor_words(x[1:]), tensor_words(x[1:].clone()))
+    assert weights_checksum([("x", x[1:])]) == weights_checksum([("x", x[1:].clone())])
+    assert weights_checksum([("e", torch.zeros(0))]) != weights_checksum([("e", torch.zeros(0, 2))])
+    tensors = {"w": torch.randn(7, 300, generator=g),                      # fp32, with a tail
+               "h": torch.randn(4, CHECKSUM_PERIOD, generator=g).to(torch.bfloat16),
+               "o": torch.randn(13, generator=g).to(torch.bfloat16),       # odd bf16 count: 16-bit words
+               "v": torch.randn(6, 300, generator=g)}
+    base = weights_checksum(tensors.items())
+    # every single one-bit change anywhere is caught, including tail positions and bf16 low halves
+    for name, t in tensors.items():
+        for i in sorted({0, 1, t.numel() // 2, t.numel() - 2, t.numel() - 1}):
+            changed = dict(tensors, **{name: _bits_changed(t, i)})
+            assert weights_checksum(changed.items()) != base, (name, i)
+    # a swapped pair of same-shape tensors, swapped rows and a transpose-like reshuffle are caught
+    same = {"p": torch.randn(8, 16, generator=g), "q": torch.randn(8, 16, generator=g)}
+    c = weights_checksum(same.items())
+    assert weights_checksum([("p", same["q"]), ("q", same["p"])]) != c
+    assert weights_checksum([("p", same["p"][[1, 0, *range(2, 8)]]), ("q", same["q"])]) != c
+    assert weights_checksum([("p", same["p"].t().contiguous().view(8, 16)), ("q", same["q"])]) != c
+    # as_dtype: the sender checksums what a receiver of another dtype stores
+    acc = WeightsChecksum()
+    acc.update("p", same["p"], as_dtype=torch.bfloat16)
+    assert acc.hexdigest() == weights_checksum([("p", same["p"].to(torch.bfloat16))])
 
 
 def test_never_trained_params_are_the_last_blocks_text_outputs():
@@ -235,6 +281,38 @@ def test_full_sync_matches_and_failures_roll_back(mesh):
     assert syncer.policy_version == 1 and syncer.failures == 2
     m2 = syncer.sync(actor.model, engine)  # a retry rebuilds version 2
     assert m2["train/policy_version"] == 2 and m2["train/weight_sync_failures"] == 2
+
+
+def _reference_and_buckets(model, kind, wire, bucket_bytes):
+    from trainer.weight_sync import iter_sync_buckets, iter_sync_tensors
+
+    ref = [(n, t.clone()) for n, t in iter_sync_tensors(model, kind, wire_dtype=wire)]
+    buckets = [[(n, t.clone()) for n, t in b]
+               for b in iter_sync_buckets(model, kind, wire_dtype=wire, bucket_bytes=bucket_bytes)]
+    return ref, buckets
+
+
+def test_bucketed_sync_is_bit_identical_to_per_parameter_gather(mesh):
+    """One rank: the buckets hand over the local tensors (no gather); names, order, dtypes and bits
+    equal the per-parameter full_tensor() reference for full, merged and adapter kinds."""
+    full = build(mesh, "full", **LIGHT)
+    lora = build(mesh, "lora", fsdp__fsdp_master_dtype="fp32", **LIGHT)
+    lora.train_step(make_batch(2), ADV[:2], replay)  # non-zero lora_B, so the merge is not the base
+    for model, kind in ((full.model, "full"), (lora.model, "merged"), (lora.model, "adapter")):
+        for wire in (None, torch.float32, torch.bfloat16):
+            ref, buckets = _reference_and_buckets(model, kind, wire, 1_000 if kind == "adapter" else 20_000)
+            flat = [pair for b in buckets for pair in b]
+            assert len(buckets) > 2 and all(b for b in buckets)
+            assert [n for n, _ in flat] == [n for n, _ in ref]
+            assert all(t.dtype == r.dtype and torch.equal(t, r) for (_, t), (_, r) in zip(flat, ref)), (kind, wire)
+    # world 1, same dtype: the full-sync tensors ARE the actor's local shards (no copy)
+    from torch.distributed.tensor import DTensor
+    from trainer.weight_sync import iter_sync_buckets
+
+    locals_ = {p.to_local().data_ptr() for p in full.model.parameters() if isinstance(p, DTensor)}
+    sent = [t for b in iter_sync_buckets(full.model, "full", wire_dtype=torch.float32, bucket_bytes=1 << 30)
+            for _, t in b]
+    assert sent and all(t.data_ptr() in locals_ for t in sent)
 
 
 def test_lora_adapter_and_merge_sync(mesh):

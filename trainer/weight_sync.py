@@ -1,9 +1,11 @@
 """Actor -> engine weight sync, in-process: gather, rename, manifest, hand off, verify, commit.
 
-Every rank holds one actor shard and one engine. A sync gathers each trained tensor with
-DTensor.full_tensor() (a collective: all ranks walk the same names in the same order), converts it
-to the wire dtype, and hands it to the rank's own engine as a tensor: no serialization, no IPC, no
-disk. Three kinds:
+Every rank holds one actor shard and one engine. A sync walks the parameters in order, in buckets
+(iter_sync_buckets: consecutive parameters up to --weight-sync-bucket-size-mb), gathers each bucket
+with one grouped all-gather straight into the full tensors, in the wire dtype (gather_full_tensors;
+on one rank the local tensors are handed over as they are, cast only when the dtype differs), and
+hands the bucket to the rank's own engine as tensors: no serialization, no IPC, no disk, no copy
+beyond the gather on the sending side (the engine copies into its own parameters). Three kinds:
 
   full     every transformer parameter (full fine-tune);
   merged   every transformer parameter, with each LoRA pair folded in:
@@ -16,13 +18,15 @@ does not know, and an engine that skips unknown names would drop the weight whil
 
 A manifest (tensor count, bytes in wire dtype, sha256 over ordered "name:shape" lines) travels with
 every handoff (the engine checks it); afterwards the actor compares the engine's
-get_weights_checksum() with the checksum of what it sent (full/merged), and only then commits the
-new policy version. Any failure raises WeightSyncError, leaves the committed version where it was
+get_weights_checksum() with the checksum of what it sent (full/merged; WeightsChecksum reads each
+tensor's raw bits once on its device, one host transfer per sync), and only then commits the new
+policy version. Any failure raises WeightSyncError, leaves the committed version where it was
 and counts train/weight_sync_failures.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -44,6 +48,7 @@ WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 SYNC_KINDS = ("full", "merged", "adapter")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def strip_wrapper_segments(name: str, adapter_name: str = "default") -> str:
     """Remove wrapper segments from a parameter name.
 
@@ -109,38 +114,113 @@ def verify_manifest(named_tensors: list[tuple[str, Any]], manifest: WeightManife
                               f"its manifest: {'; '.join(problems)}")
 
 
-class WeightsChecksum:
-    """Order-independent checksum of named tensor VALUES (dtype-independent, device-independent math).
+#: the checksum folds a tensor's 32-bit words into this many column sums (position mod CHECKSUM_PERIOD);
+#: a prime, so no power-of-two row length of a weight lines up with it
+CHECKSUM_PERIOD = 1021
 
-    Per tensor: float64 sum, sum of |x| and a position-weighted sum (weights 1..1009 cycling, so a
-    permutation changes it); the line "name:shape:<three float.hex>" of every tensor, sorted by
-    name, is hashed with sha256. Engines compute get_weights_checksum() with this same class over
-    their (diffusers-named) transformer parameters, so equal values give equal checksums.
-    The per-tensor reductions run on the tensor's device; there is one host transfer in hexdigest().
+
+def _mix_weights(device: torch.device) -> torch.Tensor:
+    """int64 [2, CHECKSUM_PERIOD]: row 0 = 1..P (position), row 1 = fixed pseudo-random values in [1, 2^20).
+
+    Small enough that sum_j colsum_j * w_j (|colsum_j| < 2^31) stays below 2^62: no overflow."""
+    p = CHECKSUM_PERIOD
+    pseudo = [(j * 2654435761 + 97) % ((1 << 20) - 3) + 1 for j in range(p)]
+    return torch.tensor([list(range(1, p + 1)), pseudo], dtype=torch.int64, device=device)
+
+
+def tensor_words(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits of `tensor` as a flat int32 tensor (a view when possible, no copy).
+
+    A byte count divisible by 4 is read as int32 words (a bf16 pair is one word); otherwise the
+    16-bit (or 8-bit) words are widened to int32 (a copy; only odd-sized small tensors). A tensor
+    whose storage offset does not allow the int32 view is copied first: the words depend only on
+    (dtype, shape, bits), never on where the tensor lives.
+    """
+    flat = tensor.detach().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return torch.zeros(0, dtype=torch.int32, device=flat.device)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    if nbytes % 4 == 0:
+        if flat.element_size() == 4:
+            return flat.view(torch.int32)
+        try:
+            return flat.view(torch.int32)
+        except RuntimeError:  # storage offset not 4-byte aligned
+            return flat.clone().view(torch.int32)
+    if nbytes % 2 == 0 and flat.element_size() <= 2:
+        try:
+            return flat.view(torch.int16).to(torch.int32)
+        except RuntimeError:
+            return flat.clone().view(torch.int16).to(torch.int32)
+    return flat.view(torch.uint8).to(torch.int32)
+
+
+def column_sums(words: torch.Tensor) -> torch.Tensor:
+    """int32 [CHECKSUM_PERIOD]: cs[j] = sum of words[i] over i % P == j, modulo 2^32 (wrapping).
+
+    One read of the words (a reduction over a [n // P, P] view) plus the < P tail; exact and
+    reduction-order independent, since integer addition modulo 2^32 is associative."""
+    p = CHECKSUM_PERIOD
+    n = words.numel()
+    m = n - n % p
+    if m == 0:
+        return torch.nn.functional.pad(words, (0, p - n))
+    cs = words[:m].view(-1, p).sum(0, dtype=torch.int32)
+    if n > m:
+        cs[: n - m] += words[m:]
+    return cs
+
+
+class WeightsChecksum:
+    """Order-independent checksum of named tensors' BITS (dtype, shape and every bit of every value).
+
+    Per tensor, on its own device: the raw bits are read once as int32 words and folded into
+    CHECKSUM_PERIOD column sums (column_sums); no float conversion, no position tensor. hexdigest()
+    stacks the column sums of all tensors, mixes each row into three int64 values (sum; sum
+    weighted by position 1..P; sum weighted by fixed pseudo-random values), moves them to the host
+    in one transfer per device, and hashes the lines "name:dtype:shape:<three ints>" sorted by name
+    with sha256.
+
+    What it catches: any single changed element (it changes one column sum by a non-zero amount
+    modulo 2^32, hence the plain sum), a swapped pair of named tensors (the values move to other
+    names), any permutation inside a tensor that moves an element to a position of another residue
+    mod P, a dtype or shape change. What it cannot see: a permutation moving elements only by
+    multiples of P words, or changes whose effects cancel in all three mixes (adversarial).
+    Engines compute get_weights_checksum() with this same class over their parameters, so equal
+    bits in equal dtypes give equal checksums: the sender checksums what the engine will store
+    (see `update`'s as_dtype).
     """
 
     def __init__(self) -> None:
-        self._names: list[tuple[str, tuple[int, ...]]] = []
-        self._stats: list[torch.Tensor] = []
+        self._names: list[tuple[str, str, tuple[int, ...]]] = []
+        self._sums: list[torch.Tensor] = []
 
-    def update(self, name: str, tensor: torch.Tensor) -> None:
-        x = tensor.detach().reshape(-1).to(torch.float64)
-        w = (torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 1009 + 1).to(torch.float64)
-        self._names.append((name, tuple(tensor.shape)))
-        self._stats.append(torch.stack([x.sum(), x.abs().sum(), (x * w).sum()]))
+    def update(self, name: str, tensor: torch.Tensor, as_dtype: torch.dtype | None = None) -> None:
+        """Add one tensor. as_dtype: checksum the tensor as the receiver stores it (a cast copy,
+        only when it differs from the tensor's dtype)."""
+        t = tensor.detach()
+        if as_dtype is not None and t.dtype != as_dtype:
+            t = t.to(as_dtype)
+        self._names.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+        self._sums.append(column_sums(tensor_words(t)))
 
     def hexdigest(self) -> str:
         by_device: dict[torch.device, list[int]] = {}
-        for i, s in enumerate(self._stats):
+        for i, s in enumerate(self._sums):
             by_device.setdefault(s.device, []).append(i)
-        values: list[list[float]] = [[] for _ in self._stats]
-        for idx in by_device.values():  # one host transfer per device
-            for i, row in zip(idx, torch.stack([self._stats[i] for i in idx]).cpu().tolist()):
+        values: list[list[int]] = [[] for _ in self._sums]
+        for device, idx in by_device.items():  # one host transfer per device
+            cs = torch.stack([self._sums[i] for i in idx]).to(torch.int64)        # [N, P]
+            # no integer matmul on CUDA: broadcast multiply [N, 1, P] * [2, P], then reduce
+            mixed = torch.cat([cs.sum(1, keepdim=True), (cs[:, None, :] * _mix_weights(device)).sum(2)], 1)  # [N, 3]
+            for i, row in zip(idx, mixed.cpu().tolist()):
                 values[i] = row
         rows = sorted(zip(self._names, values), key=lambda r: r[0][0])
         h = hashlib.sha256()
-        for (name, shape), stats in rows:
-            h.update(f"{name}:{','.join(map(str, shape))}:{':'.join(float(v).hex() for v in stats)}\n".encode())
+        for (name, dtype, shape), stats in rows:
+            h.update(f"{name}:{dtype}:{','.join(map(str, shape))}:{':'.join(map(str, stats))}\n".encode())
         return h.hexdigest()
 
 
@@ -183,15 +263,7 @@ def iter_sync_tensors(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
     merged:  every non-LoRA parameter; a LoRA base weight is W + (B @ A) * scaling, in fp32.
     adapter: only lora_A / lora_B weights (peft names without the adapter-name segment).
     """
-    if kind not in SYNC_KINDS:
-        raise ValueError(f"sync kind must be one of {SYNC_KINDS}, got {kind!r}")
-    loras = lora_modules(model)
-    if kind == "full" and loras:
-        raise WeightSyncError("a full sync of a LoRA model would send base_layer weights without the adapter; "
-                              "use --lora-merge-mode (kind 'merged') or --lora-adapter-mode (kind 'adapter')")
-    if kind in ("merged", "adapter") and not loras:
-        raise WeightSyncError(f"sync kind {kind!r} needs a LoRA model, but the actor holds no LoRA layers "
-                              "(--fsdp-trainable-mode full syncs with kind 'full')")
+    loras = _check_kind(model, kind)
     base_weight_of = {f"{n}.base_layer.weight": m for n, m in loras.items()}
     name_map = name_map or (lambda n: n)
 
@@ -220,6 +292,192 @@ def iter_sync_tensors(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
             yield out(raw_name, _full(param))
 
 
+def _check_kind(model: nn.Module, kind: str) -> dict[str, nn.Module]:
+    """The model's LoRA layers, after checking that `kind` fits the model (WeightSyncError if not)."""
+    if kind not in SYNC_KINDS:
+        raise ValueError(f"sync kind must be one of {SYNC_KINDS}, got {kind!r}")
+    loras = lora_modules(model)
+    if kind == "full" and loras:
+        raise WeightSyncError("a full sync of a LoRA model would send base_layer weights without the adapter; "
+                              "use --lora-merge-mode (kind 'merged') or --lora-adapter-mode (kind 'adapter')")
+    if kind in ("merged", "adapter") and not loras:
+        raise WeightSyncError(f"sync kind {kind!r} needs a LoRA model, but the actor holds no LoRA layers "
+                              "(--fsdp-trainable-mode full syncs with kind 'full')")
+    return loras
+
+
+def _shard0_rows(t: torch.Tensor) -> tuple[int, int] | None:
+    """(rows per rank, this rank's rows) when `t` is a DTensor sharded Shard(0) over a 1-D mesh of
+    more than one rank, laid out like torch.chunk (FSDP2's layout); None otherwise."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor) or t.dim() == 0:
+        return None
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or mesh.size() == 1 or len(t.placements) != 1:
+        return None
+    pl = t.placements[0]
+    if type(pl) is not Shard or pl.dim != 0:
+        return None
+    world, dim0 = mesh.size(), t.shape[0]
+    per_rank = -(-dim0 // world)
+    mine = max(0, min(per_rank, dim0 - mesh.get_local_rank() * per_rank))
+    local = t._local_tensor
+    if local.shape[0] != mine or tuple(local.shape[1:]) != tuple(t.shape[1:]):
+        return None
+    return per_rank, mine
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | None]) -> list[torch.Tensor]:
+    """The full value of every tensor, in dtypes[i] (None: its own dtype). Collective: every rank
+    calls it with the same (sharded) tensors in the same order.
+
+    plain tensor                      -> itself (cast only if the dtype differs);
+    DTensor on a one-rank mesh        -> its local tensor: nothing to gather, no copy;
+    DTensor Shard(0) on a 1-D mesh    -> one all-gather per tensor, all issued before any is
+                                         waited on (one coalesced NCCL launch), each straight into
+                                         a fresh [world * rows_per_rank, ...] tensor whose first
+                                         dim0 rows are the full tensor (rank-major along dim 0 IS
+                                         the full layout): no copy beyond the gather itself; the
+                                         input is packed only when it must be cast or padded
+                                         (the last rank's short chunk);
+    any other DTensor                 -> full_tensor() (a collective of its own).
+    The all-gather runs in the target dtype, so a narrower wire dtype also halves the traffic.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    pending: list[tuple[int, torch.Tensor, torch.Tensor, int, Any]] = []  # index, out, in, dim0, group
+    for i, (t, dtype) in enumerate(zip(tensors, dtypes)):
+        t = t.detach()
+        if not isinstance(t, DTensor):
+            out[i] = _cast(t, dtype)
+        elif t.device_mesh.size() == 1:
+            out[i] = _cast(t.to_local(), dtype)
+        elif (rows := _shard0_rows(t)) is None:
+            out[i] = _cast(t.full_tensor(), dtype)  # before any async gather: ops stay in order
+        else:
+            per_rank, mine = rows
+            local = t._local_tensor
+            dtype = dtype or local.dtype
+            rest = tuple(t.shape[1:])
+            if mine == per_rank and local.dtype == dtype and local.is_contiguous():
+                inp = local
+            else:
+                inp = torch.zeros((per_rank, *rest), dtype=dtype, device=local.device)
+                inp[:mine].copy_(local)
+            world = t.device_mesh.size()
+            full = torch.empty((world * per_rank, *rest), dtype=dtype, device=local.device)
+            pending.append((i, full, inp, t.shape[0], t.device_mesh.get_group()))
+    if pending:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        by_group: dict[Any, list] = {}
+        for p in pending:
+            by_group.setdefault(p[4], []).append(p)
+        works = []
+        for group, ops in by_group.items():
+            device = ops[0][2].device
+            if dist.get_backend(group) == "nccl":  # one grouped launch for the whole bucket
+                from torch.distributed.distributed_c10d import _coalescing_manager
+
+                with _coalescing_manager(group=group, device=device, async_ops=True) as cm:
+                    for _, full, inp, _, _ in ops:
+                        gather(full, inp, group=group)
+                works.append(cm)
+            else:
+                works += [gather(full, inp, group=group, async_op=True) for _, full, inp, _, _ in ops]
+        for w in works:
+            w.wait()
+        for i, full, _, dim0, _ in pending:
+            out[i] = full[:dim0]
+    return out  # type: ignore[return-value]
+
+
+def _reshard_all(model: nn.Module) -> None:
+    """Put every FSDP2 unit back to its sharded parameters (a no-op for sharded ones): an unsharded
+    parameter left by a forward without reshard holds the all-gathered param_dtype copy, not the
+    master values, and its memory is better free during a sync."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # no FSDP2 in this torch: nothing can be unsharded
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | None, bucket_bytes: int,
+                      name_map: Callable[[str], str] | None = None,
+                      adapter_name: str = "default") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield the tensors of a sync of `kind` as buckets [(engine name, full tensor in wire dtype)].
+
+    Collective: every rank must consume the whole iterator. A bucket is the next parameters in
+    named_parameters order (a transformer block's parameters are consecutive) until their wire
+    bytes reach `bucket_bytes` (at least one parameter; a LoRA base weight travels with its A/B);
+    its tensors are gathered together (gather_full_tensors: one grouped all-gather, straight into
+    the full tensors; on one rank the local tensors themselves). The tensors of a bucket may be the
+    model's own storage: read them, never modify them. Same names, order and values as
+    iter_sync_tensors (the per-parameter reference).
+    full:    every parameter; the model must not hold LoRA layers.
+    merged:  every non-LoRA parameter; a LoRA base weight is W + (B @ A) * scaling, in fp32.
+    adapter: only lora_A / lora_B weights.
+    """
+    loras = _check_kind(model, kind)
+    _reshard_all(model)
+    base_weight_of = {f"{n}.base_layer.weight": m for n, m in loras.items()}
+    name_map = name_map or (lambda n: n)
+    wire_size = None if wire_dtype is None else torch.empty((), dtype=wire_dtype).element_size()
+
+    # item: (engine name, tensors to gather, their gather dtypes, merge (LoRA module) or None)
+    bucket: list[tuple[str, list[torch.Tensor], list[torch.dtype | None], Any]] = []
+    size = 0
+
+    def emit() -> list[tuple[str, torch.Tensor]]:
+        flat = [t for _, ts, _, _ in bucket for t in ts]
+        dts = [d for _, _, ds, _ in bucket for d in ds]
+        full = iter(gather_full_tensors(flat, dts))
+        named = []
+        for name, ts, _, lora in bucket:
+            got = [next(full) for _ in ts]
+            if lora is None:
+                named.append((name, got[0]))
+            else:
+                w, a, b = got
+                merged = w.float() + (b.float() @ a.float()) * float(lora.scaling[adapter_name])
+                named.append((name, merged.to(w.dtype if wire_dtype is None else wire_dtype)))
+        return named
+
+    for raw_name, param in model.named_parameters():
+        is_lora = any(seg in raw_name.split(".") for seg in ("lora_A", "lora_B"))
+        name = name_map(strip_wrapper_segments(raw_name, adapter_name))
+        if kind == "adapter":
+            if not is_lora:
+                continue
+            item = (name, [param], [wire_dtype], None)
+        elif is_lora:
+            continue  # merged: folded into the base weight
+        elif raw_name in base_weight_of:
+            m = base_weight_of[raw_name]
+            if adapter_name not in m.lora_A:
+                raise WeightSyncError(f"{raw_name}: LoRA adapter {adapter_name!r} missing on this module")
+            # merged in fp32 from the master values: base, A and B gathered in their own dtypes
+            item = (name, [param, m.lora_A[adapter_name].weight, m.lora_B[adapter_name].weight], [None] * 3, m)
+        else:
+            item = (name, [param], [wire_dtype], None)
+        bucket.append(item)
+        size += param.numel() * (wire_size or param.element_size())
+        if size >= bucket_bytes:
+            yield emit()
+            bucket, size = [], 0
+    if bucket:
+        yield emit()
+
+
 def engine_holds_lora(engine: Any) -> bool:
     """Best-effort: does the engine's transformer hold LoRA layers? (the engine checks too)."""
     probe = getattr(engine, "holds_lora", None)
@@ -236,8 +494,11 @@ class WeightSyncer:
 
     kind: "full" | "merged" | "adapter" (see module docstring).
     wire_dtype: "bf16" | "fp16" | "fp32" | None (None keeps each tensor's dtype).
-    bucket_size_mb: full/merged tensors are gathered and handed over in buckets of about this size,
-      so the transient footprint is one bucket, not a second copy of the model.
+    bucket_size_mb: a bucket is the next parameters in order (a block's are consecutive) until their
+      wire bytes reach this size (at least one parameter); each bucket is gathered by one grouped
+      all-gather and handed to the engine with its own manifest, so the transient footprint is one
+      bucket, not a second copy of the model. Adapter tensors are gathered in such buckets too and
+      handed over in one call.
     lora_config: {"rank", "alpha", "target_modules"} for adapter syncs.
     verify_checksum: compare engine.get_weights_checksum() with the sent tensors' checksum (full and
       merged kinds; an adapter sync is verified by its manifest).
@@ -315,9 +576,10 @@ class WeightSyncer:
             log.exception("could not restore the engine's policy_version to %d", self.policy_version)
 
     def _handoff(self, model: nn.Module, engine: Any, version: int) -> WeightManifest:
-        tensors = iter_sync_tensors(model, self.kind, wire_dtype=self.wire_dtype, name_map=self.name_map)
+        buckets = iter_sync_buckets(model, self.kind, wire_dtype=self.wire_dtype, bucket_bytes=self.bucket_bytes,
+                                    name_map=self.name_map)
         if self.kind == "adapter":
-            named = list(tensors)
+            named = [pair for bucket in buckets for pair in bucket]  # gathered copies or local views
             manifest = build_manifest("adapter", named, version)
             engine.set_lora_tensors(named, manifest, self.lora_config)
             return manifest
@@ -327,26 +589,16 @@ class WeightSyncer:
         names_shapes: list[tuple[str, tuple[int, ...]]] = []
         total_bytes = 0
         checksum = WeightsChecksum() if self.verify_checksum else None
-        bucket: list[tuple[str, torch.Tensor]] = []
-        bucket_bytes = 0
-
-        def flush() -> None:
-            nonlocal bucket, bucket_bytes
-            if bucket:
-                engine.update_weights_from_tensors(bucket, build_manifest(self.kind, bucket, version))
-            bucket, bucket_bytes = [], 0
-
-        for name, tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            names_shapes.append((name, tuple(tensor.shape)))
-            total_bytes += nbytes
-            if checksum is not None:
-                checksum.update(name, tensor)
-            bucket.append((name, tensor))
-            bucket_bytes += nbytes
-            if bucket_bytes >= self.bucket_bytes:
-                flush()
-        flush()
+        # checksum what the engine will store: its dtype when it names one (a cast only if it differs)
+        engine_dtype = getattr(engine, "dtype", None)
+        engine_dtype = engine_dtype if isinstance(engine_dtype, torch.dtype) else None
+        for bucket in buckets:
+            for name, tensor in bucket:
+                names_shapes.append((name, tuple(tensor.shape)))
+                total_bytes += tensor.numel() * tensor.element_size()
+                if checksum is not None:
+                    checksum.update(name, tensor, engine_dtype)
+            engine.update_weights_from_tensors(bucket, build_manifest(self.kind, bucket, version))
         manifest = WeightManifest(kind=self.kind, tensor_count=len(names_shapes), total_bytes=total_bytes,
                                   name_shape_hash=name_shape_hash(names_shapes), version=version)
         if checksum is not None:
