@@ -73,3 +73,21 @@ def test_adapter_loads_only_the_transformer(tiny_model_dir):
     assert adapter.vae_scale_factor == 4
     with pytest.raises(FileNotFoundError, match="--model-path"):
         adapter.load_train_model(str(tiny_model_dir / "nope"))
+
+
+def test_vae_output_gain_scales_only_the_decoder_output(tiny_model_dir, tmp_path):
+    """The demo's model: the same random weights, the decoder's last conv scaled (bias zeroed)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tools.make_tiny_model import build_tiny_pipeline
+
+    gained = build_tiny_pipeline(tmp_path / "gain", seed=0, vae_output_gain=8.0)
+    base = load_file(str(tiny_model_dir / "vae" / "diffusion_pytorch_model.safetensors"))
+    new = load_file(str(gained / "vae" / "diffusion_pytorch_model.safetensors"))
+    assert torch.equal(new["decoder.conv_out.weight"], base["decoder.conv_out.weight"] * 8)
+    assert torch.count_nonzero(new["decoder.conv_out.bias"]) == 0
+    assert all(torch.equal(new[k], base[k]) for k in base if not k.startswith("decoder.conv_out."))
+    t_base = load_file(str(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    t_new = load_file(str(gained / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(t_new[k], t_base[k]) for k in t_base)

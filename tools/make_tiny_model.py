@@ -155,9 +155,14 @@ def build_text_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_tiny_pipeline(output_dir, seed: int = 0) -> Path:
+def build_tiny_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
     """Write a complete tiny Qwen-Image pipeline to `output_dir` (created; an existing
-    model_index.json there is overwritten) and return its path. Deterministic in `seed`."""
+    model_index.json there is overwritten) and return its path. Deterministic in `seed`.
+
+    vae_output_gain scales the decoder's last convolution (and zeroes its bias). At random
+    init the tiny decoder maps every latent to nearly the same grey (one latent std moves the
+    mean colour by ~0.02), so no policy can reach a colour in minutes; a gain of ~8 spreads the
+    decodable colours over the RGB cube while the weights stay random. The demo uses it."""
     import torch
     from diffusers import (
         AutoencoderKLQwenImage,
@@ -172,6 +177,10 @@ def build_tiny_pipeline(output_dir, seed: int = 0) -> Path:
     transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER_CONFIG)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
+    if vae_output_gain != 1.0:
+        with torch.no_grad():
+            vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
+            vae.decoder.conv_out.bias.zero_()
     tokenizer = build_tokenizer()
     torch.manual_seed(seed + 2)
     text_encoder = build_text_encoder(tokenizer)
@@ -181,7 +190,8 @@ def build_tiny_pipeline(output_dir, seed: int = 0) -> Path:
     )
     pipe.save_pretrained(out, safe_serialization=True)
     # A marker for humans and tools: this directory holds random weights.
-    (out / "TINY_RANDOM_MODEL.json").write_text(json.dumps({"seed": seed, "random_weights": True}, indent=2) + "\n")
+    (out / "TINY_RANDOM_MODEL.json").write_text(
+        json.dumps({"seed": seed, "random_weights": True, "vae_output_gain": vae_output_gain}, indent=2) + "\n")
     return out
 
 
@@ -189,8 +199,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="directory to write the pipeline to (created)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument("--vae-output-gain", type=float, default=1.0,
+                        help="scale of the VAE decoder's output convolution (default 1: plain random init); "
+                             "the demo uses 8 so that image colours depend visibly on the latents")
     args = parser.parse_args(argv)
-    path = build_tiny_pipeline(args.output, seed=args.seed)
+    path = build_tiny_pipeline(args.output, seed=args.seed, vae_output_gain=args.vae_output_gain)
     print(f"wrote tiny Qwen-Image pipeline to {path}")
     return 0
 
