@@ -397,3 +397,90 @@ def test_colocate_handover_order(mesh):
     assert actor.offloaded and m["train/policy_version"] == 1 and m["perf/actor_offload_gb"] > 0
     begin_update(actor, engine, offload_train=True, offload_rollout=False)
     assert not actor.offloaded
+
+
+# ---------------------------------------------------------------- the native engine's construction and DiT call
+
+TINY_SAMPLING = {"height": 64, "width": 64, "num_inference_steps": 4, "eta": 0.7, "sde_type": "sde",
+                 "sde_indices": [1, 2]}
+
+
+def _rollout(engine, prompts, seed=5):
+    from trainer.models.qwen_image import QwenImageAdapter
+    from trainer.sampling import parse_sampling_config
+
+    adapter, sampling = QwenImageAdapter(), parse_sampling_config(TINY_SAMPLING)
+    sigmas = engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps)
+    reqs = [adapter.build_rollout_request(p, group_index=g, slot=s, sample_id=f"{g}:{s}", sampling=sampling,
+                                          sde_indices=list(sampling.sde_indices), sigmas=sigmas, generation_seed=seed)
+            for g, p in enumerate(prompts) for s in range(2)]
+    return engine.generate(reqs)
+
+
+def _same_responses(a, b) -> bool:
+    keys = ("image", "trajectory_latents", "trajectory_next_latents", "log_probs", "prompt_embeds",
+            "prompt_embeds_mask")
+    return len(a) == len(b) and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in keys)
+
+
+def test_engine_from_modules_equals_loaded_engine_and_drops_an_all_ones_mask(tiny_model_dir):
+    from trainer.engine.native import NativeEngine
+
+    loaded = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    built = NativeEngine.from_modules(copy.deepcopy(loaded.transformer), copy.deepcopy(loaded.vae),
+                                      copy.deepcopy(loaded.text_encoder), loaded.tokenizer,
+                                      dict(loaded.scheduler_config), device="cpu", dtype=torch.float32)
+    assert built.transformer is not loaded.transformer and built.dtype == torch.float32
+    assert built.vae_scale_factor == loaded.vae_scale_factor and built.policy_version == 0
+
+    seen: list = []
+    forward = built.transformer.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("encoder_hidden_states_mask"))
+        return forward(*args, **kwargs)
+
+    built.transformer.forward = spy
+    one = ["a red cube"]  # one prompt: every row of the chunk has all its tokens
+    ref = _rollout(loaded, one)
+    got = _rollout(built, one)
+    assert seen and all(m is None for m in seen)  # the all-ones mask was not passed to the DiT
+    # ... and the result is bit-identical to the engine that passed it (fp32): nothing changed
+    with_mask = []
+
+    def keep_mask(*args, **kwargs):
+        if kwargs.get("encoder_hidden_states_mask") is None:
+            b, t = kwargs["encoder_hidden_states"].shape[:2]
+            kwargs["encoder_hidden_states_mask"] = torch.ones(b, t, dtype=torch.int64)
+        with_mask.append(True)
+        return forward(*args, **kwargs)
+
+    assert _same_responses(ref, got)
+    built.transformer.forward = keep_mask
+    assert _same_responses(_rollout(built, one), got) and with_mask
+    # prompts of different lengths keep their padding mask
+    seen.clear()
+    built.transformer.forward = spy
+    _rollout(built, ["a red cube", "a considerably longer prompt about two cats on a sofa"])
+    assert seen and all(m is not None and not bool(m.all()) for m in seen)
+    built.transformer.forward = forward
+
+    # the engine's cached weight index follows a LoRA injection; full syncs then stay refused
+    syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=0.05)
+    src = copy.deepcopy(loaded.transformer)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(0.01)
+    syncer.sync(src, built)
+    assert all(torch.equal(a, b) for a, b in zip(src.parameters(), built.transformer.parameters()))
+    assert built.get_weights_checksum() == weights_checksum(src.named_parameters())
+    from trainer.weight_sync import iter_sync_tensors
+
+    lora_src = copy.deepcopy(loaded.transformer)
+    from trainer.actor import apply_lora
+    cfg = apply_lora(lora_src, LORA_TARGETS, 4, 8)
+    named = list(iter_sync_tensors(lora_src, "adapter", wire_dtype=None))
+    built.set_lora_tensors(named, build_manifest("adapter", named, 2), cfg)
+    assert built.holds_lora()
+    with pytest.raises(WeightSyncError, match="LoRA"):
+        syncer.sync(src, built)

@@ -76,6 +76,13 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown engine dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
+def _resolve_device(device) -> torch.device:
+    """torch.device(device), or cuda when available else cpu for None."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def prompt_template_start_idx(tokenizer, template: str) -> int:
     """Number of tokens of the prompt template's prefix (the system turn), which encode_prompt
     drops from the text encoder's output. Computed from the tokenizer because it depends on it
@@ -111,27 +118,59 @@ class NativeEngine:
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int = 512, revision: str | None = None):
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+        from diffusers import AutoencoderKLQwenImage
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
+        dev = _resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        scheduler_config = load_scheduler_config(str(path))
+        # each module goes to the device as soon as it is loaded: host memory holds one at a time
+        transformer = load_qwen_image_transformer(path, dtype=dt).to(dev)
+        vae = AutoencoderKLQwenImage.from_pretrained(str(path), subfolder="vae", dtype=dt,
+                                                     local_files_only=True).to(dev)
+        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            str(path / "text_encoder"), dtype=dt, local_files_only=True).to(dev)
+        tokenizer = Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        self._set_up(transformer, vae, text_encoder, tokenizer, scheduler_config, device=dev, dtype=dt,
+                     max_batch_size=max_batch_size, max_sequence_length=max_sequence_length, cast=False)
         self.model_path = str(path)
         self.revision = revision
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = resolve_dtype(dtype, self.device)
+
+    @classmethod
+    def from_modules(cls, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device=None,
+                     dtype=None, max_batch_size: int = 0, max_sequence_length: int = 512) -> "NativeEngine":
+        """An engine over modules already in memory (nothing is read from disk): a Qwen-Image DiT
+        (QwenImageTransformer2DModel), its VAE (AutoencoderKLQwenImage), text encoder
+        (Qwen2_5_VLForConditionalGeneration), Qwen2 tokenizer and the scheduler config dict. The
+        modules are moved to `device` and cast to `dtype` in place (the engine owns them from then
+        on); defaults as in __init__."""
+        engine = cls.__new__(cls)
+        dev = _resolve_device(device)
+        engine._set_up(transformer, vae, text_encoder, tokenizer, dict(scheduler_config), device=dev,
+                       dtype=resolve_dtype(dtype, dev), max_batch_size=max_batch_size,
+                       max_sequence_length=max_sequence_length, cast=True)
+        engine.model_path = "<in-memory modules>"
+        engine.revision = None
+        return engine
+
+    def _set_up(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device: torch.device,
+                dtype: torch.dtype, max_batch_size: int, max_sequence_length: int, cast: bool) -> None:
+        """Everything after loading: placement, frozen eval modules, the prompt-encoding pipeline,
+        derived constants, state. cast: also cast the modules to `dtype` (loaders already did)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+        self.device = device
+        self.dtype = dtype
         self.max_batch_size = int(max_batch_size)
         self.max_sequence_length = int(max_sequence_length)
-
-        self.scheduler_config = load_scheduler_config(self.model_path)
-        self.transformer = load_qwen_image_transformer(path, dtype=self.dtype).to(self.device).eval()
-        self.vae = AutoencoderKLQwenImage.from_pretrained(
-            str(path), subfolder="vae", dtype=self.dtype, local_files_only=True).to(self.device).eval()
-        self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            str(path / "text_encoder"), dtype=self.dtype, local_files_only=True).to(self.device).eval()
-        self.tokenizer = Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        self.scheduler_config = scheduler_config
+        for name, module in (("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)):
+            module = module.to(device=self.device, dtype=self.dtype) if cast else module.to(self.device)
+            setattr(self, name, module.eval())
+        self.tokenizer = tokenizer
         for module in (self.transformer, self.vae, self.text_encoder):
             module.requires_grad_(False)
 
@@ -150,6 +189,8 @@ class NativeEngine:
         self._resident = {name: True for name in _MODULES}
         self._lora_config: dict[str, Any] | None = None
         self.last_stats: dict[str, float] = {}
+        #: (sync version, stripped name -> DiT parameter, holds LoRA), see _weight_index
+        self._weights_index: tuple[int | None, dict[str, torch.nn.Parameter], bool] | None = None
 
     # ------------------------------------------------------------------ generation
 
@@ -242,6 +283,9 @@ class NativeEngine:
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
         x = pack_latents(x_t).to(device=self.device, dtype=self.dtype)
         embeds, mask = pad_text([conds[r.prompt][0] for r in reqs], [conds[r.prompt][1] for r in reqs])
+        # an all-ones mask masks nothing, but any mask keeps SDPA off its flash kernel: drop it
+        # (the responses still carry each prompt's own mask). One host sync per chunk.
+        dit_mask = None if bool(mask.all()) else mask
         img_shapes = img_shapes_for(b, r0.height, r0.width, self.vae_scale_factor)
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
@@ -249,7 +293,7 @@ class NativeEngine:
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
-            v = dit_velocity(self.transformer, x, t, embeds, mask, img_shapes)
+            v = dit_velocity(self.transformer, x, t, embeds, dit_mask, img_shapes)
             if i in trained:
                 noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
                 s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
@@ -314,35 +358,45 @@ class NativeEngine:
     # ------------------------------------------------------------------ weights
 
     def holds_lora(self) -> bool:
-        """True once LoRA layers were injected into the engine's transformer."""
-        from trainer.weight_sync import model_has_lora
+        """True once LoRA layers were injected into the engine's transformer (a fresh look)."""
+        return self._weight_index(None)[2]
 
-        return model_has_lora(self.transformer)
+    def _weight_index(self, version: int | None) -> tuple[int | None, dict[str, torch.nn.Parameter], bool]:
+        """(version, stripped diffusers name -> DiT parameter, DiT holds LoRA layers).
+
+        Walking the module tree costs milliseconds on the 20 B DiT, and a sync hands over tens of
+        buckets: the walk is cached for the buckets of one sync version (their manifests carry
+        it) and redone for None, a new version or after LoRA injection."""
+        from trainer.weight_sync import model_has_lora, strip_wrapper_segments
+
+        cached = self._weights_index
+        if version is None or cached is None or cached[0] != version:
+            params = {strip_wrapper_segments(n): p for n, p in self.transformer.named_parameters()}
+            cached = self._weights_index = (version, params, model_has_lora(self.transformer))
+        return cached
 
     def _engine_named_params(self) -> dict[str, torch.nn.Parameter]:
-        from trainer.weight_sync import strip_wrapper_segments
-
-        return {strip_wrapper_segments(n): p for n, p in self.transformer.named_parameters()}
+        return self._weight_index(None)[1]
 
     def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
         """Copy transformer tensors (diffusers names; all of them or one bucket of a sync) into
         the existing parameters. Everything is checked before anything is copied: the manifest
         (count / bytes / ordered name-shape hash), that the DiT holds no LoRA layers, that every
-        name is known and every shape matches. Raises WeightSyncError naming the problem."""
+        name is known and every shape matches. Raises WeightSyncError naming the problem. The
+        copy is one multi-tensor copy (dtype/device conversion included); the sent tensors are
+        only read."""
         from trainer.weight_sync import verify_manifest
 
         self._require_resident(("transformer",), "update_weights_from_tensors", WeightSyncError)
-        if self.holds_lora():
+        _, params, holds_lora = self._weight_index(manifest.version)
+        if holds_lora:
             raise WeightSyncError(
                 "full/merged weight sync into an engine whose transformer holds LoRA layers: the base weights "
                 "are now *.base_layer.* and the adapter would keep its old values; use set_lora_tensors "
                 "(--lora-adapter-mode) or a fresh engine, never both on one engine")
         verify_manifest(named_tensors, manifest)
-        params = self._engine_named_params()
         self._check_names_shapes(named_tensors, params, manifest.kind)
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor.to(params[name].device), non_blocking=False)
+        _copy_into([params[n] for n, _ in named_tensors], [t for _, t in named_tensors])
 
     @staticmethod
     def _check_names_shapes(named_tensors, params, kind: str) -> None:
@@ -380,15 +434,13 @@ class NativeEngine:
         elif cfg != self._lora_config:
             raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
                                   f"({self._lora_config}); rank, alpha and targets cannot change within a run")
-        params = {n: p for n, p in self._engine_named_params().items() if ".lora_" in n}
+        params = {n: p for n, p in self._weight_index(manifest.version)[1].items() if ".lora_" in n}
         self._check_names_shapes(named_tensors, params, "adapter")
         missing = sorted(set(params) - {n for n, _ in named_tensors})
         if missing:
             raise WeightSyncError(f"adapter sync lacks {len(missing)} of the engine's {len(params)} LoRA tensors, "
                                   f"e.g. {missing[:3]}; every adapter tensor must be sent")
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor.to(params[name].device))
+        _copy_into([params[n] for n, _ in named_tensors], [t for _, t in named_tensors])
 
     def _inject_lora(self, cfg: dict[str, Any]) -> None:
         from peft import LoraConfig
@@ -400,6 +452,7 @@ class NativeEngine:
         # keep adapter tensors in the engine's dtype and device, like the base weights
         self.transformer.to(device=self.device, dtype=self.dtype)
         self._lora_config = cfg
+        self._weights_index = None  # new parameters: the next look walks the tree again
 
     def load_lora_dir(self, path) -> dict[str, Any]:
         """Install a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as
@@ -427,11 +480,14 @@ class NativeEngine:
 
     def get_weights_checksum(self) -> str:
         """weight_sync.weights_checksum over the DiT's parameters (diffusers names, wrapper
-        segments stripped): the weights the engine samples with."""
+        segments stripped): the weights the engine samples with. Reads each parameter's bits once
+        on the device; one host transfer. Uses the parameter index of the sync just received."""
         from trainer.weight_sync import weights_checksum
 
         self._require_resident(("transformer",), "get_weights_checksum")
-        return weights_checksum(self._engine_named_params().items())
+        cached = self._weights_index
+        params = cached[1] if cached is not None else self._engine_named_params()
+        return weights_checksum(params.items())
 
     def commit_weight_version(self, version: int) -> None:
         self.policy_version = int(version)
@@ -496,6 +552,15 @@ class NativeEngine:
         if off:
             raise exc(f"{what}: engine module(s) {off} are released to host memory; call "
                       f"resume_memory() first")
+
+
+def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i as one multi-tensor copy (torch._foreach_copy_, which
+    converts dtype/device like copy_), under no_grad. The sent tensors are only read."""
+    if not dst:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_(dst, src)
 
 
 def _normalize_lora_config(cfg: dict[str, Any]) -> dict[str, Any]:
