@@ -431,6 +431,11 @@ class Actor:
         #: rounds dropped entirely because every advantage was ~0
         self.skipped_rounds = 0
         self.last_update_stats: list[dict[str, Any]] = []
+        #: the first executed update's own forward is its pi_old anchor (True), or every micro-batch
+        #: gets a separate no_grad anchor pass (False: the slower, numerically identical reference)
+        self.anchor_from_first_update = True
+        #: no_grad anchor passes (micro-batches) of the last train_step
+        self.last_anchor_passes = 0
         self._params_off = _StorageOffload()
         self._optim_off = _StorageOffload()
 
@@ -478,8 +483,11 @@ class Actor:
         1. plan: n split into num_updates_per_batch disjoint equal parts of micro-batches; ranks
            MAX-check they agree on the micro-batch count (raise, never deadlock).
         2. skip: an update whose valid advantages are all ~0 on every rank is skipped (counted).
-        3. anchor: pi_old log-probs of every micro-batch through the live model, no_grad, before
-           any optimizer step, with the same replay_fn: the first update's ratio is exactly 1.
+        3. anchor: pi_old log-probs through the live model with the same replay_fn, before any
+           optimizer step. The first executed update runs before any step, so its own forward
+           (with grad) is the anchor: old = logp.detach(), ratio exactly 1 by construction. Only
+           the micro-batches of later updates get a separate no_grad anchor pass, all of them
+           before the first step (`anchor_from_first_update=False`: every micro-batch gets one).
         4. per update: loss over micro-batches (per-(sample, step) clipped objective), scaled so
            the FSDP mean-reduced gradient is the mean over all valid (sample, step) of all ranks;
            clip_grad; lr from the schedule; AdamW step.
@@ -529,14 +537,24 @@ class Actor:
                             "train/lr_scheduler_steps": float(self.optimizer_steps)})
             return metrics
 
+        # partially valid micro-batches: their row indices on the device, copied before any forward
+        # is queued (boolean masking on the device, or a copy per micro-batch, syncs the host each time)
+        part_idx = {(s, e): torch.nonzero(ok_host[s:e]).flatten().to(self.device)
+                    for u, part in enumerate(plan) if run[u] for (s, e) in part
+                    if 0 < int(ok_host[s:e].sum()) < e - s}
+
         self.model.train()
-        # 3: the anchor, frozen once before any optimizer step
+        # 3: the anchor, frozen before any optimizer step. The first executed update's forward IS
+        # its anchor (no step precedes it), so only the later updates need a no_grad pass here.
+        first = run.index(True)
+        fused = {first} if self.anchor_from_first_update else set()
         old: dict[tuple[int, int], torch.Tensor] = {}
         with torch.no_grad():
             for u, part in enumerate(plan):
-                if run[u]:
+                if run[u] and u not in fused:
                     for (s, e) in part:
                         old[(s, e)] = replay_fn(self.model, cut(batch, s, e)).detach().float()
+        self.last_anchor_passes = len(old)
 
         # 4: the updates
         acc = torch.zeros(8, dtype=torch.float64, device=self.device)  # weighted stat sums, see below
@@ -544,6 +562,7 @@ class Actor:
         grad_norms: list[torch.Tensor] = []
         steps = 0
         transitions = 0
+        elems = 0.0  # valid (sample, step) elements behind acc[:5]; host-side, no device traffic
         lr = self.lr_at(self.optimizer_steps)
         #: per executed update, this rank's ratio range (detached tensors; for diagnostics and tests)
         self.last_update_stats = []
@@ -560,21 +579,23 @@ class Actor:
                 n_rows = int(rows_host.sum())
                 transitions += logp.shape[0] * logp.shape[1]
                 if n_rows:
+                    # the first executed update: this very forward is pi_old (ratio exactly 1)
+                    anchor = old[(s, e)] if u not in fused else logp.detach().float()
                     if n_rows == e - s:
-                        lp, op, ad = logp, old[(s, e)], adv[s:e]
-                    else:  # index with a host-built index: boolean masking on the device would sync
-                        idx = torch.nonzero(rows_host).flatten().to(logp.device)
-                        lp, op, ad = logp.index_select(0, idx), old[(s, e)].index_select(0, idx), adv[s:e].index_select(0, idx)
+                        lp, op, ad = logp, anchor, adv[s:e]
+                    else:
+                        idx = part_idx[(s, e)].to(logp.device)
+                        lp, op, ad = logp.index_select(0, idx), anchor.index_select(0, idx), adv[s:e].index_select(0, idx)
                     loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, getattr(g, "eps_clip_high", None))
                     scale = n_rows * world / global_cnt[u]
                     (loss * scale).backward()
                     k = float(n_rows * logp.shape[1])  # elements behind these stats
                     rm, rs = st["ratio_mean"].double(), st["ratio_std"].double()
-                    acc += torch.stack([loss.detach().double() * k, st["clip_fraction"].double() * k,
-                                        st["approx_kl"].double() * k, rm * k, (rs * rs + rm * rm) * k,
-                                        torch.tensor(k, dtype=torch.float64, device=self.device),
-                                        torch.zeros((), dtype=torch.float64, device=self.device),
-                                        torch.zeros((), dtype=torch.float64, device=self.device)]).to(acc.device)
+                    # k enters as a Python scalar: a torch.tensor(k, device=cuda) would be a blocking
+                    # host-to-device copy, i.e. a host sync per micro-batch
+                    acc[:5] += torch.stack([loss.detach().double(), st["clip_fraction"].double(),
+                                            st["approx_kl"].double(), rm, rs * rs + rm * rm]).to(acc.device) * k
+                    elems += k
                     r_range = torch.stack([st["ratio_max"].double(), -st["ratio_min"].double()])
                     rmax = torch.maximum(rmax, r_range)
                     upd = torch.maximum(upd, r_range)
@@ -597,6 +618,7 @@ class Actor:
             self.optimizer.zero_grad(set_to_none=True)
 
         # metrics: one SUM and one MAX reduce, one host transfer
+        acc[5] = elems
         acc[6] = torch.stack(grad_norms).sum() if grad_norms else 0.0
         acc[7] = float(len(grad_norms))
         dt = time.perf_counter() - t_start
