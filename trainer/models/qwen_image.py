@@ -165,6 +165,30 @@ def unpack_latents(latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the DiT call
 
 
+def text_conditioning(prompt_embeds: torch.Tensor,
+                      prompt_embeds_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The text conditioning the DiT actually needs: (embeds [B, T', D], mask [B, T'] or None).
+
+    T' = 1 + the last column that is a real token in ANY row (padding columns that every row
+    masks are dropped: a key masked in every row gets softmax weight exactly 0, so they only
+    cost work; text RoPE positions count from 0 either way, and padded text-stream outputs are
+    discarded). The mask becomes None when it is all ones, which lets torch SDPA pick its flash
+    kernel (any attn_mask rules flash out) -- mathematically the same attention. Micro-batches
+    of one prompt (a GRPO group's candidates) therefore run mask-free even when the rollout's
+    prompts differ in length. Reads the mask on the host: free for a CPU mask (replay), one
+    tiny device-to-host copy for a device mask.
+    """
+    if prompt_embeds_mask is None:
+        return prompt_embeds, None
+    real = prompt_embeds_mask.detach().cpu() != 0  # [B, T], read once
+    cols = real.any(dim=0).nonzero()
+    t_keep = int(cols.max()) + 1 if cols.numel() else 1
+    if t_keep < real.shape[1]:
+        prompt_embeds, prompt_embeds_mask, real = (prompt_embeds[:, :t_keep], prompt_embeds_mask[:, :t_keep],
+                                                   real[:, :t_keep])
+    return prompt_embeds, (None if bool(real.all()) else prompt_embeds_mask)
+
+
 def dit_velocity(
     transformer,
     latents: torch.Tensor,
@@ -181,18 +205,21 @@ def dit_velocity(
     timesteps (sigma * 1000), rounded through `rollout_dtype` (default: the latents' dtype)
     and divided by 1000 as QwenImagePipeline does (sampling.transformer_timestep), so a replay
     in another dtype still sees the timestep the sampler saw; prompt_embeds [B, T, D] (cast to
-    the latents' dtype); prompt_embeds_mask [B, T] (1 = token; always passed, so the padded
-    and unpadded cases run the same attention path). A plain forward call: works for the bare
+    the latents' dtype); prompt_embeds_mask [B, T] (1 = token) goes through text_conditioning:
+    padding columns shared by every row are dropped and an all-ones mask is not passed, so
+    SDPA can use its flash kernel (bit-identical output in fp32 on CPU, tested; on GPU the
+    flash kernel rounds differently from the masked one). Engine and replay both call this, so
+    they take the same path for the same rows. A plain forward call: works for the bare
     module, a peft-injected one and an FSDP2-sharded one.
     """
     from trainer.sampling import transformer_timestep
 
     t = transformer_timestep(timesteps, dtype=rollout_dtype or latents.dtype).to(latents.device, latents.dtype)
-    mask = None if prompt_embeds_mask is None else prompt_embeds_mask.to(device=latents.device)
+    embeds, mask = text_conditioning(prompt_embeds, prompt_embeds_mask)
     out = transformer(
         hidden_states=latents,
-        encoder_hidden_states=prompt_embeds.to(device=latents.device, dtype=latents.dtype),
-        encoder_hidden_states_mask=mask,
+        encoder_hidden_states=embeds.to(device=latents.device, dtype=latents.dtype),
+        encoder_hidden_states_mask=None if mask is None else mask.to(device=latents.device),
         timestep=t,
         img_shapes=img_shapes,
         return_dict=False,
