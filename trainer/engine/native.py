@@ -7,7 +7,8 @@ What one `generate` call does:
    which other prompts share the rollout), with diffusers' QwenImagePipeline.encode_prompt;
 2. groups the candidates by sampling geometry (size, schedule, trained steps, SDE settings)
    and runs the DiT on up to `max_batch_size` candidates of several prompts per forward, the
-   text conditioning zero-padded to the chunk's longest prompt with its mask;
+   text conditioning zero-padded to the chunk's longest prompt with its mask (a mask of all
+   ones is not passed to the DiT: it masks nothing and would keep SDPA off its flash kernel);
 3. per candidate, draws x_T and each trained step's noise on CPU from its seed recipe
    (trainer/sampling.py), so the randomness of a candidate is bit-identical in any batch, on
    any rank or device;
