@@ -316,7 +316,9 @@ def recipe_env(tmp_path):
         d.mkdir(parents=True)
     for name in ("pickapic_train", "pickapic_eval256", "pickapic_eval64"):
         (data / "processed" / "t2i" / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup"}\n')
-    (exp / "prompts.jsonl").write_text('{"prompt": "a red square"}\n')
+    (exp / "data").mkdir()
+    for name in ("demo_train", "demo_eval"):
+        (exp / "data" / f"{name}.jsonl").write_text('{"prompt": "a red square"}\n')
     return {"MODEL_DIR": str(models), "DATA_DIR": str(data), "EXP_DIR": str(exp)}
 
 

@@ -352,7 +352,7 @@ def prune_stale_artifacts(root, task: str, keep: int, *, eval: bool = False) -> 
     stale = [d for _, d in dirs[:-keep]] if len(dirs) > keep else []
     for d in stale:
         shutil.rmtree(d)
-        log.info("artifact retention: removed %s", d)
+        log.debug("artifact retention: removed %s", d)
     return stale
 
 

@@ -9,7 +9,6 @@ errors always exit 2, before anything heavy is imported.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -64,14 +63,6 @@ def main(argv: list[str] | None = None) -> int:
             print("preflight ok")
         return 0
     # The loop is imported only after preflight so a bad config never pays for torch.
-    if importlib.util.find_spec("trainer.loop") is None:
-        if rank0:
-            print(
-                "preflight ok, but training is not available in this build (trainer/loop.py is missing); "
-                "use --preflight-only to check a recipe",
-                file=sys.stderr,
-            )
-        return EXIT_CONFIG
     from trainer.loop import run
 
     result = run(cfg, recipe=_recipe_path(argv))
