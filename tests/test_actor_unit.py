@@ -474,6 +474,14 @@ def test_engine_from_modules_equals_loaded_engine_and_drops_an_all_ones_mask(tin
     syncer.sync(src, built)
     assert all(torch.equal(a, b) for a, b in zip(src.parameters(), built.transformer.parameters()))
     assert built.get_weights_checksum() == weights_checksum(src.named_parameters())
+    # wire fp32 into a bf16 engine: the sender checksums what the engine stores (engine.dtype)
+    half = NativeEngine.from_modules(copy.deepcopy(loaded.transformer), copy.deepcopy(loaded.vae),
+                                     copy.deepcopy(loaded.text_encoder),
+                                     loaded.tokenizer, dict(loaded.scheduler_config), device="cpu",
+                                     dtype=torch.bfloat16)
+    WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=0.05).sync(src, half)
+    assert half.policy_version == 1
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(src.parameters(), half.transformer.parameters()))
     from trainer.weight_sync import iter_sync_tensors
 
     lora_src = copy.deepcopy(loaded.transformer)

@@ -382,7 +382,7 @@ def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | 
         works = []
         for group, ops in by_group.items():
             device = ops[0][2].device
-            if dist.get_backend(group) == "nccl":  # one grouped launch for the whole bucket
+            if device.type == "cuda" and "nccl" in str(dist.get_backend(group)):  # one grouped launch
                 from torch.distributed.distributed_c10d import _coalescing_manager
 
                 with _coalescing_manager(group=group, device=device, async_ops=True) as cm:
