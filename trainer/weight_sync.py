@@ -422,8 +422,9 @@ def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
     bytes reach `bucket_bytes` (at least one parameter; a LoRA base weight travels with its A/B);
     its tensors are gathered together (gather_full_tensors: one grouped all-gather, straight into
     the full tensors; on one rank the local tensors themselves). The tensors of a bucket may be the
-    model's own storage: read them, never modify them. Same names, order and values as
-    iter_sync_tensors (the per-parameter reference).
+    model's own storage: read them, never modify them. Every FSDP2 unit is resharded first, so the
+    values are the master shards' (cast to the wire dtype); names, order and values equal
+    iter_sync_tensors' (the per-parameter full_tensor() reference) on a resharded model.
     full:    every parameter; the model must not hold LoRA layers.
     merged:  every non-LoRA parameter; a LoRA base weight is W + (B @ A) * scaling, in fp32.
     adapter: only lora_A / lora_B weights.
