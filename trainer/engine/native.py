@@ -7,8 +7,8 @@ What one `generate` call does:
    which other prompts share the rollout), with diffusers' QwenImagePipeline.encode_prompt;
 2. groups the candidates by sampling geometry (size, schedule, trained steps, SDE settings)
    and runs the DiT on up to `max_batch_size` candidates of several prompts per forward, the
-   text conditioning zero-padded to the chunk's longest prompt with its mask (a mask of all
-   ones is not passed to the DiT: it masks nothing and would keep SDPA off its flash kernel);
+   text conditioning zero-padded to the chunk's longest prompt with its mask (dit_velocity
+   trims padding shared by every row and passes no all-ones mask, so SDPA can use flash);
 3. per candidate, draws x_T and each trained step's noise on CPU from its seed recipe
    (trainer/sampling.py), so the randomness of a candidate is bit-identical in any batch, on
    any rank or device;
@@ -284,9 +284,6 @@ class NativeEngine:
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
         x = pack_latents(x_t).to(device=self.device, dtype=self.dtype)
         embeds, mask = pad_text([conds[r.prompt][0] for r in reqs], [conds[r.prompt][1] for r in reqs])
-        # an all-ones mask masks nothing, but any mask keeps SDPA off its flash kernel: drop it
-        # (the responses still carry each prompt's own mask). One host sync per chunk.
-        dit_mask = None if bool(mask.all()) else mask
         img_shapes = img_shapes_for(b, r0.height, r0.width, self.vae_scale_factor)
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
@@ -294,7 +291,7 @@ class NativeEngine:
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
-            v = dit_velocity(self.transformer, x, t, embeds, dit_mask, img_shapes)
+            v = dit_velocity(self.transformer, x, t, embeds, mask, img_shapes)
             if i in trained:
                 noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
                 s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
