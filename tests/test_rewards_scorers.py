@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from trainer.rewards.base import SHIPPED_SCORERS, ImageBatch, build_scorer, import_dotpath
+from trainer.dotpath import import_dotpath
+from trainer.rewards.base import SHIPPED_SCORERS, ImageBatch, build_scorer
 from trainer.rewards.color import COLOR_SIGMA, ColorScorer, color_palette, color_prompts, target_color
 from trainer.rewards.jpeg import JpegCompressibilityScorer, JpegIncompressibilityScorer, jpeg_size_kb
 from trainer.rewards.ocr import edit_distance, ocr_reward, ocr_target
@@ -54,10 +55,10 @@ def test_image_batch_accepts_engine_and_file_forms_and_caches_views():
 
 def test_shipped_dotpaths_import_and_declare_components():
     for component, path in SHIPPED_SCORERS.items():
-        cls = import_dotpath(path)
+        cls = import_dotpath(path, "--reward-scorer-path")
         assert component in cls.components and cls.required_tracks == ("image",)
-    with pytest.raises(ValueError, match="--reward-scorer-path"):
-        import_dotpath("trainer.rewards.color.NoSuchScorer")
+    with pytest.raises(ValueError, match="--reward-scorer-path.*has no attribute 'NoSuchScorer'"):
+        build_scorer("trainer.rewards.color.NoSuchScorer")
 
 
 # --- JPEG ------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ half-written --output-dir, and an existing non-empty --output-dir is refused.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -719,10 +718,11 @@ def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path |
 
 def load_model_adapter(dotpath: str):
     """Instantiate the model adapter class at `dotpath` ("package.module.Class")."""
-    module_name, _, cls_name = dotpath.rpartition(".")
+    from trainer.dotpath import import_dotpath
+
     try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError, ValueError) as e:
+        cls = import_dotpath(dotpath, "--model-adapter-path")
+    except ValueError as e:
         raise ExportError(f"--model-adapter-path {dotpath!r} cannot be imported ({e}); expected e.g. "
                           f"{DEFAULT_ADAPTER}") from None
     return cls()

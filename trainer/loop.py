@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from trainer.dotpath import import_dotpath
+
 log = logging.getLogger("trainer")
 
 
@@ -107,19 +109,6 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.elapsed = time.perf_counter() - self.start
-
-
-def import_dotpath(dotpath: str, flag: str) -> Any:
-    """module.attr -> the object, with an error naming the flag."""
-    import importlib
-
-    module, _, attr = dotpath.rpartition(".")
-    if not module:
-        raise ValueError(f"{flag}={dotpath!r} is not a dotpath (module.Class)")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{flag}={dotpath!r} cannot be imported: {e}") from None
 
 
 def make_replay_fn(adapter: Any, sampling: Any):

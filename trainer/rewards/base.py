@@ -11,11 +11,12 @@ converted exactly once per batch, here (`ImageBatch`), never inside a scorer.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
+
+from trainer.dotpath import import_dotpath
 
 #: the shipped scorers: component name -> dotpath (preflight and the docs refer to these)
 SHIPPED_SCORERS = {
@@ -143,20 +144,6 @@ class GenerativeRewardScorer(Protocol):
         """One fp32 CPU tensor [B] per component; NaN marks a candidate that could not be scored."""
 
 
-def import_dotpath(dotpath: str, flag: str = "--reward-scorer-path") -> Any:
-    """`package.module.Name` -> the object. Errors name the flag and what to check."""
-    module_name, _, attr = (dotpath or "").rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{flag}={dotpath!r} is not a dotpath of the form package.module.ClassName")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{flag}={dotpath!r}: cannot import module {module_name!r}: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{flag}={dotpath!r}: module {module_name!r} has no attribute {attr!r}") from None
-
 
 def resolve_scorer_path(scorer_path: str | None) -> str | None:
     """A shipped scorer's short name (its component name, e.g. "pickscore") -> its dotpath;
@@ -168,7 +155,7 @@ def build_scorer(scorer_path: str, model_path: str | None = None, device: str = 
     """Import the scorer class at `scorer_path` (a dotpath or a shipped short name) and build it
     with (model_path, device)."""
     scorer_path = resolve_scorer_path(scorer_path)
-    cls = import_dotpath(scorer_path)
+    cls = import_dotpath(scorer_path, "--reward-scorer-path")
     scorer = cls(model_path=model_path, device=device)
     for attr in ("components", "required_tracks", "score"):
         if not hasattr(scorer, attr):
