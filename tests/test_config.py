@@ -23,6 +23,7 @@ from trainer.config import (
     load_config,
     recipe_world_size,
     world_size_from_env,
+    _jsonable,
 )
 from trainer.preflight import PreflightError, validate
 
@@ -383,6 +384,23 @@ def test_configuration_doc_lists_every_flag():
     doc = (ROOT / "docs" / "configuration.md").read_text()
     missing = [spec.flag for spec in FLAGS.values() if f"`{spec.flag}`" not in doc]
     assert missing == []
+
+
+def test_configuration_doc_flag_tables_match_the_code():
+    """Every flag's row in docs/configuration.md states the code's type, default and help."""
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        m = re.match(r"^\| `(--[a-z0-9-]+)` \| ([^|]+) \| `([^`]*)` \| (.*) \|$", line)
+        if m:
+            rows[m.group(1)] = (m.group(2).strip(), m.group(3), m.group(4))
+    stale = []
+    for spec in FLAGS.values():
+        kind = spec.kind + (" or unset" if spec.optional else "")
+        want = (kind, json.dumps(_jsonable(spec.default)), spec.help)
+        if rows.get(spec.flag) != want:
+            stale.append((spec.flag, rows.get(spec.flag), want))
+    assert stale == []
 
 
 # The reference's validated LoRA launch block, verbatim but for ${MODEL_DIR} / ${DATA_DIR}.

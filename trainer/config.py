@@ -493,7 +493,9 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     tensorboard_dir: str | None = _flag(
-        None, "TensorBoard event directory; unset = console metrics only."
+        None,
+        "TensorBoard event directory; unset = <save>/tensorboard when --save is set, else "
+        "console metrics only."
     )
     use_wandb: bool = _flag(
         False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
