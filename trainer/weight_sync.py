@@ -576,7 +576,7 @@ class WeightSyncer:
             if engine_version is not None and getattr(engine, "policy_version", engine_version) != engine_version:
                 engine.commit_weight_version(engine_version)
         except Exception:  # the sync error is what the caller must see; this is best effort
-            log.exception("could not restore the engine's policy_version to %d", self.policy_version)
+            log.exception("could not restore the engine's policy_version to %d", engine_version)
 
     def _handoff(self, model: nn.Module, engine: Any, version: int) -> WeightManifest:
         buckets = iter_sync_buckets(model, self.kind, wire_dtype=self.wire_dtype, bucket_bytes=self.bucket_bytes,
