@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trainer.data import (DataError, PromptDataset, PromptOrder, canonical_json, content_hash,
-                          load_eval_sets, split_unit, stable_sample_id)
+                          load_eval_sets, split_unit, stable_sample_id, write_jsonl)
 
 
 def write_lines(path, lines):
@@ -154,3 +154,18 @@ def test_canonical_json_is_sorted_compact_utf8():
 def test_module_does_not_import_torch():
     code = "import sys, trainer.data; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_write_jsonl_failure_keeps_the_old_file_and_leaves_no_tmp(tmp_path):
+    path = tmp_path / "p.jsonl"
+    assert write_jsonl(path, [{"prompt": "old"}]) == 1
+    before = path.read_bytes()
+
+    def rows():
+        yield {"prompt": "new"}
+        raise DataError("source broke mid-way")
+
+    with pytest.raises(DataError, match="mid-way"):
+        write_jsonl(path, rows())
+    assert path.read_bytes() == before
+    assert not (tmp_path / "p.jsonl.tmp").exists()

@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.data import (DataError, canonical_json, content_hash, normalize_prompt, read_jsonl,
-                          stable_sample_id, where)
+from trainer.data import (DataError, content_hash, normalize_prompt, read_jsonl, stable_sample_id, where,
+                          write_jsonl)
 from trainer.models.base import GENERATION_TASKS
 
 #: rows per pyarrow record batch: bounds memory whatever the file size
@@ -137,37 +137,26 @@ def prepare(source: str, input_path: str, task: str, output: str, column: str | 
     # id -> full content hash: a 64-bit id collision between two different prompts is reported,
     # not merged. ~100 bytes per distinct prompt.
     seen: dict[str, str] = {}
-    out_path = os.fspath(output)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            for origin, raw in CONVERTERS[source](input_path, column):
-                counts["read"] += 1
-                prompt = normalize_prompt(raw) if raw is not None else ""
-                if not prompt:
-                    counts["empty"] += 1
-                    continue
-                full = content_hash(prompt)
-                sid = stable_sample_id(prefix, prompt)
-                if sid in seen:
-                    if seen[sid] != full:
-                        raise DataError(f"{origin}: sample id {sid} collides with a different prompt "
-                                        "(64-bit hash collision); use another --id-prefix for one of the sources")
-                    counts["duplicate"] += 1
-                    continue
-                seen[sid] = full
-                f.write(canonical_json({"prompt": prompt, "metadata": {"sample_id": sid, "source": source,
-                                                                       "task": task}}))
-                f.write("\n")
-                counts["written"] += 1
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, out_path)
+
+    def rows() -> Iterator[dict]:
+        for origin, raw in CONVERTERS[source](input_path, column):
+            counts["read"] += 1
+            prompt = normalize_prompt(raw) if raw is not None else ""
+            if not prompt:
+                counts["empty"] += 1
+                continue
+            full = content_hash(prompt)
+            sid = stable_sample_id(prefix, prompt)
+            if sid in seen:
+                if seen[sid] != full:
+                    raise DataError(f"{origin}: sample id {sid} collides with a different prompt "
+                                    "(64-bit hash collision); use another --id-prefix for one of the sources")
+                counts["duplicate"] += 1
+                continue
+            seen[sid] = full
+            yield {"prompt": prompt, "metadata": {"sample_id": sid, "source": source, "task": task}}
+
+    counts["written"] = write_jsonl(output, rows())
     return counts
 
 

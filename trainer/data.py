@@ -66,19 +66,25 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
     """Write ``rows`` as canonical JSON lines ending in "\\n"; returns the row count.
 
     Written to ``<path>.tmp`` and renamed over ``path`` only when complete, so a crash never
-    leaves a half-written prompt file under the real name.
+    leaves a half-written prompt file under the real name; if ``rows`` (or the write) raises, the
+    ``.tmp`` file is removed and the error propagates.
     """
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     n = 0
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        for row in rows:
-            f.write(canonical_json(row))
-            f.write("\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            for row in rows:
+                f.write(canonical_json(row))
+                f.write("\n")
+                n += 1
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
     return n
 
