@@ -104,6 +104,7 @@ def test_a_present_loop_gets_the_config(recipe_env, monkeypatch):
     assert train.main(["--config", str(LORA), "--lr", "1e-4"]) == 0
     assert len(seen) == 1 and seen[0].optim.lr == 1e-4
     assert recipes == [str(LORA)]
+    assert train.main([f"--config={LORA}"]) == 0 and recipes[-1] == str(LORA)
     # a bad config never reaches the loop
     assert train.main(["--config", str(LORA), "--kl-coef", "1"]) == 2
-    assert len(seen) == 1
+    assert len(seen) == 2

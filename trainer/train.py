@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from trainer.config import ConfigError, format_help, load_config, world_size_from_env
+from trainer.config import ConfigError, format_help, load_config, parse_cli, world_size_from_env
 from trainer.preflight import PreflightError, validate
 
 EXIT_CONFIG = 2
@@ -21,15 +21,6 @@ EXIT_CONFIG = 2
 
 def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
-
-
-def _recipe_path(argv: list[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--config="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     # The loop is imported only after preflight so a bad config never pays for torch.
     from trainer.loop import run
 
-    result = run(cfg, recipe=_recipe_path(argv))
+    recipe, _ = parse_cli(argv)  # load_config parsed it already, so this cannot raise
+    result = run(cfg, recipe=recipe)
     return int(result) if isinstance(result, int) else 0
 
 
