@@ -1,6 +1,9 @@
 """The training loop: one FlowGRPO step per rollout id, read top to bottom as named stages.
 
-    plan -> rollout -> reward -> update -> sync -> eval -> checkpoint -> log
+    plan -> rollout -> reward -> update -> sync -> checkpoint -> eval -> log
+
+(the checkpoint comes before eval because DCP needs the actor resident, and under
+--offload-train the actor leaves the device as soon as the sync is done)
 
 Every rank runs the same loop on its own share of the rollout: it generates its contiguous
 block of the global (group, slot) candidate list, scores it, all-gathers the small reward
@@ -184,7 +187,8 @@ class Trainer:
         self.metrics = MetricsLogger(tb_dir, self.rank)
         self.checkpoint_failures = 0
         self.start_rollout = 0
-        self.first_rewards: list[float] = []
+        #: reward component names, as the scorer returned them on the latest rollout
+        self.components: list[str] = []
 
     # -- start-up ------------------------------------------------------------------------------
     def write_recipe_record(self) -> Path | None:
@@ -278,6 +282,7 @@ class Trainer:
                                         std_mode=std_mode, score_time=scored.score_time)
         m["perf/reward_time"] = t.elapsed
         m.update(reward.metrics)
+        self.components = sorted(reward.components)
 
         # 4. update: the actor owns the device
         with Timer(self.device) as t:
@@ -309,7 +314,7 @@ class Trainer:
         # 6. checkpoint (the actor is still resident, which DCP needs)
         if self._due(k, cfg.checkpoint.save_interval) and cfg.checkpoint.save:
             with Timer(self.device) as t:
-                m["train/checkpoint_failures"] = float(self.save(k))
+                self.save(k)
             m["perf/checkpoint_time"] = t.elapsed
 
         # the device goes back to the engine for the next rollout
@@ -389,7 +394,7 @@ class Trainer:
                 out_m[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
         return out_m
 
-    def save(self, k: int) -> int:
+    def save(self, k: int) -> None:
         """One checkpoint of rollout k; a failed write is counted, never fatal."""
         from trainer.checkpoint import save_checkpoint
 
@@ -407,21 +412,18 @@ class Trainer:
         manifest = None if man is None else {"kind": man.kind, "tensor_count": man.tensor_count,
                                              "total_bytes": man.total_bytes, "name_shape_hash": man.name_shape_hash,
                                              "version": man.version}
-        keep = int(cfg.checkpoint.max_actor_ckpt_to_keep or 0) if cfg.checkpoint.rotate_ckpt or cfg.checkpoint.max_actor_ckpt_to_keep else 0
         ok = save_checkpoint(cfg.checkpoint.save, self.task, k, model=self.actor.model, optimizer=self.actor.optimizer,
                              trainer_state=state, weight_sync_manifest=manifest, adapter_contract=self.contract,
-                             trainable_only=self.actor.mode == "lora", max_to_keep=keep)
+                             trainable_only=self.actor.mode == "lora",
+                             max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0))
         if not ok:
             self.checkpoint_failures += 1
-        return self.checkpoint_failures
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         from tqdm import tqdm
 
-        cfg = self.cfg
-        num_rollout = int(cfg.rollout.num_rollout)
-        components = list(cfg.reward.reward_component_weights or {}) or list(cfg.reward.reward_required_components or [])
+        num_rollout = int(self.cfg.rollout.num_rollout)
         bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=self.rank != 0,
                    dynamic_ncols=True, leave=True)
         history = []
@@ -430,13 +432,9 @@ class Trainer:
             self.metrics.log(k, metrics)
             history.append(metrics)
             if self.rank == 0:
-                if not components:
-                    components = sorted(c[len("reward/"):-len("_mean")] for c in metrics
-                                        if c.startswith("reward/") and c.endswith("_mean") and "advantage" not in c
-                                        and "group_std" not in c)
-                bar.write(self.metrics.console_line(k, metrics, components))
+                bar.write(self.metrics.console_line(k, metrics, self.components))
         self.metrics.close()
-        return {"history": history, "components": components}
+        return {"history": history, "components": self.components}
 
 
 def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
