@@ -119,7 +119,8 @@ def never_trained_param_names(model: nn.Module) -> list[str]:
     return dead
 
 
-def _is_lora_name(name: str) -> bool:
+def is_lora_name(name: str) -> bool:
+    """Whether a parameter name is a LoRA A/B tensor (peft: "....lora_A.default.weight")."""
     parts = name.split(".")
     return "lora_A" in parts or "lora_B" in parts
 
@@ -151,7 +152,7 @@ def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha
     inject_adapter_in_model(config, model)
     n_lora = 0
     for name, p in model.named_parameters():
-        is_lora = _is_lora_name(name)
+        is_lora = is_lora_name(name)
         p.requires_grad_(is_lora)
         n_lora += int(is_lora)
     if n_lora == 0:
@@ -199,7 +200,7 @@ def _assert_trainable_boundary(model: nn.Module, mode: str, never_trained: Itera
     n_lora = 0
     for name, p in model.named_parameters():
         mname = model_name(name)
-        is_lora = _is_lora_name(mname)
+        is_lora = is_lora_name(mname)
         n_lora += int(is_lora)
         n_train += int(p.requires_grad)
         if mode == "full":
@@ -321,10 +322,13 @@ def slice_batch(batch: dict[str, Any], start: int, end: int, n: int) -> dict[str
     return out
 
 
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+def reshard_all(model: nn.Module) -> None:
+    """Put every FSDP2 unit of `model` back to its sharded parameters (a no-op for sharded ones)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -701,8 +705,7 @@ class Actor:
             raise OffloadError("actor is already offloaded: call onload() first")
         if any(p.grad is not None for p in self.model.parameters()):
             raise OffloadError("actor still holds gradients; offload after optimizer.zero_grad(set_to_none=True)")
-        for m in _fsdp_modules(self.model):
-            m.reshard()
+        reshard_all(self.model)
         t0 = time.perf_counter()
         pin = self.device.type == "cuda"
         freed = self._params_off.release(self._param_tensors(), pin)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from trainer.actor import DTYPES, is_lora_name, reshard_all
 from trainer.engine.base import WeightManifest, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,6 @@ WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig
 #: prefixes inserted by peft's PeftModel
 WRAPPER_PREFIXES = ("base_model.model.",)
 
-WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SYNC_KINDS = ("full", "merged", "adapter")
 
 
@@ -273,7 +273,7 @@ def iter_sync_tensors(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
         return name, (tensor if wire_dtype is None else tensor.to(wire_dtype))
 
     for raw_name, param in model.named_parameters():
-        is_lora = any(seg in raw_name.split(".") for seg in ("lora_A", "lora_B"))
+        is_lora = is_lora_name(raw_name)
         if kind == "adapter":
             if is_lora:
                 yield out(raw_name, _full(param))
@@ -399,19 +399,6 @@ def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | 
     return out  # type: ignore[return-value]
 
 
-def _reshard_all(model: nn.Module) -> None:
-    """Put every FSDP2 unit back to its sharded parameters (a no-op for sharded ones): an unsharded
-    parameter left by a forward without reshard holds the all-gathered param_dtype copy, not the
-    master values, and its memory is better free during a sync."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # no FSDP2 in this torch: nothing can be unsharded
-        return
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | None, bucket_bytes: int,
                       name_map: Callable[[str], str] | None = None,
                       adapter_name: str = "default") -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -430,7 +417,9 @@ def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
     adapter: only lora_A / lora_B weights.
     """
     loras = _check_kind(model, kind)
-    _reshard_all(model)
+    # an unsharded parameter left by a forward without reshard holds the all-gathered param_dtype
+    # copy, not the master values, and its memory is better free during a sync
+    reshard_all(model)
     base_weight_of = {f"{n}.base_layer.weight": m for n, m in loras.items()}
     name_map = name_map or (lambda n: n)
     wire_size = None if wire_dtype is None else torch.empty((), dtype=wire_dtype).element_size()
@@ -455,7 +444,7 @@ def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
         return named
 
     for raw_name, param in model.named_parameters():
-        is_lora = any(seg in raw_name.split(".") for seg in ("lora_A", "lora_B"))
+        is_lora = is_lora_name(raw_name)
         name = name_map(strip_wrapper_segments(raw_name, adapter_name))
         if kind == "adapter":
             if not is_lora:
@@ -511,14 +500,14 @@ class WeightSyncer:
                  verify_checksum: bool = True, policy_version: int = 0) -> None:
         if kind not in SYNC_KINDS:
             raise ValueError(f"--weight-sync-mode resolves to one of {SYNC_KINDS}, got {kind!r}")
-        if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"--weight-sync-wire-dtype must be one of {tuple(WIRE_DTYPES)}, got {wire_dtype!r}")
+        if wire_dtype is not None and wire_dtype not in DTYPES:
+            raise ValueError(f"--weight-sync-wire-dtype must be one of {tuple(DTYPES)}, got {wire_dtype!r}")
         if bucket_size_mb <= 0:
             raise ValueError(f"--weight-sync-bucket-size-mb must be > 0, got {bucket_size_mb}")
         if kind == "adapter" and not lora_config:
             raise ValueError("adapter sync needs lora_config (rank, alpha, target_modules)")
         self.kind = kind
-        self.wire_dtype = None if wire_dtype is None else WIRE_DTYPES[wire_dtype]
+        self.wire_dtype = None if wire_dtype is None else DTYPES[wire_dtype]
         self.bucket_bytes = int(bucket_size_mb * 1024 * 1024)
         self.name_map = name_map
         self.lora_config = dict(lora_config or {})

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, merged_state,  # noqa: E402
                              replay, tiny_transformer)
-from trainer.actor import Actor, MicroBatchMismatchError, apply_lora, model_name  # noqa: E402
+from trainer.actor import Actor, MicroBatchMismatchError, apply_lora, model_name, reshard_all  # noqa: E402
 from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit  # noqa: E402
 from trainer.engine.base import WeightManifest, WeightSyncError  # noqa: E402
 from trainer.weight_sync import WeightSyncer  # noqa: E402
@@ -176,9 +176,9 @@ def bucket_checks(lora_model, plain: ReceiverEngine, mesh, checks: dict) -> None
 
     full_model = Actor(tiny_transformer(seed=3), mesh, make_cfg("full"),
                        device=torch.device("cpu")).model
-    from trainer.weight_sync import _reshard_all, _shard0_rows
+    from trainer.weight_sync import _shard0_rows
 
-    _reshard_all(lora_model)
+    reshard_all(lora_model)
     # every parameter takes the grouped all-gather path (none falls back to full_tensor())
     checks["bucketed_path_gathers_every_param"] = all(
         _shard0_rows(p) is not None for m in (full_model, lora_model) for p in m.parameters())
