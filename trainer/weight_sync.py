@@ -233,6 +233,16 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         return acc.hexdigest()
 
 
+def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+               wire_dtype: torch.dtype | None) -> torch.Tensor:
+    """W' = W + (B @ A) * scaling, computed in fp32, returned in wire_dtype (None: W's dtype).
+
+    w [out, in], a [rank, in], b [out, rank], any float dtypes (the master values). fp32 because an
+    RL update is ~1e-4 relative to W: added in bf16 it would round away."""
+    merged = w.float() + (b.float() @ a.float()) * float(scaling)
+    return merged.to(w.dtype if wire_dtype is None else wire_dtype)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on this rank (DTensor.full_tensor() is a collective)."""
     from torch.distributed.tensor import DTensor
@@ -284,11 +294,8 @@ def iter_sync_tensors(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
             m = base_weight_of[raw_name]
             if adapter_name not in m.lora_A:
                 raise WeightSyncError(f"{raw_name}: LoRA adapter {adapter_name!r} missing on this module")
-            a = _full(m.lora_A[adapter_name].weight).float()
-            b = _full(m.lora_B[adapter_name].weight).float()
-            w = _full(param)
-            merged = w.float() + (b @ a) * float(m.scaling[adapter_name])
-            yield out(raw_name, merged.to(w.dtype if wire_dtype is None else wire_dtype))
+            a, b = _full(m.lora_A[adapter_name].weight), _full(m.lora_B[adapter_name].weight)
+            yield out(raw_name, merge_lora(_full(param), a, b, m.scaling[adapter_name], wire_dtype))
         else:
             yield out(raw_name, _full(param))
 
@@ -438,9 +445,7 @@ def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
             if lora is None:
                 named.append((name, got[0]))
             else:
-                w, a, b = got
-                merged = w.float() + (b.float() @ a.float()) * float(lora.scaling[adapter_name])
-                named.append((name, merged.to(w.dtype if wire_dtype is None else wire_dtype)))
+                named.append((name, merge_lora(*got, lora.scaling[adapter_name], wire_dtype)))
         return named
 
     for raw_name, param in model.named_parameters():
