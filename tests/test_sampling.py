@@ -90,6 +90,9 @@ def test_parse_collects_every_problem_in_one_error():
         assert f"key '{key}'" in msg
     # indices are range-checked against num_inference_steps only when that key is valid
     assert "key 'sde_indices'" not in msg
+    # the same problems as data, for preflight: one line each, and the keys they name
+    assert isinstance(e.value, sp.SamplingConfigError) and e.value.problems == [ln.strip() for ln in lines]
+    assert e.value.keys == set(bad) - {"sde_indices"}
     with pytest.raises(ValueError, match=r"'sde_indices': step indices \[12\] are outside \[0, num_inference_steps=12\)"):
         sp.parse_sampling_config({"sde_indices": [1, 12]})
 

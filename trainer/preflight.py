@@ -27,7 +27,7 @@ from trainer.config import (
     resolve_scorer_path,
 )
 from trainer.models.base import GENERATION_TASKS
-from trainer.sampling import parse_sampling_config, trainable_step_zero_routes
+from trainer.sampling import SamplingConfigError, parse_sampling_config, trainable_step_zero_routes
 
 HEADER = "Generative RL config validation failed:"
 
@@ -300,19 +300,14 @@ def _check_sampling(cfg: RunConfig, errors: list[str]) -> None:
     raw = cfg.rollout.sampling_config
     try:
         parsed = parse_sampling_config(raw)
-    except ValueError as exc:
-        # The first line is a summary ("invalid --sampling-config (N problems):"); every
-        # further line already names the flag and the key.
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        detail = [ln for ln in lines if not ln.startswith("invalid --sampling-config")]
-        errors.extend(detail or lines)
+    except SamplingConfigError as exc:
+        errors.extend(exc.problems)
         # Still report step-0 routes: re-parse without the keys already reported, so one run
         # of preflight lists both kinds of problem.
-        bad = set(re.findall(r"key '([^']+)'", str(exc)))
-        rest = {k: v for k, v in (raw or {}).items() if k not in bad}
+        rest = {k: v for k, v in (raw or {}).items() if k not in exc.keys}
         try:
             parsed = parse_sampling_config(rest)
-        except ValueError:
+        except SamplingConfigError:
             return
         errors.extend(trainable_step_zero_routes(parsed))
         return

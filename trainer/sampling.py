@@ -31,6 +31,21 @@ SAMPLE_ID_MODES = ("metadata", "positional", "group_index")
 _FLAG = "--sampling-config"
 
 
+class SamplingConfigError(ValueError):
+    """An invalid `--sampling-config` object: every problem at once.
+
+    `problems` holds one line per problem, each naming `--sampling-config` and the key;
+    `keys` the keys those lines are about (preflight re-parses without them, so a trained
+    step 0 is still reported next to an unrelated bad key).
+    """
+
+    def __init__(self, problems: list[str], keys: set[str]):
+        self.problems = list(problems)
+        self.keys = frozenset(keys)
+        n = len(self.problems)
+        super().__init__(f"invalid {_FLAG} ({n} problem{'s' if n > 1 else ''}):\n  " + "\n  ".join(self.problems))
+
+
 @dataclass
 class SamplingConfig:
     """Every `--sampling-config` key with its default (the reference's table).
@@ -116,8 +131,8 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
     """`--sampling-config` (a dict, a JSON object string, or None for all defaults) ->
     a validated SamplingConfig.
 
-    Every problem is collected and raised as ONE ValueError, one line per problem, each naming
-    `--sampling-config` and the key: unknown keys (with a did-you-mean), wrong types, and bad
+    Every problem is collected and raised as ONE SamplingConfigError (a ValueError), one line
+    per problem, each naming `--sampling-config` and the key: unknown keys (with a did-you-mean), wrong types, and bad
     values (sde_type, sample_id_mode, eta < 0, non-positive sizes, a fraction that is not
     0 <= lo < hi <= 1, step indices outside [0, num_inference_steps), a redraw larger than its
     pool, ...). Trained step 0 is NOT an error here; preflight asks
@@ -137,9 +152,11 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
         raise ValueError(f"{_FLAG} must be a JSON object (a dict of keys), got {type(d).__name__}")
 
     errors: list[str] = []
+    bad_keys: set[str] = set()
 
     def err(key: str, msg: str) -> None:
         errors.append(f"{_FLAG} key '{key}': {msg}")
+        bad_keys.add(key)
 
     for key in d:
         if key not in _KEYS:
@@ -273,8 +290,7 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
                 "transition log-prob. Use eta > 0 (the recipes use 0.7)")
 
     if errors:
-        raise ValueError(f"invalid {_FLAG} ({len(errors)} problem{'s' if len(errors) > 1 else ''}):\n  "
-                         + "\n  ".join(errors))
+        raise SamplingConfigError(errors, bad_keys)
     return cfg
 
 
