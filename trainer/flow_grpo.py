@@ -1,7 +1,7 @@
 """The FlowGRPO math: one Flow-SDE transition, its log-prob, the clipped objective and the
 group-normalised advantages.
 
-Pure torch, no framework imports. This module is the single source of truth shared by the
+Pure torch, no framework imports (only the torch-free `trainer.sampling` for the sde_type names). This module is the single source of truth shared by the
 rollout engine (which samples with `sde_step` / `ode_step`) and the actor (which replays a
 recorded transition with `replay_transition_logp`), so that the first on-policy update sees a
 ratio of exactly 1.
@@ -26,7 +26,8 @@ from typing import Mapping
 
 import torch
 
-SDE_TYPES = ("sde", "dance")
+from trainer.sampling import SDE_TYPES  # the --sampling-config vocabulary, one definition (torch-free)
+
 STD_MODES = ("group", "batch", "none")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
