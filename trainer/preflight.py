@@ -74,7 +74,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> list[str]:
     _check_sampling(cfg, errors)
     _check_colocate(cfg, world, errors)
     _check_geometry(cfg, world, errors, warnings)
-    _check_grpo(cfg, errors, warnings)
+    _check_grpo(cfg, errors)
     _check_optim(cfg, errors, warnings)
     _check_reward(cfg, errors)
     _check_artifacts_eval_ckpt(cfg, errors, warnings)
@@ -408,7 +408,7 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
             f"--n-samples-per-prompt {r.n_samples_per_prompt} = {total}; set it to {total} or leave it unset"
         )
         return
-    if world is None or world < 1:
+    if world is None:
         return
     if total % world:
         errors.append(
@@ -434,7 +434,7 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
         )
 
 
-def _check_grpo(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
     g = cfg.grpo
     if g.advantage_estimator != "grpo":
         errors.append(f"--advantage-estimator {g.advantage_estimator!r}: only 'grpo' is supported")
