@@ -383,10 +383,6 @@ class PromptOrder:
         self._cached_epoch: int | None = None
         self._cached_perm: np.ndarray | None = None
 
-    def epoch_of(self, rollout_id: int) -> int:
-        """The epoch rollout ``rollout_id`` belongs to."""
-        return rollout_id // self.batches_per_epoch
-
     def permutation(self, epoch: int) -> np.ndarray:
         """Epoch ``epoch``'s prompt order (int64 [num_prompts]); the last one is cached."""
         if self._cached_epoch != epoch:
