@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tools.make_tiny_model import QWEN_IMAGE_SCHEDULER_CONFIG
 from trainer import sampling as sp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,24 +24,8 @@ RECIPE = {
     "sde_pool": [1, 2, 3, 4, 5], "driver_xt": True, "sample_id_mode": "metadata",
 }
 
-# Qwen/Qwen-Image scheduler/scheduler_config.json (public).
-QWEN_IMAGE_SCHEDULER = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "invert_sigmas": False,
-    "max_image_seq_len": 8192,
-    "max_shift": 0.9,
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "shift_terminal": 0.02,
-    "stochastic_sampling": False,
-    "time_shift_type": "exponential",
-    "use_beta_sigmas": False,
-    "use_dynamic_shifting": True,
-    "use_exponential_sigmas": False,
-    "use_karras_sigmas": False,
-}
+# Qwen/Qwen-Image scheduler/scheduler_config.json (public), as saved with its class name.
+QWEN_IMAGE_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", **QWEN_IMAGE_SCHEDULER_CONFIG}
 
 
 # ---------------------------------------------------------------- config keys
