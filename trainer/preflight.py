@@ -121,14 +121,14 @@ def _positive_int(flag: str, value: int | None, errors: list[str], *, minimum: i
 
 def _need_existing(flag: str, value: str | None, kind: str, errors: list[str], *, required: bool) -> None:
     """`kind` is 'dir' or 'file'."""
+    what = "directory" if kind == "dir" else "file"
     if not value:
         if required:
-            errors.append(f"{flag} is required (an existing {'directory' if kind == 'dir' else 'file'})")
+            errors.append(f"{flag} is required (an existing {what})")
         return
     p = Path(value)
     ok = p.is_dir() if kind == "dir" else p.is_file()
     if not ok:
-        what = "directory" if kind == "dir" else "file"
         state = "is not a " + what if p.exists() else "does not exist"
         errors.append(f"{flag} {value}: {state}; point it at an existing local {what} (nothing is downloaded)")
 
