@@ -35,6 +35,7 @@ half-written --output-dir, and an existing non-empty --output-dir is refused.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -622,7 +623,9 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     changed = 0
     shape_bad: list[str] = sorted(set(expected_shapes) - set(written_located))
     for fname in sorted(set(written_located.values())):
-        with safe_open(str(out / "transformer" / fname), "pt") as fw:
+        with contextlib.ExitStack() as files:
+            fw = files.enter_context(safe_open(str(out / "transformer" / fname), "pt"))
+            base_files: dict[str, Any] = {}  # each base shard opened once, not once per tensor
             keys = list(fw.keys())
             trained = ckpt.tensors.load([k for k in keys if k in ckpt.tensors]) if ckpt.mode == "full" else {}
             for name in keys:
@@ -631,8 +634,10 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
                     shape_bad.append(name)
                 if name not in base_located:
                     continue
-                with safe_open(str(base / "transformer" / base_located[name]), "pt") as fb:
-                    base_w = fb.get_tensor(name)
+                bname = base_located[name]
+                if bname not in base_files:
+                    base_files[bname] = files.enter_context(safe_open(str(base / "transformer" / bname), "pt"))
+                base_w = base_files[bname].get_tensor(name)
                 module = name[: -len(".weight")] if name.endswith(".weight") else None
                 if ckpt.mode == "full":
                     want = trained.get(name, base_w)
