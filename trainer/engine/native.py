@@ -458,7 +458,7 @@ class NativeEngine:
         the LoRA config used."""
         from safetensors.torch import load_file
 
-        from trainer.weight_sync import build_manifest
+        from trainer.weight_sync import build_manifest, strip_wrapper_segments
 
         d = Path(path)
         cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
@@ -467,12 +467,10 @@ class NativeEngine:
                                     "adapter_config.json and adapter_model.safetensors")
         raw = json.loads(cfg_file.read_text())
         cfg = {"rank": raw.get("r"), "alpha": raw.get("lora_alpha"), "target_modules": raw.get("target_modules")}
-        named = []
-        for key, tensor in load_file(str(weights)).items():
-            for prefix in ("base_model.model.", "transformer."):
-                if key.startswith(prefix):
-                    key = key[len(prefix):]
-            named.append((key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."), tensor))
+        # peft's "base_model.model." prefix and adapter-name segment go as in a sync; a diffusers
+        # pipeline-level LoRA file also prefixes the component ("transformer.")
+        named = [(strip_wrapper_segments(key).removeprefix("transformer."), tensor)
+                 for key, tensor in load_file(str(weights)).items()]
         self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
         return _normalize_lora_config(cfg)
 
