@@ -373,9 +373,6 @@ class NativeEngine:
             cached = self._weights_index = (version, params, model_has_lora(self.transformer))
         return cached
 
-    def _engine_named_params(self) -> dict[str, torch.nn.Parameter]:
-        return self._weight_index(None)[1]
-
     def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
         """Copy transformer tensors (diffusers names; all of them or one bucket of a sync) into
         the existing parameters. Everything is checked before anything is copied: the manifest
@@ -481,8 +478,7 @@ class NativeEngine:
         from trainer.weight_sync import weights_checksum
 
         self._require_resident(("transformer",), "get_weights_checksum")
-        cached = self._weights_index
-        params = cached[1] if cached is not None else self._engine_named_params()
+        params = (self._weights_index or self._weight_index(None))[1]
         return weights_checksum(params.items())
 
     def commit_weight_version(self, version: int) -> None:
