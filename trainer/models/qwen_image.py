@@ -97,12 +97,9 @@ def check_model_dir(model_path: str | os.PathLike, subfolders: Sequence[str] = (
     return path
 
 
-def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None, revision: str | None = None):
+def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None):
     """QwenImageTransformer2DModel from `<model_path>/transformer`, local files only, eval mode.
-
-    `dtype` None keeps the stored dtype. `revision` only labels the run (loading is always from
-    the local directory) and is accepted for the protocol's sake.
-    """
+    `dtype` None keeps the stored dtype."""
     from diffusers import QwenImageTransformer2DModel
 
     path = check_model_dir(model_path, ("transformer",))
@@ -263,17 +260,6 @@ def select_candidates(batch: dict[str, Any], index) -> dict[str, Any]:
     return out
 
 
-def batch_to(batch: dict[str, Any], device, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """A copy of `batch` with its tensors on `device`; with `dtype`, the latents and the
-    prompt embeddings are cast too (sigmas / log-probs stay fp32)."""
-    out = dict(batch)
-    for key, value in batch.items():
-        if torch.is_tensor(value):
-            cast = dtype if (dtype is not None and key in ("latents", "next_latents", "prompt_embeds")) else None
-            out[key] = value.to(device=device, dtype=cast) if cast is not None else value.to(device)
-    return out
-
-
 def _as_list(x) -> list:
     if torch.is_tensor(x):
         return [int(v) for v in x.reshape(-1).tolist()]
@@ -294,8 +280,9 @@ class QwenImageAdapter:
     # -- loading --------------------------------------------------------------------------
 
     def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None):
-        """Only the trainable transformer (frozen text encoder / VAE belong to the engine)."""
-        model = load_qwen_image_transformer(model_path, dtype=dtype, revision=revision)
+        """Only the trainable transformer (frozen text encoder / VAE belong to the engine).
+        `revision` only labels the run: loading is always from the local directory."""
+        model = load_qwen_image_transformer(model_path, dtype=dtype)
         self.vae_scale_factor = read_vae_scale_factor(model_path)
         return model
 
