@@ -642,9 +642,9 @@ def phase_replay(c: Ctx, actor, batch: dict, replay_fn, mode: str) -> None:
 
 def phase_update(c: Ctx, actor, batch: dict, adv, valid, replay_fn, mode: str) -> float:
     """update_s: Actor.train_step over the rank's candidates (anchor + num_updates updates)."""
-    actor.train_step(batch, adv, replay_fn, valid=valid, slice_fn=_select)  # warm-up (AdamW state)
+    actor.train_step(batch, adv, replay_fn, valid=valid)  # warm-up (AdamW state)
     with timed(c.device) as t:
-        metrics = actor.train_step(batch, adv, replay_fn, valid=valid, slice_fn=_select)
+        metrics = actor.train_step(batch, adv, replay_fn, valid=valid)
     sec = c.rep.reduce(t[0], "max")
     c.rep.emit(f"update_s_{mode}", sec, "s", mode=mode, optimizer_steps=metrics.get("train/optimizer_steps"),
                transitions=int(adv.shape[0]) * len(c.sde_indices))
@@ -720,7 +720,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
                 actor.onload()
             stages["swap_to_train"] = t[0]
         with timed(c.device) as t:
-            actor.train_step(batch, adv, replay_fn, valid=valid, slice_fn=_select)
+            actor.train_step(batch, adv, replay_fn, valid=valid)
         stages["update"] = t[0]
         if a.offload:
             with timed(c.device) as t:
@@ -733,13 +733,6 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
     c.rep.emit("step_s", total[0], "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
                reward_degenerate=degenerate, candidates=len(responses))
     c.rep.phase_memory("step")
-
-
-def _select(b, s, e):
-    """Actor.train_step's slice_fn for a Qwen-Image trajectory batch: candidates [s, e)."""
-    from trainer.models.qwen_image import select_candidates
-
-    return select_candidates(b, slice(s, e))
 
 
 def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:

@@ -482,7 +482,7 @@ class Actor:
         advantages: [n]; valid: [n] bool (False = candidate of a failed reward group: replayed so
         every rank runs the same collectives, but excluded from the loss); replay_fn(model, rows)
         -> logp [b, S] (fp32 preferred); slice_fn(batch, start, end) -> rows [start, end) (default
-        slice_batch; Qwen-Image: lambda b, s, e: select_candidates(b, slice(s, e))).
+        slice_batch, which is what the training loop uses for Qwen-Image's batch: views, no copy).
 
         1. plan: n split into num_updates_per_batch disjoint equal parts of micro-batches; ranks
            MAX-check they agree on the micro-batch count (raise, never deadlock).

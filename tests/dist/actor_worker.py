@@ -220,7 +220,7 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     """The Qwen-Image adapter + native engine on the tiny pipeline: rollout -> replay parity ->
     update -> sync -> the engine's DiT is the actor's gathered weights, and it samples with them."""
     from trainer.engine.native import NativeEngine
-    from trainer.models.qwen_image import QwenImageAdapter, select_candidates
+    from trainer.models.qwen_image import QwenImageAdapter
     from trainer.sampling import parse_sampling_config
 
     adapter, sampling = QwenImageAdapter(), parse_sampling_config(SAMPLING)
@@ -238,9 +238,6 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
         return torch.stack([adapter.replay_transition(model, rows, c, sampling)
                             for c in range(rows["latents"].shape[1])], dim=1)
 
-    def cut(b, s, e):
-        return select_candidates(b, slice(s, e))
-
     responses = rollout(engine, 11)
     batch = adapter.pack_trajectory(responses)
     adv = ADV[rank]
@@ -251,7 +248,7 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     figures["real_replay_vs_sampler_max_abs"] = float((anchor - batch["log_probs"]).abs().max())
     checks["real_replay_matches_sampler_logprob"] = figures["real_replay_vs_sampler_max_abs"] <= 1e-5
     before = gathered(actor.model)
-    m = actor.train_step(batch, adv, replay_fn, slice_fn=cut)
+    m = actor.train_step(batch, adv, replay_fn)  # default slicing, as trainer/loop.py
     after = gathered(actor.model)
     trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
     checks["real_full_every_trainable_changed"] = all(not torch.equal(before[n], after[n]) for n in trainable)
@@ -273,7 +270,7 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     # LoRA: adapter sync into a fresh engine, then a merged sync into it must be refused by both sides
     lcfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32")
     lactor = Actor.from_adapter(adapter, model_dir, mesh, lcfg, device=torch.device("cpu"))
-    lactor.train_step(batch, adv, replay_fn, slice_fn=cut)
+    lactor.train_step(batch, adv, replay_fn)
     leng = NativeEngine(model_dir, device="cpu", dtype=torch.float32)
     WeightSyncer("adapter", wire_dtype="fp32", lora_config=lactor.lora_config,
                  name_map=adapter.weight_name_map).sync(lactor.model, leng)
