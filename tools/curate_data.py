@@ -199,12 +199,11 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
 
     out_abs = os.path.abspath(out_dir)
     rows = [(rec.sample_id, rebase_media(rec, src_dir, out_abs).to_dict()) for _, rec in kept]
-    plan = [(out_paths[0], lambda sid: sid not in eval_ids), (out_paths[1], lambda sid: sid in eval_ids)]
-    plan += [(p, (lambda s: lambda sid: sid in s)(s)) for p, s in zip(out_paths[2:], subsets)]
-    for path, member in plan:
+    train_ids = {sid for sid, _ in rows} - eval_ids
+    for path, members in zip(out_paths, [train_ids, eval_ids, *subsets]):
         if os.path.exists(path):
             report.replaced.append(path)
-        report.written[path] = write_jsonl(path, (row for sid, row in rows if member(sid)))
+        report.written[path] = write_jsonl(path, (row for sid, row in rows if sid in members))
     report.train = report.written[out_paths[0]]
     report.eval = report.written[out_paths[1]]
     written = {os.path.abspath(p) for p in out_paths}
