@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.loop import run
 
     recipe, _ = parse_cli(argv)  # load_config parsed it already, so this cannot raise
-    result = run(cfg, recipe=recipe)
-    return int(result) if isinstance(result, int) else 0
+    return run(cfg, recipe=recipe)
 
 
 if __name__ == "__main__":
