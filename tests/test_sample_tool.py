@@ -99,3 +99,5 @@ def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir):
         main(base + ["--sampling-config", json.dumps({"guidance_scale": 4.0, "sde_indices": [1]})])
     with pytest.raises(FileNotFoundError, match="--lora"):
         main(base + ["--sampling-config", SMALL, "--lora", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="--rollout-id must be >= 0"):
+        main(base + ["--sampling-config", SMALL, "--rollout-id", "-1"])

@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.n_samples_per_prompt < 1:
         raise SystemExit(f"--n-samples-per-prompt must be >= 1, got {args.n_samples_per_prompt}")
+    if args.rollout_id < 0:
+        raise SystemExit(f"--rollout-id must be >= 0, got {args.rollout_id}")
 
     from trainer import artifacts
     from trainer.engine.native import NativeEngine
