@@ -170,7 +170,6 @@ def test_score_tool_matches_artifact_names_and_order(tmp_path):
 
     save("blue", art / "group_00000002_sample_0001.png")
     save("green", art / "group_00000000_sample_0000.png")
-    (art / "group_00000002.safetensors").write_bytes(b"")  # sidecars are ignored
     rows = run_score(["--reward-scorer-path", "color", "--images", str(art),
                       "--prompt-data", str(prompt_file)])
     assert [(r["image"], r["group"], r["slot"], r["prompt"]) for r in rows] == [
@@ -192,3 +191,32 @@ def test_score_tool_matches_artifact_names_and_order(tmp_path):
     with pytest.raises(ValueError, match="4 images .* 3 prompts"):
         run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(plain),
                    "--prompt-data", str(prompt_file)])
+
+
+def test_score_tool_takes_a_groups_prompt_from_its_sidecar(tmp_path):
+    """A training rollout's group index is its place in a shuffled batch, not a prompt-file line:
+    the sidecar beside the images names the prompt; a group without one falls back to the line."""
+    from tests.test_artifacts import SAMPLING, fake_group
+    from trainer import artifacts
+    from trainer.artifacts import ArtifactError
+
+    pal = color_palette()
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": f"a {c} ball"}) + "\n" for c in ("red", "green")))
+    art = tmp_path / "rollout_7"
+    art.mkdir()
+    for g in (0, 1):
+        Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["blue"])).save(art / f"group_{g:08d}_sample_0000.png")
+    group = fake_group(0)
+    for r in group:
+        r["prompt"], r["metadata"] = "a blue ball", {"origin": "sidecar"}
+    artifacts.write_group_sidecar(art / "group_00000000.safetensors", group, task="t2i", rollout_id=7,
+                                  sampling=SAMPLING)
+    rows = run_score(["--reward-scorer-path", "color", "--images", str(art), "--prompt-data", str(prompt_file)])
+    assert [(r["group"], r["prompt"]) for r in rows] == [(0, "a blue ball"), (1, "a green ball")]
+    assert rows[0]["scores"]["color"] == pytest.approx(1.0)  # blue image, the blue prompt it was sampled for
+    with pytest.raises(ValueError, match="group_00000001.safetensors.*--prompt-data"):
+        run_score(["--reward-scorer-path", "color", "--images", str(art)])
+    (art / "group_00000001.safetensors").write_bytes(b"")
+    with pytest.raises(ArtifactError, match="group_00000001.safetensors is corrupt"):
+        run_score(["--reward-scorer-path", "color", "--images", str(art), "--prompt-data", str(prompt_file)])

@@ -5,9 +5,13 @@
         --prompt-data data/prompts.jsonl
 
 Images are matched to prompts by the rollout artifact naming group_<8 digits>_sample_<4 digits>.png
-(the group index is the 0-based line index of the prompt file) when every image in the folder is
-named that way; otherwise the sorted image files are paired with the prompt lines in order, and
-the counts must agree. The prompt file is JSONL: {"prompt": "...", "metadata": {...}} per line.
+when every image in the folder is named that way: the prompt is the one recorded in the group's
+trajectory sidecar (group_<8 digits>.safetensors) beside the images, or, for a group without one,
+line <group> (0-based) of --prompt-data. The sidecar comes first because a training rollout's
+group index is the position in that rollout's shuffled prompt batch, not a line of the prompt file
+(an eval rollout's groups do follow the eval file's lines). Otherwise the sorted image files are
+paired with the prompt lines in order, and the counts must agree. The prompt file is JSONL:
+{"prompt": "...", "metadata": {...}} per line.
 Output lines: {"image": FILE, "prompt": ..., "group": G or null, "slot": S or null,
 "scores": {component: value or null}}. Scoring goes through the same manager as training
 (--reward-runtime cpu / colocate / remote), so the numbers match the training run's.
@@ -44,23 +48,49 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
     return entries
 
 
-def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]]) -> list[dict]:
-    """[{path, prompt, metadata, group, slot}] in output order (see the module docstring)."""
+def sidecar_prompt(image_dir: str | Path, group: int) -> tuple[str, dict] | None:
+    """(prompt, metadata) recorded in group `group`'s trajectory sidecar in `image_dir`; None when
+    there is none. A damaged sidecar raises ArtifactError naming it."""
+    from trainer import artifacts
+
+    path = Path(image_dir) / artifacts.sidecar_name(group)
+    if not path.is_file():
+        return None
+    _, metadata = artifacts.read_sidecar(path)
+    return metadata["prompt"], json.loads(metadata.get("prompt_metadata") or "{}")
+
+
+def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]] | None) -> list[dict]:
+    """[{path, prompt, metadata, group, slot}] in output order (see the module docstring).
+    prompts: the --prompt-data lines, or None when it was not given."""
     files = sorted(p for p in Path(image_dir).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ValueError(f"--images {image_dir}: no image files found")
     named = [ARTIFACT_RE.match(p.name) for p in files]
     rows = []
     if all(named):
+        recorded: dict[int, tuple[str, dict] | None] = {}
         for p, m in zip(files, named):
             g, s = int(m.group(1)), int(m.group(2))
-            if g >= len(prompts):
+            if g not in recorded:
+                recorded[g] = sidecar_prompt(image_dir, g)
+            if recorded[g] is not None:
+                prompt, md = recorded[g]
+            elif prompts is None:
+                raise ValueError(f"{p.name}: no sidecar group_{g:08d}.safetensors beside it records its prompt; "
+                                 "pass --prompt-data (the prompt file the images were generated from)")
+            elif g >= len(prompts):
                 raise ValueError(
                     f"{p.name}: group {g} but --prompt-data has only {len(prompts)} lines "
                     "(is it the prompt file this rollout was generated from?)"
                 )
-            rows.append({"path": p, "prompt": prompts[g][0], "metadata": prompts[g][1], "group": g, "slot": s})
+            else:
+                prompt, md = prompts[g]
+            rows.append({"path": p, "prompt": prompt, "metadata": md, "group": g, "slot": s})
         return rows
+    if prompts is None:
+        raise ValueError(f"--images {image_dir}: its images are not named group_<8d>_sample_<4d>.png, so "
+                         "--prompt-data is needed to pair them with prompts")
     if len(files) != len(prompts):
         raise ValueError(
             f"--images {image_dir} has {len(files)} images and --prompt-data has {len(prompts)} prompts; "
@@ -82,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reward-endpoint", default=None, help="URL of a reward server (with --reward-runtime remote)")
     p.add_argument("--device", default="cpu", help="device for --reward-runtime colocate, e.g. cuda:0")
     p.add_argument("--images", required=True, help="folder of images")
-    p.add_argument("--prompt-data", required=True, help="JSONL prompt file")
+    p.add_argument("--prompt-data", default=None,
+                   help="JSONL prompt file; needed unless every image's group sidecar is in --images")
     p.add_argument("--batch-size", type=int, default=16, help="images per scorer call")
     return p.parse_args(argv)
 
@@ -93,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.rewards.manager import RewardManager
 
-    rows = match_images(args.images, read_prompt_file(args.prompt_data))
+    rows = match_images(args.images, read_prompt_file(args.prompt_data) if args.prompt_data else None)
     manager = RewardManager(
         args.reward_runtime, args.reward_scorer_path, args.reward_model_path, args.device, args.reward_endpoint,
         batch_size=args.batch_size,
