@@ -52,14 +52,14 @@ if __package__ in (None, ""):  # run as a script: make `trainer` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
-from trainer.weight_sync import strip_wrapper_segments  # noqa: E402
+from trainer.actor import DTYPES, is_lora_name, never_trained_param_names  # noqa: E402
+from trainer.weight_sync import merge_lora, strip_wrapper_segments  # noqa: E402
 
 log = logging.getLogger("export_checkpoint")
 
 DEFAULT_ADAPTER = "trainer.models.qwen_image.QwenImageAdapter"
 FORMS = ("merged", "adapter")
 COMPONENT_MODES = ("copy", "hardlink", "symlink")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: the key prefix PeftModel.save_pretrained puts in front of every module name of the wrapped model
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -221,11 +221,6 @@ def read_dcp_tensors(fsdp_dir: Path, keys: Iterable[str], metadata: dict[str, An
     return state
 
 
-def is_lora_name(name: str) -> bool:
-    parts = name.split(".")
-    return "lora_A" in parts or "lora_B" in parts
-
-
 def contract_mode(contract: dict[str, Any]) -> str | None:
     """'full' | 'lora' | None (absent) from adapter_contract.json ("mode", or "fsdp_trainable_mode")."""
     mode = contract.get("mode", contract.get("fsdp_trainable_mode"))
@@ -344,14 +339,13 @@ def merge_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.
                       scaling: float) -> torch.Tensor:
     """W' = W + (B @ A) * scaling, computed in fp32 and returned in W's dtype.
 
-    weight [out, in], lora_a [r, in], lora_b [out, r]. fp32 because the RL updates are ~1e-4
-    relative: added in bf16 they would round away (the same rule the merged weight sync follows).
+    weight [out, in], lora_a [r, in], lora_b [out, r]: the merged weight sync's
+    weight_sync.merge_lora, after checking that the shapes fit.
     """
     if tuple(weight.shape) != (lora_b.shape[0], lora_a.shape[1]):
         raise ValueError(f"base weight {tuple(weight.shape)} does not match B @ A = "
                          f"{(lora_b.shape[0], lora_a.shape[1])}")
-    merged = weight.float() + (lora_b.float() @ lora_a.float()) * float(scaling)
-    return merged.to(weight.dtype)
+    return merge_lora(weight, lora_a, lora_b, scaling, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,8 +406,6 @@ def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str
     """Base transformer weights a full fine-tune checkpoint lacks, checked to be exactly ones the
     trainer freezes as never trained (trainer.actor.never_trained_param_names on the base's
     architecture): those equal the base. Any other gap means a damaged checkpoint or the wrong base."""
-    from trainer.actor import never_trained_param_names
-
     missing = sorted(n for n in located if n not in ckpt.tensors)
     if not missing:
         return []
