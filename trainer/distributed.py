@@ -117,9 +117,10 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def collective_device() -> torch.device:
-    """Device small collective tensors must live on: cuda for NCCL, cpu for gloo."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Device small collective tensors of `group` (None: the default group) must live on: cuda for
+    NCCL, cpu for gloo."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -250,13 +250,12 @@ def gather_scores(
     """
     import torch.distributed as dist
 
+    from trainer.distributed import collective_device
+
     idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     names_per_rank: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(names_per_rank, sorted(local), group=group)
     names = sorted({n for ns in names_per_rank for n in ns})
-    # NCCL reduces device tensors only; gloo reduces CPU ones.
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     buf = torch.zeros(len(names) + 1, total, dtype=torch.float32)
     for row, name in enumerate(names):
         if name in local:
@@ -269,7 +268,7 @@ def gather_scores(
         else:
             buf[row, idx] = float("nan")
     buf[-1, idx] = 1.0
-    buf = buf.to(device)
+    buf = buf.to(collective_device(group))
     dist.all_reduce(buf, group=group)
     buf = buf.cpu()
     owners = buf[-1]
