@@ -184,6 +184,20 @@ def _dit_out(model, seed=0):
                             img_shapes_for(2, 64, 64, 4))
 
 
+def lora_actor(adapter, model_dir, rank: int, alpha: float):
+    """The tiny actor transformer with a peft LoRA on the adapter's targets and lora_B ~ N(0, 0.1),
+    so the adapter changes the function."""
+    from peft import LoraConfig
+
+    actor = adapter.load_train_model(str(model_dir), dtype=torch.float32)
+    actor.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(adapter.lora_target_modules)))
+    with torch.no_grad():
+        for n, p in actor.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return actor
+
+
 def test_full_weight_sync(tiny_model_dir, adapter):
     eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
@@ -219,17 +233,10 @@ def test_full_weight_sync(tiny_model_dir, adapter):
 
 
 def test_lora_tensors(tiny_model_dir, adapter, sampling):
-    from peft import LoraConfig
-
     from trainer.weight_sync import iter_sync_tensors
 
     eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
-    actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
-    actor.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(adapter.lora_target_modules)))
-    with torch.no_grad():
-        for n, p in actor.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    actor = lora_actor(adapter, tiny_model_dir, rank=4, alpha=8)
     lora_cfg = {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)}
     named = list(iter_sync_tensors(actor, "adapter", wire_dtype=None))
     assert named and all(".lora_" in n and ".default." not in n for n, _ in named)
@@ -299,8 +306,6 @@ def test_bf16_rollout_replays_in_bf16_and_fp32(tiny_model_dir, adapter):
 def test_weight_syncer_round_trip(tiny_model_dir, adapter):
     """The actor side's WeightSyncer drives this engine end to end: full (bf16 wire, two
     buckets, checksum verified) and adapter syncs commit their versions."""
-    from peft import LoraConfig
-
     from trainer.weight_sync import WeightSyncer
 
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
@@ -315,17 +320,12 @@ def test_weight_syncer_round_trip(tiny_model_dir, adapter):
         assert torch.equal(p.detach().to(torch.bfloat16).float(), q), name
 
     lora_engine = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
-    lora_actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
-    lora_actor.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=list(adapter.lora_target_modules)))
-    with torch.no_grad():
-        for n, p in lora_actor.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
+    actor_with_lora = lora_actor(adapter, tiny_model_dir, rank=2, alpha=4)
     lsync = WeightSyncer("adapter", wire_dtype="fp32", name_map=adapter.weight_name_map,
                          lora_config={"rank": 2, "alpha": 4, "target_modules": list(adapter.lora_target_modules)})
-    lsync.sync(lora_actor, lora_engine)
+    lsync.sync(actor_with_lora, lora_engine)
     assert lora_engine.policy_version == 1 and lora_engine.holds_lora()
-    assert torch.equal(_dit_out(lora_engine.transformer), _dit_out(lora_actor))
+    assert torch.equal(_dit_out(lora_engine.transformer), _dit_out(actor_with_lora))
     with pytest.raises(WeightSyncError):
         syncer.sync(actor, lora_engine)  # full into a LoRA engine: refused, version kept
     assert lora_engine.policy_version == 1
