@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
 
-from tests.dist.tiny import LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, merged_state, replay, tiny_transformer
+from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state, one_rank_mesh,
+                             replay, tiny_transformer)
 from trainer.actor import (Actor, OffloadError, _assert_trainable_boundary, model_name, never_trained_param_names,
                            plan_updates, slice_batch)
 from trainer.engine.base import WeightManifest, WeightSyncError
@@ -30,27 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a
 
 @pytest.fixture(scope="module")
 def mesh():
-    import torch.distributed as dist
-    from trainer.distributed import build_mesh, init_distributed
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    created = not dist.is_initialized()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model gains nothing from threads on a shared 2-core box
-    init_distributed("cpu")
-    yield build_mesh("cpu")
-    torch.set_num_threads(threads)
-    if created:
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def full_params(model) -> dict[str, torch.Tensor]:
-    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    yield from one_rank_mesh()
 
 
 def build(mesh, mode="full", **over):

@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from tests.dist.tiny import LATENT_HW, LORA_TARGETS, TEXT_LEN, make_batch, make_cfg, replay, tiny_transformer
-from trainer.actor import Actor, model_name
+from tests.dist.tiny import (LATENT_HW, LORA_TARGETS, TEXT_LEN, full_params, make_batch, make_cfg, one_rank_mesh, replay,
+                             tiny_transformer)
+from trainer.actor import Actor
 from trainer.models.qwen_image import dit_velocity, text_conditioning
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
@@ -23,27 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a
 
 @pytest.fixture(scope="module")
 def mesh():
-    import torch.distributed as dist
-    from trainer.distributed import build_mesh, init_distributed
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    created = not dist.is_initialized()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    init_distributed("cpu")
-    yield build_mesh("cpu")
-    torch.set_num_threads(threads)
-    if created:
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def full_params(model) -> dict[str, torch.Tensor]:
-    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    yield from one_rank_mesh()
 
 
 class CountingReplay:

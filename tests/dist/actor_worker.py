@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module.*returned a view
 
 import torch  # noqa: E402
 
-from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, merged_state,  # noqa: E402
+from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state,  # noqa: E402
                              replay, tiny_transformer)
 from trainer.actor import Actor, MicroBatchMismatchError, apply_lora, model_name, reshard_all  # noqa: E402
 from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit  # noqa: E402
@@ -28,10 +28,6 @@ from trainer.engine.base import WeightManifest, WeightSyncError  # noqa: E402
 from trainer.weight_sync import WeightSyncer  # noqa: E402
 
 ADV = {0: torch.tensor([1.0, -1.0, 0.5, -0.5]), 1: torch.tensor([-0.3, 0.8, -1.2, 0.7])}
-
-
-def gathered(model) -> dict[str, torch.Tensor]:
-    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
 
 
 def exact(a: dict, b: dict) -> bool:
@@ -50,10 +46,10 @@ class BadManifest(ReceiverEngine):
 def full_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     cfg = make_cfg("full", fsdp__fsdp_activation_checkpointing=True)
     actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"))
-    before = gathered(actor.model)
+    before = full_params(actor.model)
     batch = make_batch(4, seed=10 + rank)
     m = actor.train_step(batch, ADV[rank], replay)
-    after = gathered(actor.model)
+    after = full_params(actor.model)
     trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
     checks["full_every_trainable_changed"] = bool(trainable) and all(not torch.equal(before[n], after[n]) for n in trainable)
     checks["full_never_trained_frozen"] = bool(actor.never_trained) and all(
@@ -67,7 +63,7 @@ def full_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     engine = ReceiverEngine(tiny_transformer(seed=5))
     syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=0.05)
     sm = syncer.sync(actor.model, engine)
-    g = gathered(actor.model)
+    g = full_params(actor.model)
     checks["full_sync_engine_matches_gathered"] = exact({n: p.detach() for n, p in engine.transformer.named_parameters()}, g)
     probe = make_batch(2, seed=99)
     with torch.no_grad():
@@ -93,7 +89,7 @@ def full_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     actor.onload()
     optim_after = [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in s.items()}
                    for s in actor.optimizer.state.values()]
-    checks["offload_roundtrip_params_bit_exact"] = exact(g, gathered(actor.model))
+    checks["offload_roundtrip_params_bit_exact"] = exact(g, full_params(actor.model))
     checks["offload_roundtrip_optimizer_bit_exact"] = len(optim_before) == len(optim_after) and all(
         exact(a, b) for a, b in zip(optim_before, optim_after))
     figures["offload"] = om
@@ -110,9 +106,9 @@ def full_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
 def lora_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     cfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32", fsdp__no_fsdp_reshard_after_forward=True)
     actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), default_lora_targets=LORA_TARGETS)
-    before = gathered(actor.model)
+    before = full_params(actor.model)
     m = actor.train_step(make_batch(4, seed=20 + rank), ADV[rank], replay)
-    after = gathered(actor.model)
+    after = full_params(actor.model)
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     lora = {n for n in before if ".lora_" in n and n not in actor.never_trained}
     checks["lora_only_adapter_changed"] = bool(lora) and changed == lora
@@ -247,9 +243,9 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
         anchor = replay_fn(actor.model, batch)
     figures["real_replay_vs_sampler_max_abs"] = float((anchor - batch["log_probs"]).abs().max())
     checks["real_replay_matches_sampler_logprob"] = figures["real_replay_vs_sampler_max_abs"] <= 1e-5
-    before = gathered(actor.model)
+    before = full_params(actor.model)
     m = actor.train_step(batch, adv, replay_fn)  # default slicing, as trainer/loop.py
-    after = gathered(actor.model)
+    after = full_params(actor.model)
     trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
     checks["real_full_every_trainable_changed"] = all(not torch.equal(before[n], after[n]) for n in trainable)
     checks["real_first_update_ratio_exactly_1"] = actor.last_update_stats[0]["ratio_max"].item() == 1.0 == \
@@ -274,7 +270,7 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     leng = NativeEngine(model_dir, device="cpu", dtype=torch.float32)
     WeightSyncer("adapter", wire_dtype="fp32", lora_config=lactor.lora_config,
                  name_map=adapter.weight_name_map).sync(lactor.model, leng)
-    lg = gathered(lactor.model)
+    lg = full_params(lactor.model)
     eng_lora = {n.replace(".default.", "."): p.detach() for n, p in leng.transformer.named_parameters() if ".lora_" in n}
     checks["real_adapter_sync_engine_matches"] = exact(eng_lora, {n.replace(".default.", "."): t for n, t in lg.items()
                                                                   if ".lora_" in n})

@@ -24,14 +24,11 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module.*returned a view
 
 import torch  # noqa: E402
 
-from tests.dist.tiny import LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, replay, tiny_transformer  # noqa: E402
+from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, replay,  # noqa: E402
+                             tiny_transformer)
 from trainer.actor import Actor, model_name  # noqa: E402
 from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit  # noqa: E402
 from trainer.weight_sync import WeightSyncer  # noqa: E402
-
-
-def gathered(model):
-    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
 
 
 def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: dict) -> None:
@@ -44,7 +41,7 @@ def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: di
     cfg = make_cfg("full", fsdp__fsdp_param_dtype="bf16", fsdp__fsdp_master_dtype="fp32",
                    fsdp__fsdp_activation_checkpointing=True, grpo__micro_batch_size=n // 2)
     actor = Actor(tiny_transformer(dtype=bf16).to(device), mesh, cfg, device=device)
-    before = gathered(actor.model)
+    before = full_params(actor.model)
     m = actor.train_step(batch, adv, replay)  # includes warm-up effects
     first = actor.last_update_stats[0]
     m = actor.train_step(batch, adv, replay)
@@ -53,14 +50,14 @@ def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: di
         st["ratio_max"].item() == 1.0 == st["ratio_min"].item() for st in (first, actor.last_update_stats[0]))
     checks["second_update_ratio_not_1"] = actor.last_update_stats[1]["ratio_max"].item() != 1.0 or \
         actor.last_update_stats[1]["ratio_min"].item() != 1.0
-    after = gathered(actor.model)
+    after = full_params(actor.model)
     trainable = {model_name(p_n) for p_n, p in actor.model.named_parameters() if p.requires_grad}
     checks["full_every_trainable_changed"] = all(not torch.equal(before[k], after[k]) for k in trainable)
     checks["full_optimizer_steps"] = m["train/optimizer_steps"] == 2
     figures["full_train"] = m
     figures["offload"] = actor.offload()
     figures["onload"] = actor.onload()
-    checks["offload_roundtrip_bit_exact"] = all(torch.equal(after[k], v) for k, v in gathered(actor.model).items())
+    checks["offload_roundtrip_bit_exact"] = all(torch.equal(after[k], v) for k, v in full_params(actor.model).items())
     engine = ReceiverEngine(tiny_transformer(seed=3, dtype=bf16).to(device))
     figures["full_sync"] = WeightSyncer("full", wire_dtype="bf16", bucket_size_mb=1).sync(actor.model, engine)
     checks["full_sync_engine_matches_gathered_bf16"] = all(
@@ -74,7 +71,7 @@ def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: di
     leng = ReceiverEngine(tiny_transformer(dtype=bf16).to(device))
     figures["adapter_sync"] = WeightSyncer("adapter", wire_dtype="bf16", lora_config=lactor.lora_config,
                                            verify_checksum=False).sync(lactor.model, leng)
-    lg = gathered(lactor.model)
+    lg = full_params(lactor.model)
     eng_lora = {k.replace(".default.", "."): p.detach() for k, p in leng.transformer.named_parameters() if ".lora_" in k}
     checks["adapter_sync_matches_bf16"] = all(torch.equal(v, lg[k.replace(".lora_A.", ".lora_A.default.").replace(
         ".lora_B.", ".lora_B.default.")].to(bf16)) for k, v in eng_lora.items())

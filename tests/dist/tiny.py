@@ -1,5 +1,6 @@
 """Shared pieces of the actor tests: the tiny Qwen-Image transformer, a synthetic trajectory batch,
-a replay function over it, a config namespace and a minimal in-process engine (receiver).
+a replay function over it, a config namespace, a minimal in-process engine (receiver), the
+gathered parameters of a sharded model and a one-rank process group for in-process tests.
 
 Used by tests/test_actor_unit.py (one process) and by the torchrun workers in this folder.
 """
@@ -7,12 +8,14 @@ Used by tests/test_actor_unit.py (one process) and by the torchrun workers in th
 from __future__ import annotations
 
 import copy
+import os
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
+from trainer.actor import model_name
 from trainer.engine.base import WeightManifest, WeightSyncError
 from trainer.flow_grpo import replay_transition_logp
 from trainer.weight_sync import model_has_lora, verify_manifest, weights_checksum
@@ -24,6 +27,35 @@ LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
 LATENT_HW = 4      # packed latent grid (4 x 4 tokens of 2x2 patches of a 8x8x4 latent)
 TEXT_LEN = 6
 SDE_STEPS = 2      # trained steps per candidate (columns of logp)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model name -> a gathered copy of every parameter of an FSDP2-sharded model (collective)."""
+    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def one_rank_mesh() -> Iterator[Any]:
+    """Body of a module-scoped pytest fixture: a 1-rank gloo group and its mesh, one torch thread
+    (the tiny model gains nothing from threads on a shared 2-core box); afterwards the group it
+    created is destroyed and the torchrun variables and thread count are put back."""
+    import torch.distributed as dist
+
+    from trainer.distributed import build_mesh, init_distributed
+
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    created = not dist.is_initialized()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    yield build_mesh("cpu")
+    torch.set_num_threads(threads)
+    if created:
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def tiny_transformer(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
