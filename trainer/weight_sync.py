@@ -143,11 +143,9 @@ def tensor_words(tensor: torch.Tensor) -> torch.Tensor:
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if nbytes % 4 == 0:
-        if flat.element_size() == 4:
-            return flat.view(torch.int32)
         try:
             return flat.view(torch.int32)
-        except RuntimeError:  # storage offset not 4-byte aligned
+        except RuntimeError:  # a 1- or 2-byte dtype whose storage offset is not 4-byte aligned
             return flat.clone().view(torch.int32)
     if nbytes % 2 == 0 and flat.element_size() <= 2:
         try:
