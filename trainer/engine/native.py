@@ -469,7 +469,7 @@ class NativeEngine:
         named = [(strip_wrapper_segments(key).removeprefix("transformer."), tensor)
                  for key, tensor in load_file(str(weights)).items()]
         self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
-        return _normalize_lora_config(cfg)
+        return dict(self._lora_config)  # normalised, as installed
 
     def get_weights_checksum(self) -> str:
         """weight_sync.weights_checksum over the DiT's parameters (diffusers names, wrapper
@@ -567,11 +567,11 @@ def _normalize_lora_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _move_module_storage(module: torch.nn.Module, device: torch.device, pin: bool) -> None:
-    """Move every parameter and buffer of `module` to `device` in place (param.data swap, so
-    references held elsewhere, e.g. by the optimizer-free engine, stay valid); host copies are
-    pinned when `pin`, so the way back is a fast async copy."""
+    """Move every parameter and buffer of `module` to `device` in place. Parameters swap their
+    .data, so the Parameter objects held elsewhere (the engine's weight index, peft's layers)
+    stay valid; host copies are pinned when `pin`, so the way back is a fast async copy."""
     for sub in module.modules():
-        for key, p in list(sub._parameters.items()):
+        for p in sub._parameters.values():
             if p is None:
                 continue
             p.data = _to(p.data, device, pin)
