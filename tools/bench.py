@@ -276,57 +276,17 @@ def build_text_encoder(shape: str, tokenizer, device: torch.device, dtype: torch
                        f"{shape} text encoder")
 
 
-def engine_from_modules(transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *,
-                        device: torch.device, dtype: torch.dtype, max_batch_size: int):
-    """A trainer.engine.native.NativeEngine over in-memory modules.
-
-    Uses NativeEngine.from_modules when the engine has it. Otherwise NativeEngine.__init__ runs
-    unchanged while its six loaders (model-dir check, scheduler config, transformer, VAE, text
-    encoder, tokenizer) are redirected to the given objects, so the object is the project's own
-    class, set up by its own code; an engine that grows another loader fails here, loudly.
-    """
-    from unittest import mock
-
-    import trainer.sampling as sampling_mod
-    from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-
-    from trainer.engine import native
-
-    kwargs = dict(device=device, dtype=dtype, max_batch_size=max_batch_size)
-    factory = getattr(native.NativeEngine, "from_modules", None)
-    if callable(factory):
-        return factory(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                       scheduler_config=dict(scheduler_config), **kwargs)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(native, "check_model_dir", lambda path, subfolders=(): Path(path)))
-        stack.enter_context(mock.patch.object(native, "load_qwen_image_transformer", lambda *a, **k: transformer))
-        stack.enter_context(mock.patch.object(sampling_mod, "load_scheduler_config",
-                                              lambda *a, **k: dict(scheduler_config)))
-        stack.enter_context(mock.patch.object(AutoencoderKLQwenImage, "from_pretrained", lambda *a, **k: vae))
-        stack.enter_context(mock.patch.object(Qwen2_5_VLForConditionalGeneration, "from_pretrained",
-                                              lambda *a, **k: text_encoder))
-        stack.enter_context(mock.patch.object(Qwen2Tokenizer, "from_pretrained", lambda *a, **k: tokenizer))
-        try:
-            engine = native.NativeEngine("<in-memory random Qwen-Image>", **kwargs)
-        except (OSError, FileNotFoundError) as exc:
-            raise RuntimeError(f"NativeEngine tried to read a file while tools/bench.py built it from in-memory "
-                               f"modules ({exc}); give NativeEngine a from_modules(...) constructor") from exc
-    if engine.transformer is not transformer or engine.vae is not vae or engine.text_encoder is not text_encoder:
-        raise RuntimeError("NativeEngine did not take the in-memory modules tools/bench.py handed it")
-    return engine
-
-
 def build_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch_size: int, seed: int = 0):
     """NativeEngine over a random `shape` pipeline built on `device` (DiT seeded with `seed`)."""
     from tools.make_tiny_model import QWEN_IMAGE_SCHEDULER_CONFIG, build_tokenizer
+    from trainer.engine.native import NativeEngine
 
     tokenizer = build_tokenizer()
     transformer = build_transformer(shape, device, dtype, seed)
     vae = build_vae(shape, device, dtype, seed + 1)
     text_encoder = build_text_encoder(shape, tokenizer, device, dtype, seed + 2)
-    return engine_from_modules(transformer, vae, text_encoder, tokenizer, QWEN_IMAGE_SCHEDULER_CONFIG,
-                               device=device, dtype=dtype, max_batch_size=max_batch_size)
+    return NativeEngine.from_modules(transformer, vae, text_encoder, tokenizer, QWEN_IMAGE_SCHEDULER_CONFIG,
+                                     device=device, dtype=dtype, max_batch_size=max_batch_size)
 
 
 # ----------------------------------------------------------------------------------------------
