@@ -77,10 +77,7 @@ def test_adapter_loads_only_the_transformer(tiny_model_dir):
 
 def test_vae_output_gain_scales_only_the_decoder_output(tiny_model_dir, tmp_path):
     """The demo's model: the same random weights, the decoder's last conv scaled (bias zeroed)."""
-    import torch
     from safetensors.torch import load_file
-
-    from tools.make_tiny_model import build_tiny_pipeline
 
     gained = build_tiny_pipeline(tmp_path / "gain", seed=0, vae_output_gain=8.0)
     base = load_file(str(tiny_model_dir / "vae" / "diffusion_pytorch_model.safetensors"))
