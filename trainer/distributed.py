@@ -84,17 +84,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_mesh(device_type: str, world_size: int | None = None) -> DeviceMesh:
+def build_mesh(device_type: str) -> DeviceMesh:
     """THE device mesh of the job: 1-D, dimension named `dp_shard`, all ranks.
 
     Requires an initialised default process group (see init_distributed).
     """
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised process group: call init_distributed() first")
-    world_size = dist.get_world_size() if world_size is None else world_size
-    if world_size != dist.get_world_size():
-        raise ValueError(f"mesh size {world_size} != process-group world size {dist.get_world_size()}")
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=(DP_SHARD,))
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=(DP_SHARD,))
 
 
 def barrier() -> None:
