@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.engine.base import WeightSyncError
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = json.dumps({"height": 64, "width": 64, "num_inference_steps": 4, "eta": 0.7, "sde_indices": [1, 2]})
 
@@ -99,5 +101,18 @@ def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir):
         main(base + ["--sampling-config", json.dumps({"guidance_scale": 4.0, "sde_indices": [1]})])
     with pytest.raises(FileNotFoundError, match="--lora"):
         main(base + ["--sampling-config", SMALL, "--lora", str(tmp_path / "missing")])
+    # an adapter directory whose files are damaged: the error names the file
+    broken = tmp_path / "broken_lora"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(WeightSyncError, match=r"adapter_config.json has no r / lora_alpha"):
+        main(base + ["--sampling-config", SMALL, "--lora", str(broken)])
+    (broken / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"adapter_config.json is not valid JSON"):
+        main(base + ["--sampling-config", SMALL, "--lora", str(broken)])
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors is not a readable safetensors file"):
+        main(base + ["--sampling-config", SMALL, "--lora", str(broken)])
     with pytest.raises(SystemExit, match="--rollout-id must be >= 0"):
         main(base + ["--sampling-config", SMALL, "--rollout-id", "-1"])

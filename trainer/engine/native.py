@@ -462,12 +462,21 @@ class NativeEngine:
         if not cfg_file.is_file() or not weights.is_file():
             raise FileNotFoundError(f"--lora {str(path)!r} must be a PEFT adapter directory holding "
                                     "adapter_config.json and adapter_model.safetensors")
-        raw = json.loads(cfg_file.read_text())
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except ValueError as e:
+            raise ValueError(f"--lora: {cfg_file} is not valid JSON ({e}); re-export the adapter") from None
         cfg = {"rank": raw.get("r"), "alpha": raw.get("lora_alpha"), "target_modules": raw.get("target_modules")}
+        if cfg["rank"] is None or cfg["alpha"] is None:
+            raise WeightSyncError(f"--lora: {cfg_file} has no r / lora_alpha: not a peft LoRA adapter config")
+        try:
+            tensors = load_file(str(weights))
+        except Exception as e:  # safetensors raises its own error types for truncated / garbled files
+            raise ValueError(f"--lora: {weights} is not a readable safetensors file ({e}); re-export the "
+                             "adapter") from None
         # peft's "base_model.model." prefix and adapter-name segment go as in a sync; a diffusers
         # pipeline-level LoRA file also prefixes the component ("transformer.")
-        named = [(strip_wrapper_segments(key).removeprefix("transformer."), tensor)
-                 for key, tensor in load_file(str(weights)).items()]
+        named = [(strip_wrapper_segments(key).removeprefix("transformer."), tensor) for key, tensor in tensors.items()]
         self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
         return dict(self._lora_config)  # normalised, as installed
 
