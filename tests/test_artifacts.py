@@ -180,6 +180,19 @@ def test_retention_keeps_exactly_n(tmp_path):
     assert len(artifacts.list_rollout_dirs(tmp_path, "t2i")) == 2
 
 
+def test_retention_after_resume_from_an_earlier_checkpoint(tmp_path):
+    """An attempt got to rollout 5; the run resumes at rollout 2. Retention counts only rollouts
+    up to the current one: it must not reap the resumed run's own rollouts in favour of the
+    abandoned attempt's later ones (those stay until prepare_rollout_dir replaces them)."""
+    for k in range(6):
+        artifacts.prepare_rollout_dir(tmp_path, "t2i", k)
+    for k, remaining in ((2, [1, 2, 3, 4, 5]), (3, [2, 3, 4, 5])):
+        artifacts.prepare_rollout_dir(tmp_path, "t2i", k)
+        removed = artifacts.prune_stale_artifacts(tmp_path, "t2i", keep=2, up_to=k)
+        assert [p.name for p in removed] == [f"rollout_{k - 2:07d}"]
+        assert [i for i, _ in artifacts.list_rollout_dirs(tmp_path, "t2i")] == remaining
+
+
 def test_prepare_rollout_dir_replaces_an_earlier_attempt(tmp_path, caplog):
     d = artifacts.prepare_rollout_dir(tmp_path, "t2i", 3)
     (d / "group_00000000.safetensors").write_bytes(b"old")

@@ -103,6 +103,16 @@ def test_retention_eval_and_resample(engine, tmp_path):
     assert [i for i, _ in artifacts.list_rollout_dirs(tmp_path, "t2i")] == [1, 2]
 
 
+def test_retention_ignores_rollouts_of_an_abandoned_later_attempt(engine, tmp_path):
+    """A directory of a later rollout id (an attempt that got further before the run resumed
+    from an earlier checkpoint) must not push the current run's rollouts out of retention."""
+    (tmp_path / "t2i" / "rollout_0000009").mkdir(parents=True)
+    for k in (3, 4):
+        run(engine, tmp_path, k)
+    assert [i for i, _ in artifacts.list_rollout_dirs(tmp_path, "t2i")] == [3, 4, 9]
+    assert len(list(artifacts.iter_sidecars(tmp_path / "t2i" / "rollout_0000003"))) == 3
+
+
 def test_empty_trained_step_set_fails_clearly(engine, tmp_path):
     from trainer.models.qwen_image import QwenImageAdapter
     from trainer.sampling import parse_sampling_config

@@ -340,15 +340,19 @@ def list_rollout_dirs(root, task: str, *, eval: bool = False) -> list[tuple[int,
     return sorted(out)
 
 
-def prune_stale_artifacts(root, task: str, keep: int, *, eval: bool = False) -> list[Path]:
+def prune_stale_artifacts(root, task: str, keep: int, *, eval: bool = False, up_to: int | None = None) -> list[Path]:
     """Delete all but the `keep` newest rollout directories (by rollout id) of the task;
     keep <= 0 keeps everything. Returns the removed directories.
 
-    Called at the start of a rollout after its own directory exists, so `keep` counts it:
-    afterwards exactly `keep` rollouts remain (--artifact-retention-rollouts)."""
+    Called at the start of a rollout after its own directory exists, with up_to = its id, so
+    `keep` counts it: afterwards exactly `keep` rollouts up to it remain
+    (--artifact-retention-rollouts). Directories of later ids (left by an attempt that got
+    further before a resume from an earlier checkpoint) are neither counted nor removed here:
+    counted, they would make the resumed run reap its own newest rollouts; prepare_rollout_dir
+    replaces each when the run reaches its id."""
     if keep <= 0:
         return []
-    dirs = list_rollout_dirs(root, task, eval=eval)
+    dirs = [(i, d) for i, d in list_rollout_dirs(root, task, eval=eval) if up_to is None or i <= up_to]
     stale = [d for _, d in dirs[:-keep]] if len(dirs) > keep else []
     for d in stale:
         shutil.rmtree(d)

@@ -160,7 +160,7 @@ def generate_rollout(
         out_dir = artifacts.rollout_dir(artifact_root, task, rollout_id, eval=eval)
         if rank == 0:
             artifacts.prepare_rollout_dir(artifact_root, task, rollout_id, eval=eval)
-            artifacts.prune_stale_artifacts(artifact_root, task, retention, eval=eval)
+            artifacts.prune_stale_artifacts(artifact_root, task, retention, eval=eval, up_to=rollout_id)
         if distributed:
             import torch.distributed as dist
 
