@@ -257,6 +257,20 @@ def test_wrong_base_model_is_refused(trained, tmp_path):
         export(trained, "lora", tmp_path / "o", form="merged", base_model_path=other)
 
 
+def test_incomplete_base_is_named_as_the_base_not_as_the_checkpoint(trained, tiny_model_dir, tmp_path):
+    """The base's JSON files are reported as --base-model-path problems (a checkpoint's own
+    sidecars say the checkpoint is damaged)."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "transformer" / "config.json").unlink()
+    with pytest.raises(ex.ExportError, match=r"config.json is missing: --base-model-path .* is not a complete"):
+        export(trained, "lora", tmp_path / "a", form="adapter", base_model_path=base, verify=True)
+    save, d = copy_save(trained, "lora", tmp_path)
+    (d / "trainer_state.json").write_text("{")
+    with pytest.raises(ex.ExportError, match=r"trainer_state.json is not valid JSON .*: the checkpoint is damaged"):
+        ex.export_checkpoint(save, "t2i", 1, tmp_path / "b", form="adapter")
+
+
 # ---------------------------------------------------------------- --verify is not vacuous
 
 def test_verify_catches_a_tampered_merged_export(trained, tiny_model_dir, tmp_path):

@@ -166,14 +166,23 @@ def find_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | Non
     return d, iteration
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+#: what a missing / unreadable JSON file of a COMMITTED checkpoint means
+_DAMAGED_CHECKPOINT = "the checkpoint is damaged although its directory is COMMITTED; export an earlier iteration"
+
+
+def _not_a_pipeline(base: Path) -> str:
+    return f"--base-model-path {str(base)!r} is not a complete diffusers pipeline directory"
+
+
+def _read_json(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON in `path`; ExportError naming it and saying `fix` when it is missing or not JSON.
+    The file may belong to the checkpoint, the base model or the export, hence the caller's fix."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ExportError(f"{path} is missing although its directory is COMMITTED: the checkpoint is damaged; "
-                          "export an earlier iteration") from None
+        raise ExportError(f"{path} is missing: {fix}") from None
     except json.JSONDecodeError as e:
-        raise ExportError(f"{path} is not valid JSON ({e}): the checkpoint is damaged") from None
+        raise ExportError(f"{path} is not valid JSON ({e}): {fix}") from None
 
 
 def dcp_model_metadata(fsdp_dir: Path) -> dict[str, Any]:
@@ -235,8 +244,8 @@ def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | Non
     wrapper segments are stripped. The mode comes from adapter_contract.json and must agree
     with the tensors (a LoRA checkpoint holds lora_A/lora_B tensors, a full one none)."""
     d, iteration = find_checkpoint(save_dir, task, iteration)
-    contract = _read_json(d / CONTRACT)
-    state = _read_json(d / TRAINER_STATE)
+    contract = _read_json(d / CONTRACT, _DAMAGED_CHECKPOINT)
+    state = _read_json(d / TRAINER_STATE, _DAMAGED_CHECKPOINT)
     meta = dcp_model_metadata(d / "fsdp")
     name_map = name_map or (lambda n: n)
     raw_key: dict[str, str] = {}
@@ -366,7 +375,7 @@ def base_transformer_layout(base: Path) -> tuple[list[str], dict[str, str], str 
         raise ExportError(f"{tdir} holds several safetensors index files {[p.name for p in index_files]}; "
                           "keep exactly one")
     if index_files:
-        weight_map = _read_json(index_files[0]).get("weight_map") or {}
+        weight_map = _read_json(index_files[0], _not_a_pipeline(base)).get("weight_map") or {}
         files = sorted(set(weight_map.values()))
         index = index_files[0].name
     else:
@@ -409,7 +418,7 @@ def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str
     missing = sorted(n for n in located if n not in ckpt.tensors)
     if not missing:
         return []
-    frozen = set(never_trained_param_names(_meta_transformer(base / "transformer")))
+    frozen = set(never_trained_param_names(_meta_transformer(base / "transformer", _not_a_pipeline(base))))
     unexplained = [n for n in missing if n not in frozen]
     if unexplained:
         raise ExportError(f"{ckpt.path / 'fsdp'} lacks {len(unexplained)} trained transformer weights of the base at "
@@ -464,7 +473,7 @@ def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lo
         _save_safetensors(out, out_tdir / fname)
         del out, trained
     if index:
-        idx = _read_json(tdir / index)
+        idx = _read_json(tdir / index, _not_a_pipeline(base))
         idx["metadata"] = {**idx.get("metadata", {}), "total_size": total}
         (out_tdir / index).write_text(json.dumps(idx, indent=2, sort_keys=True) + "\n")
     if from_base:
@@ -560,11 +569,12 @@ def write_adapter(ckpt: Checkpoint, out: Path, lora: LoraSettings, *, dtype: tor
 # verification
 
 
-def _meta_transformer(config_dir: Path):
-    """The transformer class named in <config_dir>/config.json, built on the meta device (no memory)."""
+def _meta_transformer(config_dir: Path, fix: str):
+    """The transformer class named in <config_dir>/config.json, built on the meta device (no memory).
+    fix: what to say when that file is missing or unreadable (see _read_json)."""
     import diffusers
 
-    cfg = _read_json(config_dir / "config.json")
+    cfg = _read_json(config_dir / "config.json", fix)
     cls_name = cfg.get("_class_name")
     cls = getattr(diffusers, str(cls_name), None)
     if cls is None:
@@ -608,7 +618,7 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     if set(written_located) != set(base_located):
         problems.append(f"names differ from the base: missing {sorted(set(base_located) - set(written_located))[:3]}, "
                         f"extra {sorted(set(written_located) - set(base_located))[:3]}")
-    model = _meta_transformer(out / "transformer")
+    model = _meta_transformer(out / "transformer", "the merged export is incomplete")
     expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     del model
     pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
@@ -653,7 +663,7 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     if shape_bad:
         problems.append(f"{len(shape_bad)} tensors do not fit the transformer class built from the written "
                         f"config, e.g. {shape_bad[:3]}")
-    index = _read_json(out / "model_index.json")
+    index = _read_json(out / "model_index.json", "the merged export is incomplete")
     for comp, spec in index.items():
         if not comp.startswith("_") and isinstance(spec, list) and spec[0] is not None and not (out / comp).exists():
             problems.append(f"component {comp}/ named in model_index.json is missing")
@@ -695,7 +705,7 @@ def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path |
     if base is not None:
         from peft import inject_adapter_in_model
 
-        model = _meta_transformer(base / "transformer")
+        model = _meta_transformer(base / "transformer", _not_a_pipeline(base))
         inject_adapter_in_model(config, model, adapter_name="default")
         injected = {PEFT_PREFIX + strip_wrapper_segments(n): tuple(p.shape)
                     for n, p in model.named_parameters() if is_lora_name(n)}
