@@ -36,7 +36,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: |advantage| at or below this everywhere (all ranks) makes an update degenerate: skipped and counted
 ZERO_ADVANTAGE = 1e-8
 #: wrapper segments that never belong to a parameter's model name (checkpointing, FSDP, compile)
-_WRAPPER_SEGMENTS = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 
 #: parameter-path prefixes, inside the last dual-stream block, that only produce discarded text outputs
 _DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
@@ -66,7 +66,7 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 def model_name(name: str) -> str:
     """A parameter name without checkpoint/FSDP/compile wrapper segments."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:

@@ -36,12 +36,14 @@ import torch
 import torch.nn as nn
 
 from trainer.actor import DTYPES, is_lora_name, reshard_all
+from trainer.actor import WRAPPER_SEGMENTS as MODEL_WRAPPER_SEGMENTS
 from trainer.engine.base import WeightManifest, WeightSyncError
 
 log = logging.getLogger(__name__)
 
-#: module-path segments inserted by wrappers, removed before a name leaves the actor
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "base_layer")
+#: module-path segments inserted by wrappers, removed before a name leaves the actor: those
+#: actor.model_name drops, plus peft's base_layer (the engine's module holds the base weight itself)
+WRAPPER_SEGMENTS = MODEL_WRAPPER_SEGMENTS + ("base_layer",)
 #: prefixes inserted by peft's PeftModel
 WRAPPER_PREFIXES = ("base_model.model.",)
 
