@@ -121,9 +121,7 @@ def _one_to_uint8(img: Any, index: int) -> np.ndarray:
             raise ValueError(f"image {index}: expected a tensor [3, H, W], got {tuple(img.shape)}")
         return _float_to_uint8_hwc(img.unsqueeze(0))[0]
     if isinstance(img, np.ndarray):
-        if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
-            raise ValueError(f"image {index}: expected a uint8 array [H, W, 3], got {img.dtype} {img.shape}")
-        return img
+        return img  # ImageBatch checks it is uint8 [H, W, 3]
     if hasattr(img, "convert"):  # PIL.Image
         return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
     raise TypeError(f"image {index}: unsupported image type {type(img).__name__}")
