@@ -94,6 +94,17 @@ def test_server_errors_are_retried_then_reported():
         # a malformed request is a 400 and is not retried
         with pytest.raises(RewardEndpointError, match="rejected"):
             RemoteScorer(url, max_retries=5, backoff_s=10)._exchange(b'{"prompts": ["a"], "images": ["%%%"]}')
+        # so is a Content-Length that is not a number: answered, not a dropped connection
+        import http.client
+
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.putrequest("POST", "/score")
+        conn.putheader("Content-Length", "ten")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 400 and "not an integer" in json.loads(resp.read())["error"]
+        conn.close()
 
 
 class SlowScorer(ColorScorer):

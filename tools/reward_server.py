@@ -59,7 +59,10 @@ def make_server(
             self._send(200, info)
 
         def do_POST(self) -> None:  # noqa: N802
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:  # unanswered, the client would see a dropped connection and retry it
+                return self._error(400, f"Content-Length {self.headers.get('Content-Length')!r} is not an integer")
             if length <= 0:
                 return self._error(411, "a POST needs a JSON body with Content-Length")
             if length > max_bytes:
