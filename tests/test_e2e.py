@@ -29,7 +29,7 @@ EXPECTED_SERIES = [
     "reward/degenerate", "reward/score_time", "reward/score_samples_per_s",
     "perf/train_transitions_per_s", "perf/train_samples_per_s",
     "perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time", "perf/step_time",
-    "eval/demo/color_mean",
+    "eval/demo/color_mean", "eval/other/color_mean",
 ]
 
 PROMPTS = ["a red ball", "a green cube", "a blue cup", "a yellow hat", "a purple box", "a cyan kite"]
@@ -45,6 +45,7 @@ def _write_prompts(path: Path, prompts: list[str], prefix: str) -> Path:
 def _recipe(tmp: Path, model_dir: Path, mode: str) -> Path:
     train = _write_prompts(tmp / "train.jsonl", PROMPTS, "t")
     evalf = _write_prompts(tmp / "eval.jsonl", ["a white ball", "a black cube"], "e")
+    evalg = _write_prompts(tmp / "eval2.jsonl", ["an orange kite"], "o")
     lora = mode == "lora"
     text = f"""
 actor-num-nodes = 1
@@ -52,7 +53,7 @@ actor-num-gpus-per-node = 2
 generation-task = "t2i"
 model-path = "{model_dir}"
 prompt-data = "{train}"
-eval-prompt-data = ["demo", "{evalf}"]
+eval-prompt-data = ["demo", "{evalf}", "other", "{evalg}"]
 eval-interval = 2
 n-samples-per-eval-prompt = 2
 rollout-batch-size = 2
@@ -147,7 +148,10 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     assert rollouts == ["rollout_0000002", "rollout_0000003"]
     assert sorted(p.name for p in (a / "artifacts" / "t2i" / "rollout_0000003").glob("*.safetensors")) == [
         "group_00000000.safetensors", "group_00000001.safetensors"]
-    assert list((a / "artifacts" / "eval" / "t2i").iterdir())
+    # two eval sets: one directory each, never overwriting each other
+    for name, groups in (("demo", 2), ("other", 1)):
+        sidecars = list((a / "artifacts" / "eval" / "t2i" / name / "rollout_0000003").glob("*.safetensors"))
+        assert len(sidecars) == groups, name
     records = list((a / "artifacts" / "recipes").glob("full-*.json"))
     assert records and json.loads(records[0].read_text())["weight_sync_mode"] == "full"
     # checkpoints: COMMITTED, markers

@@ -380,9 +380,12 @@ class Trainer:
         out_m: dict[str, float] = {}
         for name, ds in self.eval_sets.items():
             records = [ds[i] for i in range(len(ds))]
+            # one set: the reference layout <root>/eval/<task>/rollout_<k>/; several: one
+            # directory per set, <root>/eval/<task>/<name>/rollout_<k>/, so they never collide
+            task_dir = self.task if len(self.eval_sets) == 1 else f"{self.task}/{name}"
             out = generate_rollout(self.engine, self.adapter, records, rollout_id=k, sampling=self.sampling,
                                    group_size=n, generation_seed=int(cfg.rollout.generation_seed),
-                                   artifact_root=cfg.artifacts.artifact_root, task=self.task,
+                                   artifact_root=cfg.artifacts.artifact_root, task=task_dir,
                                    retention=int(cfg.artifacts.artifact_retention_rollouts), eval=True,
                                    weight_manifest_hash=self._manifest_hash())
             scored = manager.score([r["image"] for r in out.responses], [r["prompt"] for r in out.responses],
