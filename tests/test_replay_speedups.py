@@ -172,3 +172,13 @@ def test_dit_output_unchanged_by_trimming_shared_padding():
     masked2 = model(hidden_states=lat, encoder_hidden_states=padded, encoder_hidden_states_mask=mask2,
                     timestep=t / 1000, img_shapes=shapes, return_dict=False)[0]
     torch.testing.assert_close(dit_velocity(model, lat, t, padded, mask2, shapes), masked2, atol=1e-6, rtol=1e-5)
+
+
+def test_progress_ticks_once_per_replayed_micro_batch(mesh):
+    """The loop's update progress bar: one tick per replay, anchor passes included."""
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    actor = Actor(tiny_transformer(), mesh, make_cfg("full"), device=torch.device("cpu"),
+                  default_lora_targets=LORA_TARGETS)
+    fn, ticks = CountingReplay(), []
+    actor.train_step(make_batch(4), adv, fn, progress=lambda: ticks.append(1))
+    assert len(ticks) == fn.grad + fn.no_grad == 4 + actor.last_anchor_passes

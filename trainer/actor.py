@@ -475,14 +475,16 @@ class Actor:
     # -- the FlowGRPO update ------------------------------------------------------------------
     def train_step(self, batch: dict[str, Any], advantages: torch.Tensor, replay_fn: ReplayFn,
                    valid: torch.Tensor | None = None,
-                   slice_fn: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None) -> dict[str, float]:
+                   slice_fn: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None,
+                   progress: Callable[[], None] | None = None) -> dict[str, float]:
         """One rollout's update over this rank's candidates. Collective: every rank calls it.
 
         batch: per-candidate entries with leading size n (what replay_fn consumes);
         advantages: [n]; valid: [n] bool (False = candidate of a failed reward group: replayed so
         every rank runs the same collectives, but excluded from the loss); replay_fn(model, rows)
         -> logp [b, S] (fp32 preferred); slice_fn(batch, start, end) -> rows [start, end) (default
-        slice_batch, which is what the training loop uses for Qwen-Image's batch: views, no copy).
+        slice_batch, which is what the training loop uses for Qwen-Image's batch: views, no copy);
+        progress() is called after every replayed micro-batch, anchor passes included (a progress bar).
 
         1. plan: n split into num_updates_per_batch disjoint equal parts of micro-batches; ranks
            MAX-check they agree on the micro-batch count (raise, never deadlock).
@@ -558,6 +560,8 @@ class Actor:
                 if run[u] and u not in fused:
                     for (s, e) in part:
                         old[(s, e)] = replay_fn(self.model, cut(batch, s, e)).detach().float()
+                        if progress is not None:
+                            progress()
         self.last_anchor_passes = len(old)
 
         # 4: the updates
@@ -606,6 +610,8 @@ class Actor:
                 else:
                     # no valid row here, but FSDP's reduce-scatter must still run on every rank
                     (logp.sum() * 0.0).backward()
+                if progress is not None:
+                    progress()
             self.last_update_stats.append({"update": u, "ratio_max": upd[0], "ratio_min": -upd[1]})
             gn = self._clip_grad()
             if torch.isfinite(gn):

@@ -295,7 +295,12 @@ class Trainer:
                 m.update(self._logp_parity(out.batch))
                 before = weights_fingerprint(self.actor.model)
             idx = torch.tensor(local_idx, dtype=torch.long)
-            m.update(self.actor.train_step(out.batch, reward.advantages[idx], self.replay_fn, reward.valid[idx]))
+            from tqdm import tqdm
+
+            with tqdm(desc=f"update {k}", unit="micro-batch", leave=False, disable=self.rank != 0,
+                      dynamic_ncols=True) as bar:
+                m.update(self.actor.train_step(out.batch, reward.advantages[idx], self.replay_fn,
+                                               reward.valid[idx], progress=bar.update))
             if debug:
                 after = weights_fingerprint(self.actor.model)
                 m["debug/weights_abs_sum_before"], m["debug/weights_abs_sum_after"] = before, after
