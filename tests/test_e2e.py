@@ -182,6 +182,7 @@ def test_two_nodes_on_loopback(tmp_path, tiny_model_dir):
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "trainer.train", "--config", str(recipe), "--num-rollout", "1",
                "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1",
+               "--fsdp-load-wave-size", "1",  # engine and actor load one node after the other
                "--artifact-root", str(out / "artifacts"), "--save", str(out / "ckpt"),
                "--tensorboard-dir", str(out / "tb")]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -144,7 +144,7 @@ class Trainer:
     """Everything one rank holds: the actor, the engine, the scorer, the data order."""
 
     def __init__(self, cfg: Any, info: Any) -> None:
-        from trainer.actor import Actor, resolve_dtype
+        from trainer.actor import Actor, load_in_waves, resolve_dtype
         from trainer.data import PromptDataset, load_eval_sets
         from trainer.distributed import build_mesh
         from trainer.metrics import MetricsLogger
@@ -168,9 +168,13 @@ class Trainer:
         # differs by ~3e-4 per element, which the 1e-4 clip range would see as policy drift
         compute_dtype = resolve_dtype(cfg.fsdp.fsdp_param_dtype) or torch.float32
         engine_cls = import_dotpath(cfg.rollout.rollout_engine_class_path, "--rollout-engine-class-path")
-        self.engine = engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
-                                 max_batch_size=int(cfg.rollout.engine_batch_size or 0),
-                                 revision=cfg.model.model_revision)
+        # every rank reads the whole pipeline from disk through host memory (~57 GB for the real
+        # model): --fsdp-load-wave-size gates the engine's load like the actor's
+        self.engine = load_in_waves(
+            lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
+                               max_batch_size=int(cfg.rollout.engine_batch_size or 0),
+                               revision=cfg.model.model_revision),
+            int(cfg.fsdp.fsdp_load_wave_size or 0))
 
         self.mesh = build_mesh(self.device.type)
         num_rollout = int(cfg.rollout.num_rollout)
