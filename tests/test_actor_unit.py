@@ -363,7 +363,7 @@ def test_fsdp_cpu_offload_full_and_rejected_with_lora(mesh):
 
 
 def test_colocate_handover_order(mesh):
-    from trainer.actor import begin_update, end_update
+    from trainer.actor import begin_update, end_update, sync_engine
 
     actor = build(mesh, "full", **LIGHT)
     engine = ReceiverEngine(tiny_transformer(seed=1))
@@ -372,7 +372,9 @@ def test_colocate_handover_order(mesh):
     begin_update(actor, engine, offload_train=True, offload_rollout=True)
     assert not actor.offloaded and engine.calls == ["release:all"]
     actor.train_step(make_batch(2), ADV[:2], replay)
-    m = end_update(actor, syncer, engine, offload_train=True, offload_rollout=True)
+    m = sync_engine(actor, syncer, engine, offload_rollout=True)
+    assert not actor.offloaded  # still resident: a due checkpoint is written here
+    m.update(end_update(actor, engine, offload_train=True, offload_rollout=True))
     assert engine.calls == ["release:all", "resume:weights", "update", "commit:1", "resume:all"]
     assert actor.offloaded and m["train/policy_version"] == 1 and m["perf/actor_offload_gb"] > 0
     begin_update(actor, engine, offload_train=True, offload_rollout=False)

@@ -47,6 +47,8 @@ def _recipe(tmp: Path, model_dir: Path, mode: str) -> Path:
     evalf = _write_prompts(tmp / "eval.jsonl", ["a white ball", "a black cube"], "e")
     evalg = _write_prompts(tmp / "eval2.jsonl", ["an orange kite"], "o")
     lora = mode == "lora"
+    # the full-FT runs also hand the device back and forth (--offload-train / --offload-rollout),
+    # through the resume and the checkpoints written between the sync and the actor's offload
     text = f"""
 actor-num-nodes = 1
 actor-num-gpus-per-node = 2
@@ -68,6 +70,8 @@ weight-sync-wire-dtype = "fp32"
 {'lora-alpha = 8' if lora else ''}
 {'lora-adapter-mode = true' if lora else ''}
 {'fsdp-master-dtype = "fp32"' if lora else ''}
+{'' if lora else 'offload-train = true'}
+{'' if lora else 'offload-rollout = true'}
 eps-clip = 1e-3
 lr = 1e-3
 weight-decay = 0.0

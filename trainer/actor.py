@@ -746,17 +746,22 @@ def begin_update(actor: Actor, engine: Any, *, offload_train: bool, offload_roll
     return metrics
 
 
-def end_update(actor: Actor, syncer: Any, engine: Any, *, offload_train: bool,
-               offload_rollout: bool) -> dict[str, float]:
-    """Update -> rollout: onload only the engine's transformer (tags=("weights",)), sync the new
-    weights into it (weight_sync.WeightSyncer), release the actor (--offload-train), then bring the
-    rest of the engine back for the next rollout. A failure anywhere propagates (fatal); a sync
-    failure leaves the policy version uncommitted.
-
-    Before the first rollout, with --offload-train, call actor.offload() once."""
+def sync_engine(actor: Actor, syncer: Any, engine: Any, *, offload_rollout: bool) -> dict[str, float]:
+    """Update -> sync: onload only the engine's transformer (tags=("weights",)), then hand the new
+    weights to it (weight_sync.WeightSyncer). A sync failure leaves the policy version uncommitted
+    and propagates (fatal)."""
     if offload_rollout:
         engine.resume_memory(("weights",))
-    metrics = syncer.sync(actor.model, engine)
+    return syncer.sync(actor.model, engine)
+
+
+def end_update(actor: Actor, engine: Any, *, offload_train: bool, offload_rollout: bool) -> dict[str, float]:
+    """Sync -> next rollout: release the actor (--offload-train), then bring the rest of the engine
+    back. Separate from sync_engine because a due checkpoint is written between the two (DCP reads
+    the actor's resident storage). Failures propagate (fatal).
+
+    Before the first rollout, with --offload-train, call actor.offload() once."""
+    metrics: dict[str, float] = {}
     if offload_train:
         metrics.update(actor.offload())
     if offload_rollout:

@@ -250,6 +250,7 @@ class Trainer:
     def step(self, k: int) -> dict[str, float]:
         from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
         from trainer.rewards.manager import reward_manager_from_config
+        from trainer.actor import begin_update, end_update, sync_engine
         from trainer.rollout import generate_rollout
         from trainer.sampling import rollout_generation_seed
 
@@ -290,10 +291,8 @@ class Trainer:
 
         # 4. update: the actor owns the device
         with Timer(self.device) as t:
-            if colo.offload_rollout:
-                self.engine.release_memory()
-            if self.actor.offloaded:
-                m.update(self.actor.onload())
+            m.update(begin_update(self.actor, self.engine, offload_train=colo.offload_train,
+                                  offload_rollout=colo.offload_rollout))
             debug = bool(cfg.fsdp.fsdp_debug_fingerprint)
             if debug:
                 m.update(self._logp_parity(out.batch))
@@ -315,9 +314,7 @@ class Trainer:
 
         # 5. sync: the new weights into this rank's engine, verified, then committed
         with Timer(self.device) as t:
-            if colo.offload_rollout:
-                self.engine.resume_memory(tags=("weights",))
-            m.update(self.syncer.sync(self.actor.model, self.engine))
+            m.update(sync_engine(self.actor, self.syncer, self.engine, offload_rollout=colo.offload_rollout))
         m["perf/sync_time"] = t.elapsed
 
         # 6. checkpoint (the actor is still resident, which DCP needs)
@@ -327,10 +324,8 @@ class Trainer:
             m["perf/checkpoint_time"] = t.elapsed
 
         # the device goes back to the engine for the next rollout
-        if colo.offload_train:
-            m.update(self.actor.offload())
-        if colo.offload_rollout:
-            self.engine.resume_memory()
+        m.update(end_update(self.actor, self.engine, offload_train=colo.offload_train,
+                            offload_rollout=colo.offload_rollout))
 
         # 7. eval
         if self.eval_sets and self._due(k, cfg.eval.eval_interval):
@@ -436,6 +431,9 @@ class Trainer:
         from tqdm import tqdm
 
         num_rollout = int(self.cfg.rollout.num_rollout)
+        if self.cfg.colocate.offload_train and not self.actor.offloaded:
+            # the engine owns the device from the first rollout on (after any resume sync)
+            self.actor.offload()
         bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=self.rank != 0,
                    dynamic_ncols=True, leave=True)
         history = []
