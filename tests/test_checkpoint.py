@@ -1,15 +1,11 @@
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from trainer import checkpoint as ck
-from tests.workers.launch import free_port, torchrun
+from tests.workers.launch import torchrun
 
 
 def _save_simple(tmp_path, iteration, model, opt, contract=None, **kw):

@@ -33,7 +33,6 @@ import argparse
 import glob
 import os
 import sys
-from collections import Counter
 from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # run as a script: make the repository importable

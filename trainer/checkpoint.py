@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer.artifacts import atomic_write_bytes
+
 logger = logging.getLogger(__name__)
 
 COMMITTED = "COMMITTED"
@@ -54,21 +56,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a .tmp file, fsync it, rename over the target, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _all_ranks_ok(ok: bool) -> bool:
@@ -256,18 +243,18 @@ def save_checkpoint(
             state["world_size"] = _world()
             if optimizer is not None:
                 state["optimizer_stateless_params"] = optimizer_stateless_params(model, optimizer)
-            _atomic_write_text(out / TRAINER_STATE, json.dumps(state, indent=2, sort_keys=True))
-            _atomic_write_text(out / MANIFEST, json.dumps(weight_sync_manifest or {}, indent=2, sort_keys=True))
-            _atomic_write_text(out / CONTRACT, json.dumps(adapter_contract, indent=2, sort_keys=True))
+            atomic_write_bytes(out / TRAINER_STATE, json.dumps(state, indent=2, sort_keys=True).encode())
+            atomic_write_bytes(out / MANIFEST, json.dumps(weight_sync_manifest or {}, indent=2, sort_keys=True).encode())
+            atomic_write_bytes(out / CONTRACT, json.dumps(adapter_contract, indent=2, sort_keys=True).encode())
         except BaseException as e:  # noqa: BLE001
             logger.error("CHECKPOINT WRITE FAILED on rank 0 (sidecars) for %s: %r", out, e)
             ok = False
 
     committed = _all_ranks_ok(ok)
     if committed and rank == 0:
-        _atomic_write_text(out / COMMITTED, f"{iteration}\n")
+        atomic_write_bytes(out / COMMITTED, f"{iteration}\n".encode())
         for marker_dir in (Path(save_root), Path(save_root) / task):
-            _atomic_write_text(marker_dir / LATEST, f"{iteration}\n")
+            atomic_write_bytes(marker_dir / LATEST, f"{iteration}\n".encode(), overwrite=True)
     if not committed and rank == 0:
         logger.error("checkpoint iteration %d was NOT committed (a rank failed); resume ignores %s", iteration, out)
     if dist.is_initialized():
