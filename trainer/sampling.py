@@ -432,12 +432,15 @@ def image_seq_len(height: int, width: int, vae_scale_factor: int = 8, patch_size
     return (h // patch_size) * (w // patch_size)
 
 
-def init_noise_shape(cfg: SamplingConfig, latent_channels: int = 16, vae_scale_factor: int = 8,
+def init_noise_shape(cfg: Any, latent_channels: int = 16, vae_scale_factor: int = 8,
                      patch_size: int = 2) -> list[int]:
     """Per-candidate x_T shape: `init_noise_latent_shape` if set, else
-    [latent_channels, *latent_grid(height, width)] (the VAE's z_dim channels, unpacked)."""
+    [latent_channels, *latent_grid(height, width)] (the VAE's z_dim channels, unpacked).
+
+    cfg: a SamplingConfig or an engine RolloutRequest (both carry height, width and
+    init_noise_latent_shape)."""
     if cfg.init_noise_latent_shape is not None:
-        return list(cfg.init_noise_latent_shape)
+        return [int(v) for v in cfg.init_noise_latent_shape]
     return [int(latent_channels), *latent_grid(cfg.height, cfg.width, vae_scale_factor, patch_size)]
 
 

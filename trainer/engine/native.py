@@ -261,11 +261,9 @@ class NativeEngine:
             raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
 
     def _init_shape(self, r: RolloutRequest) -> list[int]:
-        from trainer.sampling import latent_grid
+        from trainer.sampling import init_noise_shape
 
-        if r.init_noise_latent_shape is not None:
-            return [int(v) for v in r.init_noise_latent_shape]
-        return [self.latent_channels, *latent_grid(r.height, r.width, self.vae_scale_factor)]
+        return init_noise_shape(r, self.latent_channels, self.vae_scale_factor)
 
     def _generate_chunk(self, reqs: list[RolloutRequest], conds) -> tuple[list[dict[str, Any]], int]:
         """Denoise and decode candidates of one geometry together; returns (responses, DiT forwards)."""
