@@ -2,10 +2,12 @@
 
 Every rank holds one actor shard and one engine. A sync walks the parameters in order, in buckets
 (iter_sync_buckets: consecutive parameters up to --weight-sync-bucket-size-mb), gathers each bucket
-with one grouped all-gather straight into the full tensors, in the wire dtype (gather_full_tensors;
-on one rank the local tensors are handed over as they are, cast only when the dtype differs), and
+in the wire dtype (gather_full_tensors: its small tensors packed into one flat all-gather per dtype,
+its large ones by per-tensor all-gathers straight into the full tensors; on one rank the local
+tensors are handed over as they are, cast only when the dtype differs), and
 hands the bucket to the rank's own engine as tensors: no serialization, no IPC, no disk, no copy
-beyond the gather on the sending side (the engine copies into its own parameters). Three kinds:
+beyond the gather (and the flat path's pack / unpack) on the sending side (the engine copies into
+its own parameters). Three kinds:
 
   full     every transformer parameter (full fine-tune);
   merged   every transformer parameter, with each LoRA pair folded in:
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -173,6 +176,29 @@ def column_sums(words: torch.Tensor) -> torch.Tensor:
     return cs
 
 
+#: column_sums_wide's row length in periods: rows of CHECKSUM_WIDE_FOLD * CHECKSUM_PERIOD words
+CHECKSUM_WIDE_FOLD = 64
+
+
+def column_sums_wide(words: torch.Tensor) -> torch.Tensor:
+    """column_sums(words), bit for bit, by another reduction order (tools/bench.py times both).
+
+    The words as a [n // (P * K), P * K] view reduced over dim 0 (K = CHECKSUM_WIDE_FOLD: 65,344
+    independent column sums for a device reduction to spread over, where column_sums has 1,021),
+    those K * P partial sums folded into P ([K, P] reduced over dim 0), then the < P * K remaining
+    words by column_sums (they start at a multiple of P, so their residues line up). Integer
+    addition modulo 2^32 is associative and commutative: the order cannot change the result."""
+    p, k = CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD
+    n = words.numel()
+    m = n - n % (p * k)
+    if m == 0:
+        return column_sums(words)
+    cs = words[:m].view(-1, p * k).sum(0, dtype=torch.int32).view(k, p).sum(0, dtype=torch.int32)
+    if n > m:
+        cs += column_sums(words[m:])
+    return cs
+
+
 class WeightsChecksum:
     """Order-independent checksum of named tensors' BITS (dtype, shape and every bit of every value).
 
@@ -193,7 +219,9 @@ class WeightsChecksum:
     (see `update`'s as_dtype).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, column_sums_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        #: column_sums or an implementation with the same output bits (column_sums_wide)
+        self._column_sums = column_sums_fn or column_sums
         self._names: list[tuple[str, str, tuple[int, ...]]] = []
         self._sums: list[torch.Tensor] = []
 
@@ -204,7 +232,7 @@ class WeightsChecksum:
         if as_dtype is not None and t.dtype != as_dtype:
             t = t.to(as_dtype)
         self._names.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
-        self._sums.append(column_sums(tensor_words(t)))
+        self._sums.append(self._column_sums(tensor_words(t)))
 
     def hexdigest(self) -> str:
         by_device: dict[torch.device, list[int]] = {}
@@ -224,9 +252,10 @@ class WeightsChecksum:
         return h.hexdigest()
 
 
-def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """WeightsChecksum over `named_tensors` (see the class)."""
-    acc = WeightsChecksum()
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     column_sums_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> str:
+    """WeightsChecksum over `named_tensors` (see the class); column_sums_fn: as the class takes it."""
+    acc = WeightsChecksum(column_sums_fn)
     with torch.no_grad():  # autograd bookkeeping would double the per-tensor host cost
         for name, tensor in named_tensors:
             acc.update(name, tensor)
@@ -340,26 +369,153 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | None]) -> list[torch.Tensor]:
+#: how gather_full_tensors gathers the Shard(0) DTensors of one call over several ranks:
+#:   "auto"        a tensor whose full size in the gather dtype is below FLAT_GATHER_MAX_BYTES goes
+#:                 through the flat path, a bigger one through the per-tensor path (the default);
+#:   "flat"        every tensor through the flat path;
+#:   "per_tensor"  every tensor through the per-tensor path.
+#: flat: per (process group, gather dtype) every local shard is packed into one buffer and ONE
+#: all-gather fills a [world, flat] buffer, which is unpacked into the full tensors: one collective
+#: for any number of tensors, at the price of a pack and an unpack copy. per_tensor: one all-gather
+#: per tensor (one grouped launch on NCCL) straight into the full tensor, no unpack copy.
+GATHER_MODES = ("auto", "flat", "per_tensor")
+DEFAULT_GATHER_MODE = "auto"
+#: "auto"'s split. The flat path costs copies proportional to a tensor's bytes (its shard packed,
+#: its full value unpacked: ~1.5x its size through device memory on 2 ranks, ~12 us for 16 MiB at
+#: 4.3 TB/s); the per-tensor path costs a fixed amount per tensor (one more all-gather in the group,
+#: assumed of the order of 10 us): the two meet near 16 MiB (tools/bench.py times both paths to
+#: check it). At Qwen-Image shape 16 MiB also splits the model cleanly: every weight matrix
+#: (>= 18.9 MB in bf16) gathers on its own; every bias, norm, small embedding and LoRA tensor
+#: (<= 1.6 MB; 1,090 tensors, 13.5 MB) goes flat.
+FLAT_GATHER_MAX_BYTES = 16 << 20
+#: the pack / unpack copies use one multi-tensor copy for tensors up to this many elements and a
+#: plain copy above (a multi-tensor copy of large tensors was ~10x slower than plain copies, NOTES.md)
+_FOREACH_COPY_MAX_NUMEL = 1 << 20
+
+
+def takes_flat_path(nbytes: int, mode: str) -> bool:
+    """Whether a Shard(0) tensor of `nbytes` (full size, gather dtype) is gathered by the flat path
+    under gather `mode` (see GATHER_MODES)."""
+    if mode not in GATHER_MODES:
+        raise ValueError(f"gather mode must be one of {GATHER_MODES}, got {mode!r}")
+    return mode == "flat" or (mode == "auto" and nbytes < FLAT_GATHER_MAX_BYTES)
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dsts[i].copy_(srcs[i]) for all i (casting where the dtypes differ): one multi-tensor copy
+    for the small ones, plain copies for the large ones."""
+    small_d, small_s = [], []
+    for d, s in zip(dsts, srcs):
+        if d.numel() <= _FOREACH_COPY_MAX_NUMEL:
+            small_d.append(d)
+            small_s.append(s)
+        else:
+            d.copy_(s)
+    if small_d:
+        torch._foreach_copy_(small_d, small_s)
+
+
+class _Shard0:
+    """One Shard(0) DTensor of a gather: its local rows and where its full value goes."""
+
+    __slots__ = ("index", "local", "per_rank", "mine", "rest", "dim0", "world", "dtype", "group")
+
+    def __init__(self, index: int, t: Any, dtype: torch.dtype | None, per_rank: int, mine: int) -> None:
+        self.index = index
+        self.local = t._local_tensor.detach()
+        self.dtype = dtype or self.local.dtype
+        self.per_rank, self.mine = per_rank, mine
+        self.rest = tuple(t.shape[1:])
+        self.dim0 = t.shape[0]
+        self.world = t.device_mesh.size()
+        self.group = t.device_mesh.get_group()
+
+    @property
+    def row(self) -> int:
+        return math.prod(self.rest)
+
+    @property
+    def full_bytes(self) -> int:
+        return self.dim0 * self.row * self.dtype.itemsize
+
+
+def _gather_fn():
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _start_flat(items: list[_Shard0]) -> tuple[Any, Callable[[], list[torch.Tensor]]]:
+    """Pack the local rows of `items` (one group, one dtype) into one buffer, each tensor's slot
+    padded to its per-rank row count, and start ONE all-gather into [world, flat]. Returns (work or
+    None, finish): finish() copies each tensor's full value out of the gathered buffer (rank r's slot
+    of a tensor is its rows r * per_rank ..., so the slots side by side, rank-major, ARE the full
+    layout) and returns them, the padding rows dropped."""
+    first = items[0]
+    world, dtype, device = first.world, first.dtype, first.local.device
+    sizes = [it.per_rank * it.row for it in items]
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    total = offsets[-1]
+    fulls = [torch.empty((world * it.per_rank, *it.rest), dtype=dtype, device=device) for it in items]
+    done = [full[:it.dim0] for full, it in zip(fulls, items)]
+    if total == 0:  # nothing to move (every rank sees the same shapes, so every rank skips)
+        return None, lambda: done
+    flat_in = torch.empty(total, dtype=dtype, device=device)  # padding rows stay unset: they are dropped
+    dsts, srcs = [], []
+    for it, off in zip(items, offsets):
+        if it.mine and it.row:
+            dsts.append(flat_in[off:off + it.mine * it.row].view(it.mine, *it.rest))
+            srcs.append(it.local)
+    _copy_all(dsts, srcs)
+    gathered = torch.empty(world * total, dtype=dtype, device=device)  # 1-D like the input (gloo wants it so)
+    work = _gather_fn()(gathered, flat_in, group=first.group, async_op=True)
+    gathered = gathered.view(world, total)
+
+    def finish(_sent: torch.Tensor = flat_in) -> list[torch.Tensor]:  # holds the input until the gather is done
+        dsts, srcs = [], []
+        for full, off, size in zip(fulls, offsets, sizes):
+            if size:
+                by_rank = full.view(world, size)
+                for r in range(world):  # contiguous pieces: a multi-tensor copy takes them in few launches
+                    dsts.append(by_rank[r])
+                    srcs.append(gathered[r, off:off + size])
+        _copy_all(dsts, srcs)
+        return done
+
+    return work, finish
+
+
+def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | None],
+                        mode: str | None = None) -> list[torch.Tensor]:
     """The full value of every tensor, in dtypes[i] (None: its own dtype). Collective: every rank
-    calls it with the same (sharded) tensors in the same order.
+    calls it with the same (sharded) tensors in the same order and the same `mode`.
 
     plain tensor                      -> itself (cast only if the dtype differs);
     DTensor on a one-rank mesh        -> its local tensor: nothing to gather, no copy;
-    DTensor Shard(0) on a 1-D mesh    -> one all-gather per tensor, all issued before any is
-                                         waited on (one coalesced NCCL launch), each straight into
-                                         a fresh [world * rows_per_rank, ...] tensor whose first
-                                         dim0 rows are the full tensor (rank-major along dim 0 IS
-                                         the full layout): no copy beyond the gather itself; the
-                                         input is packed only when it must be cast or padded
-                                         (the last rank's short chunk);
+    DTensor Shard(0) on a 1-D mesh    -> gathered with the others of this call, by one of two paths
+                                         (mode: GATHER_MODES; None = DEFAULT_GATHER_MODE):
+        flat        per (process group, gather dtype) ONE all-gather of all their local shards,
+                    packed (and cast) into one buffer, each padded to its per-rank row count; each
+                    full tensor is then copied out of the [world, flat] result;
+        per_tensor  one all-gather per tensor, all issued before any is waited on (one coalesced
+                    NCCL launch), each straight into a fresh [world * rows_per_rank, ...] tensor
+                    whose first dim0 rows are the full tensor (rank-major along dim 0 IS the full
+                    layout): no copy beyond the gather; the input is packed only when it must be
+                    cast or padded (the last rank's short chunk);
     any other DTensor                 -> full_tensor() (a collective of its own).
-    The all-gather runs in the target dtype, so a narrower wire dtype also halves the traffic.
+    The gathers run in the target dtype, so a narrower wire dtype also halves the traffic. Both
+    paths give the bits of the per-parameter full_tensor().to(dtype), in every mode.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    mode = DEFAULT_GATHER_MODE if mode is None else mode
+    if mode not in GATHER_MODES:
+        raise ValueError(f"gather mode must be one of {GATHER_MODES}, got {mode!r}")
     out: list[torch.Tensor | None] = [None] * len(tensors)
+    flat: dict[tuple[Any, torch.dtype], list[_Shard0]] = {}
     pending: list[tuple[int, torch.Tensor, torch.Tensor, int, Any]] = []  # index, out, in, dim0, group
     for i, (t, dtype) in enumerate(zip(tensors, dtypes)):
         if not isinstance(t, DTensor):
@@ -370,24 +526,30 @@ def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | 
         elif (rows := _shard0_rows(t)) is None:
             out[i] = _cast(t.detach().full_tensor(), dtype)  # before any async gather: ops stay in order
         else:
-            per_rank, mine = rows
-            local = t._local_tensor.detach()
-            dtype = dtype or local.dtype
-            rest = tuple(t.shape[1:])
-            if mine == per_rank and local.dtype == dtype and local.is_contiguous():
+            it = _Shard0(i, t, dtype, *rows)
+            if takes_flat_path(it.full_bytes, mode):
+                flat.setdefault((it.group, it.dtype), []).append(it)
+                continue
+            local = it.local
+            if it.mine == it.per_rank and local.dtype == it.dtype and local.is_contiguous():
                 inp = local
             else:
-                inp = torch.zeros((per_rank, *rest), dtype=dtype, device=local.device)
-                inp[:mine].copy_(local)
-            world = t.device_mesh.size()
-            full = torch.empty((world * per_rank, *rest), dtype=dtype, device=local.device)
-            pending.append((i, full, inp, t.shape[0], t.device_mesh.get_group()))
+                inp = torch.zeros((it.per_rank, *it.rest), dtype=it.dtype, device=local.device)
+                inp[:it.mine].copy_(local)
+            full = torch.empty((it.world * it.per_rank, *it.rest), dtype=it.dtype, device=local.device)
+            pending.append((i, full, inp, it.dim0, it.group))
+    works: list[Any] = []
+    finishes: list[tuple[list[_Shard0], Callable[[], list[torch.Tensor]]]] = []
+    for items in flat.values():  # insertion order: the same on every rank
+        work, finish = _start_flat(items)
+        if work is not None:
+            works.append(work)
+        finishes.append((items, finish))
     if pending:
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather = _gather_fn()
         by_group: dict[Any, list] = {}
         for p in pending:
             by_group.setdefault(p[4], []).append(p)
-        works = []
         for group, ops in by_group.items():
             device = ops[0][2].device
             if device.type == "cuda" and "nccl" in str(dist.get_backend(group)):  # one grouped launch
@@ -399,23 +561,27 @@ def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | 
                 works.append(cm)
             else:
                 works += [gather(full, inp, group=group, async_op=True) for _, full, inp, _, _ in ops]
-        for w in works:
-            w.wait()
-        for i, full, _, dim0, _ in pending:
-            out[i] = full[:dim0]
+    for w in works:
+        w.wait()
+    for items, finish in finishes:
+        for it, full in zip(items, finish()):
+            out[it.index] = full
+    for i, full, _, dim0, _ in pending:
+        out[i] = full[:dim0]
     return out  # type: ignore[return-value]
 
 
 def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | None, bucket_bytes: int,
-                      name_map: Callable[[str], str] | None = None,
-                      adapter_name: str = "default") -> Iterator[list[tuple[str, torch.Tensor]]]:
+                      name_map: Callable[[str], str] | None = None, adapter_name: str = "default",
+                      gather_mode: str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield the tensors of a sync of `kind` as buckets [(engine name, full tensor in wire dtype)].
 
     Collective: every rank must consume the whole iterator. A bucket is the next parameters in
     named_parameters order (a transformer block's parameters are consecutive) until their wire
     bytes reach `bucket_bytes` (at least one parameter; a LoRA base weight travels with its A/B);
-    its tensors are gathered together (gather_full_tensors: one grouped all-gather, straight into
-    the full tensors; on one rank the local tensors themselves). The tensors of a bucket may be the
+    its tensors are gathered together (gather_full_tensors with `gather_mode`: small tensors by one
+    flat all-gather per dtype, large ones per tensor straight into the full tensors; on one rank the
+    local tensors themselves). The tensors of a bucket may be the
     model's own storage: read them, never modify them. Every FSDP2 unit is resharded first, so the
     values are the master shards' (cast to the wire dtype); names, order and values equal
     iter_sync_tensors' (the per-parameter full_tensor() reference) on a resharded model.
@@ -438,7 +604,7 @@ def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
     def emit() -> list[tuple[str, torch.Tensor]]:
         flat = [t for _, ts, _, _ in bucket for t in ts]
         dts = [d for _, _, ds, _ in bucket for d in ds]
-        full = iter(gather_full_tensors(flat, dts))
+        full = iter(gather_full_tensors(flat, dts, gather_mode))
         named = []
         for name, ts, _, lora in bucket:
             got = [next(full) for _ in ts]
@@ -498,17 +664,21 @@ class WeightSyncer:
     lora_config: {"rank", "alpha", "target_modules"} for adapter syncs.
     verify_checksum: compare engine.get_weights_checksum() with the sent tensors' checksum (full and
       merged kinds; an adapter sync is verified by its manifest).
+    gather_mode: how several ranks gather a bucket (GATHER_MODES; None = DEFAULT_GATHER_MODE); every
+      mode hands over the same bits, only the speed differs (tools/bench.py times them).
     """
 
     def __init__(self, kind: str, *, wire_dtype: str | None = "bf16", bucket_size_mb: float = 512,
                  name_map: Callable[[str], str] | None = None, lora_config: dict | None = None,
-                 verify_checksum: bool = True, policy_version: int = 0) -> None:
+                 verify_checksum: bool = True, policy_version: int = 0, gather_mode: str | None = None) -> None:
         if kind not in SYNC_KINDS:
             raise ValueError(f"--weight-sync-mode resolves to one of {SYNC_KINDS}, got {kind!r}")
         if wire_dtype is not None and wire_dtype not in DTYPES:
             raise ValueError(f"--weight-sync-wire-dtype must be one of {tuple(DTYPES)}, got {wire_dtype!r}")
         if bucket_size_mb <= 0:
             raise ValueError(f"--weight-sync-bucket-size-mb must be > 0, got {bucket_size_mb}")
+        if gather_mode is not None and gather_mode not in GATHER_MODES:
+            raise ValueError(f"gather_mode must be one of {GATHER_MODES}, got {gather_mode!r}")
         if kind == "adapter" and not lora_config:
             raise ValueError("adapter sync needs lora_config (rank, alpha, target_modules)")
         self.kind = kind
@@ -517,6 +687,7 @@ class WeightSyncer:
         self.name_map = name_map
         self.lora_config = dict(lora_config or {})
         self.verify_checksum = verify_checksum
+        self.gather_mode = gather_mode
         self.policy_version = policy_version
         self.failures = 0
         self.last_manifest: WeightManifest | None = None
@@ -574,7 +745,7 @@ class WeightSyncer:
 
     def _handoff(self, model: nn.Module, engine: Any, version: int) -> WeightManifest:
         buckets = iter_sync_buckets(model, self.kind, wire_dtype=self.wire_dtype, bucket_bytes=self.bucket_bytes,
-                                    name_map=self.name_map)
+                                    name_map=self.name_map, gather_mode=self.gather_mode)
         if self.kind == "adapter":
             named = [pair for bucket in buckets for pair in bucket]  # gathered copies or local views
             manifest = build_manifest("adapter", named, version)
