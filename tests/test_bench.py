@@ -147,12 +147,15 @@ def test_engine_is_the_native_engine_over_the_given_modules():
 
 
 def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
-    """One CPU run of the whole bench (LoRA and --full) at a tiny geometry."""
+    """One CPU run of the whole bench (LoRA, --full, --replay-variants, --profile-replay) at a tiny
+    geometry."""
     out = tmp_path / "figures.jsonl"
+    profile = tmp_path / "prof" / "replay.txt"
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
            "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
            "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2",
-           "--dit-batches", "2", "--iters", "1", "--text-tokens", "8", "--full", "--out", str(out)]
+           "--dit-batches", "2", "--iters", "1", "--text-tokens", "8", "--full", "--replay-variants",
+           "--profile-replay", str(profile), "--out", str(out)]
     # one thread: on a shared 2-core machine, two spinning OpenMP threads make tiny GEMMs ~10x slower
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -175,8 +178,35 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
                 "replay_mfu_full", "update_s_full", "merged_sync_s", "merged_sync_noverify_s",
                 "replay_transitions_per_s_lora", "replay_mfu_lora", "update_s_lora", "adapter_sync_s",
                 "actor_offload_s_lora", "actor_onload_s_lora", "engine_release_s", "engine_resume_s", "step_s",
-                "replay_logp_max_abs_err_lora", "replay_logp_max_abs_err_full"}
+                "replay_logp_max_abs_err_lora", "replay_logp_max_abs_err_full",
+                "checksum_s", "checksum_gb_per_s", "checksum_alt_s", "checksum_alt_gb_per_s",
+                "adapter_sync_per_tensor_s", "full_sync_noverify_per_tensor_s", "full_sync_noverify_flat_s",
+                "replay_profile_s"}
+    variants = ("noreshard", "ac_every2", "ac_none")
+    expected |= {f"{fig}_lora_{v}" for v in variants
+                 for fig in ("replay_transitions_per_s", "replay_mfu", "replay_logp_max_abs_err")}
     assert expected <= set(figures), expected - set(figures)
+    # the two checksum reductions agree on the engine's DiT, and the figures say which is which
+    assert [figures[n][0]["same_digest"] for n in ("checksum_s", "checksum_alt_s")] == [True, True]
+    assert figures["checksum_alt_s"][0]["column_sums"] == "column_sums_wide"
+    assert figures["checksum_s"][0]["gb"] == pytest.approx(
+        figures["full_sync_s"][0]["gb"]) and figures["checksum_s"][0]["tensors"] == figures["full_sync_s"][0]["tensors"]
+    modes = {n: figures[n][0]["gather_mode"] for n in ("adapter_sync_s", "adapter_sync_per_tensor_s", "full_sync_s",
+                                                       "full_sync_noverify_per_tensor_s", "full_sync_noverify_flat_s")}
+    assert modes == {"adapter_sync_s": "auto", "adapter_sync_per_tensor_s": "per_tensor", "full_sync_s": "auto",
+                     "full_sync_noverify_per_tensor_s": "per_tensor", "full_sync_noverify_flat_s": "flat"}
+    # each variant replays the engine's log-probs and says how it was built (the tiny DiT has 2 blocks)
+    for v, (reshard, ac, blocks) in {"noreshard": (False, True, 2), "ac_every2": (True, True, 1),
+                                     "ac_none": (True, False, 0)}.items():
+        line = figures[f"replay_transitions_per_s_lora_{v}"][0]
+        assert (line["reshard_after_forward"], line["activation_checkpointing"], line["checkpointed_blocks"]) == \
+            (reshard, ac, blocks) and "oom" not in line
+        assert line["value"] > 0
+        assert figures[f"replay_logp_max_abs_err_lora_{v}"][0]["value"] < 1e-4
+    # the profile table of one replay micro-batch, sorted by CPU time on a CPU run
+    assert figures["replay_profile_s"][0]["path"] == str(profile)
+    table = profile.read_text()
+    assert "Name" in table and "CPU total" in table and "aten::" in table
     for name in ("rollout_images_per_s", "replay_transitions_per_s_lora", "dit_mfu", "step_s"):
         assert all(line["value"] > 0 for line in figures[name]), name
     # the fp32 replay through the actor reproduces the engine's log-probs (same seeded weights)
@@ -189,3 +219,80 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
     assert figures["dit_mfu"][0]["geometry"]["image_tokens"] == 16
     assert figures["dit_mfu"][0]["tflop_per_forward"] == pytest.approx(
         dit_forward_flops(shape_configs("tiny")[0], 16, step["geometry"]["text_tokens"], 2) / 1e12)
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+def test_parallelize_checkpoints_only_every_kth_block():
+    """activation_checkpointing_every=k wraps blocks 0, k, 2k, ... and no others; the output and
+    the gradients are those of checkpointing every block."""
+    from diffusers import QwenImageTransformer2DModel
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from tests.dist.tiny import LATENT_HW, make_batch, one_rank_mesh, replay
+    from trainer.actor import find_blocks, parallelize
+
+    def build(**kw):
+        torch.manual_seed(0)
+        model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=5,
+                                            attention_head_dim=16, num_attention_heads=3, joint_attention_dim=16,
+                                            axes_dims_rope=(8, 4, 4))
+        return parallelize(model, mesh, **kw)
+
+    def wrapped(model):
+        return [i for i, b in enumerate(find_blocks(model)) if isinstance(b, CheckpointWrapper)]
+
+    assert LATENT_HW == 4
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        every1 = build(activation_checkpointing=True)
+        every2 = build(activation_checkpointing=True, activation_checkpointing_every=2)
+        assert wrapped(every1) == [0, 1, 2, 3, 4]
+        assert wrapped(every2) == [0, 2, 4]
+        assert wrapped(build(activation_checkpointing=True, activation_checkpointing_every=3)) == [0, 3]
+        assert wrapped(build(activation_checkpointing=False, activation_checkpointing_every=2)) == []
+        with pytest.raises(ValueError, match="activation_checkpointing_every"):
+            build(activation_checkpointing=True, activation_checkpointing_every=0)
+        batch = make_batch(2, seed=1)
+        grads = []
+        for model in (every1, every2):
+            loss = replay(model, batch).sum()
+            loss.backward()
+            # the last block's text-stream outputs are discarded: its text weights get no gradient
+            grads.append([(n.replace("._checkpoint_wrapped_module", ""),
+                           None if p.grad is None else p.grad.full_tensor().clone())
+                          for n, p in model.named_parameters()])
+        assert [n for n, _ in grads[0]] == [n for n, _ in grads[1]]
+        assert sum(g is not None for _, g in grads[0]) > len(grads[0]) // 2
+        assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                   for (_, a), (_, b) in zip(*grads))
+    finally:
+        next(gen, None)
+
+
+def test_replay_variant_out_of_memory_is_a_null_figure(tmp_path):
+    """A variant whose build runs out of device memory gives its figure with value null and
+    oom: true, and the bench carries on."""
+    from types import SimpleNamespace
+
+    from tools.bench import Reporter, replay_variant
+
+    rep = Reporter(tmp_path / "f.jsonl", torch.device("cpu"), {"shape": "tiny"})
+    built = []
+
+    def build():
+        built.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    c = SimpleNamespace(rep=rep, device=torch.device("cpu"))
+    replay_variant(c, "ac_none", build, batch={}, replay_fn=None, checkpointing=0.0, activation_checkpointing=False)
+    assert built == [1]
+    line = json.loads((tmp_path / "f.jsonl").read_text())
+    assert line["figure"] == "replay_transitions_per_s_lora_ac_none"
+    assert line["value"] is None and line["oom"] is True and line["activation_checkpointing"] is False
+
+    def other_error():
+        raise RuntimeError("not a memory problem")
+
+    with pytest.raises(RuntimeError, match="not a memory problem"):
+        replay_variant(c, "ac_every2", other_error, batch={}, replay_fn=None, checkpointing=0.5)

@@ -4,6 +4,9 @@
     torchrun --nproc-per-node 2 tools/bench.py --shape real --full --out bench/results/h200x2.jsonl
     python tools/bench.py --shape tiny --device cpu --height 64 --width 64 ...   (smoke test)
 
+Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
+other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch).
+
 Nothing is read from disk: every module (the 20.4 B DiT, the VAE, the Qwen2.5-VL-7B text
 encoder) is built on the meta device from its config, materialised on the rank's device with
 `to_empty`, then given cheap random values there (`materialise`). The code being timed is the
@@ -65,7 +68,9 @@ TINY_VISION_CONFIG = dict(depth=2, hidden_size=16, intermediate_size=32, num_hea
 
 SHAPES = ("real", "tiny")
 #: phases --skip can leave out
-SKIPPABLE = ("dit", "merged", "replay", "update", "adapter", "offload", "step")
+SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step")
+#: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
+REPLAY_VARIANTS = {"noreshard": (False, None, 1), "ac_every2": (True, True, 2), "ac_none": (True, False, 1)}
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -131,15 +136,16 @@ def dit_forward_flops(cfg: dict, image_tokens: int, text_tokens: int, batch: int
 
 
 def replay_flops(cfg: dict, image_tokens: int, text_tokens: int, transitions: int = 1,
-                 checkpointing: bool = True) -> tuple[float, float]:
+                 checkpointing: bool | float = True) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of replaying `transitions` transitions with a backward.
 
     Model FLOPs = 3 F (forward + a backward counted as 2 forwards); hardware FLOPs add the
-    forward that activation checkpointing recomputes (4 F). LoRA's backward skips the frozen
-    base weights' gradients, so for LoRA this convention over-counts the true work by ~F.
+    forward that activation checkpointing recomputes (4 F; a float is the fraction of the blocks
+    checkpointed: 3 F + fraction * F). LoRA's backward skips the frozen base weights' gradients,
+    so for LoRA this convention over-counts the true work by ~F.
     """
     f = dit_forward_flops(cfg, image_tokens, text_tokens, transitions)
-    return 3.0 * f, (4.0 if checkpointing else 3.0) * f
+    return 3.0 * f, (3.0 + float(checkpointing)) * f
 
 
 def image_tokens_for(height: int, width: int, vae_scale_factor: int, patch_size: int = 2) -> int:
@@ -343,8 +349,10 @@ class Reporter:
             return -float(all_reduce_max(-t)[0])
         return float(all_reduce_sum(t)[0]) / self.world_size
 
-    def emit(self, figure: str, value: float, unit: str, op: str = "max", **extra: Any) -> dict[str, Any]:
-        value = self.reduce(value, op)
+    def emit(self, figure: str, value: float | None, unit: str, op: str = "max", **extra: Any) -> dict[str, Any]:
+        """value None: a figure that could not be measured (e.g. out of memory on every rank); the
+        caller agrees on it over ranks first."""
+        value = None if value is None else self.reduce(value, op)
         line = {"figure": figure, "value": value, "unit": unit, "device": device_name(self.device),
                 "world_size": self.world_size, "geometry": dict(self.geometry), **extra}
         self.lines.append(line)
@@ -433,13 +441,24 @@ def actor_cfg(args, mode: str):
         grpo=GrpoConfig(eps_clip=1e-4, num_updates_per_batch=args.num_updates, micro_batch_size=args.micro_batch))
 
 
-def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype):
-    """trainer.actor.Actor over a fresh random DiT seeded like the engine's (same base weights)."""
-    from trainer.actor import Actor
+def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype, *, reshard_after_forward: bool = True,
+                activation_checkpointing: bool | None = None, activation_checkpointing_every: int = 1):
+    """trainer.actor.Actor over a fresh random DiT seeded like the engine's (same base weights).
+
+    reshard_after_forward / activation_checkpointing (None: as the args say) /
+    activation_checkpointing_every: the replay variants (--replay-variants)."""
+    from trainer.actor import Actor, build_train_model
     from trainer.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
+    cfg = actor_cfg(args, mode)
+    cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
+    if activation_checkpointing is not None:
+        cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
     model = build_transformer(args.shape, device, dtype, seed=args.seed)
-    return Actor(model, mesh, actor_cfg(args, mode), device=device, default_lora_targets=QWEN_IMAGE_LORA_TARGETS)
+    model, lora_config, never_trained = build_train_model(
+        model, mesh, cfg.fsdp, cfg.lora, default_lora_targets=QWEN_IMAGE_LORA_TARGETS,
+        activation_checkpointing_every=activation_checkpointing_every)
+    return Actor(model, mesh, cfg, device=device, built=True, lora_config=lora_config, never_trained=never_trained)
 
 
 def _release_host_cache() -> None:
@@ -577,12 +596,17 @@ def _fwd_bwd(c: Ctx, actor, batch: dict, replay_fn) -> float:
     return t[0]
 
 
-def phase_replay(c: Ctx, actor, batch: dict, replay_fn, mode: str) -> None:
+def phase_replay(c: Ctx, actor, batch: dict, replay_fn, mode: str, *, checkpointing: bool | float | None = None,
+                 **extra: Any) -> None:
     """replay_transitions_per_s and replay_mfu of one micro-batch forward + backward over all its
-    trained columns, and replay_logp_max_abs_err of the replay against the sampler's log-prob."""
+    trained columns, and replay_logp_max_abs_err of the replay against the sampler's log-prob.
+    mode: the figures' suffix; checkpointing: the fraction of blocks checkpointed (None: as the
+    args say), for the hardware FLOPs; extra rides along on the figure lines."""
     from trainer.models.qwen_image import select_candidates
 
     a = c.args
+    if checkpointing is None:
+        checkpointing = not a.no_activation_checkpointing
     rows = select_candidates(batch, slice(0, a.micro_batch))
     with torch.no_grad():
         logp = replay_fn(actor.model, rows).float().cpu()
@@ -591,12 +615,11 @@ def phase_replay(c: Ctx, actor, batch: dict, replay_fn, mode: str) -> None:
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
     sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
     transitions = a.micro_batch * len(c.sde_indices)
-    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions,
-                                 not a.no_activation_checkpointing)
+    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions, checkpointing)
     c.rep.emit(f"replay_transitions_per_s_{mode}", transitions / sec, "transitions/s", op="min", mode=mode,
-               micro_batch=a.micro_batch, seconds=sec)
+               micro_batch=a.micro_batch, seconds=sec, **extra)
     c.rep.emit(f"replay_mfu_{mode}", model_f / sec / 1e12 / c.peak_tflops, "fraction", op="min", mode=mode,
-               hfu=hw_f / sec / 1e12 / c.peak_tflops, peak_tflops=c.peak_tflops)
+               hfu=hw_f / sec / 1e12 / c.peak_tflops, peak_tflops=c.peak_tflops, **extra)
     c.rep.phase_memory(f"replay_{mode}")
 
 
@@ -612,21 +635,106 @@ def phase_update(c: Ctx, actor, batch: dict, adv, valid, replay_fn, mode: str) -
     return sec
 
 
-def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None = None) -> float:
-    """<kind>_sync_s: WeightSyncer(kind).sync(actor.model, engine), warmed up, mean of --iters."""
-    from trainer.weight_sync import WeightSyncer
+def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None = None,
+               gather_mode: str | None = None) -> float:
+    """<kind>_sync_s: WeightSyncer(kind).sync(actor.model, engine), warmed up, mean of --iters.
+    gather_mode: how several ranks gather each bucket (trainer.weight_sync.GATHER_MODES; None:
+    the default, DEFAULT_GATHER_MODE)."""
+    from trainer.weight_sync import DEFAULT_GATHER_MODE, WeightSyncer
 
     a = c.args
     syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, verify_checksum=verify,
                           name_map=c.adapter.weight_name_map, lora_config=actor.lora_config,
-                          policy_version=c.engine.policy_version)
+                          policy_version=c.engine.policy_version, gather_mode=gather_mode)
     syncer.sync(actor.model, c.engine)  # warm-up (the first adapter sync injects LoRA into the engine)
     sec = c.rep.reduce(_mean_time(c.device, lambda: syncer.sync(actor.model, c.engine), a.iters), "max")
     gb = syncer.last_manifest.total_bytes / 1e9 if syncer.last_manifest else 0.0
     c.rep.emit(label or f"{kind}_sync_s", sec, "s", kind=kind, verify_checksum=verify, gb=gb,
-               tensors=syncer.last_manifest.tensor_count if syncer.last_manifest else 0)
+               tensors=syncer.last_manifest.tensor_count if syncer.last_manifest else 0,
+               gather_mode=gather_mode or DEFAULT_GATHER_MODE)
     c.rep.phase_memory(f"sync_{kind}")
     return sec
+
+
+def phase_checksum(c: Ctx) -> None:
+    """checksum_s: weights_checksum over the engine DiT's parameters (what a verified full / merged
+    sync computes on each side), by itself; checksum_alt_s: the same with column_sums_wide, whose
+    digest must be equal (same_digest says whether it is, on this device)."""
+    from trainer.weight_sync import column_sums, column_sums_wide, weights_checksum
+
+    params = list(c.engine.transformer.named_parameters())
+    gb = sum(p.numel() * p.element_size() for _, p in params) / 1e9
+    digests = {}
+    for figure, fn in (("checksum", column_sums), ("checksum_alt", column_sums_wide)):
+        digests[figure] = weights_checksum(params, fn)  # warm-up
+        sec = c.rep.reduce(_mean_time(c.device, lambda: weights_checksum(params, fn), c.args.iters), "max")
+        same = digests[figure] == digests["checksum"]
+        c.rep.emit(f"{figure}_s", sec, "s", gb=gb, tensors=len(params), column_sums=fn.__name__, same_digest=same)
+        c.rep.emit(f"{figure}_gb_per_s", gb / sec, "GB/s", op="min", gb=gb, column_sums=fn.__name__)
+    c.rep.phase_memory("checksum")
+
+
+def replay_variant(c: Ctx, name: str, build: Callable[[], Any], batch: dict, replay_fn,
+                   checkpointing: bool | float, **extra: Any) -> None:
+    """The LoRA replay figures of an actor from build(), suffixed lora_<name>. Device out of
+    memory (on any rank, while building or replaying) gives replay_transitions_per_s_lora_<name>
+    with value null and "oom": true instead of ending the run. An out-of-memory error on only some
+    ranks in the middle of a collective can still hang the others (NCCL's timeout ends that)."""
+    mode = f"lora_{name}"
+    oom = False
+    actor = None
+    try:
+        actor = build()
+        phase_replay(c, actor, batch, replay_fn, mode, checkpointing=checkpointing, variant=name, **extra)
+    except torch.OutOfMemoryError:  # not bound: the traceback's frames (and their tensors) go with it
+        oom = True
+    if actor is not None:
+        actor.optimizer.zero_grad(set_to_none=True)
+    actor = None
+    _free(c.device)
+    if c.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(c.device)
+    if c.rep.reduce(1.0 if oom else 0.0, "max") > 0.5:
+        c.rep.emit(f"replay_transitions_per_s_{mode}", None, "transitions/s", mode=mode, variant=name, oom=True,
+                   **extra)
+
+
+def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
+    """--replay-variants: LoRA replay of a freshly built actor per REPLAY_VARIANTS entry (one at a
+    time, each freed before the next): parameters kept gathered after forward (noreshard),
+    checkpointing every other block (ac_every2), no checkpointing (ac_none)."""
+    a = c.args
+    n_blocks = int(c.dit_cfg["num_layers"])
+    for name, (reshard, ac, every) in REPLAY_VARIANTS.items():
+        ac_on = (not a.no_activation_checkpointing) if ac is None else ac
+        fraction = math.ceil(n_blocks / every) / n_blocks if ac_on else 0.0
+
+        def build(reshard=reshard, ac_on=ac_on, every=every):
+            return build_actor(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
+                               activation_checkpointing=ac_on, activation_checkpointing_every=every)
+
+        replay_variant(c, name, build, batch, replay_fn, fraction, reshard_after_forward=reshard,
+                       activation_checkpointing=ac_on, activation_checkpointing_every=every,
+                       checkpointed_blocks=math.ceil(n_blocks / every) if ac_on else 0)
+
+
+def phase_profile_replay(c: Ctx, actor, batch: dict, replay_fn, path: Path) -> None:
+    """--profile-replay PATH: one LoRA replay micro-batch (forward + backward) under torch.profiler
+    (CPU, and CUDA on cuda); rank 0 writes key_averages().table sorted by device time (CPU time on
+    a CPU run) to PATH. Warmed up first, so the table shows the steady state."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
+    cuda = c.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        sec = _fwd_bwd(c, actor, batch, replay_fn)
+    sort_by = "device_time_total" if cuda else "cpu_time_total"
+    if c.rep.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40) + "\n")
+    c.rep.emit("replay_profile_s", sec, "s", path=str(path), sort_by=sort_by, written_by_rank=0,
+               micro_batch=c.args.micro_batch)
 
 
 def phase_offload(c: Ctx, actor, mode: str) -> None:
@@ -704,6 +812,8 @@ def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:
     c.rep.phase_memory("build_actor_full")
     phase_sync(c, actor, "full", verify=True)
     phase_sync(c, actor, "full", verify=False, label="full_sync_noverify_s")
+    phase_sync(c, actor, "full", verify=False, label="full_sync_noverify_per_tensor_s", gather_mode="per_tensor")
+    phase_sync(c, actor, "full", verify=False, label="full_sync_noverify_flat_s", gather_mode="flat")
     c.engine.release_memory()  # room for the full gradients; the engine's own release path
     phase_replay(c, actor, batch, replay_fn, "full")
     if _update_fits(c, actor):
@@ -769,6 +879,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="MFU denominator; default: the measured dense GEMM throughput")
     p.add_argument("--gemm-size", type=int, default=8192, help="size of the GEMM that measures the peak")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replay-variants", action="store_true",
+                   help=f"also time LoRA replay with each of {tuple(REPLAY_VARIANTS)} (an actor built per variant; "
+                        "out of memory gives a null figure with oom: true)")
+    p.add_argument("--profile-replay", type=Path, default=None, metavar="PATH",
+                   help="profile one LoRA replay micro-batch (forward + backward) and write the op table to PATH")
     args = p.parse_args(argv)
     if args.iters < 1:
         p.error(f"--iters must be >= 1, got {args.iters}")
@@ -834,6 +949,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         skip = set(args.skip)
         if "dit" not in skip:
             phase_dit_forward(c)
+        if "checksum" not in skip:
+            phase_checksum(c)
         responses = phase_rollout(c)
         adv, valid, score_s, degenerate = score(c, responses)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
@@ -842,6 +959,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.full:
             run_full(c, replay_fn, batch, adv, valid)
+        if args.replay_variants:
+            phase_replay_variants(c, batch, replay_fn)
 
         actor = build_actor(args, "lora", mesh, device, dtype)
         rep.phase_memory("build_actor_lora")
@@ -850,10 +969,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_sync(c, actor, "merged", verify=False, label="merged_sync_noverify_s")
         if "replay" not in skip:
             phase_replay(c, actor, batch, replay_fn, "lora")
+        if args.profile_replay is not None:
+            phase_profile_replay(c, actor, batch, replay_fn, args.profile_replay)
         if "update" not in skip:
             phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
         if args.sync_kind == "adapter" and "adapter" not in skip:  # installs LoRA in the engine
             phase_sync(c, actor, "adapter")
+            phase_sync(c, actor, "adapter", label="adapter_sync_per_tensor_s", gather_mode="per_tensor")
         if "offload" not in skip:
             phase_offload(c, actor, "lora")
         if "step" not in skip:

@@ -162,20 +162,26 @@ def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha
 
 def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
-                activation_checkpointing: bool = False, cpu_offload: bool = False) -> nn.Module:
+                activation_checkpointing: bool = False, cpu_offload: bool = False,
+                activation_checkpointing_every: int = 1) -> nn.Module:
     """Apply activation checkpointing (optional) and FSDP2 to `model` in place: fully_shard on
     every transformer block, then on the root, all over `mesh`.
 
     param_dtype: the all-gathered compute dtype (None: the storage dtype);
     reduce_dtype: gradient reduce-scatter dtype. LoRA and frozen parameters must be set up before.
+    activation_checkpointing_every: with activation_checkpointing, checkpoint only the blocks whose
+    index is a multiple of k (k = 1: every block; k = 2: blocks 0, 2, 4, ...): fewer recomputed
+    forwards for more stored activations.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    if activation_checkpointing_every < 1:
+        raise ValueError(f"activation_checkpointing_every must be >= 1, got {activation_checkpointing_every}")
     blocks = find_blocks(model)
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i in range(len(blocks)):
+        for i in range(0, len(blocks), activation_checkpointing_every):
             # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
             blocks[i] = checkpoint_wrapper(blocks[i])
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -221,10 +227,12 @@ def _assert_trainable_boundary(model: nn.Module, mode: str, never_trained: Itera
 
 
 def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None = None, *,
-                      default_lora_targets: Sequence[str] = ()) -> tuple[nn.Module, dict | None, list[str]]:
+                      default_lora_targets: Sequence[str] = (),
+                      activation_checkpointing_every: int = 1) -> tuple[nn.Module, dict | None, list[str]]:
     """Steps 1-6 of the module docstring. Returns (sharded model, lora_config or None, never-trained names).
 
     fsdp / lora: the cfg.fsdp / cfg.lora sections (duck-typed).
+    activation_checkpointing_every: see parallelize (not a trainer flag; tools/bench.py times it).
     """
     mode = fsdp.fsdp_trainable_mode
     lora_config = None
@@ -253,7 +261,7 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None =
                 reduce_dtype=resolve_dtype(fsdp.fsdp_reduce_dtype),
                 reshard_after_forward=not fsdp.no_fsdp_reshard_after_forward,
                 activation_checkpointing=fsdp.fsdp_activation_checkpointing,
-                cpu_offload=fsdp.fsdp_cpu_offload)
+                cpu_offload=fsdp.fsdp_cpu_offload, activation_checkpointing_every=activation_checkpointing_every)
     _assert_trainable_boundary(model, mode, dead)
     return model, lora_config, dead
 
