@@ -1,0 +1,578 @@
+"""The SGLang rollout engine: the rollout engine protocol (trainer/engine/base.py) on top of
+SGLang's diffusion runtime (`sglang.multimodal_gen`), in-process.
+
+It runs inside the torchrun rank that owns it: no server, no HTTP, no second process. The
+engine builds SGLang's own worker (`GPUWorker`: device, distributed state, the Qwen-Image
+pipeline with SGLang's DiT, text encoder and VAE) in this process and hands it one `Req` per
+candidate through `execute_forward`, as SGLang's scheduler would.
+
+What the trainer replays is sampled exactly (trainer/engine/sglang_plugin.py does the work
+inside SGLang's request path, through SGLang's plugin entry point and hook registry):
+
+- x_T of every candidate is trainer.sampling.initial_noise(shape, generation_seed,
+  sample_id), the same function the native engine uses, handed to SGLang as `Req.latents`;
+- SGLang steps on the driver's sigma list verbatim (no second shift);
+- at the trained steps (sde_indices) the transition is trainer.flow_grpo.sde_step ("sde" or
+  "dance", eta, sigma_max) with trainer.sampling.step_noise; every other step is SGLang's
+  own ODE update;
+- the response has the native engine's keys and meaning (trajectory latents before / after
+  each trained step, sigmas, timesteps, log-probs, the frozen text conditioning, ...).
+
+Weights arrive as in-process tensors with diffusers names, like the native engine's: full /
+merged syncs are copied into SGLang's DiT parameters (SGLang fuses the text-stream q/k/v
+projections into one `to_added_qkv`; a diffusers name maps to its row block), LoRA adapters
+are merged into the base weights (W = W0 + alpha / r * B @ A, W0 kept on the host), and
+`get_weights_checksum` covers the diffusers names, dtypes and values the engine was given
+(for LoRA: the base weights plus the adapter tensors, as the native engine's peft layers
+hold them), so the syncer compares it with the sender's.
+
+SGLang is an optional extra (`pip install .[sglang]`), imported only when an engine is built;
+`check_sglang_contract()` runs first and names every upstream piece this engine relies on that
+the installed SGLang lacks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from trainer.engine.base import RolloutRequest, WeightManifest, WeightSyncError
+from trainer.engine.native import _geometry_key, _normalize_lora_config, prompt_template_start_idx, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+#: the one SGLang release the extension points below were checked against
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = ("pip install .[sglang] (sglang==" + SGLANG_VERSION + "); for the CPU test venv: "
+                "bash run.sh setup-sglang")
+
+MEMORY_TAGS = {"weights": "transformer", "transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
+_MODULES = ("transformer", "text_encoder", "vae")
+
+#: (module, attribute path, why) the engine and its plugin use; check_sglang_contract checks them
+CONTRACT = (
+    ("sglang.multimodal_gen.runtime.server_args", "ServerArgs.from_kwargs", "engine configuration"),
+    ("sglang.multimodal_gen.runtime.server_args", "set_global_server_args", "engine configuration"),
+    ("sglang.multimodal_gen.runtime.managers.gpu_worker", "GPUWorker.execute_forward", "in-process worker"),
+    ("sglang.multimodal_gen.runtime.managers.gpu_worker", "GPUWorker.release_memory_occupation", "release_memory"),
+    ("sglang.multimodal_gen.runtime.managers.gpu_worker", "GPUWorker.resume_memory_occupation", "resume_memory"),
+    ("sglang.multimodal_gen.runtime.entrypoints.openai.utils", "build_sampling_params", "request building"),
+    ("sglang.multimodal_gen.runtime.entrypoints.utils", "prepare_request", "request building"),
+    ("sglang.multimodal_gen.runtime.platforms.plugins", "load_plugins", "plugin entry point"),
+    ("sglang.multimodal_gen.runtime.platforms.plugins", "apply_plugin_hooks", "plugin entry point"),
+    ("sglang.multimodal_gen.runtime.platforms.plugins", "HookRegistry.register", "hooks"),
+    ("sglang.multimodal_gen.runtime.platforms.plugins", "HookType.AROUND", "hooks"),
+    ("sglang.multimodal_gen.runtime.post_training.rollout_hooks", "prepare_rollout_if_enabled",
+     "trainer rollout controller hook target"),
+    ("sglang.multimodal_gen.runtime.post_training.rollout_hooks", "VISUAL_STREAM", "rollout controller key"),
+    ("sglang.multimodal_gen.runtime.post_training.flow_rollout_controller",
+     "FlowRolloutController.flow_sde_sampling", "trained-step transition (sde / dance, driver noise)"),
+    ("sglang.multimodal_gen.runtime.post_training.flow_rollout_controller",
+     "FlowRolloutController.append_local_rollout_log_probs", "per-step log-prob bookkeeping"),
+    ("sglang.multimodal_gen.runtime.pipelines_core.stages.timestep_preparation",
+     "TimestepPreparationStage.forward", "driver sigmas hook target (no second shift)"),
+    ("sglang.multimodal_gen.configs.pipeline_configs.qwen_image", "qwen_image_postprocess_text",
+     "Qwen-Image text window hook target"),
+    ("sglang.multimodal_gen.runtime.post_training.weights_updater", "_build_module_weight_name_mapper",
+     "diffusers -> SGLang DiT parameter names"),
+)
+#: Req fields the engine sets / reads (driver x_T, plugin spec, rollout switches)
+REQ_FIELDS = ("latents", "extra", "sigmas", "rollout_trajectory_data", "rollout_controllers")
+#: SamplingParams fields of a rollout request
+SAMPLING_FIELDS = ("rollout", "rollout_sde_type", "rollout_noise_level", "rollout_sde_step_indices",
+                   "rollout_return_denoising_env", "rollout_log_prob_no_const", "rollout_debug_mode",
+                   "generator_device", "num_inference_steps", "guidance_scale", "height", "width", "seed")
+#: parameters of FlowRolloutController.flow_sde_sampling the trainer's controller overrides
+SDE_SAMPLING_PARAMS = ("batch", "model_output", "sample", "current_sigma", "next_sigma", "step_index")
+
+
+class SGLangContractError(RuntimeError):
+    """The installed SGLang is not the one this engine's extension was written against."""
+
+
+def _resolve(module_name: str, attr_path: str):
+    import importlib
+
+    obj = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_sglang_contract(required_version: str = SGLANG_VERSION) -> None:
+    """Static check, before anything is built: the installed sglang is `required_version` and
+    every upstream attribute, hook target, request field and overridden signature the engine
+    and its plugin rely on exists. Raises SGLangContractError listing everything missing (a
+    silent miss would train on log-probs that do not match the sampled trajectory)."""
+    try:
+        import sglang
+    except ImportError as e:
+        raise SGLangContractError(f"sglang is not installed ({e}); {INSTALL_HINT}") from None
+    problems = []
+    version = getattr(sglang, "__version__", None)
+    if version != required_version:
+        problems.append(f"sglang version {version}, the engine is pinned to {required_version}")
+    for module_name, attr_path, why in CONTRACT:
+        try:
+            _resolve(module_name, attr_path)
+        except Exception as e:  # ImportError, AttributeError, or an import-time failure
+            problems.append(f"{module_name}.{attr_path} ({why}): {type(e).__name__}: {e}")
+    try:
+        from dataclasses import fields
+
+        from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
+        from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
+
+        req_fields = {f.name for f in fields(Req)}
+        problems += [f"Req.{n} (request field)" for n in REQ_FIELDS if n not in req_fields]
+        sp_fields = {f.name for f in fields(SamplingParams)}
+        problems += [f"SamplingParams.{n} (rollout request field)" for n in SAMPLING_FIELDS if n not in sp_fields]
+    except Exception as e:
+        problems.append(f"Req / SamplingParams dataclasses: {type(e).__name__}: {e}")
+    try:
+        from sglang.multimodal_gen.runtime.post_training.flow_rollout_controller import FlowRolloutController
+
+        params = inspect.signature(FlowRolloutController.flow_sde_sampling).parameters
+        problems += [f"FlowRolloutController.flow_sde_sampling parameter {p!r}" for p in SDE_SAMPLING_PARAMS
+                     if p not in params]
+    except Exception as e:
+        problems.append(f"FlowRolloutController.flow_sde_sampling signature: {type(e).__name__}: {e}")
+    if problems:
+        raise SGLangContractError(
+            f"the installed sglang does not provide what the SGLang rollout engine relies on ({len(problems)} "
+            "problem(s)):\n  - " + "\n  - ".join(problems)
+            + f"\nInstall the pinned release: {INSTALL_HINT}")
+
+
+def sglang_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_SIZE")
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class SGLangEngine:
+    """In-process SGLang Qwen-Image rollout engine (implements trainer.engine.base.RolloutEngine).
+
+    Arguments as NativeEngine's. max_batch_size is accepted for interface parity; SGLang runs
+    one candidate per request (the trained-step transition is per candidate)."""
+
+    def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
+                 max_sequence_length: int = 512, revision: str | None = None):
+        check_sglang_contract()
+        from safetensors import safe_open
+        from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks, load_plugins
+        from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+
+        from trainer.engine import sglang_plugin
+        from trainer.models.qwen_image import check_model_dir, vae_scale_factor_from_config
+        from trainer.sampling import load_scheduler_config
+
+        path = check_model_dir(model_path, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model_path = str(path)
+        self.revision = revision
+        self.max_batch_size = int(max_batch_size)
+        self.max_sequence_length = int(max_sequence_length)
+        self.scheduler_config = load_scheduler_config(str(path))
+        self.num_train_timesteps = int(self.scheduler_config.get("num_train_timesteps", 1000))
+        import json
+
+        vae_cfg = json.loads((path / "vae" / "config.json").read_text())
+        self.vae_scale_factor = vae_scale_factor_from_config(vae_cfg)
+        self.latent_channels = int(vae_cfg.get("z_dim", 16))
+        self.in_channels = int(json.loads((path / "transformer" / "config.json").read_text())["in_channels"])
+
+        # SGLang's own plugin mechanism loads trainer.engine.sglang_plugin (setup.cfg entry
+        # point); a checkout without the installed entry point still gets it registered.
+        load_plugins()
+        from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
+
+        if sglang_plugin.PREPARE_ROLLOUT_TARGET not in HookRegistry._hooks:
+            log.warning("the flowgrpo_trainer SGLang plugin entry point is not installed (pip install -e .); "
+                        "registering it directly")
+            sglang_plugin.register()
+        from transformers import Qwen2Tokenizer
+
+        tokenizer = Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        template = sglang_plugin.qwen_image_template()
+        sglang_plugin.set_text_window(prompt_template_start_idx(tokenizer, template), self.max_sequence_length)
+        apply_plugin_hooks()
+        missing = sglang_plugin.unapplied_hooks()
+        if missing:
+            raise SGLangContractError(f"SGLang did not apply the trainer's hooks on {missing}")
+
+        name = _DTYPE_NAMES[self.dtype]
+        self.server_args = ServerArgs.from_kwargs(
+            model_path=str(path), model_id="Qwen-Image", num_gpus=1, dit_precision=name, vae_precision=name,
+            text_encoder_precisions=(name,), warmup_mode="off")
+        set_global_server_args(self.server_args)
+        self.worker = self._build_worker()
+        modules = self.worker.pipeline.modules
+        self.transformer, self.vae, self.text_encoder = modules["transformer"], modules["vae"], modules["text_encoder"]
+        for m in (self.transformer, self.vae, self.text_encoder):
+            m.requires_grad_(False)
+
+        # diffusers name -> (SGLang parameter, row block or None), from the checkpoint's own names
+        names_shapes = {}
+        for f in sorted((path / "transformer").glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                for k in h.keys():
+                    names_shapes[k] = tuple(h.get_slice(k).get_shape())
+        self._index = self._build_index(names_shapes)
+        self.policy_version = 0
+        self._resident = {n: True for n in _MODULES}
+        self._lora_config: dict[str, Any] | None = None
+        self._lora: dict[str, torch.Tensor] = {}
+        self._lora_base: dict[str, torch.Tensor] = {}
+        self.last_stats: dict[str, float] = {}
+
+    def _build_worker(self):
+        """SGLang's GPUWorker in this process. It writes the torch.distributed env variables
+        for its own world of one; the rank's torchrun values are restored afterwards (an existing
+        default process group is reused by SGLang)."""
+        from sglang.multimodal_gen.runtime.managers.gpu_worker import GPUWorker
+
+        saved = {k: os.environ.get(k) for k in _DIST_ENV}
+        local_rank = self.device.index or 0 if self.device.type == "cuda" else 0
+        try:
+            return GPUWorker(local_rank, 0, _free_port(), self.server_args)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _build_index(self, names_shapes: dict[str, tuple]) -> dict[str, tuple[torch.nn.Parameter, tuple | None]]:
+        from sglang.multimodal_gen.runtime.post_training.weights_updater import _build_module_weight_name_mapper
+
+        params = dict(self.transformer.named_parameters())
+        mapper = _build_module_weight_name_mapper(self.transformer)
+        index, problems = {}, []
+        for name, shape in names_shapes.items():
+            target, shard = (name, None) if name in params else (mapper(name) if mapper else (name, None))
+            if target not in params:
+                problems.append(f"{name}: no SGLang parameter (mapped to {target})")
+                continue
+            p = params[target]
+            if shard is None:
+                if tuple(p.shape) != shape:
+                    problems.append(f"{name}: shape {shape}, SGLang {tuple(p.shape)}")
+                index[name] = (p, None)
+            else:
+                rows = shape[0]
+                block = (int(shard) * rows, (int(shard) + 1) * rows)
+                if block[1] > p.shape[0] or tuple(p.shape[1:]) != shape[1:]:
+                    problems.append(f"{name}: shard {shard} of {target} {tuple(p.shape)} does not fit {shape}")
+                index[name] = (p, block)
+        if problems:
+            raise SGLangContractError("SGLang's DiT does not hold the checkpoint's tensors: " + "; ".join(problems[:5]))
+        return index
+
+    def _view(self, name: str) -> torch.Tensor:
+        p, block = self._index[name]
+        return p.data if block is None else p.data[block[0]:block[1]]
+
+    # ------------------------------------------------------------------ generation
+
+    def sigma_schedule(self, height: int, width: int, num_inference_steps: int) -> list[float]:
+        from trainer.sampling import image_seq_len, sigma_schedule
+
+        return sigma_schedule(self.scheduler_config, num_inference_steps,
+                              image_seq_len(height, width, self.vae_scale_factor))
+
+    def _check_request(self, r: RolloutRequest) -> None:
+        if float(r.guidance_scale) != 1.0:
+            raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale} != 1.0; the engine samples "
+                             "without CFG because the actor replays a single positive-conditioned forward")
+        if not r.sde_indices:
+            raise ValueError(f"request {r.sample_id}: empty sde_indices; a rollout needs at least one trained SDE step")
+        if len(r.sigmas) != r.num_inference_steps + 1:
+            raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
+                             "(need num_inference_steps + 1, terminal 0 included)")
+        if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
+            raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
+        from trainer.sampling import SDE_TYPES
+
+        if r.sde_type not in SDE_TYPES:
+            raise ValueError(f"request {r.sample_id}: sde_type {r.sde_type!r} not one of {SDE_TYPES}")
+
+    @torch.no_grad()
+    def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
+        """One SGLang request per candidate; responses as NativeEngine.generate's."""
+        self._require_resident(_MODULES, "generate")
+        for r in requests:
+            self._check_request(r)
+        t0 = time.perf_counter()
+        out = [self._generate_one(r) for r in requests]
+        self.last_stats = {"candidates": float(len(requests)), "geometries": float(len({_geometry_key(r) for r in requests})),
+                           "dit_forwards": float(sum(r.num_inference_steps for r in requests)),
+                           "generate_time": time.perf_counter() - t0}
+        return out
+
+    def _generate_one(self, r: RolloutRequest) -> dict[str, Any]:
+        from sglang.multimodal_gen.runtime.entrypoints.openai.utils import build_sampling_params
+        from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
+
+        from trainer.engine.sglang_plugin import SPEC_KEY, TrainerRolloutSpec
+        from trainer.models.qwen_image import packed_grid
+        from trainer.sampling import init_noise_shape, initial_noise, timesteps_from_sigmas
+
+        rows, cols = packed_grid(r.height, r.width, self.vae_scale_factor)
+        shape = init_noise_shape(r, self.latent_channels, self.vae_scale_factor)
+        in_ch = self.in_channels
+        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != in_ch:
+            raise ValueError(f"x_T shape {shape} does not fit {r.height}x{r.width} on this model (expected "
+                             f"[{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config init_noise_latent_shape "
+                             "or height/width")
+        steps = sorted(int(i) for i in r.sde_indices)
+        sp = build_sampling_params(
+            f"{r.sample_id}", prompt=r.prompt, seed=int(r.generation_seed), generator_device="cpu",
+            width=int(r.width), height=int(r.height), num_inference_steps=int(r.num_inference_steps),
+            guidance_scale=1.0, rollout=True, rollout_sde_type="sde", rollout_noise_level=float(r.eta) or 1.0,
+            rollout_log_prob_no_const=False, rollout_debug_mode=False, rollout_return_denoising_env=True,
+            rollout_return_dit_trajectory=False, rollout_sde_step_indices=steps, save_output=False,
+            return_trajectory_latents=False, return_trajectory_decoded=False, suppress_logs=True)
+        req = prepare_request(server_args=self.server_args, sampling_params=sp)
+        spec = TrainerRolloutSpec(sample_id=r.sample_id, generation_seed=int(r.generation_seed),
+                                  sigmas=[float(s) for s in r.sigmas], sde_indices=steps, eta=float(r.eta),
+                                  sde_type=r.sde_type, sigma_max=float(r.sigma_max), latent_dtype=self.dtype)
+        req.extra[SPEC_KEY] = spec
+        x_t = initial_noise(shape, r.generation_seed, r.sample_id)
+        req.latents = x_t[None, None].to(self.dtype)  # [B=1, frames=1, C, h, w], packed by SGLang
+        result = self.worker.execute_forward([req])
+        if getattr(result, "error", None):
+            raise RuntimeError(f"SGLang failed on request {r.sample_id}: {result.error}")
+        if [rec["step"] for rec in spec.records] != steps:
+            raise RuntimeError(f"SGLang ran the trained transition at steps {[rec['step'] for rec in spec.records]}, "
+                               f"the request trains {steps}; the trainer's SGLang hooks are not in effect")
+        env = result.rollout_trajectory_data.denoising_env
+        embeds = env.pos_cond_kwargs["encoder_hidden_states"]
+        embeds = (embeds[0] if isinstance(embeds, (list, tuple)) else embeds)[0]
+        mask = env.pos_cond_kwargs.get("encoder_hidden_states_mask")
+        if isinstance(mask, (list, tuple)):
+            mask = mask[0]
+        mask = torch.ones(embeds.shape[0], dtype=torch.int64) if mask is None else mask.reshape(-1)[:embeds.shape[0]].to(torch.int64)
+        image = result.output[0]
+        if image.dim() == 4:  # [3, frames=1, H, W]
+            image = image[:, 0]
+        sigmas = [float(s) for s in r.sigmas]
+        timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
+        return {
+            "prompt": r.prompt,
+            "sample_id": r.sample_id,
+            "group_index": r.group_index,
+            "slot": r.slot,
+            "generation_seed": r.generation_seed,
+            "metadata": dict(r.metadata),
+            "image": image.float().clamp(0, 1).cpu(),
+            "trajectory_latents": torch.stack([rec["latents"] for rec in spec.records]),
+            "trajectory_next_latents": torch.stack([rec["next_latents"] for rec in spec.records]),
+            "sigmas": torch.tensor([sigmas[i] for i in steps], dtype=torch.float32),
+            "sigmas_next": torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32),
+            "timesteps": torch.tensor([timesteps[i] for i in steps], dtype=torch.float32),
+            "log_probs": torch.tensor([rec["log_prob"] for rec in spec.records], dtype=torch.float32),
+            "sde_indices": list(steps),
+            "prompt_embeds": embeds.to(self.dtype).cpu(),
+            "prompt_embeds_mask": mask.cpu(),
+            "height": r.height,
+            "width": r.width,
+            "vae_scale_factor": self.vae_scale_factor,
+            "num_inference_steps": r.num_inference_steps,
+            "eta": r.eta,
+            "sde_type": r.sde_type,
+            "sigma_max": r.sigma_max,
+            "policy_version": self.policy_version,
+            "latent_dtype": str(self.dtype).replace("torch.", ""),
+        }
+
+    # ------------------------------------------------------------------ weights
+
+    def holds_lora(self) -> bool:
+        return self._lora_config is not None
+
+    def _check_manifest_names(self, named_tensors, known: dict, kind: str) -> None:
+        unknown = [n for n, _ in named_tensors if n not in known]
+        if unknown:
+            raise WeightSyncError(f"{kind} sync: {len(unknown)} tensor name(s) the engine's transformer does not have, "
+                                  f"e.g. {unknown[:3]}; strip wrapper segments (weight_sync.strip_wrapper_segments) "
+                                  "and map names with the adapter's weight_name_map")
+        bad = [(n, tuple(t.shape), tuple(known[n].shape)) for n, t in named_tensors if tuple(t.shape) != tuple(known[n].shape)]
+        if bad:
+            raise WeightSyncError(f"{kind} sync: shape mismatch for {len(bad)} tensor(s), e.g. "
+                                  + "; ".join(f"{n}: got {g}, engine {e}" for n, g, e in bad[:3]))
+        seen: set = set()
+        dup = [n for n, _ in named_tensors if n in seen or seen.add(n)]
+        if dup:
+            raise WeightSyncError(f"{kind} sync: duplicate tensor names {dup[:3]}")
+
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
+        """Copy full / merged transformer tensors (diffusers names) into SGLang's DiT; checked
+        as NativeEngine's (manifest, names, shapes; refused once a LoRA adapter is installed)."""
+        from trainer.weight_sync import verify_manifest
+
+        self._require_resident(("transformer",), "update_weights_from_tensors", WeightSyncError)
+        if self.holds_lora():
+            raise WeightSyncError(
+                "full/merged weight sync into an engine that holds a LoRA adapter: the adapter would be dropped "
+                "or applied twice; use set_lora_tensors (--lora-adapter-mode) or a fresh engine, never both on one engine")
+        verify_manifest(named_tensors, manifest)
+        views = {n: self._view(n) for n, _ in named_tensors if n in self._index}
+        self._check_manifest_names(named_tensors, views, manifest.kind)
+        with torch.inference_mode():
+            torch._foreach_copy_([views[n] for n, _ in named_tensors], [t for _, t in named_tensors])
+
+    def set_lora_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest,
+                         lora_config: dict[str, Any]) -> None:
+        """Install / replace a LoRA adapter (peft names without the adapter segment). The adapter
+        is merged into SGLang's DiT weights: W = W0 + alpha / rank * B @ A, with W0 (the base
+        weights at the first install) kept on the host; the given adapter tensors are kept (in
+        the engine dtype) for the checksum."""
+        from trainer.weight_sync import verify_manifest
+
+        self._require_resident(("transformer",), "set_lora_tensors", WeightSyncError)
+        verify_manifest(named_tensors, manifest)
+        cfg = _normalize_lora_config(lora_config)
+        if self._lora_config is not None and cfg != self._lora_config:
+            raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
+                                  f"({self._lora_config}); rank, alpha and targets cannot change within a run")
+        expected = self._lora_shapes(cfg)
+        known = {n: torch.empty(s, device="meta") for n, s in expected.items()}
+        self._check_manifest_names(named_tensors, known, "adapter")
+        missing = sorted(set(expected) - {n for n, _ in named_tensors})
+        if missing:
+            raise WeightSyncError(f"adapter sync lacks {len(missing)} of the engine's {len(expected)} LoRA tensors, "
+                                  f"e.g. {missing[:3]}; every adapter tensor must be sent")
+        if self._lora_config is None:
+            self._lora_base = {m + ".weight": self._view(m + ".weight").detach().to("cpu", copy=True)
+                               for m in self._lora_modules(cfg)}
+            self._lora_config = cfg
+        self._lora = {n: t.detach().to(device="cpu", dtype=self.dtype).clone() for n, t in named_tensors}
+        scale = cfg["alpha"] / cfg["rank"]
+        with torch.inference_mode():
+            for m in self._lora_modules(cfg):
+                a, b = self._lora[m + ".lora_A.weight"].float(), self._lora[m + ".lora_B.weight"].float()
+                w = self._lora_base[m + ".weight"].float() + scale * (b @ a)
+                self._view(m + ".weight").copy_(w.to(self.dtype))
+
+    def _lora_modules(self, cfg) -> list[str]:
+        """Module names (diffusers) the LoRA targets cover, as peft matches target_modules
+        (a name equal to the target or ending in ".<target>")."""
+        mods = sorted({n[:-len(".weight")] for n in self._index if n.endswith(".weight")})
+        targets = cfg["target_modules"]
+        out = [m for m in mods if any(m == t or m.endswith("." + t) for t in targets)]
+        if not out:
+            raise WeightSyncError(f"LoRA target_modules {targets} match no linear layer of the engine's transformer")
+        return out
+
+    def _lora_shapes(self, cfg) -> dict[str, tuple]:
+        out = {}
+        for m in self._lora_modules(cfg):
+            w = self._view(m + ".weight")
+            out[m + ".lora_A.weight"] = (cfg["rank"], int(w.shape[1]))
+            out[m + ".lora_B.weight"] = (int(w.shape[0]), cfg["rank"])
+        return out
+
+    def load_lora_dir(self, path) -> dict[str, Any]:
+        """Install a PEFT adapter directory, as NativeEngine.load_lora_dir."""
+        from trainer.engine.native import NativeEngine
+
+        return NativeEngine.load_lora_dir(self, path)
+
+    def _checksum_items(self):
+        """(diffusers name, tensor) the engine samples with, named as the sender names them:
+        without LoRA the DiT's tensors; with LoRA the base weights (W0) and the adapter."""
+        from trainer.weight_sync import strip_wrapper_segments
+
+        for name in self._index:
+            if self._lora_config is not None and name in self._lora_base:
+                yield name, self._lora_base[name].to(self.dtype)
+            else:
+                yield name, self._view(name)
+        for name, t in self._lora.items():
+            yield strip_wrapper_segments(name), t
+
+    def get_weights_checksum(self) -> str:
+        from trainer.weight_sync import weights_checksum
+
+        self._require_resident(("transformer",), "get_weights_checksum")
+        return weights_checksum(self._checksum_items())
+
+    def commit_weight_version(self, version: int) -> None:
+        self.policy_version = int(version)
+
+    # ------------------------------------------------------------------ memory
+
+    def _modules_for(self, tags: Iterable[str] | None) -> list[str]:
+        if tags is None:
+            return list(_MODULES)
+        out = []
+        for tag in tags:
+            if tag not in MEMORY_TAGS:
+                raise ValueError(f"unknown memory tag {tag!r}; use {sorted(MEMORY_TAGS)}")
+            if MEMORY_TAGS[tag] not in out:
+                out.append(MEMORY_TAGS[tag])
+        return out
+
+    def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Release the engine's device memory through SGLang's release_memory_occupation (all
+        modules: SGLang releases its pipeline as a whole; `tags` are accepted for the protocol
+        and must name known modules). On CPU this is bookkeeping, verified."""
+        names = self._modules_for(tags)
+        if not any(self._resident[n] for n in names):
+            return
+        if self.device.type == "cuda":
+            result = self.worker.release_memory_occupation()
+            if isinstance(result, dict) and result.get("success") is False:
+                raise RuntimeError(f"SGLang release_memory_occupation failed (fatal): {result}")
+        for n in _MODULES:
+            self._resident[n] = False
+
+    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Bring the engine back (SGLang resumes its whole pipeline; tags as release_memory)."""
+        names = self._modules_for(tags)
+        if all(self._resident[n] for n in names):
+            return
+        if self.device.type == "cuda":
+            result = self.worker.resume_memory_occupation()
+            if isinstance(result, dict) and result.get("success") is False:
+                raise RuntimeError(f"SGLang resume_memory_occupation failed (fatal): {result}")
+        for n in _MODULES:
+            self._verify_placement(n, self.device)
+            self._resident[n] = True
+
+    def memory_state(self) -> dict[str, bool]:
+        return dict(self._resident)
+
+    def _verify_placement(self, name: str, device: torch.device) -> None:
+        module = getattr(self, name)
+        wrong = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                 if t.device.type != device.type]
+        if wrong:
+            raise RuntimeError(f"engine {name}: {len(wrong)} tensor(s) not on {device} after a memory move, "
+                               f"e.g. {wrong[:3]}; the release/resume failed (fatal)")
+
+    def _require_resident(self, names, what: str, exc=RuntimeError) -> None:
+        off = [n for n in names if not self._resident[n]]
+        if off:
+            raise exc(f"{what}: engine module(s) {off} are released; call resume_memory() first")
