@@ -114,11 +114,17 @@ class Timer:
         self.elapsed = time.perf_counter() - self.start
 
 
-def make_replay_fn(adapter: Any, sampling: Any):
+def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
     """replay_fn(model, rows) -> logp [b, S]: every trained-step column of `rows` replayed
-    through `model` with the adapter's own replay (the same math the sampler used)."""
+    through `model` with the adapter's own replay (the same math the sampler used).
+
+    one_forward: all S columns in one forward of b * S rows when the adapter offers
+    `replay_transitions` (fewer kernel launches; see there), else one forward per column."""
+    batched = getattr(adapter, "replay_transitions", None) if one_forward else None
 
     def replay(model: torch.nn.Module, rows: dict[str, Any]) -> torch.Tensor:
+        if batched is not None:
+            return batched(model, rows, sampling)
         num_steps = int(rows["latents"].shape[1])
         return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(num_steps)], dim=1)
 
