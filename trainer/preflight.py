@@ -205,6 +205,21 @@ def _check_hooks(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(f"--rollout-engine-class-path is required: one of {sorted(ENGINE_SHORT_NAMES)} or a dotpath")
     else:
         _check_dotpath("--rollout-engine-class-path", resolve_engine_path(engine), errors)
+        if resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"] and not _sglang_importable():
+            errors.append(
+                f"--rollout-engine-class-path {engine}: sglang is not installed in this environment and the "
+                "SGLang engine needs it; install it with `pip install .[sglang]` (GPU), or use the CPU test venv "
+                "made by `bash run.sh setup-sglang` (.venv-sglang)")
+
+
+def _sglang_importable() -> bool:
+    """sglang can be imported here (a spec lookup; nothing is imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:

@@ -1,0 +1,42 @@
+"""The SGLang engine without sglang installed (this suite's venv has none): preflight names the
+flag and the install command, and the engine's contract check says the same at start-up."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.test_preflight import base, problems  # noqa: F401  (base is a fixture)
+from trainer import preflight
+
+
+def test_this_venv_has_no_sglang():
+    # the assertions below are about an environment without sglang; the sglang venv runs tests/sglang
+    assert importlib.util.find_spec("sglang") is None
+
+
+@pytest.mark.parametrize("flag", ["sglang", "trainer.engine.sglang_engine.SGLangEngine"])
+def test_sglang_engine_without_sglang_fails_preflight(base, flag):  # noqa: F811
+    got = problems(base + ["--rollout-engine-class-path", flag])
+    hits = [p for p in got if "sglang is not installed" in p]
+    assert len(hits) == 1, got
+    # the config resolves the short name, so the line names the engine's dotpath
+    assert hits[0].startswith("--rollout-engine-class-path trainer.engine.sglang_engine.SGLangEngine:")
+    assert "pip install .[sglang]" in hits[0] and "bash run.sh setup-sglang" in hits[0]
+
+
+def test_installed_sglang_passes_the_rule(base, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(preflight, "_sglang_importable", lambda: True)
+    assert not any("sglang is not installed" in p for p in problems(base + ["--rollout-engine-class-path", "sglang"]))
+    # the native engine never asks for sglang
+    assert not any("sglang" in p for p in problems(base + ["--rollout-engine-class-path", "native"]))
+
+
+def test_engine_contract_check_names_the_install_command():
+    from trainer.engine.sglang_engine import SGLangContractError, SGLangEngine, check_sglang_contract
+
+    with pytest.raises(SGLangContractError, match=r"pip install \.\[sglang\].*bash run.sh setup-sglang"):
+        check_sglang_contract()
+    with pytest.raises(SGLangContractError, match="sglang is not installed"):
+        SGLangEngine("/nonexistent")
