@@ -616,13 +616,11 @@ def iter_sync_buckets(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
 
     for raw_name, param in model.named_parameters():
         is_lora = is_lora_name(raw_name)
+        if is_lora != (kind == "adapter"):
+            continue  # adapter: only LoRA tensors; merged: LoRA is folded into the base weight
         name = name_map(strip_wrapper_segments(raw_name, adapter_name))
         if kind == "adapter":
-            if not is_lora:
-                continue
             item = (name, [param], [wire_dtype], None)
-        elif is_lora:
-            continue  # merged: folded into the base weight
         elif raw_name in base_weight_of:
             m = base_weight_of[raw_name]
             if adapter_name not in m.lora_A:
