@@ -219,3 +219,37 @@ def test_release_resume_round_trips(engines, adapter):
     assert_same_outputs(before, sg.generate(reqs), tol=0)
     with pytest.raises(ValueError, match="unknown memory tag"):
         sg.release_memory(("kv_cache",))
+
+
+def test_two_ranks_under_torchrun(tiny_model_dir, tmp_path):
+    """Each of 2 gloo ranks runs its own in-process SGLang engine inside the trainer's process
+    group: outputs match the native engine on the rank, the rank's torchrun env variables are
+    intact, and the group's collectives still work afterwards."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("dist_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), str(worker), str(tiny_model_dir), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, res in enumerate(results):
+        assert res["rank"] == r and res["world"] == 2 and res["env_restored"]
+        assert res["max_diff"] <= TOL
+    # both ranks gathered the same tensors, and the ranks sampled different candidates
+    assert results[0]["gathered_logps"] == results[1]["gathered_logps"]
+    assert results[0]["gathered_logps"][0] != results[0]["gathered_logps"][1]
+    assert results[0]["checksum"] == results[1]["checksum"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -222,9 +222,15 @@ class SGLangEngine:
             raise SGLangContractError(f"SGLang did not apply the trainer's hooks on {missing}")
 
         name = _DTYPE_NAMES[self.dtype]
+        # Under torchrun every rank owns one engine: to SGLang the ranks are data-parallel
+        # replicas of one GPU each, so its groups (built on the trainer's default process group,
+        # which SGLang reuses) are one rank wide and consistent on every rank.
+        world, self._rank = 1, 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world, self._rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         self.server_args = ServerArgs.from_kwargs(
-            model_path=str(path), model_id="Qwen-Image", num_gpus=1, dit_precision=name, vae_precision=name,
-            text_encoder_precisions=(name,), warmup_mode="off")
+            model_path=str(path), model_id="Qwen-Image", num_gpus=world, dp_size=world, dit_precision=name,
+            vae_precision=name, text_encoder_precisions=(name,), warmup_mode="off")
         set_global_server_args(self.server_args)
         self.worker = self._build_worker()
         modules = self.worker.pipeline.modules
@@ -253,9 +259,10 @@ class SGLangEngine:
         from sglang.multimodal_gen.runtime.managers.gpu_worker import GPUWorker
 
         saved = {k: os.environ.get(k) for k in _DIST_ENV}
-        local_rank = self.device.index or 0 if self.device.type == "cuda" else 0
+        local_rank = (self.device.index or 0) if self.device.type == "cuda" else int(os.environ.get("LOCAL_RANK", 0))
+        port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()  # unused when a process group exists
         try:
-            return GPUWorker(local_rank, 0, _free_port(), self.server_args)
+            return GPUWorker(local_rank, self._rank, port, self.server_args)
         finally:
             for k, v in saved.items():
                 if v is None:
