@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a newcomer:
 #   bash run.sh setup                      create .venv and install everything (idempotent)
-#   bash run.sh test [pytest args]         run the whole test suite
+#   bash run.sh test [pytest args]         run the whole test suite (no args: also tests/sglang)
+#   bash run.sh setup-sglang               create .venv-sglang, the SGLang engine's CPU test venv
+#   bash run.sh test-sglang [pytest args]  run tests/sglang in .venv-sglang
 #   bash run.sh train RECIPE.toml [--flag value ...]
 #   bash run.sh demo                       tiny offline model, CPU, learns in minutes
 set -euo pipefail
@@ -42,6 +44,31 @@ setup() {
   echo "[setup] done: $("$PY" -c 'import torch, diffusers, transformers, peft; print("torch", torch.__version__, "diffusers", diffusers.__version__, "transformers", transformers.__version__, "peft", peft.__version__)')" >&2
 }
 
+SGL_VENV=${SGL_VENV:-$ROOT/.venv-sglang}
+SGL_PY=$SGL_VENV/bin/python
+
+setup_sglang() {
+  # The CPU test venv of the SGLang engine (tests/sglang), next to .venv; idempotent like
+  # setup(). A GPU user installs the real thing instead: pip install .[sglang]
+  local want t0=$SECONDS
+  want="$(cat setup.cfg pyproject.toml requirements/sglang-cpu.txt | sha256sum | cut -c1-16)"
+  if [[ -x $SGL_PY && -f $SGL_VENV/.setup-stamp && "$(cat "$SGL_VENV/.setup-stamp")" == "$want" ]]; then
+    return 0
+  fi
+  echo "[setup-sglang] creating $SGL_VENV" >&2
+  python3 -m venv "$SGL_VENV"
+  "$SGL_PY" -m pip install -q --upgrade pip >&2
+  # torch first, at sglang 0.5.23's own pin. The project's CPU torch 2.13 cannot run it:
+  # sglang imports torchvision unconditionally, and the torchvision build for torch 2.13
+  # on the package index is a CUDA one that fails to import next to a CPU torch.
+  "$SGL_PY" -m pip install -q "torch==2.14.1" "torchvision==0.29.1" >&2
+  "$SGL_PY" -m pip install -q -e ".[test]" >&2
+  # sglang and what its diffusion runtime imports, --no-deps: see the file's header
+  "$SGL_PY" -m pip install -q --no-deps -r requirements/sglang-cpu.txt >&2
+  echo "$want" > "$SGL_VENV/.setup-stamp"
+  echo "[setup-sglang] done in $((SECONDS - t0)) s, $(du -sh "$SGL_VENV" | cut -f1): $("$SGL_PY" -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)' 2>/dev/null)" >&2
+}
+
 nproc_default() {
   local n; n=$(gpu_count)
   if [[ $n -gt 0 ]]; then echo "$n"; else echo 2; fi
@@ -52,9 +79,20 @@ shift || true
 case $cmd in
   setup)
     setup ;;
+  setup-sglang)
+    setup_sglang ;;
   test)
     setup
-    exec "$PY" -m pytest "$@" ;;
+    if [[ $# -gt 0 || ${SGLANG_TESTS:-1} == 0 ]]; then
+      exec "$PY" -m pytest "$@"
+    fi
+    # the whole suite: the main venv's, then the SGLang engine's in its own venv
+    "$PY" -m pytest
+    setup_sglang
+    exec "$SGL_PY" -m pytest tests/sglang ;;
+  test-sglang)
+    setup_sglang
+    exec "$SGL_PY" -m pytest tests/sglang "$@" ;;
   train)
     [[ $# -ge 1 ]] || { echo "usage: bash run.sh train RECIPE.toml [--flag value ...]" >&2; exit 2; }
     setup
@@ -65,7 +103,7 @@ case $cmd in
     setup
     exec bash "$ROOT/tools/demo.sh" "$@" ;;
   help|-h|--help)
-    sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' ;;
+    sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' ;;
   *)
-    echo "unknown command '$cmd'; use one of: setup, test, train, demo" >&2; exit 2 ;;
+    echo "unknown command '$cmd'; use one of: setup, test, setup-sglang, test-sglang, train, demo" >&2; exit 2 ;;
 esac
