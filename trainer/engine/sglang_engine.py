@@ -228,9 +228,19 @@ class SGLangEngine:
         world, self._rank = 1, 0
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             world, self._rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        self.server_args = ServerArgs.from_kwargs(
-            model_path=str(path), model_id="Qwen-Image", num_gpus=world, dp_size=world, dit_precision=name,
-            vae_precision=name, text_encoder_precisions=(name,), warmup_mode="off")
+        # SGLang's ServerArgs reconfigures the root logger (handlers, level) for its server
+        # process; this process is the trainer's, so its logging is put back, and SGLang's
+        # per-request stage logs are kept at WARNING.
+        root = logging.getLogger()
+        saved_handlers, saved_level = list(root.handlers), root.level
+        try:
+            self.server_args = ServerArgs.from_kwargs(
+                model_path=str(path), model_id="Qwen-Image", num_gpus=world, dp_size=world, dit_precision=name,
+                vae_precision=name, text_encoder_precisions=(name,), warmup_mode="off", log_level="warning")
+        finally:
+            root.handlers[:] = saved_handlers
+            root.setLevel(saved_level)
+        logging.getLogger("sglang").setLevel(logging.WARNING)
         set_global_server_args(self.server_args)
         self.worker = self._build_worker()
         modules = self.worker.pipeline.modules
