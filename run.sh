@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a newcomer:
 #   bash run.sh setup                      create .venv and install everything (idempotent)
-#   bash run.sh test [pytest args]         run the whole test suite (no args: also tests/sglang)
+#   bash run.sh test [pytest args]         run the whole test suite (no args: also tests/sglang_engine)
 #   bash run.sh setup-sglang               create .venv-sglang, the SGLang engine's CPU test venv
-#   bash run.sh test-sglang [pytest args]  run tests/sglang in .venv-sglang
+#   bash run.sh test-sglang [pytest args]  run tests/sglang_engine in .venv-sglang
 #   bash run.sh train RECIPE.toml [--flag value ...]
 #   bash run.sh demo                       tiny offline model, CPU, learns in minutes
 set -euo pipefail
@@ -48,7 +48,7 @@ SGL_VENV=${SGL_VENV:-$ROOT/.venv-sglang}
 SGL_PY=$SGL_VENV/bin/python
 
 setup_sglang() {
-  # The CPU test venv of the SGLang engine (tests/sglang), next to .venv; idempotent like
+  # The CPU test venv of the SGLang engine (tests/sglang_engine), next to .venv; idempotent like
   # setup(). A GPU user installs the real thing instead: pip install .[sglang]
   local want t0=$SECONDS
   want="$(cat setup.cfg pyproject.toml requirements/sglang-cpu.txt | sha256sum | cut -c1-16)"
@@ -89,10 +89,10 @@ case $cmd in
     # the whole suite: the main venv's, then the SGLang engine's in its own venv
     "$PY" -m pytest
     setup_sglang
-    exec "$SGL_PY" -m pytest tests/sglang ;;
+    exec "$SGL_PY" -m pytest tests/sglang_engine ;;
   test-sglang)
     setup_sglang
-    exec "$SGL_PY" -m pytest tests/sglang "$@" ;;
+    exec "$SGL_PY" -m pytest tests/sglang_engine "$@" ;;
   train)
     [[ $# -ge 1 ]] || { echo "usage: bash run.sh train RECIPE.toml [--flag value ...]" >&2; exit 2; }
     setup

@@ -213,13 +213,15 @@ def _check_hooks(cfg: RunConfig, errors: list[str]) -> None:
 
 
 def _sglang_importable() -> bool:
-    """sglang can be imported here (a spec lookup; nothing is imported)."""
+    """The sglang package is installed here (a spec lookup; nothing is imported). A directory
+    named sglang on sys.path without an __init__.py (a namespace package) is not it."""
     import importlib.util
 
     try:
-        return importlib.util.find_spec("sglang") is not None
+        spec = importlib.util.find_spec("sglang")
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin is not None and spec.origin.endswith("__init__.py")
 
 
 def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:

@@ -34,11 +34,11 @@ the installed SGLang lacks.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -151,12 +151,6 @@ def check_sglang_contract(required_version: str = SGLANG_VERSION) -> None:
             + f"\nInstall the pinned release: {INSTALL_HINT}")
 
 
-def sglang_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("sglang") is not None
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +160,38 @@ def _free_port() -> int:
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_SIZE")
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _numerics_state() -> dict[str, Any]:
+    m = torch.backends.cuda.matmul
+    return {"cudnn_tf32": torch.backends.cudnn.allow_tf32, "matmul_tf32": m.allow_tf32,
+            "bf16_reduced": m.allow_bf16_reduced_precision_reduction,
+            "fp16_reduced": m.allow_fp16_reduced_precision_reduction,
+            "fp32_precision": torch.get_float32_matmul_precision()}
+
+
+def _restore_numerics(state: dict[str, Any]) -> None:
+    """Put back what changed (only that: torch objects to mixing its TF32 APIs needlessly)."""
+    now = _numerics_state()
+    m = torch.backends.cuda.matmul
+    if now["fp32_precision"] != state["fp32_precision"]:
+        torch.set_float32_matmul_precision(state["fp32_precision"])
+    elif now["matmul_tf32"] != state["matmul_tf32"]:
+        m.allow_tf32 = state["matmul_tf32"]
+    if now["cudnn_tf32"] != state["cudnn_tf32"]:
+        torch.backends.cudnn.allow_tf32 = state["cudnn_tf32"]
+    if now["bf16_reduced"] != state["bf16_reduced"]:
+        m.allow_bf16_reduced_precision_reduction = state["bf16_reduced"]
+    if now["fp16_reduced"] != state["fp16_reduced"]:
+        m.allow_fp16_reduced_precision_reduction = state["fp16_reduced"]
+
+
+def _proctitle() -> str | None:
+    try:
+        import setproctitle
+    except ImportError:
+        return None
+    return setproctitle.getproctitle()
 
 
 class SGLangEngine:
@@ -195,8 +221,6 @@ class SGLangEngine:
         self.max_sequence_length = int(max_sequence_length)
         self.scheduler_config = load_scheduler_config(str(path))
         self.num_train_timesteps = int(self.scheduler_config.get("num_train_timesteps", 1000))
-        import json
-
         vae_cfg = json.loads((path / "vae" / "config.json").read_text())
         self.vae_scale_factor = vae_scale_factor_from_config(vae_cfg)
         self.latent_channels = int(vae_cfg.get("z_dim", 16))
@@ -263,22 +287,34 @@ class SGLangEngine:
         self.last_stats: dict[str, float] = {}
 
     def _build_worker(self):
-        """SGLang's GPUWorker in this process. It writes the torch.distributed env variables
-        for its own world of one; the rank's torchrun values are restored afterwards (an existing
-        default process group is reused by SGLang)."""
+        """SGLang's GPUWorker in this process. A worker normally owns its process, so its set-up
+        changes process-wide state: the torch.distributed env variables, the CPU intra-op thread
+        count, torch's TF32 / reduced-precision switches and the process title. All of it is put
+        back afterwards: the rank stays the trainer's, and SGLang's DiT computes with the
+        numerics the actor replays with. An existing default process group is reused by SGLang."""
         from sglang.multimodal_gen.runtime.managers.gpu_worker import GPUWorker
 
-        saved = {k: os.environ.get(k) for k in _DIST_ENV}
+        saved_env = {k: os.environ.get(k) for k in _DIST_ENV}
+        saved_numerics = _numerics_state()
+        saved_threads = torch.get_num_threads()
+        saved_title = _proctitle()
         local_rank = (self.device.index or 0) if self.device.type == "cuda" else int(os.environ.get("LOCAL_RANK", 0))
         port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()  # unused when a process group exists
         try:
             return GPUWorker(local_rank, self._rank, port, self.server_args)
         finally:
-            for k, v in saved.items():
+            for k, v in saved_env.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+            _restore_numerics(saved_numerics)
+            if torch.get_num_threads() != saved_threads:
+                torch.set_num_threads(saved_threads)
+            if saved_title is not None:
+                import setproctitle
+
+                setproctitle.setproctitle(saved_title)
 
     def _build_index(self, names_shapes: dict[str, tuple]) -> dict[str, tuple[torch.nn.Parameter, tuple | None]]:
         from sglang.multimodal_gen.runtime.post_training.weights_updater import _build_module_weight_name_mapper
@@ -328,7 +364,8 @@ class SGLangEngine:
             raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
                              "(need num_inference_steps + 1, terminal 0 included)")
         if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
-            raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
+            raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside "
+                             f"0..{r.num_inference_steps - 1}")
         from trainer.sampling import SDE_TYPES
 
         if r.sde_type not in SDE_TYPES:
@@ -342,7 +379,8 @@ class SGLangEngine:
             self._check_request(r)
         t0 = time.perf_counter()
         out = [self._generate_one(r) for r in requests]
-        self.last_stats = {"candidates": float(len(requests)), "geometries": float(len({_geometry_key(r) for r in requests})),
+        self.last_stats = {"candidates": float(len(requests)),
+                           "geometries": float(len({_geometry_key(r) for r in requests})),
                            "dit_forwards": float(sum(r.num_inference_steps for r in requests)),
                            "generate_time": time.perf_counter() - t0}
         return out
@@ -389,7 +427,8 @@ class SGLangEngine:
         mask = env.pos_cond_kwargs.get("encoder_hidden_states_mask")
         if isinstance(mask, (list, tuple)):
             mask = mask[0]
-        mask = torch.ones(embeds.shape[0], dtype=torch.int64) if mask is None else mask.reshape(-1)[:embeds.shape[0]].to(torch.int64)
+        t = embeds.shape[0]
+        mask = torch.ones(t, dtype=torch.int64) if mask is None else mask.reshape(-1)[:t].to(torch.int64)
         image = result.output[0]
         if image.dim() == 4:  # [3, frames=1, H, W]
             image = image[:, 0]
@@ -434,7 +473,8 @@ class SGLangEngine:
             raise WeightSyncError(f"{kind} sync: {len(unknown)} tensor name(s) the engine's transformer does not have, "
                                   f"e.g. {unknown[:3]}; strip wrapper segments (weight_sync.strip_wrapper_segments) "
                                   "and map names with the adapter's weight_name_map")
-        bad = [(n, tuple(t.shape), tuple(known[n].shape)) for n, t in named_tensors if tuple(t.shape) != tuple(known[n].shape)]
+        bad = [(n, tuple(t.shape), tuple(known[n].shape)) for n, t in named_tensors
+               if tuple(t.shape) != tuple(known[n].shape)]
         if bad:
             raise WeightSyncError(f"{kind} sync: shape mismatch for {len(bad)} tensor(s), e.g. "
                                   + "; ".join(f"{n}: got {g}, engine {e}" for n, g, e in bad[:3]))
@@ -452,7 +492,8 @@ class SGLangEngine:
         if self.holds_lora():
             raise WeightSyncError(
                 "full/merged weight sync into an engine that holds a LoRA adapter: the adapter would be dropped "
-                "or applied twice; use set_lora_tensors (--lora-adapter-mode) or a fresh engine, never both on one engine")
+                "or applied twice; use set_lora_tensors (--lora-adapter-mode) or a fresh engine, never both on one "
+                "engine")
         verify_manifest(named_tensors, manifest)
         views = {n: self._view(n) for n, _ in named_tensors if n in self._index}
         self._check_manifest_names(named_tensors, views, manifest.kind)

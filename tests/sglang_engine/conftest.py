@@ -1,6 +1,6 @@
 """Fixtures of the SGLang engine tests. These run in the SGLang venv only:
 
-    bash run.sh setup-sglang && .venv-sglang/bin/python -m pytest tests/sglang
+    bash run.sh setup-sglang && .venv-sglang/bin/python -m pytest tests/sglang_engine
 
 (the main suite does not recurse into this directory: setup.cfg norecursedirs)."""
 

@@ -172,6 +172,30 @@ def test_text_qkv_rows_land_in_sglangs_fused_projection(engines, tiny_model_dir)
     assert k.data_ptr() == fused.data[rows:2 * rows].data_ptr()  # a view, not a copy
 
 
+def test_building_an_engine_leaves_the_process_as_it_was(tiny_model_dir, monkeypatch):
+    """SGLang's worker is written to own its process; inside a trainer rank the engine puts back
+    the env variables, thread count, TF32 / reduced-precision switches, logging and title."""
+    import logging
+    import os
+
+    import setproctitle
+
+    from trainer.engine.sglang_engine import _numerics_state
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # else SGLang leaves the thread count alone
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.set_num_threads(1)
+    root = logging.getLogger()
+    before = (_numerics_state(), torch.get_num_threads(), setproctitle.getproctitle(), list(root.handlers),
+              root.level)
+    SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    after = (_numerics_state(), torch.get_num_threads(), setproctitle.getproctitle(), list(root.handlers),
+             root.level)
+    assert after == before
+    assert os.environ["RANK"] == "5" and "WORLD_SIZE" not in os.environ
+
+
 def test_lora_update_changes_both_engines_identically(tiny_model_dir, adapter):
     # fresh engines: an engine that holds LoRA refuses full syncs for the rest of its life
     sg = SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
@@ -200,6 +224,27 @@ def test_lora_update_changes_both_engines_identically(tiny_model_dir, adapter):
     with pytest.raises(WeightSyncError, match="LoRA"):
         sg.update_weights_from_tensors(full, build_manifest("full", full, 3))
     assert diffs["image"] <= TOL
+
+
+def test_peft_adapter_directory_loads_identically(tiny_model_dir, adapter, tmp_path):
+    """load_lora_dir (tools/sample.py --lora) on both engines: a peft save_pretrained directory."""
+    from peft import LoraConfig, get_peft_model
+
+    model = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["attn.to_q", "attn.to_v"]))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    sg = SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    na = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    c0 = sg.get_weights_checksum()
+    assert sg.load_lora_dir(tmp_path / "adapter") == na.load_lora_dir(tmp_path / "adapter")
+    assert sg.get_weights_checksum() == na.get_weights_checksum() != c0
+    reqs = make_requests(adapter, na, sampling_for(), prompts=PROMPTS[:1], group_size=1)
+    assert_same_outputs(na.generate(reqs), sg.generate(reqs))
 
 
 def test_release_resume_round_trips(engines, adapter):

@@ -2,7 +2,7 @@
 in-process SGLang engine inside the trainer's process group and generates its own candidates;
 rank results are compared with a native engine on the same rank and gathered.
 
-    torchrun --nproc-per-node 2 tests/sglang/dist_worker.py TINY_MODEL_DIR OUT_DIR
+    torchrun --nproc-per-node 2 tests/sglang_engine/dist_worker.py TINY_MODEL_DIR OUT_DIR
 """
 
 from __future__ import annotations
