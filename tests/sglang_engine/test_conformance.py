@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from trainer.engine.base import RolloutEngine, WeightSyncError
-from trainer.engine.native import NativeEngine
+from trainer.engine.native import NativeEngine, _normalize_lora_config
 from trainer.engine.sglang_engine import SGLangEngine
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
@@ -205,7 +205,7 @@ def test_lora_update_changes_both_engines_identically(tiny_model_dir, adapter):
     c0 = sg.get_weights_checksum()
     cfg = {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)}
     g = torch.Generator().manual_seed(11)
-    shapes = sg._lora_shapes(__import__("trainer.engine.native", fromlist=["x"])._normalize_lora_config(cfg))
+    shapes = sg._lora_shapes(_normalize_lora_config(cfg))
     for version in (1, 2):  # install, then replace
         lora = [(n, 0.2 * torch.randn(s, generator=g)) for n, s in sorted(shapes.items())]
         manifest = build_manifest("adapter", lora, version)
