@@ -119,7 +119,7 @@ class RolloutConfig:
     rollout_engine_class_path: str = _flag(
         "native",
         "Rollout engine: 'native' (diffusers + our SDE sampler), 'sglang', or a module.Class "
-        "dotpath. The sglang engine requires --weight-sync-wire-dtype bf16.",
+        "dotpath.",
     )
     rollout_function_path: str | None = _flag(
         None,

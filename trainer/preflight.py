@@ -300,14 +300,6 @@ def _check_sync(cfg: RunConfig, errors: list[str]) -> None:
         errors.append("--weight-sync-mode adapter needs --lora-adapter-mode (and --fsdp-trainable-mode lora)")
     if s.weight_sync_wire_dtype not in _DTYPES:
         errors.append(f"--weight-sync-wire-dtype {s.weight_sync_wire_dtype!r} must be one of {_DTYPES}")
-    elif (
-        s.weight_sync_wire_dtype != "bf16"
-        and resolve_engine_path(cfg.rollout.rollout_engine_class_path) == ENGINE_SHORT_NAMES["sglang"]
-    ):
-        errors.append(
-            f"--weight-sync-wire-dtype {s.weight_sync_wire_dtype} with the sglang engine: its weight "
-            "update path takes bf16; use --weight-sync-wire-dtype bf16"
-        )
     if s.weight_sync_bucket_size_mb < 1:
         errors.append(f"--weight-sync-bucket-size-mb must be >= 1, got {s.weight_sync_bucket_size_mb}")
 
