@@ -372,3 +372,50 @@ def test_dance_sde_replays(tiny_model_dir, adapter):
         for col in range(2):
             torch.testing.assert_close(adapter.replay_transition(eng.transformer, batch, col, cfg),
                                        batch["log_probs"][:, col], atol=1e-5, rtol=0)
+
+
+def test_weight_index_is_kept_while_the_dit_structure_holds(tiny_model_dir, adapter):
+    """The name -> parameter index survives new versions and a release / resume round trip; LoRA
+    injected after a first full sync (by set_lora_tensors or by anyone) rebuilds it, and a full
+    sync is then refused; the adapter name checks keep their errors on the cached path."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    base = [(n, p.detach().clone()) for n, p in adapter.load_train_model(str(tiny_model_dir)).named_parameters()]
+    eng.update_weights_from_tensors(base, build_manifest("full", base, 1))
+    index = eng._weights_index
+    eng.release_memory()
+    eng.resume_memory()
+    eng.update_weights_from_tensors(base, build_manifest("full", base, 2))
+    assert eng._weights_index is index and not eng.holds_lora() and eng._weights_index is index
+    assert eng.get_weights_checksum() == weights_checksum(base)
+    # LoRA through the engine's own path: a new index, full syncs refused
+    actor = lora_actor(adapter, tiny_model_dir, rank=2, alpha=4)
+    from trainer.weight_sync import iter_sync_tensors
+
+    named = list(iter_sync_tensors(actor, "adapter", wire_dtype=None))
+    cfg = {"rank": 2, "alpha": 4, "target_modules": list(adapter.lora_target_modules)}
+    eng.set_lora_tensors(named, build_manifest("adapter", named, 3), cfg)
+    assert eng._weights_index is not index and eng.holds_lora()
+    with pytest.raises(WeightSyncError, match="holds LoRA layers"):
+        eng.update_weights_from_tensors(base, build_manifest("full", base, 2))  # the same version as before
+    # the cached name check: same names accepted again; a shape, a missing and an unknown name refused
+    lora_index = eng._weights_index
+    eng.set_lora_tensors(named, build_manifest("adapter", named, 4), cfg)
+    assert eng._weights_index is lora_index and lora_index.lora_names_checked == tuple(n for n, _ in named)
+    bad = [(n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(named)]
+    with pytest.raises(WeightSyncError, match="shape mismatch for 1 tensor"):
+        eng.set_lora_tensors(bad, build_manifest("adapter", bad, 5), cfg)
+    with pytest.raises(WeightSyncError, match="lacks 1 of the engine's"):
+        eng.set_lora_tensors(named[1:], build_manifest("adapter", named[1:], 5), cfg)
+    unknown = [("nope.lora_A.weight", named[0][1])] + named[1:]
+    with pytest.raises(WeightSyncError, match="does not have"):
+        eng.set_lora_tensors(unknown, build_manifest("adapter", unknown, 5), cfg)
+    # LoRA injected behind the engine's back after a full sync: seen at the next look
+    other = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    other.update_weights_from_tensors(base, build_manifest("full", base, 1))
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=list(adapter.lora_target_modules)),
+                            other.transformer)
+    assert other.holds_lora()
+    with pytest.raises(WeightSyncError, match="holds LoRA layers"):
+        other.update_weights_from_tensors(base, build_manifest("full", base, 2))

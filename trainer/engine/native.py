@@ -190,8 +190,8 @@ class NativeEngine:
         self._resident = {name: True for name in _MODULES}
         self._lora_config: dict[str, Any] | None = None
         self.last_stats: dict[str, float] = {}
-        #: (sync version, stripped name -> DiT parameter, holds LoRA), see _weight_index
-        self._weights_index: tuple[int | None, dict[str, torch.nn.Parameter], bool] | None = None
+        #: the DiT's name -> parameter index, see _weight_index
+        self._weights_index: _WeightIndex | None = None
 
     # ------------------------------------------------------------------ generation
 
@@ -354,21 +354,27 @@ class NativeEngine:
     # ------------------------------------------------------------------ weights
 
     def holds_lora(self) -> bool:
-        """True once LoRA layers were injected into the engine's transformer (a fresh look)."""
-        return self._weight_index(None)[2]
+        """True once LoRA layers are in the engine's transformer (the DiT's structure is re-checked)."""
+        return self._weight_index(None).holds_lora
 
-    def _weight_index(self, version: int | None) -> tuple[int | None, dict[str, torch.nn.Parameter], bool]:
-        """(version, stripped diffusers name -> DiT parameter, DiT holds LoRA layers).
+    def _weight_index(self, version: int | None) -> _WeightIndex:
+        """The DiT's stripped diffusers name -> parameter index (and its LoRA part), rebuilt only when
+        the DiT's structure changed.
 
-        Walking the module tree costs milliseconds on the 20 B DiT, and a sync hands over tens of
-        buckets: the walk is cached for the buckets of one sync version (their manifests carry
-        it) and redone for None, a new version or after LoRA injection."""
-        from trainer.weight_sync import model_has_lora, strip_wrapper_segments
-
+        A named walk costs milliseconds at the real DiT size. The index keeps a ModuleTreeSnapshot
+        of the transformer and is rebuilt when that changed (LoRA injected here, by load_lora_dir or
+        by anyone else; a module or parameter object replaced); release/resume_memory swap .data and
+        keep the objects, so the index stays. The snapshot check itself is ~1 us per module, so it
+        runs once per sync version: the buckets of one version (their manifests carry it) reuse the
+        index unchecked (the syncer's holds_lora() look before a full/merged sync checks); version
+        None always checks."""
         cached = self._weights_index
-        if version is None or cached is None or cached[0] != version:
-            params = {strip_wrapper_segments(n): p for n, p in self.transformer.named_parameters()}
-            cached = self._weights_index = (version, params, model_has_lora(self.transformer))
+        if cached is not None and version is not None and cached.version == version:
+            return cached
+        if cached is None or not cached.structure.unchanged(self.transformer):
+            cached = _WeightIndex(self.transformer)
+            self._weights_index = cached
+        cached.version = version
         return cached
 
     def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
@@ -381,8 +387,9 @@ class NativeEngine:
         from trainer.weight_sync import verify_manifest
 
         self._require_resident(("transformer",), "update_weights_from_tensors", WeightSyncError)
-        _, params, holds_lora = self._weight_index(manifest.version)
-        if holds_lora:
+        index = self._weight_index(manifest.version)
+        params = index.params
+        if index.holds_lora:
             raise WeightSyncError(
                 "full/merged weight sync into an engine whose transformer holds LoRA layers: the base weights "
                 "are now *.base_layer.* and the adapter would keep its old values; use set_lora_tensors "
@@ -427,13 +434,24 @@ class NativeEngine:
         elif cfg != self._lora_config:
             raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
                                   f"({self._lora_config}); rank, alpha and targets cannot change within a run")
-        params = {n: p for n, p in self._weight_index(manifest.version)[1].items() if ".lora_" in n}
-        self._check_names_shapes(named_tensors, params, "adapter")
-        missing = sorted(set(params) - {n for n, _ in named_tensors})
-        if missing:
-            raise WeightSyncError(f"adapter sync lacks {len(missing)} of the engine's {len(params)} LoRA tensors, "
-                                  f"e.g. {missing[:3]}; every adapter tensor must be sent")
-        _copy_into([params[n] for n, _ in named_tensors], [t for _, t in named_tensors])
+        index = self._weight_index(None)  # one call per sync: always checked against the structure
+        params = index.lora_params
+        names = tuple(n for n, _ in named_tensors)
+        if names == index.lora_names_checked:
+            # the very names of an earlier accepted adapter sync into this index: known, distinct,
+            # complete; only the shapes can differ
+            dst = [params[n] for n in names]
+            if any(t.shape != p.shape for (_, t), p in zip(named_tensors, dst)):
+                self._check_names_shapes(named_tensors, params, "adapter")  # raises, with the usual message
+        else:
+            self._check_names_shapes(named_tensors, params, "adapter")
+            missing = sorted(set(params) - set(names))
+            if missing:
+                raise WeightSyncError(f"adapter sync lacks {len(missing)} of the engine's {len(params)} LoRA "
+                                      f"tensors, e.g. {missing[:3]}; every adapter tensor must be sent")
+            index.lora_names_checked = names
+            dst = [params[n] for n in names]
+        _copy_into(dst, [t for _, t in named_tensors])
 
     def _inject_lora(self, cfg: dict[str, Any]) -> None:
         from peft import LoraConfig
@@ -481,12 +499,12 @@ class NativeEngine:
     def get_weights_checksum(self) -> str:
         """weight_sync.weights_checksum over the DiT's parameters (diffusers names, wrapper
         segments stripped): the weights the engine samples with. Reads each parameter's bits once
-        on the device; one host transfer. Uses the parameter index of the sync just received."""
+        on the device; one host transfer. The parameter index is re-checked against the DiT's
+        structure first (_weight_index)."""
         from trainer.weight_sync import weights_checksum
 
         self._require_resident(("transformer",), "get_weights_checksum")
-        params = (self._weights_index or self._weight_index(None))[1]
-        return weights_checksum(params.items())
+        return weights_checksum(self._weight_index(None).params.items())
 
     def commit_weight_version(self, version: int) -> None:
         self.policy_version = int(version)
@@ -551,6 +569,26 @@ class NativeEngine:
         if off:
             raise exc(f"{what}: engine module(s) {off} are released to host memory; call "
                       f"resume_memory() first")
+
+
+class _WeightIndex:
+    """NativeEngine's view of its DiT's parameters, valid while `structure` is unchanged."""
+
+    __slots__ = ("structure", "params", "holds_lora", "lora_params", "lora_names_checked", "version")
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        from trainer.weight_sync import ModuleTreeSnapshot, model_has_lora, strip_wrapper_segments
+
+        self.structure = ModuleTreeSnapshot(transformer)
+        #: stripped diffusers name -> parameter
+        self.params = {strip_wrapper_segments(n): p for n, p in transformer.named_parameters()}
+        self.holds_lora = model_has_lora(transformer)
+        #: the LoRA part of params (set_lora_tensors' names)
+        self.lora_params = {n: p for n, p in self.params.items() if ".lora_" in n}
+        #: the ordered names of the last adapter sync that passed every name check against this index
+        self.lora_names_checked: tuple[str, ...] | None = None
+        #: the sync version this index was last checked for (None: a look outside a sync)
+        self.version: int | None = None
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
