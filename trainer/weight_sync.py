@@ -675,12 +675,20 @@ def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | 
     out: list[torch.Tensor | None] = [None] * len(tensors)
     flat: dict[tuple[Any, torch.dtype], list[_Shard0]] = {}
     pending: list[tuple[int, torch.Tensor, torch.Tensor, int, Any]] = []  # index, out, in, dim0, group
+    casts: list[tuple[int, torch.Tensor, torch.dtype]] = []  # local tensors to cast: one multi-tensor copy
+
+    def local(i: int, t: torch.Tensor, dtype: torch.dtype | None) -> None:
+        if dtype is None or t.dtype == dtype:
+            out[i] = t
+        else:
+            casts.append((i, t, dtype))
+
     for i, (t, dtype) in enumerate(zip(tensors, dtypes)):
         if not isinstance(t, DTensor):
-            out[i] = _cast(t.detach(), dtype)
+            local(i, t.detach(), dtype)
         elif t.device_mesh.size() == 1:
             # the local tensor itself (DTensor.detach()/to_local() dispatch costs ~10 us per parameter)
-            out[i] = _cast(t._local_tensor.detach(), dtype)
+            local(i, t._local_tensor.detach(), dtype)
         elif (rows := _shard0_rows(t)) is None:
             out[i] = _cast(t.detach().full_tensor(), dtype)  # before any async gather: ops stay in order
         else:
@@ -726,6 +734,11 @@ def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | 
             out[it.index] = full
     for i, full, _, dim0, _ in pending:
         out[i] = full[:dim0]
+    if casts:  # e.g. an adapter sync on one rank: 960 fp32 LoRA factors to bf16 in a few launches
+        dsts = [torch.empty(t.shape, dtype=dtype, device=t.device) for _, t, dtype in casts]
+        _copy_all(dsts, [t for _, t, _ in casts])
+        for (i, _, _), d in zip(casts, dsts):
+            out[i] = d
     return out  # type: ignore[return-value]
 
 
