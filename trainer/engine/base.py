@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, runtime_checkable
 
+import torch
+
 
 class WeightSyncError(RuntimeError):
     """A weight handoff to an engine failed; the policy version was not committed."""
@@ -104,3 +106,49 @@ class RolloutEngine(Protocol):
 
     def commit_weight_version(self, version: int) -> None:
         """Make `version` the engine's policy_version (after verification)."""
+
+
+#: memory tags -> module names, for release_memory / resume_memory ("weights" = the transformer)
+MEMORY_TAGS = {"weights": "transformer", "transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
+ENGINE_MODULES = ("transformer", "text_encoder", "vae")
+
+
+class EngineMemoryState:
+    """The residency bookkeeping both shipped engines share: which of their modules
+    (`transformer`, `text_encoder`, `vae` attributes) are on the device (`self._resident`), tag
+    resolution, placement verification and the policy-version label."""
+
+    _resident: dict[str, bool]
+    policy_version: int
+
+    def commit_weight_version(self, version: int) -> None:
+        """Make `version` the engine's policy_version (after the caller's verification)."""
+        self.policy_version = int(version)
+
+    def _modules_for(self, tags: Iterable[str] | None) -> list[str]:
+        if tags is None:
+            return list(ENGINE_MODULES)
+        out = []
+        for tag in tags:
+            if tag not in MEMORY_TAGS:
+                raise ValueError(f"unknown memory tag {tag!r}; use {sorted(MEMORY_TAGS)}")
+            if MEMORY_TAGS[tag] not in out:
+                out.append(MEMORY_TAGS[tag])
+        return out
+
+    def memory_state(self) -> dict[str, bool]:
+        """module name -> resident on the device."""
+        return dict(self._resident)
+
+    def _verify_placement(self, name: str, device: torch.device) -> None:
+        module = getattr(self, name)
+        wrong = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                 if t.device.type != device.type]
+        if wrong:
+            raise RuntimeError(f"engine {name}: {len(wrong)} tensor(s) not on {device} after a memory move, "
+                               f"e.g. {wrong[:3]}; the release/resume failed (fatal)")
+
+    def _require_resident(self, names, what: str, exc=RuntimeError) -> None:
+        off = [n for n in names if not self._resident[n]]
+        if off:
+            raise exc(f"{what}: engine module(s) {off} are released; call resume_memory() first")

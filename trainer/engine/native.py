@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 import torch
 
-from trainer.engine.base import RolloutRequest, WeightManifest, WeightSyncError
+from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError
 from trainer.models.qwen_image import (
     QWEN_IMAGE_LORA_TARGETS,
     check_model_dir,
@@ -57,8 +57,6 @@ from trainer.models.qwen_image import (
 log = logging.getLogger(__name__)
 
 #: tags of release_memory / resume_memory -> engine modules ("weights" is the DiT, as in SGLang)
-MEMORY_TAGS = {"weights": "transformer", "transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
-_MODULES = ("transformer", "text_encoder", "vae")
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
@@ -105,7 +103,7 @@ def _geometry_key(r: RolloutRequest) -> tuple:
             None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape))
 
 
-class NativeEngine:
+class NativeEngine(EngineMemoryState):
     """In-process Qwen-Image rollout engine (implements trainer.engine.base.RolloutEngine).
 
     model_path: local diffusers Qwen-Image directory (nothing is downloaded).
@@ -187,7 +185,7 @@ class NativeEngine:
         self.latent_channels = int(self.vae.config.z_dim)
         self.num_train_timesteps = int(self.scheduler_config.get("num_train_timesteps", 1000))
         self.policy_version = 0
-        self._resident = {name: True for name in _MODULES}
+        self._resident = {name: True for name in ENGINE_MODULES}
         self._lora_config: dict[str, Any] | None = None
         self.last_stats: dict[str, float] = {}
         #: the DiT's name -> parameter index, see _weight_index
@@ -220,7 +218,7 @@ class NativeEngine:
         trajectory_next_latents [S, L, C] in the engine dtype; sigmas / sigmas_next / timesteps /
         log_probs [S] fp32; prompt_embeds [T, D]; prompt_embeds_mask [T] int64.
         """
-        self._require_resident(_MODULES, "generate")
+        self._require_resident(ENGINE_MODULES, "generate")
         if not requests:
             return []
         for r in requests:
@@ -506,21 +504,7 @@ class NativeEngine:
         self._require_resident(("transformer",), "get_weights_checksum")
         return weights_checksum(self._weight_index(None).params.items())
 
-    def commit_weight_version(self, version: int) -> None:
-        self.policy_version = int(version)
-
     # ------------------------------------------------------------------ memory
-
-    def _modules_for(self, tags: Iterable[str] | None) -> list[str]:
-        if tags is None:
-            return list(_MODULES)
-        out = []
-        for tag in tags:
-            if tag not in MEMORY_TAGS:
-                raise ValueError(f"unknown memory tag {tag!r}; use {sorted(MEMORY_TAGS)}")
-            if MEMORY_TAGS[tag] not in out:
-                out.append(MEMORY_TAGS[tag])
-        return out
 
     def release_memory(self, tags: Iterable[str] | None = None) -> None:
         """Move the modules (all, or those of `tags`) to pinned host memory (CUDA) and mark them
@@ -552,23 +536,8 @@ class NativeEngine:
             self._verify_placement(name, self.device)
             self._resident[name] = True
 
-    def memory_state(self) -> dict[str, bool]:
-        """module name -> resident on the device."""
-        return dict(self._resident)
 
-    def _verify_placement(self, name: str, device: torch.device) -> None:
-        module = getattr(self, name)
-        wrong = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
-                 if t.device.type != device.type]
-        if wrong:
-            raise RuntimeError(f"engine {name}: {len(wrong)} tensor(s) not on {device} after a memory move, "
-                               f"e.g. {wrong[:3]}; the release/resume failed (fatal)")
 
-    def _require_resident(self, names, what: str, exc=RuntimeError) -> None:
-        off = [n for n in names if not self._resident[n]]
-        if off:
-            raise exc(f"{what}: engine module(s) {off} are released to host memory; call "
-                      f"resume_memory() first")
 
 
 class _WeightIndex:

@@ -43,7 +43,7 @@ from typing import Any, Iterable
 
 import torch
 
-from trainer.engine.base import RolloutRequest, WeightManifest, WeightSyncError
+from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError
 from trainer.engine.native import _geometry_key, _normalize_lora_config, prompt_template_start_idx, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,6 @@ SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = ("pip install .[sglang] (sglang==" + SGLANG_VERSION + "); for the CPU test venv: "
                 "bash run.sh setup-sglang")
 
-MEMORY_TAGS = {"weights": "transformer", "transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
-_MODULES = ("transformer", "text_encoder", "vae")
 
 #: (module, attribute path, why) the engine and its plugin use; check_sglang_contract checks them
 CONTRACT = (
@@ -194,7 +192,7 @@ def _proctitle() -> str | None:
     return setproctitle.getproctitle()
 
 
-class SGLangEngine:
+class SGLangEngine(EngineMemoryState):
     """In-process SGLang Qwen-Image rollout engine (implements trainer.engine.base.RolloutEngine).
 
     Arguments as NativeEngine's. max_batch_size is accepted for interface parity; SGLang runs
@@ -280,7 +278,7 @@ class SGLangEngine:
                     names_shapes[k] = tuple(h.get_slice(k).get_shape())
         self._index = self._build_index(names_shapes)
         self.policy_version = 0
-        self._resident = {n: True for n in _MODULES}
+        self._resident = {n: True for n in ENGINE_MODULES}
         self._lora_config: dict[str, Any] | None = None
         self._lora: dict[str, torch.Tensor] = {}
         self._lora_base: dict[str, torch.Tensor] = {}
@@ -374,7 +372,7 @@ class SGLangEngine:
     @torch.no_grad()
     def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
         """One SGLang request per candidate; responses as NativeEngine.generate's."""
-        self._require_resident(_MODULES, "generate")
+        self._require_resident(ENGINE_MODULES, "generate")
         for r in requests:
             self._check_request(r)
         t0 = time.perf_counter()
@@ -576,21 +574,7 @@ class SGLangEngine:
         self._require_resident(("transformer",), "get_weights_checksum")
         return weights_checksum(self._checksum_items())
 
-    def commit_weight_version(self, version: int) -> None:
-        self.policy_version = int(version)
-
     # ------------------------------------------------------------------ memory
-
-    def _modules_for(self, tags: Iterable[str] | None) -> list[str]:
-        if tags is None:
-            return list(_MODULES)
-        out = []
-        for tag in tags:
-            if tag not in MEMORY_TAGS:
-                raise ValueError(f"unknown memory tag {tag!r}; use {sorted(MEMORY_TAGS)}")
-            if MEMORY_TAGS[tag] not in out:
-                out.append(MEMORY_TAGS[tag])
-        return out
 
     def release_memory(self, tags: Iterable[str] | None = None) -> None:
         """Release the engine's device memory through SGLang's release_memory_occupation (all
@@ -603,7 +587,7 @@ class SGLangEngine:
             result = self.worker.release_memory_occupation()
             if isinstance(result, dict) and result.get("success") is False:
                 raise RuntimeError(f"SGLang release_memory_occupation failed (fatal): {result}")
-        for n in _MODULES:
+        for n in ENGINE_MODULES:
             self._resident[n] = False
 
     def resume_memory(self, tags: Iterable[str] | None = None) -> None:
@@ -615,22 +599,6 @@ class SGLangEngine:
             result = self.worker.resume_memory_occupation()
             if isinstance(result, dict) and result.get("success") is False:
                 raise RuntimeError(f"SGLang resume_memory_occupation failed (fatal): {result}")
-        for n in _MODULES:
+        for n in ENGINE_MODULES:
             self._verify_placement(n, self.device)
             self._resident[n] = True
-
-    def memory_state(self) -> dict[str, bool]:
-        return dict(self._resident)
-
-    def _verify_placement(self, name: str, device: torch.device) -> None:
-        module = getattr(self, name)
-        wrong = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
-                 if t.device.type != device.type]
-        if wrong:
-            raise RuntimeError(f"engine {name}: {len(wrong)} tensor(s) not on {device} after a memory move, "
-                               f"e.g. {wrong[:3]}; the release/resume failed (fatal)")
-
-    def _require_resident(self, names, what: str, exc=RuntimeError) -> None:
-        off = [n for n in names if not self._resident[n]]
-        if off:
-            raise exc(f"{what}: engine module(s) {off} are released; call resume_memory() first")
