@@ -108,6 +108,26 @@ class RolloutEngine(Protocol):
         """Make `version` the engine's policy_version (after verification)."""
 
 
+
+def check_request(r: RolloutRequest) -> None:
+    """Raise ValueError naming the candidate if `r` is not something an engine may sample: CFG
+    (the actor replays one positive-conditioned forward), no trained step, a sigma list of the
+    wrong length, trained steps out of range, an unknown SDE type."""
+    from trainer.sampling import SDE_TYPES
+
+    if float(r.guidance_scale) != 1.0:
+        raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale} != 1.0; the engines sample "
+                         "without CFG because the actor replays a single positive-conditioned forward")
+    if not r.sde_indices:
+        raise ValueError(f"request {r.sample_id}: empty sde_indices; a rollout needs at least one trained SDE step")
+    if len(r.sigmas) != r.num_inference_steps + 1:
+        raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
+                         "(need num_inference_steps + 1, terminal 0 included)")
+    if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
+        raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
+    if r.sde_type not in SDE_TYPES:
+        raise ValueError(f"request {r.sample_id}: sde_type {r.sde_type!r} not one of {SDE_TYPES}")
+
 #: memory tags -> module names, for release_memory / resume_memory ("weights" = the transformer)
 MEMORY_TAGS = {"weights": "transformer", "transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
 ENGINE_MODULES = ("transformer", "text_encoder", "vae")

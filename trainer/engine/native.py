@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 import torch
 
-from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError
+from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, check_request, RolloutRequest, WeightManifest, WeightSyncError
 from trainer.models.qwen_image import (
     QWEN_IMAGE_LORA_TARGETS,
     check_model_dir,
@@ -222,7 +222,7 @@ class NativeEngine(EngineMemoryState):
         if not requests:
             return []
         for r in requests:
-            self._check_request(r)
+            check_request(r)
         t0 = time.perf_counter()
         conds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for r in requests:
@@ -245,18 +245,6 @@ class NativeEngine(EngineMemoryState):
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
                            "dit_forwards": float(forwards), "generate_time": time.perf_counter() - t0}
         return out  # type: ignore[return-value]
-
-    def _check_request(self, r: RolloutRequest) -> None:
-        if float(r.guidance_scale) != 1.0:
-            raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale} != 1.0; the native engine "
-                             "samples without CFG because the actor replays a single positive-conditioned forward")
-        if not r.sde_indices:
-            raise ValueError(f"request {r.sample_id}: empty sde_indices; a rollout needs at least one trained SDE step")
-        if len(r.sigmas) != r.num_inference_steps + 1:
-            raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
-                             "(need num_inference_steps + 1, terminal 0 included)")
-        if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
-            raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
 
     def _init_shape(self, r: RolloutRequest) -> list[int]:
         from trainer.sampling import init_noise_shape

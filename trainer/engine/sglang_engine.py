@@ -43,7 +43,7 @@ from typing import Any, Iterable
 
 import torch
 
-from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError
+from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, check_request, RolloutRequest, WeightManifest, WeightSyncError
 from trainer.engine.native import _geometry_key, _normalize_lora_config, prompt_template_start_idx, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -352,29 +352,11 @@ class SGLangEngine(EngineMemoryState):
         return sigma_schedule(self.scheduler_config, num_inference_steps,
                               image_seq_len(height, width, self.vae_scale_factor))
 
-    def _check_request(self, r: RolloutRequest) -> None:
-        if float(r.guidance_scale) != 1.0:
-            raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale} != 1.0; the engine samples "
-                             "without CFG because the actor replays a single positive-conditioned forward")
-        if not r.sde_indices:
-            raise ValueError(f"request {r.sample_id}: empty sde_indices; a rollout needs at least one trained SDE step")
-        if len(r.sigmas) != r.num_inference_steps + 1:
-            raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
-                             "(need num_inference_steps + 1, terminal 0 included)")
-        if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
-            raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside "
-                             f"0..{r.num_inference_steps - 1}")
-        from trainer.sampling import SDE_TYPES
-
-        if r.sde_type not in SDE_TYPES:
-            raise ValueError(f"request {r.sample_id}: sde_type {r.sde_type!r} not one of {SDE_TYPES}")
-
-    @torch.no_grad()
     def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
         """One SGLang request per candidate; responses as NativeEngine.generate's."""
         self._require_resident(ENGINE_MODULES, "generate")
         for r in requests:
-            self._check_request(r)
+            check_request(r)
         t0 = time.perf_counter()
         out = [self._generate_one(r) for r in requests]
         self.last_stats = {"candidates": float(len(requests)),
