@@ -128,6 +128,25 @@ def check_request(r: RolloutRequest) -> None:
     if r.sde_type not in SDE_TYPES:
         raise ValueError(f"request {r.sample_id}: sde_type {r.sde_type!r} not one of {SDE_TYPES}")
 
+
+def check_names_shapes(named_tensors: list[tuple[str, Any]], known: dict[str, Any], kind: str) -> None:
+    """Raise WeightSyncError unless every sent name is one of `known` (name -> tensor of the engine,
+    or anything with a .shape), with the same shape, and no name is sent twice."""
+    unknown = [n for n, _ in named_tensors if n not in known]
+    if unknown:
+        raise WeightSyncError(f"{kind} sync: {len(unknown)} tensor name(s) the engine's transformer does not have, "
+                              f"e.g. {unknown[:3]}; strip wrapper segments (weight_sync.strip_wrapper_segments) "
+                              "and map names with the adapter's weight_name_map")
+    bad = [(n, tuple(t.shape), tuple(known[n].shape)) for n, t in named_tensors
+           if tuple(t.shape) != tuple(known[n].shape)]
+    if bad:
+        raise WeightSyncError(f"{kind} sync: shape mismatch for {len(bad)} tensor(s), e.g. "
+                              + "; ".join(f"{n}: got {g}, engine {e}" for n, g, e in bad[:3]))
+    seen: set[str] = set()
+    dup = [n for n, _ in named_tensors if n in seen or seen.add(n)]
+    if dup:
+        raise WeightSyncError(f"{kind} sync: duplicate tensor names {dup[:3]}")
+
 #: memory tags -> module names, for release_memory / resume_memory ("weights" = the transformer)
 MEMORY_TAGS = {"weights": "transformer", "transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
 ENGINE_MODULES = ("transformer", "text_encoder", "vae")

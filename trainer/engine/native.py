@@ -40,7 +40,8 @@ from typing import Any, Iterable
 
 import torch
 
-from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, check_request, RolloutRequest, WeightManifest, WeightSyncError
+from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
+                                 check_names_shapes, check_request)
 from trainer.models.qwen_image import (
     QWEN_IMAGE_LORA_TARGETS,
     check_model_dir,
@@ -381,25 +382,9 @@ class NativeEngine(EngineMemoryState):
                 "are now *.base_layer.* and the adapter would keep its old values; use set_lora_tensors "
                 "(--lora-adapter-mode) or a fresh engine, never both on one engine")
         verify_manifest(named_tensors, manifest)
-        self._check_names_shapes(named_tensors, params, manifest.kind)
+        check_names_shapes(named_tensors, params, manifest.kind)
         _copy_into([params[n] for n, _ in named_tensors], [t for _, t in named_tensors])
 
-    @staticmethod
-    def _check_names_shapes(named_tensors, params, kind: str) -> None:
-        unknown = [n for n, _ in named_tensors if n not in params]
-        if unknown:
-            raise WeightSyncError(f"{kind} sync: {len(unknown)} tensor name(s) the engine's transformer does not have, "
-                                  f"e.g. {unknown[:3]}; strip wrapper segments (weight_sync.strip_wrapper_segments) "
-                                  "and map names with the adapter's weight_name_map")
-        bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in named_tensors
-               if tuple(t.shape) != tuple(params[n].shape)]
-        if bad:
-            raise WeightSyncError(f"{kind} sync: shape mismatch for {len(bad)} tensor(s), e.g. "
-                                  + "; ".join(f"{n}: got {g}, engine {e}" for n, g, e in bad[:3]))
-        seen = set()
-        dup = [n for n, _ in named_tensors if n in seen or seen.add(n)]
-        if dup:
-            raise WeightSyncError(f"{kind} sync: duplicate tensor names {dup[:3]}")
 
     def set_lora_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest,
                          lora_config: dict[str, Any]) -> None:
@@ -428,9 +413,9 @@ class NativeEngine(EngineMemoryState):
             # complete; only the shapes can differ
             dst = [params[n] for n in names]
             if any(t.shape != p.shape for (_, t), p in zip(named_tensors, dst)):
-                self._check_names_shapes(named_tensors, params, "adapter")  # raises, with the usual message
+                check_names_shapes(named_tensors, params, "adapter")  # raises, with the usual message
         else:
-            self._check_names_shapes(named_tensors, params, "adapter")
+            check_names_shapes(named_tensors, params, "adapter")
             missing = sorted(set(params) - set(names))
             if missing:
                 raise WeightSyncError(f"adapter sync lacks {len(missing)} of the engine's {len(params)} LoRA "

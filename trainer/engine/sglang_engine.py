@@ -43,7 +43,8 @@ from typing import Any, Iterable
 
 import torch
 
-from trainer.engine.base import ENGINE_MODULES, EngineMemoryState, check_request, RolloutRequest, WeightManifest, WeightSyncError
+from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
+                                 check_names_shapes, check_request)
 from trainer.engine.native import _geometry_key, _normalize_lora_config, prompt_template_start_idx, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -447,21 +448,6 @@ class SGLangEngine(EngineMemoryState):
     def holds_lora(self) -> bool:
         return self._lora_config is not None
 
-    def _check_manifest_names(self, named_tensors, known: dict, kind: str) -> None:
-        unknown = [n for n, _ in named_tensors if n not in known]
-        if unknown:
-            raise WeightSyncError(f"{kind} sync: {len(unknown)} tensor name(s) the engine's transformer does not have, "
-                                  f"e.g. {unknown[:3]}; strip wrapper segments (weight_sync.strip_wrapper_segments) "
-                                  "and map names with the adapter's weight_name_map")
-        bad = [(n, tuple(t.shape), tuple(known[n].shape)) for n, t in named_tensors
-               if tuple(t.shape) != tuple(known[n].shape)]
-        if bad:
-            raise WeightSyncError(f"{kind} sync: shape mismatch for {len(bad)} tensor(s), e.g. "
-                                  + "; ".join(f"{n}: got {g}, engine {e}" for n, g, e in bad[:3]))
-        seen: set = set()
-        dup = [n for n, _ in named_tensors if n in seen or seen.add(n)]
-        if dup:
-            raise WeightSyncError(f"{kind} sync: duplicate tensor names {dup[:3]}")
 
     def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
         """Copy full / merged transformer tensors (diffusers names) into SGLang's DiT; checked
@@ -476,7 +462,7 @@ class SGLangEngine(EngineMemoryState):
                 "engine")
         verify_manifest(named_tensors, manifest)
         views = {n: self._view(n) for n, _ in named_tensors if n in self._index}
-        self._check_manifest_names(named_tensors, views, manifest.kind)
+        check_names_shapes(named_tensors, views, manifest.kind)
         with torch.inference_mode():
             torch._foreach_copy_([views[n] for n, _ in named_tensors], [t for _, t in named_tensors])
 
@@ -496,7 +482,7 @@ class SGLangEngine(EngineMemoryState):
                                   f"({self._lora_config}); rank, alpha and targets cannot change within a run")
         expected = self._lora_shapes(cfg)
         known = {n: torch.empty(s, device="meta") for n, s in expected.items()}
-        self._check_manifest_names(named_tensors, known, "adapter")
+        check_names_shapes(named_tensors, known, "adapter")
         missing = sorted(set(expected) - {n for n, _ in named_tensors})
         if missing:
             raise WeightSyncError(f"adapter sync lacks {len(missing)} of the engine's {len(expected)} LoRA tensors, "
