@@ -14,6 +14,7 @@ PLANS = ("own", "bf16", "mixed")
 WIRES = ("None", "float32", "bfloat16")
 EXPECTED = (
     {"direct_layout_is_fsdp_chunks", "direct_a_rank_without_rows", "plain_tensor_cast_without_gather",
+     "plain_tensor_after_per_tensor_gather",
      "lora_model_mixes_dtypes", "model_split_has_both_sides"}
     | {f"direct_{p}_{m}_bit_identical" for p in PLANS for m in MODES}
     | {f"direct_{p}_per_tensor_one_gather_per_tensor" for p in PLANS}

@@ -696,13 +696,13 @@ def gather_full_tensors(tensors: list[torch.Tensor], dtypes: list[torch.dtype | 
             if takes_flat_path(it.full_bytes, mode):
                 flat.setdefault((it.group, it.dtype), []).append(it)
                 continue
-            local = it.local
-            if it.mine == it.per_rank and local.dtype == it.dtype and local.is_contiguous():
-                inp = local
+            shard = it.local  # not `local`: that name is the helper above, still called for later tensors
+            if it.mine == it.per_rank and shard.dtype == it.dtype and shard.is_contiguous():
+                inp = shard
             else:
-                inp = torch.zeros((it.per_rank, *it.rest), dtype=it.dtype, device=local.device)
-                inp[:it.mine].copy_(local)
-            full = torch.empty((it.world * it.per_rank, *it.rest), dtype=it.dtype, device=local.device)
+                inp = torch.zeros((it.per_rank, *it.rest), dtype=it.dtype, device=shard.device)
+                inp[:it.mine].copy_(shard)
+            full = torch.empty((it.world * it.per_rank, *it.rest), dtype=it.dtype, device=shard.device)
             pending.append((i, full, inp, it.dim0, it.group))
     works: list[Any] = []
     finishes: list[tuple[list[_Shard0], Callable[[], list[torch.Tensor]]]] = []

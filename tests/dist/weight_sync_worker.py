@@ -114,6 +114,13 @@ def direct_checks(mesh, checks: dict, figures: dict) -> None:
     with counting_gathers() as calls:
         got = ws.gather_full_tensors([full[0]], [torch.bfloat16], "flat")
     checks["plain_tensor_cast_without_gather"] = not calls and torch.equal(got[0], full[0].to(torch.bfloat16))
+    # a plain tensor after a per-tensor gather in the same call (the local one is still cast, not gathered)
+    try:
+        got = ws.gather_full_tensors([dts[0], full[2]], [None, torch.bfloat16], "per_tensor")
+        checks["plain_tensor_after_per_tensor_gather"] = same(got, [full[0], full[2].to(torch.bfloat16)])
+    except Exception:
+        traceback.print_exc()
+        checks["plain_tensor_after_per_tensor_gather"] = False
 
 
 def _reference(model, kind, wire):
