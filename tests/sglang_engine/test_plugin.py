@@ -100,3 +100,37 @@ def test_hooks_leave_serving_requests_alone():
     assert sglang_plugin.prepare_rollout_hook(original, batch=batch, pipeline_config=None) == "upstream"
     assert sglang_plugin.timestep_stage_hook(original, "stage", batch, "args") == "upstream"
     assert len(calls) == 2 and batch.rollout_controllers == {}
+
+
+@pytest.mark.parametrize("return_attention_mask", [False, True])
+def test_text_window_keeps_at_most_max_sequence_length_prompt_tokens(return_attention_mask):
+    """The engine's text window holds on both of SGLang's postprocess paths: the plain embeddings
+    and the TextConditioningOutput its text encoding stage asks for (return_attention_mask=True,
+    the positive prompt's path); the mask and sequence lengths are cut with the embeddings."""
+    import inspect
+
+    from sglang.multimodal_gen.configs.pipeline_configs import qwen_image
+    from sglang.multimodal_gen.configs.pipeline_configs.base import TextConditioningOutput
+
+    original = inspect.unwrap(qwen_image.qwen_image_postprocess_text)
+    saved = dict(sglang_plugin._TEXT_WINDOW)
+    try:
+        sglang_plugin.set_text_window(3, 4)
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(2, 12, 5, generator=g)
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, 6:] = 0  # the second prompt: 6 tokens, 3 after the template prefix
+        outputs = types.SimpleNamespace(hidden_states=[hidden])
+        inputs = types.SimpleNamespace(attention_mask=mask)
+        out = sglang_plugin.text_postprocess_hook(original, outputs, inputs, return_attention_mask=return_attention_mask)
+    finally:
+        sglang_plugin._TEXT_WINDOW.clear()
+        sglang_plugin._TEXT_WINDOW.update(saved)
+    embeds = out.prompt_embeds if return_attention_mask else out
+    assert tuple(embeds.shape) == (2, 4, 5)
+    torch.testing.assert_close(embeds[0], hidden[0, 3:7], rtol=0, atol=0)
+    torch.testing.assert_close(embeds[1, :3], hidden[1, 3:6], rtol=0, atol=0)
+    if return_attention_mask:
+        assert isinstance(out, TextConditioningOutput)
+        assert out.prompt_embeds_mask.tolist() == [[True] * 4, [True] * 3 + [False]]
+        assert list(out.prompt_seq_lens) == [4, 3]

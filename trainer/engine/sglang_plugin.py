@@ -27,6 +27,7 @@ accepts and packs); see trainer/engine/sglang_engine.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -273,8 +274,18 @@ def text_postprocess_hook(original, outputs, _text_inputs, drop_idx=34, return_a
         drop_idx = _TEXT_WINDOW["drop_idx"]
     out = original(outputs, _text_inputs, drop_idx=drop_idx, return_attention_mask=return_attention_mask)
     keep = _TEXT_WINDOW.get("max_sequence_length")
-    if keep and isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[1] > keep:
-        out = out[:, :keep]
+    if not keep:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out[:, :keep] if out.dim() == 3 and out.shape[1] > keep else out
+    # SGLang's text encoding stage asks for return_attention_mask=True on the positive prompt and
+    # gets a TextConditioningOutput (a frozen dataclass): its mask and lengths are cut with it
+    embeds = getattr(out, "prompt_embeds", None)
+    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 and embeds.shape[1] > keep:
+        mask, lens = out.prompt_embeds_mask, out.prompt_seq_lens
+        out = dataclasses.replace(out, prompt_embeds=embeds[:, :keep],
+                                  prompt_embeds_mask=None if mask is None else mask[:, :keep],
+                                  prompt_seq_lens=None if lens is None else [min(int(n), keep) for n in lens])
     return out
 
 
