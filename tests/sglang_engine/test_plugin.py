@@ -134,3 +134,18 @@ def test_text_window_keeps_at_most_max_sequence_length_prompt_tokens(return_atte
         assert isinstance(out, TextConditioningOutput)
         assert out.prompt_embeds_mask.tolist() == [[True] * 4, [True] * 3 + [False]]
         assert list(out.prompt_seq_lens) == [4, 3]
+
+
+def test_index_mismatch_names_the_checkpoint_and_the_flag():
+    """A checkpoint whose tensors SGLang's DiT does not hold is refused with the directory read
+    and the flag that chose it, not only the tensor names."""
+    from trainer.engine.sglang_engine import SGLangEngine
+
+    stub = types.SimpleNamespace(transformer=torch.nn.Linear(2, 3))
+    with pytest.raises(SGLangContractError) as exc:
+        SGLangEngine._build_index(stub, {"weight": (3, 2), "blocks.0.weight": (3, 2), "bias": (4,)},
+                                  source="/models/qwen/transformer")
+    msg = str(exc.value)
+    for needle in ("/models/qwen/transformer", "--model-path", "blocks.0.weight: no SGLang parameter",
+                   "bias: shape (4,), SGLang (3,)", "2 problem(s)"):
+        assert needle in msg, (needle, msg)

@@ -277,7 +277,7 @@ class SGLangEngine(EngineMemoryState):
             with safe_open(str(f), "pt") as h:
                 for k in h.keys():
                     names_shapes[k] = tuple(h.get_slice(k).get_shape())
-        self._index = self._build_index(names_shapes)
+        self._index = self._build_index(names_shapes, source=str(path / "transformer"))
         self.policy_version = 0
         self._resident = {n: True for n in ENGINE_MODULES}
         self._lora_config: dict[str, Any] | None = None
@@ -315,7 +315,10 @@ class SGLangEngine(EngineMemoryState):
 
                 setproctitle.setproctitle(saved_title)
 
-    def _build_index(self, names_shapes: dict[str, tuple]) -> dict[str, tuple[torch.nn.Parameter, tuple | None]]:
+    def _build_index(self, names_shapes: dict[str, tuple],
+                     source: str = "the checkpoint") -> dict[str, tuple[torch.nn.Parameter, tuple | None]]:
+        """diffusers name -> (SGLang parameter, row block or None) for the checkpoint's tensors
+        (`names_shapes`, read from `source`); SGLangContractError naming `source` if any does not fit."""
         from sglang.multimodal_gen.runtime.post_training.weights_updater import _build_module_weight_name_mapper
 
         params = dict(self.transformer.named_parameters())
@@ -338,7 +341,9 @@ class SGLangEngine(EngineMemoryState):
                     problems.append(f"{name}: shard {shard} of {target} {tuple(p.shape)} does not fit {shape}")
                 index[name] = (p, block)
         if problems:
-            raise SGLangContractError("SGLang's DiT does not hold the checkpoint's tensors: " + "; ".join(problems[:5]))
+            raise SGLangContractError(
+                f"SGLang's DiT does not hold the tensors of {source} ({len(problems)} problem(s)): "
+                + "; ".join(problems[:5]) + "; --model-path must be a Qwen-Image diffusers directory")
         return index
 
     def _view(self, name: str) -> torch.Tensor:
