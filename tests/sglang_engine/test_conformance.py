@@ -74,6 +74,18 @@ def test_engine_satisfies_protocol(engines):
     assert isinstance(engines[1], RolloutEngine)
 
 
+def test_sglang_keeps_every_module_resident(engines):
+    """The engine moves its modules itself (release_memory / resume_memory): SGLang's own
+    component offload, which it turns on by default for image generation on a GPU, stays off."""
+    from trainer.engine.sglang_engine import RESIDENT_ARGS
+
+    args = engines[1].server_args
+    assert set(RESIDENT_ARGS) == {"dit_cpu_offload", "text_encoder_cpu_offload", "image_encoder_cpu_offload",
+                                  "vae_cpu_offload"}
+    for name in RESIDENT_ARGS:
+        assert getattr(args, name) is False, (name, getattr(args, name))
+
+
 @pytest.mark.parametrize("sde_type,eta", [("sde", 0.7), ("dance", 0.3)])
 def test_same_requests_same_trajectories(engines, adapter, sde_type, eta):
     na, sg = engines

@@ -90,6 +90,11 @@ SAMPLING_FIELDS = ("rollout", "rollout_sde_type", "rollout_noise_level", "rollou
                    "generator_device", "num_inference_steps", "guidance_scale", "height", "width", "seed")
 #: parameters of FlowRolloutController.flow_sde_sampling the trainer's controller overrides
 SDE_SAMPLING_PARAMS = ("batch", "model_output", "sample", "current_sigma", "next_sigma", "step_index")
+#: ServerArgs set explicitly: the engine keeps its modules resident and moves them itself
+#: (release_memory / resume_memory); left unset, SGLang would offload the DiT and the text encoder
+#: to the host for image generation on a GPU
+RESIDENT_ARGS = {"dit_cpu_offload": False, "text_encoder_cpu_offload": False,
+                 "image_encoder_cpu_offload": False, "vae_cpu_offload": False}
 
 
 class SGLangContractError(RuntimeError):
@@ -133,8 +138,13 @@ def check_sglang_contract(required_version: str = SGLANG_VERSION) -> None:
         problems += [f"Req.{n} (request field)" for n in REQ_FIELDS if n not in req_fields]
         sp_fields = {f.name for f in fields(SamplingParams)}
         problems += [f"SamplingParams.{n} (rollout request field)" for n in SAMPLING_FIELDS if n not in sp_fields]
+        from sglang.multimodal_gen.runtime.server_args import ServerArgs
+
+        sa_fields = {f.name for f in fields(ServerArgs)}
+        problems += [f"ServerArgs.{n} (keeps the engine's modules resident)" for n in RESIDENT_ARGS
+                     if n not in sa_fields]
     except Exception as e:
-        problems.append(f"Req / SamplingParams dataclasses: {type(e).__name__}: {e}")
+        problems.append(f"Req / SamplingParams / ServerArgs dataclasses: {type(e).__name__}: {e}")
     try:
         from sglang.multimodal_gen.runtime.post_training.flow_rollout_controller import FlowRolloutController
 
@@ -259,7 +269,8 @@ class SGLangEngine(EngineMemoryState):
         try:
             self.server_args = ServerArgs.from_kwargs(
                 model_path=str(path), model_id="Qwen-Image", num_gpus=world, dp_size=world, dit_precision=name,
-                vae_precision=name, text_encoder_precisions=(name,), warmup_mode="off", log_level="warning")
+                vae_precision=name, text_encoder_precisions=(name,), warmup_mode="off", log_level="warning",
+                **RESIDENT_ARGS)
         finally:
             root.handlers[:] = saved_handlers
             root.setLevel(saved_level)
