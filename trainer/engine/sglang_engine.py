@@ -3,18 +3,21 @@ SGLang's diffusion runtime (`sglang.multimodal_gen`), in-process.
 
 It runs inside the torchrun rank that owns it: no server, no HTTP, no second process. The
 engine builds SGLang's own worker (`GPUWorker`: device, distributed state, the Qwen-Image
-pipeline with SGLang's DiT, text encoder and VAE) in this process and hands it one `Req` per
-candidate through `execute_forward`, as SGLang's scheduler would.
+pipeline with SGLang's DiT, text encoder and VAE) in this process and hands it its requests
+through `execute_forward`, as SGLang's scheduler would: one `Req` per geometry and batch of up to
+max_batch_size candidates (one row each, the prompts' conditioning expanded to their rows by
+SGLang), so a group of candidates shares one DiT forward per step, as in the native engine.
 
 What the trainer replays is sampled exactly (trainer/engine/sglang_plugin.py does the work
 inside SGLang's request path, through SGLang's plugin entry point and hook registry):
 
 - x_T of every candidate is trainer.sampling.initial_noise(shape, generation_seed,
-  sample_id), the same function the native engine uses, handed to SGLang as `Req.latents`;
+  sample_id), the same function the native engine uses, handed to SGLang as its row of
+  `Req.latents`;
 - SGLang steps on the driver's sigma list verbatim (no second shift);
 - at the trained steps (sde_indices) the transition is trainer.flow_grpo.sde_step ("sde" or
-  "dance", eta, sigma_max) with trainer.sampling.step_noise; every other step is SGLang's
-  own ODE update;
+  "dance", eta, sigma_max) with each row's trainer.sampling.step_noise; every other step is
+  SGLang's own ODE update;
 - the response has the native engine's keys and meaning (trajectory latents before / after
   each trained step, sigmas, timesteps, log-probs, the frozen text conditioning, ...).
 
@@ -206,8 +209,8 @@ def _proctitle() -> str | None:
 class SGLangEngine(EngineMemoryState):
     """In-process SGLang Qwen-Image rollout engine (implements trainer.engine.base.RolloutEngine).
 
-    Arguments as NativeEngine's. max_batch_size is accepted for interface parity; SGLang runs
-    one candidate per request (the trained-step transition is per candidate)."""
+    Arguments as NativeEngine's: max_batch_size caps the candidates of one SGLang request
+    (0: every candidate of a geometry in one request)."""
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int = 512, revision: str | None = None):
@@ -370,19 +373,39 @@ class SGLangEngine(EngineMemoryState):
                               image_seq_len(height, width, self.vae_scale_factor))
 
     def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
-        """One SGLang request per candidate; responses as NativeEngine.generate's."""
+        """Responses as NativeEngine.generate's, in request order. Candidates of one geometry
+        (_geometry_key: grid, schedule, trained steps, SDE settings) share SGLang requests of up
+        to max_batch_size candidates (0: all of them), one row each, several prompts per request."""
         self._require_resident(ENGINE_MODULES, "generate")
+        if not requests:
+            return []
         for r in requests:
             check_request(r)
         t0 = time.perf_counter()
-        out = [self._generate_one(r) for r in requests]
-        self.last_stats = {"candidates": float(len(requests)),
-                           "geometries": float(len({_geometry_key(r) for r in requests})),
-                           "dit_forwards": float(sum(r.num_inference_steps for r in requests)),
+        buckets: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            buckets.setdefault(_geometry_key(r), []).append(i)
+        out: list[dict[str, Any] | None] = [None] * len(requests)
+        sglang_requests = forwards = 0
+        for idx in buckets.values():
+            step = self.max_batch_size if self.max_batch_size > 0 else len(idx)
+            for start in range(0, len(idx), step):
+                chunk = idx[start:start + step]
+                for i, resp in zip(chunk, self._generate_chunk([requests[i] for i in chunk])):
+                    out[i] = resp
+                sglang_requests += 1
+                forwards += requests[chunk[0]].num_inference_steps
+        self.last_stats = {"candidates": float(len(requests)), "geometries": float(len(buckets)),
+                           "sglang_requests": float(sglang_requests), "dit_forwards": float(forwards),
                            "generate_time": time.perf_counter() - t0}
-        return out
+        return out  # type: ignore[return-value]
 
-    def _generate_one(self, r: RolloutRequest) -> dict[str, Any]:
+    def _generate_chunk(self, reqs: list[RolloutRequest]) -> list[dict[str, Any]]:
+        """One SGLang request for candidates of one geometry; responses in the order of `reqs`.
+
+        The rows are ordered prompt by prompt (SGLang expands each prompt's conditioning to its
+        consecutive rows): with the same number of candidates for every prompt the request names
+        each prompt once with num_outputs_per_prompt = that number, otherwise one prompt per row."""
         from sglang.multimodal_gen.runtime.entrypoints.openai.utils import build_sampling_params
         from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
 
@@ -390,6 +413,7 @@ class SGLangEngine(EngineMemoryState):
         from trainer.models.qwen_image import packed_grid
         from trainer.sampling import init_noise_shape, initial_noise, timesteps_from_sigmas
 
+        r = reqs[0]
         rows, cols = packed_grid(r.height, r.width, self.vae_scale_factor)
         shape = init_noise_shape(r, self.latent_channels, self.vae_scale_factor)
         in_ch = self.in_channels
@@ -397,21 +421,45 @@ class SGLangEngine(EngineMemoryState):
             raise ValueError(f"x_T shape {shape} does not fit {r.height}x{r.width} on this model (expected "
                              f"[{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config init_noise_latent_shape "
                              "or height/width")
+        by_prompt: dict[str, list[int]] = {}
+        for j, q in enumerate(reqs):
+            by_prompt.setdefault(q.prompt, []).append(j)
+        if len(by_prompt) > 1 and not self.server_args.pipeline_config.supports_dynamic_batching():
+            out: list[dict[str, Any] | None] = [None] * len(reqs)  # one request per prompt
+            for js in by_prompt.values():
+                for j, resp in zip(js, self._generate_chunk([reqs[j] for j in js])):
+                    out[j] = resp
+            return out  # type: ignore[return-value]
+        order = [j for js in by_prompt.values() for j in js]  # row b of the request is reqs[order[b]]
+        counts = {len(js) for js in by_prompt.values()}
+        if len(counts) == 1:
+            prompts, per_prompt = list(by_prompt), counts.pop()
+        else:
+            prompts, per_prompt = [reqs[j].prompt for j in order], 1
         steps = sorted(int(i) for i in r.sde_indices)
         sp = build_sampling_params(
-            f"{r.sample_id}", prompt=r.prompt, seed=int(r.generation_seed), generator_device="cpu",
-            width=int(r.width), height=int(r.height), num_inference_steps=int(r.num_inference_steps),
+            f"{r.sample_id}", prompt=prompts[0], seed=int(r.generation_seed),
+            generator_device="cpu", width=int(r.width), height=int(r.height),
+            num_inference_steps=int(r.num_inference_steps), num_outputs_per_prompt=per_prompt,
             guidance_scale=1.0, rollout=True, rollout_sde_type="sde", rollout_noise_level=float(r.eta) or 1.0,
             rollout_log_prob_no_const=False, rollout_debug_mode=False, rollout_return_denoising_env=True,
             rollout_return_dit_trajectory=False, rollout_sde_step_indices=steps, save_output=False,
             return_trajectory_latents=False, return_trajectory_decoded=False, suppress_logs=True)
         req = prepare_request(server_args=self.server_args, sampling_params=sp)
-        spec = TrainerRolloutSpec(sample_id=r.sample_id, generation_seed=int(r.generation_seed),
+        if len(prompts) > 1:
+            # several prompts in one request, as SGLang's scheduler merges compatible requests
+            # (dynamic batching): the prompt list and one base seed per prompt
+            req.prompt = list(prompts)
+            req.extra["dynamic_batch_seeds"] = [int(r.generation_seed)] * len(prompts)
+        if req.batch_size != len(reqs):
+            raise RuntimeError(f"SGLang made a request of {req.batch_size} rows for {len(reqs)} candidates")
+        spec = TrainerRolloutSpec(sample_ids=[reqs[j].sample_id for j in order],
+                                  generation_seeds=[int(reqs[j].generation_seed) for j in order],
                                   sigmas=[float(s) for s in r.sigmas], sde_indices=steps, eta=float(r.eta),
                                   sde_type=r.sde_type, sigma_max=float(r.sigma_max), latent_dtype=self.dtype)
         req.extra[SPEC_KEY] = spec
-        x_t = initial_noise(shape, r.generation_seed, r.sample_id)
-        req.latents = x_t[None, None].to(self.dtype)  # [B=1, frames=1, C, h, w], packed by SGLang
+        x_t = torch.stack([initial_noise(shape, reqs[j].generation_seed, reqs[j].sample_id) for j in order])
+        req.latents = x_t[:, None].to(self.dtype)  # [B, frames=1, C, h, w], packed by SGLang
         result = self.worker.execute_forward([req])
         if getattr(result, "error", None):
             raise RuntimeError(f"SGLang failed on request {r.sample_id}: {result.error}")
@@ -420,17 +468,44 @@ class SGLangEngine(EngineMemoryState):
                                f"the request trains {steps}; the trainer's SGLang hooks are not in effect")
         env = result.rollout_trajectory_data.denoising_env
         embeds = env.pos_cond_kwargs["encoder_hidden_states"]
-        embeds = (embeds[0] if isinstance(embeds, (list, tuple)) else embeds)[0]
+        embeds = embeds[0] if isinstance(embeds, (list, tuple)) else embeds
         mask = env.pos_cond_kwargs.get("encoder_hidden_states_mask")
         if isinstance(mask, (list, tuple)):
             mask = mask[0]
-        t = embeds.shape[0]
-        mask = torch.ones(t, dtype=torch.int64) if mask is None else mask.reshape(-1)[:t].to(torch.int64)
-        image = result.output[0]
-        if image.dim() == 4:  # [3, frames=1, H, W]
-            image = image[:, 0]
+        images = result.output
+        if len(images) != len(reqs):
+            raise RuntimeError(f"SGLang returned {len(images)} images for {len(reqs)} candidates")
         sigmas = [float(s) for s in r.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
+        out = [None] * len(reqs)
+        for b, j in enumerate(order):
+            e, m = self._row_conditioning(embeds, mask, b, len(reqs), prompts.index(reqs[j].prompt))
+            image = images[b]
+            if image.dim() == 4:  # [3, frames=1, H, W]
+                image = image[:, 0]
+            out[j] = self._response(reqs[j], steps, sigmas, timesteps, spec.records, b, image, e, m)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _row_conditioning(embeds: torch.Tensor, mask, row: int, rows: int, prompt_index: int):
+        """Row `row`'s text conditioning [T, D] and mask [T], cut to its own tokens (a request of
+        several prompts pads them to the longest; SGLang's mask marks the valid prefix)."""
+        if embeds.dim() == 2:
+            embeds = embeds[None]
+        i = row if embeds.shape[0] == rows else prompt_index if embeds.shape[0] > prompt_index else 0
+        e = embeds[i]
+        t = e.shape[0]
+        if mask is None:
+            return e, torch.ones(t, dtype=torch.int64)
+        m = mask.reshape(-1, mask.shape[-1])
+        m = m[i if m.shape[0] > i else 0][:t].to(torch.int64).cpu()
+        n = int(m.sum())
+        if n < t and bool(m[:n].all()):  # padding after the prompt's tokens
+            return e[:n], m[:n]
+        return e, m
+
+    def _response(self, r: RolloutRequest, steps, sigmas, timesteps, records, row: int, image, embeds,
+                  mask) -> dict[str, Any]:
         return {
             "prompt": r.prompt,
             "sample_id": r.sample_id,
@@ -439,12 +514,12 @@ class SGLangEngine(EngineMemoryState):
             "generation_seed": r.generation_seed,
             "metadata": dict(r.metadata),
             "image": image.float().clamp(0, 1).cpu(),
-            "trajectory_latents": torch.stack([rec["latents"] for rec in spec.records]),
-            "trajectory_next_latents": torch.stack([rec["next_latents"] for rec in spec.records]),
+            "trajectory_latents": torch.stack([rec["latents"][row] for rec in records]),
+            "trajectory_next_latents": torch.stack([rec["next_latents"][row] for rec in records]),
             "sigmas": torch.tensor([sigmas[i] for i in steps], dtype=torch.float32),
             "sigmas_next": torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32),
             "timesteps": torch.tensor([timesteps[i] for i in steps], dtype=torch.float32),
-            "log_probs": torch.tensor([rec["log_prob"] for rec in spec.records], dtype=torch.float32),
+            "log_probs": torch.stack([rec["log_probs"][row] for rec in records]).to(torch.float32),
             "sde_indices": list(steps),
             "prompt_embeds": embeds.to(self.dtype).cpu(),
             "prompt_embeds_mask": mask.cpu(),

@@ -16,13 +16,13 @@ here edits installed files; everything goes through SGLang's supported extension
     verbatim (SGLang would shift caller sigmas a second time).
   Requests without a spec (SGLang serving traffic) are untouched.
 - `TrainerRolloutController`: at the trained steps, the transition is trainer.flow_grpo's
-  `sde_step` ("sde" and "dance") with each candidate's per-step noise from
-  trainer.sampling (a pure function of (generation_seed, sample_id, step)); it records the
-  latents before / after, the sigma pair, the timestep and the log-prob. Every other step is
-  SGLang's own ODE update.
+  `sde_step` ("sde" and "dance") over the request's rows, each row with its own candidate's
+  per-step noise from trainer.sampling (a pure function of (generation_seed, sample_id,
+  step)); it records the latents before / after, the sigma pair and the per-row log-probs.
+  Every other step is SGLang's own ODE update.
 
-A candidate's x_T is handed to SGLang as `Req.latents` (an input SGLang's latent preparation
-accepts and packs); see trainer/engine/sglang_engine.py.
+A request's x_T (one row per candidate) is handed to SGLang as `Req.latents` (an input SGLang's
+latent preparation accepts and packs); see trainer/engine/sglang_engine.py.
 """
 
 from __future__ import annotations
@@ -124,14 +124,16 @@ def register_cpu_ops() -> list[str]:
 class TrainerRolloutSpec:
     """What one SGLang request must sample exactly as the trainer replays it.
 
-    sigmas: the driver's N + 1 sigmas (terminal 0 included), used verbatim.
-    The noise of trained step i is trainer.sampling.step_noise(shape, generation_seed,
-    sample_id, i). `records` is filled during the run: per trained step, (step, latents
-    before, latents after, sigma, sigma_next, timestep, log_prob).
+    One request carries one or more candidates (rows of SGLang's batch, in its sample order);
+    row b is candidate (generation_seeds[b], sample_ids[b]). sigmas: the driver's N + 1 sigmas
+    (terminal 0 included), used verbatim. The noise of trained step i for row b is
+    trainer.sampling.step_noise(shape, generation_seeds[b], sample_ids[b], i). `records` is filled
+    during the run: per trained step, (step, latents before [B, ...], latents after [B, ...],
+    sigma, sigma_next, log_probs [B]).
     """
 
-    sample_id: str
-    generation_seed: int
+    sample_ids: list[str]
+    generation_seeds: list[int]
     sigmas: list[float]
     sde_indices: list[int]
     eta: float
@@ -140,6 +142,11 @@ class TrainerRolloutSpec:
     latent_dtype: torch.dtype
     records: list[dict[str, Any]] = field(default_factory=list)
     used_sigmas: list[float] | None = None
+
+    def __post_init__(self):
+        if len(self.sample_ids) != len(self.generation_seeds) or not self.sample_ids:
+            raise ValueError(f"a rollout spec needs one generation seed per candidate; got {len(self.sample_ids)} "
+                             f"sample ids and {len(self.generation_seeds)} seeds")
 
 
 def spec_of(batch) -> TrainerRolloutSpec | None:
@@ -178,23 +185,27 @@ def make_controller_class():
                 # SGLang's own ODE update (the controller's sde_type is "ode" for these requests)
                 return super().flow_sde_sampling(batch, model_output, sample, current_sigma, next_sigma,
                                                  step_index)
-            if model_output.shape[0] != 1:
-                raise ValueError("the trainer rollout runs one candidate per SGLang request")
+            rows = len(spec.sample_ids)
+            if model_output.shape[0] != rows:
+                raise ValueError(f"SGLang batched {model_output.shape[0]} rows, the trainer's request holds {rows} "
+                                 "candidates")
             s, s_next = spec.sigmas[step_index], spec.sigmas[step_index + 1]
             # the driver's schedule must be the one SGLang steps on (see the timestep hook)
             if abs(float(current_sigma) - s) > 1e-6 or abs(float(next_sigma) - s_next) > 1e-6:
                 raise RuntimeError(f"SGLang stepped sigma {float(current_sigma)} -> {float(next_sigma)} at step "
                                    f"{step_index}, the driver's schedule has {s} -> {s_next}")
             x = sample.to(spec.latent_dtype)  # the latents as the trajectory records them
-            noise = step_noise(tuple(x.shape[1:]), spec.generation_seed, spec.sample_id, step_index)
-            x_next, logp = sde_step(x, model_output, s, s_next, spec.eta, noise.unsqueeze(0).to(x.device),
-                                    spec.sde_type, spec.sigma_max, out_dtype=spec.latent_dtype)
-            spec.records.append({"step": step_index, "latents": x[0].detach().cpu().clone(),
-                                 "next_latents": x_next[0].detach().cpu().clone(), "sigma": s, "sigma_next": s_next,
-                                 "log_prob": float(logp[0])})
-            # SGLang's log-prob bookkeeping (it reads one value per step); mean = sum / count
+            shape = tuple(x.shape[1:])
+            noise = torch.stack([step_noise(shape, seed, sid, step_index)
+                                 for seed, sid in zip(spec.generation_seeds, spec.sample_ids)])
+            x_next, logp = sde_step(x, model_output, s, s_next, spec.eta, noise.to(x.device), spec.sde_type,
+                                    spec.sigma_max, out_dtype=spec.latent_dtype)
+            spec.records.append({"step": step_index, "latents": x.detach().cpu().clone(),
+                                 "next_latents": x_next.detach().cpu().clone(), "sigma": s, "sigma_next": s_next,
+                                 "log_probs": logp.detach().float().cpu().clone()})
+            # SGLang's log-prob bookkeeping (it reads one value per row and step); mean = sum / count
             count = float(x[0].numel())
-            self.append_local_rollout_log_probs(logp.float() * count, logp.new_full((1,), count).float())
+            self.append_local_rollout_log_probs(logp.float() * count, logp.new_full((rows,), count).float())
             return x_next.float()
 
     return TrainerRolloutController
