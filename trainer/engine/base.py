@@ -109,6 +109,41 @@ class RolloutEngine(Protocol):
 
 
 
+def rollout_response(r: RolloutRequest, *, image: torch.Tensor, latents: torch.Tensor, next_latents: torch.Tensor,
+                     sigmas: torch.Tensor, sigmas_next: torch.Tensor, timesteps: torch.Tensor,
+                     log_probs: torch.Tensor, sde_indices: list[int], prompt_embeds: torch.Tensor,
+                     prompt_embeds_mask: torch.Tensor, vae_scale_factor: int, policy_version: int,
+                     dtype: torch.dtype) -> dict[str, Any]:
+    """One candidate's response, as RolloutEngine.generate documents it: the request's identity
+    and geometry echoed, the given tensors (trained steps only) stored as they are."""
+    return {
+        "prompt": r.prompt,
+        "sample_id": r.sample_id,
+        "group_index": r.group_index,
+        "slot": r.slot,
+        "generation_seed": r.generation_seed,
+        "metadata": dict(r.metadata),
+        "image": image,
+        "trajectory_latents": latents,
+        "trajectory_next_latents": next_latents,
+        "sigmas": sigmas,
+        "sigmas_next": sigmas_next,
+        "timesteps": timesteps,
+        "log_probs": log_probs,
+        "sde_indices": list(sde_indices),
+        "prompt_embeds": prompt_embeds,
+        "prompt_embeds_mask": prompt_embeds_mask,
+        "height": r.height,
+        "width": r.width,
+        "vae_scale_factor": vae_scale_factor,
+        "num_inference_steps": r.num_inference_steps,
+        "eta": r.eta,
+        "sde_type": r.sde_type,
+        "sigma_max": r.sigma_max,
+        "policy_version": policy_version,
+        "latent_dtype": str(dtype).replace("torch.", ""),
+    }
+
 def check_request(r: RolloutRequest) -> None:
     """Raise ValueError naming the candidate if `r` is not something an engine may sample: CFG
     (the actor replays one positive-conditioned forward), no trained step, a sigma list of the

@@ -41,7 +41,7 @@ from typing import Any, Iterable
 import torch
 
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
-                                 check_names_shapes, check_request)
+                                 check_names_shapes, check_request, rollout_response)
 from trainer.models.qwen_image import (
     QWEN_IMAGE_LORA_TARGETS,
     check_model_dir,
@@ -299,33 +299,11 @@ class NativeEngine(EngineMemoryState):
         responses = []
         for j, r in enumerate(reqs):
             e, m = conds[r.prompt]
-            responses.append({
-                "prompt": r.prompt,
-                "sample_id": r.sample_id,
-                "group_index": r.group_index,
-                "slot": r.slot,
-                "generation_seed": r.generation_seed,
-                "metadata": dict(r.metadata),
-                "image": images[j],
-                "trajectory_latents": lat_all[j].clone(),
-                "trajectory_next_latents": nxt_all[j].clone(),
-                "sigmas": sig.clone(),
-                "sigmas_next": sig_next.clone(),
-                "timesteps": ts.clone(),
-                "log_probs": logp_all[j].clone(),
-                "sde_indices": list(steps),
-                "prompt_embeds": e.cpu(),
-                "prompt_embeds_mask": m.cpu(),
-                "height": r.height,
-                "width": r.width,
-                "vae_scale_factor": self.vae_scale_factor,
-                "num_inference_steps": r.num_inference_steps,
-                "eta": r.eta,
-                "sde_type": r.sde_type,
-                "sigma_max": r.sigma_max,
-                "policy_version": self.policy_version,
-                "latent_dtype": str(self.dtype).replace("torch.", ""),
-            })
+            responses.append(rollout_response(
+                r, image=images[j], latents=lat_all[j].clone(), next_latents=nxt_all[j].clone(),
+                sigmas=sig.clone(), sigmas_next=sig_next.clone(), timesteps=ts.clone(), log_probs=logp_all[j].clone(),
+                sde_indices=steps, prompt_embeds=e.cpu(), prompt_embeds_mask=m.cpu(),
+                vae_scale_factor=self.vae_scale_factor, policy_version=self.policy_version, dtype=self.dtype))
         return responses, r0.num_inference_steps
 
     def _decode(self, packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ from typing import Any, Iterable
 import torch
 
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
-                                 check_names_shapes, check_request)
+                                 check_names_shapes, check_request, rollout_response)
 from trainer.engine.native import _geometry_key, _normalize_lora_config, prompt_template_start_idx, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -506,33 +506,16 @@ class SGLangEngine(EngineMemoryState):
 
     def _response(self, r: RolloutRequest, steps, sigmas, timesteps, records, row: int, image, embeds,
                   mask) -> dict[str, Any]:
-        return {
-            "prompt": r.prompt,
-            "sample_id": r.sample_id,
-            "group_index": r.group_index,
-            "slot": r.slot,
-            "generation_seed": r.generation_seed,
-            "metadata": dict(r.metadata),
-            "image": image.float().clamp(0, 1).cpu(),
-            "trajectory_latents": torch.stack([rec["latents"][row] for rec in records]),
-            "trajectory_next_latents": torch.stack([rec["next_latents"][row] for rec in records]),
-            "sigmas": torch.tensor([sigmas[i] for i in steps], dtype=torch.float32),
-            "sigmas_next": torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32),
-            "timesteps": torch.tensor([timesteps[i] for i in steps], dtype=torch.float32),
-            "log_probs": torch.stack([rec["log_probs"][row] for rec in records]).to(torch.float32),
-            "sde_indices": list(steps),
-            "prompt_embeds": embeds.to(self.dtype).cpu(),
-            "prompt_embeds_mask": mask.cpu(),
-            "height": r.height,
-            "width": r.width,
-            "vae_scale_factor": self.vae_scale_factor,
-            "num_inference_steps": r.num_inference_steps,
-            "eta": r.eta,
-            "sde_type": r.sde_type,
-            "sigma_max": r.sigma_max,
-            "policy_version": self.policy_version,
-            "latent_dtype": str(self.dtype).replace("torch.", ""),
-        }
+        return rollout_response(
+            r, image=image.float().clamp(0, 1).cpu(),
+            latents=torch.stack([rec["latents"][row] for rec in records]),
+            next_latents=torch.stack([rec["next_latents"][row] for rec in records]),
+            sigmas=torch.tensor([sigmas[i] for i in steps], dtype=torch.float32),
+            sigmas_next=torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32),
+            timesteps=torch.tensor([timesteps[i] for i in steps], dtype=torch.float32),
+            log_probs=torch.stack([rec["log_probs"][row] for rec in records]).to(torch.float32),
+            sde_indices=steps, prompt_embeds=embeds.to(self.dtype).cpu(), prompt_embeds_mask=mask.cpu(),
+            vae_scale_factor=self.vae_scale_factor, policy_version=self.policy_version, dtype=self.dtype)
 
     # ------------------------------------------------------------------ weights
 
