@@ -441,41 +441,16 @@ class QwenImageAdapter:
         Differentiable w.r.t. the transformer's parameters. `sampling` supplies eta, sde_type
         and sigma_max.
         """
-        from trainer.flow_grpo import replay_transition_logp
-
-        device, compute_dtype = _module_device_dtype(transformer)
-        # contiguous like the sampler's own latents: a strided input takes another GEMM path,
-        # which in bf16 changes the velocity by an ulp and the log-prob by ~1e-4
-        recorded = batch["latents"][:, step].to(device).contiguous()
-        next_latents = batch["next_latents"][:, step].to(device)
-        b = recorded.shape[0]
-        velocity = dit_velocity(
-            transformer,
-            recorded.to(compute_dtype or recorded.dtype),  # lossless when the module is wider
-            batch["timesteps"][:, step],
-            batch["prompt_embeds"],
-            batch.get("prompt_embeds_mask"),
-            img_shapes_for(b, batch["height"], batch["width"], batch["vae_scale_factor"]),
-            rollout_dtype=recorded.dtype,
-        )
-        return replay_transition_logp(
-            recorded,
-            next_latents,
-            velocity,
-            batch["sigmas"][:, step].to(device),
-            batch["sigmas_next"][:, step].to(device),
-            float(sampling.eta),
-            getattr(sampling, "sde_type", "sde"),
-            float(getattr(sampling, "sigma_max", 0.99)),
-        )
+        column = {k: (v[:, step:step + 1] if k in _TRAJECTORY_COLUMNS else v) for k, v in batch.items()}
+        return self.replay_transitions(transformer, column, sampling)[:, 0]
 
     def replay_transitions(self, transformer: Any, batch: dict[str, Any], sampling: Any) -> torch.Tensor:
         """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch`, in one DiT forward over
         B * S rows (row k * B + i = candidate i at column k), instead of S forwards of B rows.
 
-        The same per-row math as `replay_transition` (each row carries its own timestep, sigmas and
-        conditioning; the DiT treats rows independently), so the result is that of S calls up to
-        the GEMM's batch-size-dependent rounding. Fewer, larger launches: replay of a micro-batch is
+        Each row carries its own timestep, sigmas and conditioning and the DiT treats rows
+        independently, so the result is that of S one-column calls (`replay_transition`, which is
+        this with S = 1) up to the GEMM's batch-size-dependent rounding. Fewer, larger launches: replay of a micro-batch is
         bound by the host's kernel-launch rate at real scale, so this is what makes it fast. The
         autograd graph holds the same activations as S separate forwards kept for one backward.
         """
@@ -488,6 +463,8 @@ class QwenImageAdapter:
         def rows(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [S * B, ...], column-major
             return t.transpose(0, 1).reshape(s * b, *t.shape[2:])
 
+        # contiguous like the sampler's own latents: a strided input takes another GEMM path,
+        # which in bf16 changes the velocity by an ulp and the log-prob by ~1e-4
         recorded = rows(lat).to(device).contiguous()
         next_latents = rows(batch["next_latents"]).to(device)
         mask = batch.get("prompt_embeds_mask")
@@ -524,6 +501,10 @@ class QwenImageAdapter:
         from trainer.weight_sync import strip_wrapper_segments
 
         return strip_wrapper_segments(name)
+
+
+#: batch entries with a trained-step column dimension ([B, S, ...])
+_TRAJECTORY_COLUMNS = ("latents", "next_latents", "timesteps", "sigmas", "sigmas_next")
 
 
 def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:
