@@ -18,17 +18,20 @@ gpu_count() {
   if have_gpu; then nvidia-smi -L | wc -l; else echo 0; fi
 }
 
+# A venv is current when its stamp (what was installed, as a hash) equals the wanted one.
+venv_current() { [[ -x $1/bin/python && -f $1/.setup-stamp && "$(cat "$1/.setup-stamp")" == "$2" ]]; }
+
+# A fresh venv at $1 with an up-to-date pip.
+new_venv() { python3 -m venv "$1" && "$1/bin/python" -m pip install -q --upgrade pip >&2; }
+
 setup() {
   # The stamp records what was installed; a changed setup.cfg reinstalls.
   local extras=${EXTRAS:-test,ocr}
   local want
   want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-$extras"
-  if [[ -x $PY && -f $VENV/.setup-stamp && "$(cat "$VENV/.setup-stamp")" == "$want" ]]; then
-    return 0
-  fi
+  venv_current "$VENV" "$want" && return 0
   echo "[setup] creating $VENV" >&2
-  python3 -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip >&2
+  new_venv "$VENV"
   # torch first: a later package that merely asks for "torch" would otherwise
   # pull a multi-GB CUDA build onto a machine that has no GPU.
   if [[ -n ${TORCH_SPEC:-} ]]; then
@@ -52,12 +55,9 @@ setup_sglang() {
   # setup(). A GPU user installs the real thing instead: pip install .[sglang]
   local want t0=$SECONDS
   want="$(cat setup.cfg pyproject.toml requirements/sglang-cpu.txt | sha256sum | cut -c1-16)"
-  if [[ -x $SGL_PY && -f $SGL_VENV/.setup-stamp && "$(cat "$SGL_VENV/.setup-stamp")" == "$want" ]]; then
-    return 0
-  fi
+  venv_current "$SGL_VENV" "$want" && return 0
   echo "[setup-sglang] creating $SGL_VENV" >&2
-  python3 -m venv "$SGL_VENV"
-  "$SGL_PY" -m pip install -q --upgrade pip >&2
+  new_venv "$SGL_VENV"
   # torch first, at sglang 0.5.23's own pin. The project's CPU torch 2.13 cannot run it:
   # sglang imports torchvision unconditionally, and the torchvision build for torch 2.13
   # on the package index is a CUDA one that fails to import next to a CPU torch.
