@@ -266,22 +266,31 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None =
     return model, lora_config, dead
 
 
-def load_in_waves(load: Callable[[], nn.Module], wave_size: int) -> nn.Module:
+def load_in_waves(load: Callable[[], nn.Module], wave_size: int,
+                  timings: list[float] | None = None) -> nn.Module:
     """Call `load()` on at most `wave_size` ranks at a time (0: all at once), barrier between waves.
 
     Bounds host RAM and model-directory contention at launch (every rank materialises the full base
-    before sharding). Every rank must call it.
+    before sharding). Every rank must call it. `timings`, when given, receives each wave's wall
+    time in seconds (one entry when all ranks load at once), the same on every rank.
     """
     if wave_size < 0:
         raise ValueError(f"--fsdp-load-wave-size must be >= 0, got {wave_size}")
     if not dist.is_initialized() or wave_size == 0 or wave_size >= dist.get_world_size():
-        return load()
+        t0 = time.perf_counter()
+        model = load()
+        if timings is not None:
+            timings.append(time.perf_counter() - t0)
+        return model
     rank, world = dist.get_rank(), dist.get_world_size()
     model = None
     for wave in range(math.ceil(world / wave_size)):
+        t0 = time.perf_counter()
         if rank // wave_size == wave:
             model = load()
         barrier()
+        if timings is not None:
+            timings.append(time.perf_counter() - t0)
     assert model is not None
     return model
 
@@ -454,15 +463,17 @@ class Actor:
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
     def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: Any, *, device: torch.device,
-                     total_optimizer_steps: int | None = None, revision: str | None = None) -> "Actor":
+                     total_optimizer_steps: int | None = None, revision: str | None = None,
+                     load_timings: list[float] | None = None) -> "Actor":
         """Load the adapter's train model in --fsdp-param-dtype (in waves), build and shard it.
 
         The adapter returns the trainable module itself (--fsdp-trainable-attr names it in the
-        model bundle; the frozen text encoder / VAE are the engine's)."""
+        model bundle; the frozen text encoder / VAE are the engine's). `load_timings` receives
+        the load's per-wave wall times (load_in_waves)."""
         fsdp = _sec(cfg, "fsdp")
         load_dtype = resolve_dtype(fsdp.fsdp_param_dtype)
         model = load_in_waves(lambda: adapter.load_train_model(model_path, dtype=load_dtype, revision=revision),
-                              int(fsdp.fsdp_load_wave_size or 0))
+                              int(fsdp.fsdp_load_wave_size or 0), load_timings)
         return cls(model, mesh, cfg, device=device, default_lora_targets=tuple(adapter.lora_target_modules),
                    total_optimizer_steps=total_optimizer_steps)
 

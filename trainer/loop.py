@@ -97,21 +97,54 @@ def package_versions() -> dict[str, str]:
 
 @dataclass
 class Timer:
-    """Wall time of one stage, host-synchronised on CUDA so the figure is the stage's own."""
+    """Wall time of one stage, host-synchronised on CUDA so the figure is the stage's own, and
+    the stage's memory: the device's allocation peak within it (CUDA) and the process's resident
+    host memory at its end (where /proc is)."""
 
     device: torch.device
     start: float = 0.0
+    peak_device_gb: float | None = None
+    host_rss_gb: float | None = None
 
     def __enter__(self) -> "Timer":
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.peak_device_gb = torch.cuda.max_memory_allocated(self.device) / 1e9
         self.elapsed = time.perf_counter() - self.start
+        self.host_rss_gb = host_memory_gb().get("rss")
+
+    def memory(self, stage: str) -> dict[str, float]:
+        """perf/mem_peak_gb/<stage> (device) and perf/host_rss_gb/<stage>, where known."""
+        out = {}
+        if self.peak_device_gb is not None:
+            out[f"perf/mem_peak_gb/{stage}"] = self.peak_device_gb
+        if self.host_rss_gb is not None:
+            out[f"perf/host_rss_gb/{stage}"] = self.host_rss_gb
+        return out
+
+
+def host_memory_gb() -> dict[str, float]:
+    """This process's resident host memory now ("rss") and its high-water mark ("hwm"), in GB,
+    from /proc/self/status; {} where there is no /proc. Pinned offload buffers count: they are
+    resident by construction."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    keys = {"VmRSS:": "rss", "VmHWM:": "hwm"}
+    out = {}
+    for line in lines:
+        head, *rest = line.split()
+        if head in keys and rest:
+            out[keys[head]] = int(rest[0]) * 1024 / 1e9  # the kernel reports kB
+    return out
 
 
 def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
@@ -176,16 +209,25 @@ class Trainer:
         engine_cls = import_dotpath(cfg.rollout.rollout_engine_class_path, "--rollout-engine-class-path")
         # every rank reads the whole pipeline from disk through host memory (~57 GB for the real
         # model): --fsdp-load-wave-size gates the engine's load like the actor's
-        self.engine = load_in_waves(
-            lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
-                               max_batch_size=int(cfg.rollout.engine_batch_size or 0),
-                               revision=cfg.model.model_revision),
-            int(cfg.fsdp.fsdp_load_wave_size or 0))
+        #: start-up figures (load times per wave, memory after each load), logged with rollout 0's
+        self.load_metrics: dict[str, float] = {}
+        engine_waves: list[float] = []
+        with Timer(self.device) as t:
+            self.engine = load_in_waves(
+                lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
+                                   max_batch_size=int(cfg.rollout.engine_batch_size or 0),
+                                   revision=cfg.model.model_revision),
+                int(cfg.fsdp.fsdp_load_wave_size or 0), engine_waves)
+        self._record_load("engine", t, engine_waves)
 
         self.mesh = build_mesh(self.device.type)
         num_rollout = int(cfg.rollout.num_rollout)
-        self.actor = Actor.from_adapter(self.adapter, cfg.model.model_path, self.mesh, cfg, device=self.device,
-                                        total_optimizer_steps=num_rollout * int(cfg.grpo.num_updates_per_batch))
+        actor_waves: list[float] = []
+        with Timer(self.device) as t:
+            self.actor = Actor.from_adapter(self.adapter, cfg.model.model_path, self.mesh, cfg, device=self.device,
+                                            total_optimizer_steps=num_rollout * int(cfg.grpo.num_updates_per_batch),
+                                            load_timings=actor_waves)
+        self._record_load("actor", t, actor_waves)
         self.replay_fn = make_replay_fn(self.adapter, self.sampling)
         lora_targets = (self.actor.lora_config or {}).get("target_modules")
         self.contract = adapter_contract(cfg, list(lora_targets) if lora_targets else None)
@@ -201,6 +243,18 @@ class Trainer:
         self.components: list[str] = []
 
     # -- start-up ------------------------------------------------------------------------------
+    def _record_load(self, what: str, t: Timer, waves: list[float]) -> None:
+        """perf/load_<what>_time (the whole build: read, cast, shard), its per-wave read times and
+        the memory it left; logged once, with the first rollout's figures."""
+        m = self.load_metrics
+        m[f"perf/load_{what}_time"] = t.elapsed
+        for i, w in enumerate(waves):
+            m[f"perf/load_{what}_wave{i}_time"] = w
+        m.update(t.memory(f"load_{what}"))
+        if self.rank == 0:
+            log.info("loaded the %s in %.1f s (waves: %s)%s", what, t.elapsed, ", ".join(f"{w:.1f} s" for w in waves),
+                     "".join(f"; {k.split('/')[1]} {v:.1f} GB" for k, v in t.memory(what).items()))
+
     def write_recipe_record(self) -> Path | None:
         """<artifact_root>/recipes/<name>-<time>.json: what this run was started with."""
         if self.rank != 0 or not self.cfg.artifacts.artifact_root:
@@ -276,6 +330,7 @@ class Trainer:
                 task=self.task, retention=int(cfg.artifacts.artifact_retention_rollouts),
                 weight_manifest_hash=self._manifest_hash())
         m["perf/rollout_time"] = t.elapsed
+        m.update(t.memory("rollout"))
         m.update({k_: v for k_, v in out.stats.items() if k_ != "perf/rollout_time"})
 
         # 3. reward: score locally, all-gather the small vectors, same advantages on every rank
@@ -292,6 +347,7 @@ class Trainer:
                                         component_weights=cfg.reward.reward_component_weights,
                                         std_mode=std_mode, score_time=scored.score_time)
         m["perf/reward_time"] = t.elapsed
+        m.update(t.memory("reward"))
         m.update(reward.metrics)
         self.components = sorted(reward.components)
 
@@ -317,17 +373,20 @@ class Trainer:
                     log.info("[fingerprint] rollout %d: trainable abs-sum %.9g -> %.9g (delta %.3g)",
                              k, before, after, after - before)
         m["perf/train_time"] = t.elapsed
+        m.update(t.memory("train"))
 
         # 5. sync: the new weights into this rank's engine, verified, then committed
         with Timer(self.device) as t:
             m.update(sync_engine(self.actor, self.syncer, self.engine, offload_rollout=colo.offload_rollout))
         m["perf/sync_time"] = t.elapsed
+        m.update(t.memory("sync"))
 
         # 6. checkpoint (the actor is still resident, which DCP needs)
         if self._due(k, cfg.checkpoint.save_interval) and cfg.checkpoint.save:
             with Timer(self.device) as t:
                 self.save(k)
             m["perf/checkpoint_time"] = t.elapsed
+            m.update(t.memory("checkpoint"))
 
         # the device goes back to the engine for the next rollout
         m.update(end_update(self.actor, self.engine, offload_train=colo.offload_train,
@@ -338,8 +397,11 @@ class Trainer:
             with Timer(self.device) as t:
                 m.update(self.evaluate(k))
             m["perf/eval_time"] = t.elapsed
+            m.update(t.memory("eval"))
 
         m["perf/step_time"] = time.perf_counter() - t_step
+        if "hwm" in (host := host_memory_gb()):
+            m["perf/host_peak_gb"] = host["hwm"]
         m["train/checkpoint_failures"] = float(self.checkpoint_failures)
         self._log_images(k, out, reward)
         return m
@@ -445,6 +507,8 @@ class Trainer:
         history = []
         for k in bar:
             metrics = self.step(k)
+            if k == self.start_rollout:
+                metrics = {**self.load_metrics, **metrics}
             self.metrics.log(k, metrics)
             history.append(metrics)
             if self.rank == 0:
