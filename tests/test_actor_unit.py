@@ -218,6 +218,27 @@ def test_offload_onload_bit_exact_and_frees_storage(mesh):
             assert torch.equal(state[id(p)][k], v)
     with pytest.raises(OffloadError):
         actor.onload()
+
+
+def test_offload_host_copies_use_one_exact_reused_buffer(mesh):
+    """The host side of an offload is one buffer of the storages' own bytes (plus alignment), not
+    one allocation per storage, and a second offload reuses it."""
+    from trainer.host_arena import layout
+
+    actor = build(mesh, "full")
+    actor.train_step(make_batch(4), ADV, replay)
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in actor._param_tensors()}
+    m = actor.offload()
+    want = layout([n for n in sizes.values() if n])[1]
+    assert actor._params_off.host_bytes == want
+    assert m["perf/actor_offload_host_gb"] * 1e9 == pytest.approx(want + actor._optim_off.host_bytes)
+    first = {host.data_ptr() for _, _, host in actor._params_off._saved}
+    buf = actor._params_off._arena._chunks[0].data_ptr()
+    assert all(buf <= ptr < buf + want for ptr in first)
+    actor.onload()
+    actor.offload()
+    assert {host.data_ptr() for _, _, host in actor._params_off._saved} == first
+    actor.onload()
     m = actor.train_step(make_batch(4, seed=1), ADV, replay)  # still trains after the round trip
     assert m["train/optimizer_steps"] == 2 and math.isfinite(m["train/loss"])
 

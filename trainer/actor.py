@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
 from trainer.flow_grpo import grpo_clip_loss
+from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
 
 log = logging.getLogger(__name__)
@@ -366,26 +367,33 @@ class _StorageOffload:
 
     def __init__(self) -> None:
         self._saved: list[tuple[torch.UntypedStorage, int, torch.Tensor]] = []
+        #: the host copies live in one exactly-sized buffer, kept across offloads (trainer.host_arena)
+        self._arena: HostArena | None = None
 
     @property
     def active(self) -> bool:
         return bool(self._saved)
 
+    @property
+    def host_bytes(self) -> int:
+        return self._arena.nbytes if self._arena is not None else 0
+
     def release(self, tensors: Iterable[torch.Tensor], pin: bool) -> int:
         if self._saved:
             raise OffloadError("release called twice without resume")
-        seen: set[int] = set()
+        storages: dict[int, tuple[torch.UntypedStorage, torch.device]] = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in storages:
+                storages[st.data_ptr()] = (st, t.device)
+        if self._arena is None or self._arena.pin != pin:
+            self._arena = HostArena(pin)
         freed = 0
         try:
-            for t in tensors:
-                st = t.untyped_storage()
-                key = st.data_ptr()
+            hosts = self._arena.slices([st.nbytes() for st, _ in storages.values()])
+            for (st, device), host in zip(storages.values(), hosts):
                 nbytes = st.nbytes()
-                if nbytes == 0 or key in seen:
-                    continue
-                seen.add(key)
-                view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                view = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
                 host.copy_(view, non_blocking=False)
                 st.resize_(0)
                 self._saved.append((st, nbytes, host))
@@ -738,7 +746,8 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        return {"perf/actor_offload_gb": freed / 1e9, "perf/actor_offload_time": time.perf_counter() - t0}
+        return {"perf/actor_offload_gb": freed / 1e9, "perf/actor_offload_time": time.perf_counter() - t0,
+                "perf/actor_offload_host_gb": (self._params_off.host_bytes + self._optim_off.host_bytes) / 1e9}
 
     def onload(self) -> dict[str, float]:
         """Bring back what offload() released, bit-exactly. Fatal on failure (OffloadError)."""

@@ -40,6 +40,7 @@ from typing import Any, Iterable
 
 import torch
 
+from trainer.host_arena import HostArena, typed_view
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  check_names_shapes, check_request, rollout_response)
 from trainer.models.qwen_image import (
@@ -187,6 +188,8 @@ class NativeEngine(EngineMemoryState):
         self.num_train_timesteps = int(self.scheduler_config.get("num_train_timesteps", 1000))
         self.policy_version = 0
         self._resident = {name: True for name in ENGINE_MODULES}
+        #: module name -> the host buffer its tensors go to when released (trainer.host_arena)
+        self._host_arenas: dict[str, HostArena] = {}
         self._lora_config: dict[str, Any] | None = None
         self.last_stats: dict[str, float] = {}
         #: the DiT's name -> parameter index, see _weight_index
@@ -466,7 +469,8 @@ class NativeEngine(EngineMemoryState):
                 continue
             module = getattr(self, name)
             if self.device.type != "cpu":
-                _move_module_storage(module, torch.device("cpu"), pin=True)
+                arena = self._host_arenas.setdefault(name, HostArena(pin=self.device.type == "cuda"))
+                move_module_to_host(module, arena)
             self._verify_placement(name, torch.device("cpu"))
             self._resident[name] = False
         if self.device.type == "cuda":
@@ -481,7 +485,7 @@ class NativeEngine(EngineMemoryState):
                 continue
             module = getattr(self, name)
             if self.device.type != "cpu":
-                _move_module_storage(module, self.device, pin=False)
+                move_module_to_device(module, self.device)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             self._verify_placement(name, self.device)
@@ -531,26 +535,42 @@ def _normalize_lora_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"rank": int(rank), "alpha": float(alpha), "target_modules": tuple(sorted(targets))}
 
 
-def _move_module_storage(module: torch.nn.Module, device: torch.device, pin: bool) -> None:
-    """Move every parameter and buffer of `module` to `device` in place. Parameters swap their
-    .data, so the Parameter objects held elsewhere (the engine's weight index, peft's layers)
-    stay valid; host copies are pinned when `pin`, so the way back is a fast async copy."""
+def move_module_to_host(module: torch.nn.Module, arena: HostArena) -> None:
+    """Copy every parameter and buffer of `module` into slices of `arena` and point the module
+    at them. Parameters swap their .data (the Parameter objects held elsewhere stay valid); a
+    tensor shared by several modules is copied once. The arena is reused by the next release."""
+    params: dict[int, torch.nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        params.update((id(p), p) for p in sub._parameters.values() if p is not None)
+        buffers.update((id(b), b) for b in sub._buffers.values() if b is not None)
+    tensors = [p.data for p in params.values()] + list(buffers.values())
+    hosts = [typed_view(raw, t) for raw, t in zip(arena.slices([t.numel() * t.element_size() for t in tensors]),
+                                                   tensors)]
+    for t, host in zip(tensors, hosts):
+        host.copy_(t)
+    for p, host in zip(params.values(), hosts):
+        p.data = host
+    host_of_buffer = dict(zip(buffers, hosts[len(params):]))
+    for sub in module.modules():
+        for key, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[key] = host_of_buffer[id(b)]
+
+
+def move_module_to_device(module: torch.nn.Module, device: torch.device) -> None:
+    """The way back of move_module_to_host: every parameter (by .data swap) and buffer of `module`
+    onto `device`; copies from a pinned arena are asynchronous (the caller synchronises)."""
     for sub in module.modules():
         for p in sub._parameters.values():
-            if p is None:
-                continue
-            p.data = _to(p.data, device, pin)
+            if p is not None:
+                p.data = _to_device(p.data, device)
         for key, b in list(sub._buffers.items()):
-            if b is None:
-                continue
-            sub._buffers[key] = _to(b, device, pin)
+            if b is not None:
+                sub._buffers[key] = _to_device(b, device)
 
 
-def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == device.type:  # a tensor shared by two modules moves once
         return t
-    if device.type == "cpu":
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
-        out.copy_(t)
-        return out
     return t.to(device, non_blocking=t.is_pinned())
