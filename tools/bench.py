@@ -879,6 +879,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="MFU denominator; default: the measured dense GEMM throughput")
     p.add_argument("--gemm-size", type=int, default=8192, help="size of the GEMM that measures the peak")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="DiT blocks of --shape real, at full width (default 60: the whole model); compares "
+                        "with a product-path run on a model directory of that depth")
     p.add_argument("--replay-variants", action="store_true",
                    help=f"also time LoRA replay with each of {tuple(REPLAY_VARIANTS)} (an actor built per variant; "
                         "out of memory gives a null figure with oom: true)")
@@ -902,6 +905,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     args = parse_args(argv)
+    if args.num_layers and args.shape == "real":
+        REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
     dtype = _DTYPES[args.dtype]
@@ -932,6 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "trained_steps": len(sde_indices), "sde_indices": sde_indices, "eta": args.eta,
                     "prompts": args.prompts, "group_size": args.group_size,
                     "candidates": args.prompts * args.group_size, "image_tokens": image_tokens,
+                    "dit_layers": int(dit_cfg["num_layers"]),
                     "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
                     "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
                     "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype}
