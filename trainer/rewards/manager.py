@@ -187,17 +187,24 @@ def get_reward_manager(
         return manager
 
 
-def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", **kwargs: Any) -> RewardManager:
+def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", *, scorer_path: str | None = None,
+                               model_path: str | None = None, **kwargs: Any) -> RewardManager:
     """get_reward_manager from a config's reward section (duck-typed: reward_runtime,
-    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields)."""
+    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields).
+
+    With `scorer_path` (a held-out --eval-reward-scorers entry, with its own `model_path`) the
+    scorer runs in this process: on `device` under --reward-runtime colocate, else on the CPU."""
     runtime = getattr(reward, "reward_runtime", "cpu") or "cpu"
-    scorer_path = getattr(reward, "reward_scorer_path", None)
+    if scorer_path is not None:
+        runtime = "colocate" if runtime == "colocate" else "cpu"
+    else:
+        scorer_path, model_path = getattr(reward, "reward_scorer_path", None), getattr(reward, "reward_model_path", None)
     if runtime != "remote":
         kwargs.setdefault("scorer_options", scorer_options(scorer_path, reward))
     return get_reward_manager(
         runtime,
         scorer_path,
-        getattr(reward, "reward_model_path", None),
+        model_path,
         device,
         getattr(reward, "reward_endpoint", None),
         **kwargs,
