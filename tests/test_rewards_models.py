@@ -4,14 +4,13 @@ the cpu, colocate and remote (tools/reward_server.py) runtimes; refused partial 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import threading
 
 import pytest
 import torch
 
+from tests.test_rewards_remote import serving
 from tests.tiny_rewards import write_tiny_aesthetic_dir, write_tiny_clip_dir, write_tiny_hps_dir
 from trainer.rewards.base import ImageBatch, build_scorer
 from trainer.rewards.post_process import compute_advantages
@@ -86,21 +85,6 @@ def test_hpsv21_matches_an_openclip_style_forward(dirs):
     black = (0 - CLIP_MEAN[0]) / CLIP_STD[0]
     assert px[0, 0, :, :8].allclose(torch.tensor(black)) and px[0, 0, :, -8:].allclose(torch.tensor(black))
     assert px[0, 0, :, 12:20].allclose(torch.tensor((1 - CLIP_MEAN[0]) / CLIP_STD[0]), atol=1e-3)
-
-
-@contextlib.contextmanager
-def serving(scorer):
-    from tools.reward_server import make_server
-
-    server = make_server(scorer, "127.0.0.1", 0, "test")
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield "http://%s:%d/score" % server.server_address[:2]
-    finally:
-        server.shutdown()
-        server.server_close()
-        t.join(5)
 
 
 @pytest.mark.parametrize("name", ["clipscore", "aesthetic", "hpsv21"])

@@ -109,3 +109,31 @@ class ClipEmbedder:
         img = self.image(self.pixels(images) if pixel_values is None else pixel_values)
         txt, rows = self.text(prompts)
         return (img * txt[rows]).sum(dim=-1)
+
+
+class ClipSimilarityScorer:
+    """Base of the scorers that are a function of cos(text, image) under one transformers CLIP
+    directory (PickScore, CLIPScore): the directory check, the fp32 load, the in-memory build."""
+
+    required_tracks = ("image",)
+    #: what --reward-model-path must be, for the error message
+    model_description = "a local transformers CLIP directory"
+
+    def __init__(self, model_path: str | None = None, device: str = "cpu"):
+        cls = type(self)
+        require_clip_dir(model_path, f"{cls.__module__}.{cls.__qualname__}", cls.model_description)
+        from transformers import CLIPModel
+
+        model = CLIPModel.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+        self.clip = ClipEmbedder.from_processor(model, load_clip_processor(model_path), device)
+
+    @classmethod
+    def from_modules(cls, model, processor, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        """A scorer over an in-memory CLIPModel (benchmarks at random weights)."""
+        self = cls.__new__(cls)
+        self.clip = ClipEmbedder.from_processor(model, processor, device, dtype)
+        return self
+
+    @property
+    def model(self):
+        return self.clip.model

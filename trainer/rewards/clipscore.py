@@ -15,32 +15,17 @@ from __future__ import annotations
 import torch
 
 from trainer.rewards.base import ImageBatch
-from trainer.rewards.clip import ClipEmbedder, load_clip_processor, require_clip_dir
+from trainer.rewards.clip import ClipSimilarityScorer
 
 #: Hessel et al.'s rescaling of the cosine
 CLIPSCORE_WEIGHT = 2.5
 
 
-class ClipScoreScorer:
+class ClipScoreScorer(ClipSimilarityScorer):
     """Component "clipscore" (module docstring). Needs --reward-model-path."""
 
     components = ("clipscore",)
-    required_tracks = ("image",)
-
-    def __init__(self, model_path: str | None = None, device: str = "cpu"):
-        require_clip_dir(model_path, "trainer.rewards.clipscore.ClipScoreScorer",
-                         "a local transformers CLIP directory, e.g. openai/clip-vit-large-patch14")
-        from transformers import CLIPModel
-
-        model = CLIPModel.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
-        self.clip = ClipEmbedder.from_processor(model, load_clip_processor(model_path), device)
-
-    @classmethod
-    def from_modules(cls, model, processor, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        """A scorer over an in-memory CLIPModel (benchmarks at random weights)."""
-        self = cls.__new__(cls)
-        self.clip = ClipEmbedder.from_processor(model, processor, device, dtype)
-        return self
+    model_description = "a local transformers CLIP directory, e.g. openai/clip-vit-large-patch14"
 
     @torch.no_grad()
     def score(self, images: ImageBatch, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:

@@ -18,36 +18,17 @@ from __future__ import annotations
 import torch
 
 from trainer.rewards.base import ImageBatch
-from trainer.rewards.clip import ClipEmbedder, load_clip_processor, require_clip_dir
+from trainer.rewards.clip import ClipSimilarityScorer
 
 #: divisor that maps logit_scale * cos onto the reference's reported scale
 PICKSCORE_DIVISOR = 26.0
 
 
-class PickScoreScorer:
+class PickScoreScorer(ClipSimilarityScorer):
     """Component "pickscore" (module docstring). Needs --reward-model-path."""
 
     components = ("pickscore",)
-    required_tracks = ("image",)
-
-    def __init__(self, model_path: str | None = None, device: str = "cpu"):
-        require_clip_dir(model_path, "trainer.rewards.pickscore.PickScoreScorer",
-                         "a local PickScore_v1 directory (processor: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)")
-        from transformers import CLIPModel
-
-        model = CLIPModel.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
-        self.clip = ClipEmbedder.from_processor(model, load_clip_processor(model_path), device)
-
-    @classmethod
-    def from_modules(cls, model, processor, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        """A scorer over an in-memory CLIPModel (benchmarks at random weights)."""
-        self = cls.__new__(cls)
-        self.clip = ClipEmbedder.from_processor(model, processor, device, dtype)
-        return self
-
-    @property
-    def model(self):
-        return self.clip.model
+    model_description = "a local PickScore_v1 directory (processor: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"
 
     @torch.no_grad()
     def score(self, images: ImageBatch, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
