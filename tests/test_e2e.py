@@ -30,6 +30,9 @@ EXPECTED_SERIES = [
     "perf/train_transitions_per_s", "perf/train_samples_per_s",
     "perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time", "perf/step_time",
     "eval/demo/color_mean", "eval/other/color_mean",
+    # the reward-hacking watch, and a held-out scorer computed only at eval
+    "reward/stat_dark_fraction", "reward/stat_group_diversity", "reward/stat_jpeg_bytes_per_pixel",
+    "reward/hacking_suspect", "reward/watch_trained_rise", "eval/demo/jpeg_compressibility_mean",
 ]
 
 PROMPTS = ["a red ball", "a green cube", "a blue cup", "a yellow hat", "a purple box", "a cyan kite"]
@@ -58,6 +61,8 @@ prompt-data = "{train}"
 eval-prompt-data = ["demo", "{evalf}", "other", "{evalg}"]
 eval-interval = 2
 n-samples-per-eval-prompt = 2
+eval-reward-scorers = ["jpeg_compressibility"]
+hacking-baseline-rollouts = 1
 rollout-batch-size = 2
 n-samples-per-prompt = 4
 micro-batch-size = 2

@@ -845,6 +845,105 @@ def _update_fits(c: Ctx, actor) -> bool:
 # ----------------------------------------------------------------------------------------------
 # main
 
+# ----------------------------------------------------------------------------------------------
+# --scorers: each real-architecture reward model at random weights, on its own
+
+#: CLIP towers (transformers CLIPConfig fields) of the scorers' published models
+_CLIP_SHAPES = {
+    # laion/CLIP-ViT-H-14 (PickScore_v1, HPSv2.1): 0.99 B parameters
+    "vit_h_14": dict(text=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
+                     vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                                 patch_size=14, image_size=224, hidden_act="gelu"),
+                     projection_dim=1024, text_act="gelu"),
+    # openai/clip-vit-large-patch14 (CLIPScore, the aesthetic predictor): 0.43 B parameters
+    "vit_l_14": dict(text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+                     vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                                 patch_size=14, image_size=224, hidden_act="quick_gelu"),
+                     projection_dim=768, text_act="quick_gelu"),
+    "tiny": dict(text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+                 vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             patch_size=8, image_size=32),
+                 projection_dim=16, text_act="quick_gelu"),
+}
+
+
+def _random_clip(tower: str, tokenizer, seed: int):
+    from transformers import CLIPConfig, CLIPModel
+
+    shape = _CLIP_SHAPES[tower]
+    cfg = CLIPConfig(
+        text_config=dict(**shape["text"], vocab_size=49408, max_position_embeddings=77, hidden_act=shape["text_act"],
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=shape["vision"], projection_dim=shape["projection_dim"])
+    torch.manual_seed(seed)
+    return CLIPModel(cfg)
+
+
+def bench_scorers(args: argparse.Namespace) -> int:
+    """Time each real-architecture scorer on --score-images random images at random weights
+    (built in memory: no weights are read), through the scorer's own score(). One JSON line per
+    scorer: the mean of --iters timed calls after a warm-up."""
+    import numpy as np
+
+    from tools.tiny_clip import tiny_clip_processor
+    from trainer.rewards.aesthetic import AestheticHead, AestheticScorer
+    from trainer.rewards.base import ImageBatch
+    from trainer.rewards.clipscore import ClipScoreScorer
+    from trainer.rewards.hpsv2 import Hpsv21Scorer
+    from trainer.rewards.pickscore import PickScoreScorer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    real = args.shape == "real"
+    proc = tiny_clip_processor(224 if real else 32)
+    tok = proc.tokenizer
+    big, large = ("vit_h_14", "vit_l_14") if real else ("tiny", "tiny")
+    rng = np.random.default_rng(args.seed)
+    batch = ImageBatch([rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8)
+                        for _ in range(args.score_images)])
+    prompts = [f"prompt {i // 8}: a photo of a red panda in a teacup" for i in range(args.score_images)]
+
+    def aesthetic():
+        from transformers import CLIPVisionModelWithProjection
+
+        clip = _random_clip(large, tok, args.seed)
+        vcfg = clip.config.vision_config
+        vcfg.projection_dim = clip.config.projection_dim
+        vision = CLIPVisionModelWithProjection(vcfg)
+        return AestheticScorer.from_modules(vision, AestheticHead(clip.config.projection_dim), proc.image_processor,
+                                            device, dtype)
+
+    builders = {
+        "pickscore": lambda: PickScoreScorer.from_modules(_random_clip(big, tok, args.seed), proc, device, dtype),
+        "hpsv21": lambda: Hpsv21Scorer.from_modules(_random_clip(big, tok, args.seed), tok, device, dtype),
+        "clipscore": lambda: ClipScoreScorer.from_modules(_random_clip(large, tok, args.seed), proc, device, dtype),
+        "aesthetic": aesthetic,
+    }
+    for name, build in builders.items():
+        scorer = build()
+        params = sum(p.numel() for p in (scorer.clip.model if hasattr(scorer, "clip") else scorer.vision).parameters())
+        out = scorer.score(batch, prompts, [{}] * len(batch))  # warm-up (kernels, allocator)
+        assert torch.isfinite(out[name]).all(), f"{name}: non-finite scores at random weights"
+        times = []
+        for _ in range(args.iters):
+            _sync(device)
+            t0 = time.perf_counter()
+            scorer.score(batch, prompts, [{}] * len(batch))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        line = {"figure": "score_images_s", "scorer": name, "value": float(sum(times) / len(times)), "unit": "s",
+                "images": len(batch), "height": args.height, "width": args.width, "params": int(params),
+                "device": device_name(device), "dtype": str(dtype).replace("torch.", ""), "shape": args.shape}
+        print(json.dumps(line), flush=True)
+        if args.out is not None:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        del scorer
+        _free(device)
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="real", help="real: Qwen-Image 20.4 B; tiny: the test model")
@@ -882,6 +981,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=None,
                    help="DiT blocks of --shape real, at full width (default 60: the whole model); compares "
                         "with a product-path run on a model directory of that depth")
+    p.add_argument("--scorers", action="store_true",
+                   help="only time the reward scorers (PickScore, HPSv2.1, CLIPScore, aesthetic) at random weights")
+    p.add_argument("--score-images", type=int, default=32, help="images per scorer call with --scorers")
     p.add_argument("--replay-variants", action="store_true",
                    help=f"also time LoRA replay with each of {tuple(REPLAY_VARIANTS)} (an actor built per variant; "
                         "out of memory gives a null figure with oom: true)")
@@ -907,6 +1009,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.num_layers and args.shape == "real":
         REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
+    if args.scorers:
+        return bench_scorers(args)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
     dtype = _DTYPES[args.dtype]

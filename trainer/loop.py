@@ -241,6 +241,11 @@ class Trainer:
         self.start_rollout = 0
         #: reward component names, as the scorer returned them on the latest rollout
         self.components: list[str] = []
+        from trainer.rewards.watch import HackingWatch, WatchSettings, parse_eval_scorers
+
+        self.watch = None if cfg.reward.no_hacking_watch else HackingWatch(WatchSettings.from_config(cfg.reward))
+        self.eval_scorers = parse_eval_scorers(cfg.reward.eval_reward_scorers)
+        self.stop_reason: str | None = None
 
     # -- start-up ------------------------------------------------------------------------------
     def _record_load(self, what: str, t: Timer, waves: list[float]) -> None:
@@ -349,7 +354,16 @@ class Trainer:
         m["perf/reward_time"] = t.elapsed
         m.update(t.memory("reward"))
         m.update(reward.metrics)
+        m.update(scored.failure_metrics())
         self.components = sorted(reward.components)
+        if self.watch is not None:  # collective: image statistics gathered like the scores
+            from trainer.rewards.watch import rollout_watch_metrics
+
+            m.update(rollout_watch_metrics(self.watch, [r["image"] for r in out.responses], local_idx,
+                                           self.num_groups * self.group_size, self.group_size, reward))
+            if self.watch.suspect:
+                log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
+                self.stop_reason = self.watch.message() if cfg.reward.stop_on_hacking else None
 
         # 4. update: the actor owns the device
         with Timer(self.device) as t:
@@ -382,7 +396,7 @@ class Trainer:
         m.update(t.memory("sync"))
 
         # 6. checkpoint (the actor is still resident, which DCP needs)
-        if self._due(k, cfg.checkpoint.save_interval) and cfg.checkpoint.save:
+        if (self._due(k, cfg.checkpoint.save_interval) or self.stop_reason) and cfg.checkpoint.save:
             with Timer(self.device) as t:
                 self.save(k)
             m["perf/checkpoint_time"] = t.elapsed
@@ -464,6 +478,17 @@ class Trainer:
                                    [r.get("metadata") or {} for r in out.responses])
             idx = [g * n + s for g, s in out.candidates]
             comps = gather_scores(scored.components, idx, len(records) * n)
+            images = [r["image"] for r in out.responses]
+            for scorer, model_path in self.eval_scorers:  # held out: scored here, never trained on
+                held = reward_manager_from_config(cfg.reward, self.device, scorer_path=scorer, model_path=model_path)
+                part = held.score(images, [r["prompt"] for r in out.responses],
+                                  [r.get("metadata") or {} for r in out.responses])
+                held_comps = gather_scores(part.components, idx, len(records) * n)
+                means = {f"{name}/{c}": float(v[torch.isfinite(v)].mean()) for c, v in held_comps.items()}
+                stds = {f"{name}/{c}": float(v[torch.isfinite(v)].std(unbiased=False)) for c, v in held_comps.items()}
+                if self.watch is not None:
+                    self.watch.observe_eval(means, stds)
+                comps.update({c: v for c, v in held_comps.items() if c not in comps})
             for c, v in comps.items():
                 finite = v[torch.isfinite(v)]
                 out_m[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
@@ -513,8 +538,11 @@ class Trainer:
             history.append(metrics)
             if self.rank == 0:
                 bar.write(self.metrics.console_line(k, metrics, self.components))
+            if self.stop_reason:  # every rank fed the watch the same gathered figures: all stop here
+                log.error("stopping after rollout %d (--stop-on-hacking): %s", k, self.stop_reason)
+                break
         self.metrics.close()
-        return {"history": history, "components": self.components}
+        return {"history": history, "components": self.components, "stopped": self.stop_reason}
 
 
 def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
@@ -562,14 +590,17 @@ def run(cfg: Any, recipe: str | None = None) -> int:
         result = trainer.fit()
         if info.rank == 0:
             summary = summarize(result["history"], result["components"])
-            print(json.dumps({"summary": summary, "recipe_record": str(record) if record else None,
+            print(json.dumps({"summary": summary, "stopped_on_hacking": result["stopped"],
+                              "recipe_record": str(record) if record else None,
                               "tensorboard_dir": str(trainer.metrics.log_dir) if trainer.metrics.log_dir else None,
                               "artifact_root": cfg.artifacts.artifact_root, "save": cfg.checkpoint.save}), flush=True)
+        if result["stopped"]:
+            code = 3  # the requested rollouts were not all run: let a scheduler see it
     except BaseException:  # noqa: BLE001 - report, then take the whole job down
         rank = info.rank if info is not None else os.environ.get("RANK", "?")
         print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         code = 1
-    if code != 0:
+    if code not in (0, 3):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # no collective teardown: the other ranks may be inside one
