@@ -123,7 +123,7 @@ def _state(ckpt: Path, iteration: int) -> dict:
 def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     recipe = _recipe(tmp_path, tiny_model_dir, mode)
     a, b = tmp_path / "a", tmp_path / "b"
-    _train(recipe, a, "--num-rollout", "4")
+    log_a = _train(recipe, a, "--num-rollout", "4")
     _train(recipe, b, "--num-rollout", "2")
     log = _train(recipe, b, "--num-rollout", "4", "--load", str(b / "ckpt"))
     assert "continuing at rollout 2" in log
@@ -176,6 +176,20 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     # the first update of every rollout starts at ratio 1: ratio_min <= 1 <= ratio_max
     for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
         assert lo <= 1.0 <= hi
+    # TensorBoard beyond scalars: the run is named after the recipe (full.toml), rollout grids
+    # every rollout, each eval prompt under one tag at every eval (rollouts 1 and 3); rank 0
+    # logs the eval prompts whose candidates it generated (the first of each set here)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert [p.name for p in (a / "tb").iterdir()] == ["full"]
+    acc = EventAccumulator(str(a / "tb" / "full"), size_guidance={"images": 0, "tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("rollout/candidates")] == [0, 1, 2, 3]
+    for tag in ("eval/demo/prompt_000", "eval/other/prompt_000"):
+        assert [e.step for e in acc.Images(tag)] == [1, 3], tag
+    assert "full" in acc.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
+    # the progress bars stay out of a log file: no carriage-return frames in the captured output
+    assert "\r" not in log_a
 
 
 def test_two_nodes_on_loopback(tmp_path, tiny_model_dir):

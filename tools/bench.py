@@ -1,7 +1,7 @@
 """Time the project's own engine, actor and weight sync at Qwen-Image shape, with random weights.
 
-    torchrun --nproc-per-node 1 tools/bench.py --shape real --out bench/results/h200x1.jsonl
-    torchrun --nproc-per-node 2 tools/bench.py --shape real --full --out bench/results/h200x2.jsonl
+    torchrun --nproc-per-node 1 tools/bench.py --shape real --output bench/results/h200x1.jsonl
+    torchrun --nproc-per-node 2 tools/bench.py --shape real --full --output bench/results/h200x2.jsonl
     python tools/bench.py --shape tiny --device cpu --height 64 --width 64 ...   (smoke test)
 
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
@@ -14,7 +14,7 @@ project's: `NativeEngine` (trainer/engine/native.py) generates, `Actor` (trainer
 replays and updates through the adapter's `replay_transition`, `WeightSyncer`
 (trainer/weight_sync.py) hands weights over, `ColorScorer` + `compute_advantages` score.
 
-Every figure is one JSON line, printed by rank 0 and appended to --out:
+Every figure is one JSON line, printed by rank 0 and appended to --output:
 
     {"figure": name, "value": v, "unit": u, "device": ..., "world_size": n, "geometry": {...}, ...}
 
@@ -37,10 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-if __package__ in (None, ""):  # run as a script (torchrun tools/bench.py): make `trainer` importable
+if __package__ in (None, ""):  # run as a script (torchrun tools/bench.py): this checkout's trainer and tools
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
+import torch  # noqa: E402
+
+from trainer.cli import tool_parser  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # shapes
@@ -945,39 +947,45 @@ def bench_scorers(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("bench", __doc__)
     p.add_argument("--shape", choices=SHAPES, default="real", help="real: Qwen-Image 20.4 B; tiny: the test model")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--out", type=Path, default=None, help="JSON-lines file the figures are appended to")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="unset: cuda when available")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="unset: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--output", "--out", dest="out", type=Path, default=None,
+                   help="JSON-lines file the figures are appended to")
     p.add_argument("--height", type=int, default=384, help="image height; a multiple of 16 (real) / 8 (tiny)")
-    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--width", type=int, default=384, help="image width")
     p.add_argument("--steps", type=int, default=12, help="denoising steps per image")
     p.add_argument("--trained-steps", type=int, default=3, help="SDE steps drawn from --sde-pool per rollout")
-    p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    p.add_argument("--eta", type=float, default=0.7)
+    p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="SDE step pool")
+    p.add_argument("--eta", type=float, default=0.7, help="SDE noise level")
     p.add_argument("--prompts", type=int, default=4, help="prompts per GPU")
     p.add_argument("--group-size", type=int, default=8, help="candidates per prompt (prompts x group = per GPU)")
     p.add_argument("--text-tokens", type=int, default=128, help="text conditioning length of every prompt")
-    p.add_argument("--max-batch", type=int, default=0, help="engine candidates per DiT forward; 0 = all")
-    p.add_argument("--micro-batch", type=int, default=8, help="replay micro-batch; must divide each update's share")
-    p.add_argument("--num-updates", type=int, default=2, help="--num-updates-per-batch of the recipe")
-    p.add_argument("--lora-rank", type=int, default=64)
-    p.add_argument("--lora-alpha", type=int, default=128)
+    p.add_argument("--engine-batch-size", "--max-batch", dest="max_batch", type=int, default=0,
+                   help="engine candidates per DiT forward; 0 = all")
+    p.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=8,
+                   help="replay micro-batch; must divide each update's share")
+    p.add_argument("--num-updates-per-batch", "--num-updates", dest="num_updates", type=int, default=2,
+                   help="optimizer steps per rollout, as in training")
+    p.add_argument("--lora-rank", type=int, default=64, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=int, default=128, help="LoRA alpha")
     p.add_argument("--no-activation-checkpointing", action="store_true")
-    p.add_argument("--bucket-mb", type=float, default=2048, help="--weight-sync-bucket-size-mb")
+    p.add_argument("--weight-sync-bucket-size-mb", "--bucket-mb", dest="bucket_mb", type=float, default=2048,
+                   help="weight sync bucket size, as in training")
     p.add_argument("--sync-kind", choices=("adapter", "merged"), default="adapter", help="LoRA sync of the step")
     p.add_argument("--full", action="store_true", help="also time full fine-tune replay / update and the full sync")
     p.add_argument("--offload", action="store_true", help="the step offloads actor / engine around each stage")
     p.add_argument("--skip", nargs="+", default=[], choices=SKIPPABLE, metavar="PHASE",
                    help=f"phases to leave out, of {SKIPPABLE} (e.g. offload when host RAM is short); the rollout "
                         "always runs, it feeds the others")
-    p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32],
+                   help="batch sizes of the DiT forward timing")
     p.add_argument("--iters", type=int, default=2, help="timed repetitions after the warm-up")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="MFU denominator; default: the measured dense GEMM throughput")
+                   help="MFU denominator; unset: the measured dense GEMM throughput")
     p.add_argument("--gemm-size", type=int, default=8192, help="size of the GEMM that measures the peak")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     p.add_argument("--num-layers", type=int, default=None,
                    help="DiT blocks of --shape real, at full width (default 60: the whole model); compares "
                         "with a product-path run on a model directory of that depth")
@@ -993,8 +1001,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.iters < 1:
         p.error(f"--iters must be >= 1, got {args.iters}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
-        p.error(f"--micro-batch {args.micro_batch} x --num-updates {args.num_updates} must divide the "
-                f"{args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
+        p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
+                f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
     return args
 
 

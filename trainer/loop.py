@@ -179,10 +179,13 @@ def weights_fingerprint(model: torch.nn.Module) -> float:
 # ----------------------------------------------------------------------------------------------
 # the trainer
 
+#: eval prompts per set whose images go to TensorBoard at each eval (each a row of its candidates)
+EVAL_IMAGE_PROMPTS = 16
+
 class Trainer:
     """Everything one rank holds: the actor, the engine, the scorer, the data order."""
 
-    def __init__(self, cfg: Any, info: Any) -> None:
+    def __init__(self, cfg: Any, info: Any, recipe_name: str = "run") -> None:
         from trainer.actor import Actor, load_in_waves, resolve_dtype
         from trainer.data import PromptDataset, load_eval_sets
         from trainer.distributed import build_mesh
@@ -191,6 +194,8 @@ class Trainer:
         from trainer.weight_sync import WeightSyncer
 
         self.cfg, self.info = cfg, info
+        #: the recipe file's name: names the recipe record and the TensorBoard run
+        self.recipe_name = recipe_name
         self.rank, self.world, self.device = info.rank, info.world_size, info.device
         self.task = cfg.model.generation_task
         self.group_size = int(cfg.rollout.n_samples_per_prompt)
@@ -236,7 +241,7 @@ class Trainer:
                                    name_map=self.adapter.weight_name_map, lora_config=self.actor.lora_config)
 
         tb_dir = cfg.logging.tensorboard_dir or (str(Path(cfg.checkpoint.save) / "tensorboard") if cfg.checkpoint.save else None)
-        self.metrics = MetricsLogger(tb_dir, self.rank)
+        self.metrics = MetricsLogger(tb_dir, self.rank, run_name=recipe_name)
         self.checkpoint_failures = 0
         self.start_rollout = 0
         #: reward component names, as the scorer returned them on the latest rollout
@@ -267,7 +272,7 @@ class Trainer:
         from trainer.artifacts import atomic_write_bytes
 
         cfg = self.cfg
-        name = getattr(self, "recipe_name", "run")
+        name = self.recipe_name
         record = {
             "prompt_data": cfg.rollout.prompt_data,
             "eval_prompt_data": [list(p) for p in cfg.eval.eval_prompt_data or []],
@@ -376,7 +381,7 @@ class Trainer:
             idx = torch.tensor(local_idx, dtype=torch.long)
             from tqdm import tqdm
 
-            with tqdm(desc=f"update {k}", unit="micro-batch", leave=False, disable=self.rank != 0,
+            with tqdm(desc=f"update {k}", unit="micro-batch", leave=False, disable=not self._progress_bars,
                       dynamic_ncols=True) as bar:
                 m.update(self.actor.train_step(out.batch, reward.advantages[idx], self.replay_fn,
                                                reward.valid[idx], progress=bar.update))
@@ -420,6 +425,12 @@ class Trainer:
         self._log_images(k, out, reward)
         return m
 
+    @property
+    def _progress_bars(self) -> bool:
+        """Bars on rank 0 at a terminal only: in a file (train.log, a job's output) every
+        redraw would be one more carriage-return frame; the per-rollout line is the progress."""
+        return self.rank == 0 and sys.stderr.isatty()
+
     def _due(self, k: int, interval: int | None) -> bool:
         last = k == int(self.cfg.rollout.num_rollout) - 1
         return bool(interval) and ((k + 1) % int(interval) == 0 or last)
@@ -448,7 +459,7 @@ class Trainer:
         for r in shown:
             pos = r["group_index"] * self.group_size + r["slot"]
             scores = ", ".join(f"{c}={float(v[pos]):.4f}" for c, v in sorted(reward.components.items()))
-            captions.append(f"g{r['group_index']} s{r['slot']} [{scores}] {r['prompt']}")
+            captions.append(f"g{r['group_index']} s{r['slot']} {scores} | {r['prompt']}")
         self.metrics.log_image_grid(k, "rollout/candidates", [r["image"] for r in shown], captions)
 
     # -- eval and checkpoints --------------------------------------------------------------------
@@ -492,7 +503,30 @@ class Trainer:
             for c, v in comps.items():
                 finite = v[torch.isfinite(v)]
                 out_m[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
+            self._log_eval_images(k, name, out.responses, comps, n)
         return out_m
+
+    def _log_eval_images(self, k: int, set_name: str, responses: list[dict], comps: dict[str, torch.Tensor],
+                         n: int) -> None:
+        """One image per eval prompt, its n candidates side by side with their scores, under the
+        tag eval/<set>/prompt_<index>: the prompt and its seeds are the same at every eval, so
+        TensorBoard's slider on that tag shows the same candidates changing over training. Rank 0
+        logs the prompts whose candidates it generated (the first 1/world of the set, contiguous),
+        at most EVAL_IMAGE_PROMPTS of them."""
+        if self.rank != 0:
+            return
+        by_group: dict[int, list[dict]] = {}
+        for r in responses:
+            by_group.setdefault(int(r["group_index"]), []).append(r)
+        for g in sorted(by_group)[:EVAL_IMAGE_PROMPTS]:
+            shown = sorted(by_group[g], key=lambda r: r["slot"])
+            captions = []
+            for r in shown:
+                pos = g * n + r["slot"]
+                scores = ", ".join(f"{c}={float(v[pos]):.4f}" for c, v in sorted(comps.items()))
+                captions.append(f"s{r['slot']} {scores} | {r['prompt']}")
+            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}", [r["image"] for r in shown], captions,
+                                        cols=len(shown))
 
     def save(self, k: int) -> None:
         """One checkpoint of rollout k; a failed write is counted, never fatal."""
@@ -503,6 +537,8 @@ class Trainer:
             "rollout_id": k,
             "task": self.task,
             "model_adapter_path": cfg.model.model_adapter_path,
+            # what tools/export_checkpoint.py takes as the base when --base-model-path is not given
+            "base_model_path": str(Path(cfg.model.model_path).resolve()),
             "sampling_fingerprint": self.sampling.fingerprint(),
             "checkpoint_failures": self.checkpoint_failures,
             **self.actor.state_dict(),
@@ -527,7 +563,7 @@ class Trainer:
         if self.cfg.colocate.offload_train and not self.actor.offloaded:
             # the engine owns the device from the first rollout on (after any resume sync)
             self.actor.offload()
-        bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=self.rank != 0,
+        bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=not self._progress_bars,
                    dynamic_ncols=True, leave=True)
         history = []
         for k in bar:
@@ -543,6 +579,18 @@ class Trainer:
                 break
         self.metrics.close()
         return {"history": history, "components": self.components, "stopped": self.stop_reason}
+
+
+def silence_known_harmless_warnings() -> None:
+    """FSDP2 warns once per forward that the sharded root transformer "returned a view tensor"
+    (its last linear projection reshapes), because an in-place op on that output would skip the
+    pre-backward all-gather. Here the output is the velocity, which every consumer (dit_velocity,
+    the flow_grpo transition math, CFG) only reads out of place, so for the root transformer
+    classes the warning is noise; for any other module it still shows."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w*Transformer2DModel\) returned a view "
+                            r"tensor", category=UserWarning)
 
 
 def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
@@ -576,6 +624,7 @@ def run(cfg: Any, recipe: str | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    silence_known_harmless_warnings()
     code = 0
     info = None
     try:
@@ -583,10 +632,10 @@ def run(cfg: Any, recipe: str | None = None) -> int:
         if info.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         torch.manual_seed(int(cfg.rollout.rollout_seed) + info.rank)
-        trainer = Trainer(cfg, info)
-        trainer.recipe_name = Path(recipe).stem if recipe else "run"
+        trainer = Trainer(cfg, info, recipe_name=Path(recipe).stem if recipe else "run")
         trainer.maybe_resume()
         record = trainer.write_recipe_record()
+        trainer.metrics.log_run(trainer.start_rollout, trainer.recipe_name, cfg.to_dict())
         result = trainer.fit()
         if info.rank == 0:
             summary = summarize(result["history"], result["components"])

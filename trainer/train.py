@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(format_help())
         return 0
+    if "--version" in argv:
+        from trainer.cli import version
+
+        print(version())
+        return 0
     preflight_only = "--preflight-only" in argv
     argv = [a for a in argv if a != "--preflight-only"]
     rank0 = _is_rank0()
