@@ -38,10 +38,16 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    # A process not started by torchrun runs alone (init_distributed makes a group of one), so
+    # the recipe is checked against 1, not against the world it names; --preflight-only
+    # checks the recipe on its own world.
+    torchrun = world is not None
+    if world is None and not preflight_only:
+        world = 1
     if preflight_only and rank0:
         print(json.dumps(cfg.to_dict(), indent=2))
     try:
-        warnings = validate(cfg, world)
+        warnings = validate(cfg, world, torchrun=torchrun)
     except PreflightError as exc:
         if rank0:
             print(str(exc), file=sys.stderr)
