@@ -12,7 +12,7 @@ Layout (one directory per iteration, i.e. per rollout id):
     <save>/latest_checkpointed_iteration.txt
     <save>/<task>/latest_checkpointed_iteration.txt
 
-The write order is fixed (shards -> RNG -> JSON sidecars -> COMMITTED -> markers) and COMMITTED
+The write order is fixed (shards -> RNG -> JSON sidecars -> COMMITTED -> markers -> rotation) and COMMITTED
 is written only after a MIN all-reduce confirms every rank wrote its part, so a crash at any
 point leaves either a complete checkpoint or one that resume ignores.
 """
