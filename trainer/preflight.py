@@ -615,10 +615,11 @@ def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(f"--ckpt-step {ck.ckpt_step} is not a committed iteration of --load {ck.load}; "
                       f"committed: {committed}")
     save_dir = ck.save if ck.save and Path(ck.save).is_dir() else None
-    earlier = ci.iteration_dirs(save_dir, task) if save_dir else {}
+    # uncommitted directories alone are a crashed first save: nothing to resume or to keep
+    earlier = ci.committed_iterations(save_dir, task) if save_dir else []
     start_over = "or choose a new --save, or delete the earlier run's directories to start over"
-    if save_dir and not ck.load and (earlier or (Path(save_dir) / ci.LATEST).exists()):
-        errors.append(f"--save {ck.save} already holds checkpoints of an earlier run (iterations {sorted(earlier)}) and "
+    if save_dir and not ck.load and earlier:
+        errors.append(f"--save {ck.save} already holds checkpoints of an earlier run (iterations {earlier}) and "
                       f"--load is not set: resume it with --load {ck.save} {start_over}; nothing is overwritten")
     elif save_dir and ck.load and earlier and not _same_dir(save_dir, ck.load):
         errors.append(f"--save {ck.save} holds checkpoints of another run (iterations {sorted(earlier)}) while resuming "
@@ -631,8 +632,9 @@ def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
                           f"iteration {ck.ckpt_step} (nothing is overwritten)")
     tb = tensorboard_dir(cfg)
     if tb and not ck.load and Path(tb).is_dir() and any(Path(tb).glob("events.out.tfevents*")):
-        errors.append(f"TensorBoard directory {tb} already holds an earlier run's events and --load is not set: resume "
-                      f"with --load DIR, or pass another --tensorboard-dir (or delete {tb}) to start over")
+        resume = f"resume with --load {ck.save}, or" if earlier else "its run left no committed checkpoint:"
+        errors.append(f"TensorBoard directory {tb} already holds an earlier run's events and --load is not set: {resume} "
+                      f"pass another --tensorboard-dir (or delete {tb}) to start over")
 
 
 def _check_output_paths(cfg: RunConfig, errors: list[str]) -> None:
