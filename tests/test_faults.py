@@ -139,6 +139,10 @@ def test_a_fresh_run_refuses_an_earlier_runs_outputs(recipe, tmp_path):
     (tb / "events.out.tfevents.1.host").write_bytes(b"")
     msg = _problems([*recipe, *_outputs(tmp_path, "run2")])
     assert f"TensorBoard directory {tb} already holds an earlier run's events" in msg
+    assert "its run left no committed checkpoint" in msg
+    # a first save that crashed left nothing to resume or keep: a fresh start may reuse --save
+    ck.iteration_dir(tmp_path / "run3" / "ckpt", "t2i", 0).mkdir(parents=True)
+    validate(load_config([*recipe, *_outputs(tmp_path, "run3")]), 2)
 
 
 def test_load_must_hold_a_committed_checkpoint(recipe, tmp_path):
@@ -281,35 +285,87 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # an unreaped zombie has exited
 
 
-def test_kill_9_of_the_launcher_takes_the_ranks_down(tmp_path, tiny_model_dir):
-    save = tmp_path / "run" / "ckpt"
+def _torchrun(tmp: Path, model_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "trainer.train", "--config", str(_recipe(tmp_path, tiny_model_dir)),
-           *_outputs(tmp_path), "--num-rollout", "200", "--save-interval", "1"]
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+           "--master-port", str(free_port()), "-m", "trainer.train", "--config", str(_recipe(tmp, model_dir)),
+           *_outputs(tmp), "--save-interval", "1", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for_commit(launcher: subprocess.Popen, save: Path, iteration: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not (ck.iteration_dir(save, "t2i", iteration) / ck.COMMITTED).is_file():
+        assert launcher.poll() is None, f"training ended before checkpoint {iteration}:\n{launcher.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint {iteration} within {timeout} s"
+        time.sleep(0.1)
+
+
+def _wait_dead(pids: list[int], timeout: float) -> float:
+    t0 = time.monotonic()
+    while any(_alive(p) for p in pids) and time.monotonic() - t0 < timeout:
+        time.sleep(0.02)
+    assert not any(_alive(p) for p in pids), "ranks outlived their launcher"
+    return time.monotonic() - t0
+
+
+def test_the_launcher_killed_or_stopped_takes_the_ranks_down(tmp_path, tiny_model_dir):
+    """kill -9 of torchrun's process group after the first commit: both ranks die with it and
+    nothing is committed afterwards; a resume continues after the newest commit, and SIGTERM
+    to its torchrun stops every rank within seconds, the newest checkpoint intact."""
+    save = tmp_path / "run" / "ckpt"
+    launcher = _torchrun(tmp_path, tiny_model_dir, "--num-rollout", "200")
     ranks: list[int] = []
     try:
-        deadline = time.monotonic() + 180
-        while not (ck.iteration_dir(save, "t2i", 0) / ck.COMMITTED).is_file():
-            assert launcher.poll() is None, "training ended before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint within 180 s"
-            time.sleep(0.2)
+        _wait_for_commit(launcher, save, 0)
         ranks = _children(launcher.pid)
         assert len(ranks) == 2
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
-        deadline = time.monotonic() + 5
-        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in ranks), "ranks outlived their launcher"
+        _wait_dead(ranks, 5)
         newest = ck.committed_iterations(save, "t2i")[-1]
         time.sleep(2)
         assert ck.committed_iterations(save, "t2i")[-1] == newest, "a checkpoint was committed after the kill"
+
+        launcher = _torchrun(tmp_path, tiny_model_dir, "--num-rollout", "200", "--load", str(save))
+        _wait_for_commit(launcher, save, newest + 1)
+        ranks = _children(launcher.pid)
+        t0 = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=10)
+        stopped = max(time.monotonic() - t0, _wait_dead(ranks, 5))
+        assert stopped < 5, f"SIGTERM took {stopped:.1f} s"
+        assert f"continuing at rollout {newest + 1}" in launcher.stdout.read()
+        assert newest + 1 in ck.committed_iterations(save, "t2i")
     finally:
         for p in [launcher.pid, *ranks]:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_kill_9_at_each_point_of_a_save_resumes_from_the_last_commit(tmp_path, tiny_model_dir):
+    """A rank SIGKILLed after its shards, after the sidecars, and after COMMITTED but before the
+    markers (one launch each, each resuming the previous): the job goes down, resume always
+    continues after the newest COMMITTED iteration, and the run finishes."""
+    save = tmp_path / "run" / "ckpt"
+    resume: list[str] = []
+    before: list[int] = []
+    for point, it, rank, committed in (("shards", 1, 1, [0]), ("sidecars", 2, 0, [0, 1]),
+                                       ("committed", 3, 0, [0, 1, 2, 3])):
+        proc = _torchrun(tmp_path, tiny_model_dir, "--num-rollout", "5", *resume,
+                         env={ck.KILL_AT_ENV: f"{point}:{it}:{rank}"})
+        out = proc.communicate(timeout=240)[0]
+        assert proc.returncode != 0, f"the kill at {point} did not take the job down:\n{out[-3000:]}"
+        assert ck.committed_iterations(save, "t2i") == committed, point
+        if before:
+            assert f"continuing at rollout {before[-1] + 1}" in out, out[-3000:]
+        resume, before = ["--load", str(save)], committed
+    # the markers lag behind the last COMMITTED, which is what resume trusts
+    assert (save / "t2i" / ck.LATEST).read_text().strip() == "2"
+    proc = _torchrun(tmp_path, tiny_model_dir, "--num-rollout", "5", *resume)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "continuing at rollout 4" in out and ck.committed_iterations(save, "t2i") == [0, 1, 2, 3, 4]
 
 
 # ----------------------------------------------------------------------------------------------

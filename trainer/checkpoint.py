@@ -144,6 +144,18 @@ def optimizer_stateless_params(model: torch.nn.Module, optimizer: torch.optim.Op
     return sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stateful)
 
 
+#: fault injection for the chaos tests: "<point>:<iteration>:<rank>" SIGKILLs that rank at that
+#: point of that save (points: shards, sidecars, committed), as a power cut would
+KILL_AT_ENV = "TRAINER_TEST_KILL_AT"
+
+
+def _kill_point(point: str, iteration: int) -> None:
+    if os.environ.get(KILL_AT_ENV) == f"{point}:{iteration}:{_rank()}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _failing_writer_cls():
     import torch.distributed.checkpoint as dcp
 
@@ -212,6 +224,7 @@ def save_checkpoint(
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
         dcp.save(state, storage_writer=writer_cls(str(out / "fsdp")))
+        _kill_point("shards", iteration)
         torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
     except BaseException as e:  # CheckpointException derives from BaseException
         if isinstance(e, KeyboardInterrupt):
@@ -233,10 +246,12 @@ def save_checkpoint(
             logger.error("CHECKPOINT WRITE FAILED on rank 0 (sidecars) for %s: %r", out, e)
             ok = False
 
+    _kill_point("sidecars", iteration)
     committed = _all_ranks_ok(ok)
     if committed and rank == 0:
         try:
             atomic_write_bytes(out / COMMITTED, f"{iteration}\n".encode())
+            _kill_point("committed", iteration)
             for marker_dir in (Path(save_root), Path(save_root) / task):
                 atomic_write_bytes(marker_dir / LATEST, f"{iteration}\n".encode(), overwrite=True)
         except BaseException as e:  # noqa: BLE001 - a missing marker is still "not committed"
