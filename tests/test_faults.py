@@ -26,6 +26,7 @@ from torch import nn
 
 from tests.workers.fs_faults import read_only
 from tests.workers.launch import ROOT, free_port
+from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
 from trainer import checkpoint as ck
 from trainer import train
 from trainer.config import load_config
@@ -50,27 +51,13 @@ actor-num-gpus-per-node = {ranks}
 generation-task = "t2i"
 model-path = "{model_dir}"
 prompt-data = "{_prompts(tmp / 'train.jsonl')}"
-rollout-batch-size = 2
-n-samples-per-prompt = 4
-micro-batch-size = 2
-num-updates-per-batch = 2
-fsdp-param-dtype = "fp32"
-fsdp-reduce-dtype = "fp32"
-weight-sync-wire-dtype = "fp32"
+{TINY_GEOMETRY}
 eps-clip = 1e-3
 lr = 1e-3
 reward-runtime = "cpu"
 reward-scorer-path = "color"
 num-rollout = 3
-
-[sampling-config]
-height = 32
-width = 32
-num_inference_steps = 4
-eta = 1.0
-sde_type = "sde"
-sde_indices = [1, 2]
-""")
+{TINY_SAMPLING}""")
     return path
 
 
