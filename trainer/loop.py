@@ -143,7 +143,7 @@ def weights_fingerprint(model: torch.nn.Module) -> float:
     return float(all_reduce_sum(total.reshape(1))[0])
 
 
-class StartupError(RuntimeError):
+class RunError(RuntimeError):
     """The run cannot go on for a reason the message fully states (a scorer that cannot be
     built, nothing to resume, a scorer that never answers): printed as one line, no traceback."""
 
@@ -152,7 +152,7 @@ def build_reward_manager(reward: Any, device: Any) -> Any:
     """The configured scorer, built (or, for --reward-runtime remote, probed with a GET) now.
 
     Generic over scorers: whatever --reward-scorer-path names is constructed, and a failure
-    becomes a StartupError naming the flag, the scorer and the constructor's own message (which
+    becomes a RunError naming the flag, the scorer and the constructor's own message (which
     names the missing file)."""
     from trainer.rewards.manager import reward_manager_from_config
 
@@ -164,7 +164,7 @@ def build_reward_manager(reward: Any, device: Any) -> Any:
             manager.components  # noqa: B018 - the GET that proves the endpoint answers
     except Exception as e:  # noqa: BLE001 - any constructor's failure, reported in one line
         detail = " ".join(str(e).split())
-        raise StartupError(f"the reward scorer could not be set up from {where}: {type(e).__name__}: {detail}") from None
+        raise RunError(f"the reward scorer could not be set up from {where}: {type(e).__name__}: {detail}") from None
     return manager
 
 
@@ -271,7 +271,7 @@ class Trainer:
                                 adapter_contract=self.contract, trainable_only=self.actor.mode == "lora",
                                 iteration=self.cfg.checkpoint.ckpt_step)
         if state is None:  # preflight refuses this; the directory changed since
-            raise StartupError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
+            raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
         self.checkpoint_failures = int(state.get("checkpoint_failures", 0))
         # The engine was loaded from --model-path: give it the restored policy under the
@@ -389,7 +389,7 @@ class Trainer:
                       "rollout(s) in a row%s. Check the scorer (--reward-scorer-path / --reward-endpoint)", k,
                       failed, self.failed_rollouts_in_a_row, f", the run stops at {limit}" if limit else "")
         if limit and self.failed_rollouts_in_a_row >= limit:
-            raise StartupError(
+            raise RunError(
                 f"{self.failed_rollouts_in_a_row} consecutive rollouts (up to rollout {k}) in which every group failed "
                 f"to score: the scorer returns no finite reward (--reward-scorer-path {self.cfg.reward.reward_scorer_path}"
                 f", --reward-endpoint {self.cfg.reward.reward_endpoint}); fix it and resume with --load, or raise "
@@ -554,7 +554,7 @@ def run(cfg: Any, recipe: str | None = None) -> int:
             print(json.dumps({"summary": summary, "recipe_record": str(record) if record else None,
                               "tensorboard_dir": str(trainer.metrics.log_dir) if trainer.metrics.log_dir else None,
                               "artifact_root": cfg.artifacts.artifact_root, "save": cfg.checkpoint.save}), flush=True)
-    except (StartupError, CheckpointError, DataError, ModelFilesError) as e:  # the message says it all
+    except (RunError, CheckpointError, DataError, ModelFilesError) as e:  # the message says it all
         rank = info.rank if info is not None else os.environ.get("RANK", "?")
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
         code = 1
