@@ -2,13 +2,17 @@
 file, and none loses a committed checkpoint.
 
 Most cases run in-process (preflight, the checkpoint files); the few that need the real loop
-start one process of the tiny model, and one torchrun launch covers the launcher being killed.
-The checkpoint faults under 2 ranks (rotation through a failed write, a read-only directory,
-no overwrite) share the launch of tests/test_checkpoint.py.
+start one process of the tiny model; two torchrun tests cover the launcher killed (-9) and
+stopped (SIGTERM) and a rank killed at each point of a save. The checkpoint faults under 2
+ranks (rotation through a failed write, a read-only directory, no overwrite) share the launch
+of tests/test_checkpoint.py. A scripted HTTP server plays a misbehaving reward server.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import http.server
 import importlib.machinery
 import json
 import os
@@ -16,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -432,3 +437,78 @@ def test_remote_scores_must_be_finite_numbers():
     got = decode_response(body, 7, "http://scorer").get("color").tolist()
     assert got[0] == 0.5 and got[6] == 2.0
     assert all(v != v for v in got[1:6]), got  # NaN: the image's group fails, counted
+
+
+# ----------------------------------------------------------------------------------------------
+# a misbehaving reward server
+
+
+@contextlib.contextmanager
+def _scripted_server(answers: list[tuple[int, str, bytes]]):
+    """An HTTP server answering each POST with the next (status, content type, body)."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server API
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            status, ctype, body = answers.pop(0)
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _batch(n: int = 2):
+    from trainer.rewards.base import ImageBatch
+
+    return ImageBatch.from_any(torch.rand(n, 3, 4, 4)), ["a red ball"] * n, [{}] * n
+
+
+def test_misbehaving_reward_server_answers_are_clear_errors():
+    from trainer.rewards.base import RewardError
+    from trainer.rewards.remote import RemoteScorer, RewardEndpointError
+
+    answers = [(200, "text/html", b"<html>proxy login</html>"),
+               (200, "application/json", b'{"color": [0.1, 0.2, 0.3]}'),
+               *[(500, "application/json", b'{"error": "scorer crashed"}')] * 2]
+    with _scripted_server(answers) as url:
+        scorer = RemoteScorer(url, timeout_s=5, max_retries=1, backoff_s=0.01)
+        with pytest.raises(RewardEndpointError, match=f"reward endpoint {url} returned a body that is not JSON"):
+            scorer.score(*_batch())
+        with pytest.raises(RewardError, match="returned 3 values for component 'color', expected 2"):
+            scorer.score(*_batch())
+        with pytest.raises(RewardEndpointError, match="failed 2 attempt.*HTTP 500: scorer crashed"):
+            scorer.score(*_batch())
+
+
+def test_a_reward_server_restarted_within_a_second_is_ridden_out_by_the_retry():
+    from tools.reward_server import make_server
+    from trainer.rewards.color import ColorScorer
+    from trainer.rewards.remote import RemoteScorer
+
+    port = free_port()
+    scorer = RemoteScorer(f"http://127.0.0.1:{port}/score", timeout_s=5, max_retries=3, backoff_s=0.4)
+
+    def restart():
+        time.sleep(0.5)
+        server = make_server(ColorScorer(), "127.0.0.1", port, "color")
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    starter = concurrent.futures.ThreadPoolExecutor(1).submit(restart)
+    try:
+        got = scorer.score(*_batch())["color"]
+        assert got.shape == (2,) and torch.isfinite(got).all()
+    finally:
+        starter.result().shutdown()
