@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.workers.launch import ROOT, free_port
+from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
 
 # The reference's Monitoring series (those that exist on CPU: no perf/mem_* without CUDA).
 EXPECTED_SERIES = [
@@ -63,14 +64,8 @@ eval-interval = 2
 n-samples-per-eval-prompt = 2
 eval-reward-scorers = ["jpeg_compressibility"]
 hacking-baseline-rollouts = 1
-rollout-batch-size = 2
-n-samples-per-prompt = 4
-micro-batch-size = 2
-num-updates-per-batch = 2
+{TINY_GEOMETRY}
 fsdp-trainable-mode = "{mode}"
-fsdp-param-dtype = "fp32"
-fsdp-reduce-dtype = "fp32"
-weight-sync-wire-dtype = "fp32"
 {'lora-rank = 4' if lora else ''}
 {'lora-alpha = 8' if lora else ''}
 {'lora-adapter-mode = true' if lora else ''}
@@ -85,14 +80,7 @@ reward-scorer-path = "color"
 save-interval = 1
 artifact-retention-rollouts = 2
 
-[sampling-config]
-height = 32
-width = 32
-num_inference_steps = 4
-eta = 1.0
-sde_type = "sde"
-sde_indices = [1, 2]
-"""
+{TINY_SAMPLING}"""
     path = tmp / f"{mode}.toml"
     path.write_text(text)
     return path

@@ -26,8 +26,8 @@ def base(tmp_path):
     pick.mkdir()
     train = tmp_path / "train.jsonl"
     evalf = tmp_path / "eval.jsonl"
-    train.write_text('{"prompt": "a red panda in a teacup"}\n')
-    evalf.write_text('{"prompt": "a lighthouse at dusk"}\n')
+    train.write_text('{"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
+    evalf.write_text('{"prompt": "a lighthouse at dusk", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
     return [
         "--generation-task", "t2i",
         "--model-path", str(model),

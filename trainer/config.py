@@ -385,7 +385,14 @@ class RewardConfig:
         "components into one advantage; weights must be finite numbers.",
     )
     reward_endpoint: str | None = _flag(
-        None, "HTTP endpoint of a remote scorer; required when --reward-runtime remote."
+        None,
+        "HTTP endpoint of a remote scorer; required when --reward-runtime remote. Probed once "
+        "at start-up, before the model loads.",
+    )
+    reward_max_failed_rollouts: int = _flag(
+        3,
+        "Stop the run (exit 1) after this many consecutive rollouts in which every group "
+        "failed to score, so no update happened; must be >= 0, 0 = never stop.",
     )
     # the VLM judge (--reward-scorer-path vlm_judge): an OpenAI-compatible chat endpoint
     reward_judge_endpoint: str = _flag(
@@ -516,8 +523,15 @@ class CheckpointConfig:
     )
     load: str | None = _flag(
         None,
-        "Resume from this checkpoint directory (usually the same as --save); must exist. "
-        "Unset = start at rollout 0.",
+        "Resume from this checkpoint directory (usually the same as --save); must hold a "
+        "committed checkpoint of --generation-task. Unset = start at rollout 0, which needs a "
+        "--save (and TensorBoard directory) without an earlier run in it.",
+    )
+    ckpt_step: int | None = _flag(
+        None,
+        "Resume from this committed iteration of --load instead of the newest; needs --load. "
+        "When --save is --load and holds newer iterations, pass a new --save (nothing is "
+        "overwritten).",
     )
     save_interval: int | None = _flag(
         None, "Save every N rollouts; must be >= 1 and needs --save."
@@ -528,7 +542,9 @@ class CheckpointConfig:
         "set, which this flag then requires.",
     )
     max_actor_ckpt_to_keep: int | None = _flag(
-        None, "Keep only the newest N committed checkpoints; must be >= 1. Unset = keep all."
+        None,
+        "Keep the newest N committed checkpoints (older ones are removed only after a new one "
+        "is committed); must be >= 1. Unset = keep all.",
     )
     async_save: bool = _flag(
         False, "Has no effect: the checkpoint write is synchronous (warned when set)."

@@ -176,6 +176,40 @@ def weights_fingerprint(model: torch.nn.Module) -> float:
     return float(all_reduce_sum(total.reshape(1))[0])
 
 
+class RunError(RuntimeError):
+    """The run cannot go on for a reason the message fully states (a scorer that cannot be
+    built, nothing to resume, a scorer that never answers): printed as one line, no traceback."""
+
+
+def build_reward_manager(reward: Any, device: Any, held_out: tuple[str, str | None] | None = None) -> Any:
+    """The configured scorer, built (or, for --reward-runtime remote, probed with a GET) now; with
+    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead.
+
+    Generic over scorers: whatever --reward-scorer-path names is constructed, and a failure
+    becomes a RunError naming the flag, the scorer and the constructor's own message (which
+    names the missing file)."""
+    from trainer.rewards.manager import reward_manager_from_config
+
+    remote = reward.reward_runtime == "remote" and held_out is None
+    if held_out is not None:
+        where = f"--eval-reward-scorers entry {held_out[0]}" + (f"={held_out[1]}" if held_out[1] else "")
+    elif remote:
+        where = f"--reward-endpoint {reward.reward_endpoint}"
+    else:
+        where = f"--reward-scorer-path {reward.reward_scorer_path} (--reward-model-path {reward.reward_model_path})"
+    try:
+        if held_out is None:
+            manager = reward_manager_from_config(reward, device)
+        else:
+            manager = reward_manager_from_config(reward, device, scorer_path=held_out[0], model_path=held_out[1])
+        if remote:
+            manager.components  # noqa: B018 - the GET that proves the endpoint answers
+    except Exception as e:  # noqa: BLE001 - any constructor's failure, reported in one line
+        detail = " ".join(str(e).split())
+        raise RunError(f"the reward scorer could not be set up from {where}: {type(e).__name__}: {detail}") from None
+    return manager
+
+
 # ----------------------------------------------------------------------------------------------
 # the trainer
 
@@ -207,6 +241,15 @@ class Trainer:
         self.dataset = PromptDataset.from_jsonl(cfg.rollout.prompt_data, task=self.task)
         self.order = self.dataset.order(self.num_groups, int(cfg.rollout.rollout_seed))
         self.eval_sets = load_eval_sets(cfg.eval.eval_prompt_data, task=self.task) if cfg.eval.eval_prompt_data else {}
+
+        # the scorer before the policy: a scorer directory missing files or a dead endpoint must
+        # cost seconds, not a 57 GB pipeline load and a rollout
+        self.reward_manager = build_reward_manager(cfg.reward, self.device)
+        from trainer.rewards.watch import parse_eval_scorers
+
+        #: the held-out scorers of --eval-reward-scorers, built now for the same reason
+        self.eval_reward_managers = [build_reward_manager(cfg.reward, self.device, held_out=entry)
+                                     for entry in parse_eval_scorers(cfg.reward.eval_reward_scorers)]
 
         # the engine samples in the dtype the actor replays in: a bf16 rollout replayed in fp32
         # differs by ~3e-4 per element, which the 1e-4 clip range would see as policy drift
@@ -243,13 +286,14 @@ class Trainer:
         tb_dir = cfg.logging.tensorboard_dir or (str(Path(cfg.checkpoint.save) / "tensorboard") if cfg.checkpoint.save else None)
         self.metrics = MetricsLogger(tb_dir, self.rank, run_name=recipe_name)
         self.checkpoint_failures = 0
+        #: rollouts in a row in which every group failed to score (no update happened)
+        self.failed_rollouts_in_a_row = 0
         self.start_rollout = 0
         #: reward component names, as the scorer returned them on the latest rollout
         self.components: list[str] = []
-        from trainer.rewards.watch import HackingWatch, WatchSettings, parse_eval_scorers
+        from trainer.rewards.watch import HackingWatch, WatchSettings
 
         self.watch = None if cfg.reward.no_hacking_watch else HackingWatch(WatchSettings.from_config(cfg.reward))
-        self.eval_scorers = parse_eval_scorers(cfg.reward.eval_reward_scorers)
         self.stop_reason: str | None = None
 
     # -- start-up ------------------------------------------------------------------------------
@@ -301,10 +345,10 @@ class Trainer:
         if not load:
             return
         state = load_checkpoint(load, self.task, model=self.actor.model, optimizer=self.actor.optimizer,
-                                adapter_contract=self.contract, trainable_only=self.actor.mode == "lora")
-        if state is None:
-            log.warning("--load %s holds no committed checkpoint for task %s: starting from rollout 0", load, self.task)
-            return
+                                adapter_contract=self.contract, trainable_only=self.actor.mode == "lora",
+                                iteration=self.cfg.checkpoint.ckpt_step)
+        if state is None:  # preflight refuses this; the directory changed since
+            raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
         self.checkpoint_failures = int(state.get("checkpoint_failures", 0))
         # The engine was loaded from --model-path: give it the restored policy under the
@@ -319,7 +363,6 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------
     def step(self, k: int) -> dict[str, float]:
         from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
-        from trainer.rewards.manager import reward_manager_from_config
         from trainer.actor import begin_update, end_update, sync_engine
         from trainer.rollout import generate_rollout
         from trainer.sampling import rollout_generation_seed
@@ -345,7 +388,7 @@ class Trainer:
 
         # 3. reward: score locally, all-gather the small vectors, same advantages on every rank
         with Timer(self.device) as t:
-            manager = reward_manager_from_config(cfg.reward, self.device)
+            manager = self.reward_manager
             local_idx = [g * self.group_size + s for g, s in out.candidates]
             scored = manager.score([r["image"] for r in out.responses], [r["prompt"] for r in out.responses],
                                    [r.get("metadata") or {} for r in out.responses])
@@ -361,6 +404,7 @@ class Trainer:
         m.update(reward.metrics)
         m.update(scored.failure_metrics())
         self.components = sorted(reward.components)
+        self._watch_failed_rollout(k, len(reward.failed_groups))
         if self.watch is not None:  # collective: image statistics gathered like the scores
             from trainer.rewards.watch import rollout_watch_metrics
 
@@ -431,6 +475,26 @@ class Trainer:
         redraw would be one more carriage-return frame; the per-rollout line is the progress."""
         return self.rank == 0 and sys.stderr.isatty()
 
+    def _watch_failed_rollout(self, k: int, failed: int) -> None:
+        """A rollout whose every group failed to score trains nothing: say so loudly, and stop
+        after --reward-max-failed-rollouts of them in a row (every rank computes the same
+        gathered rewards, so all ranks stop together)."""
+        if failed < self.num_groups:
+            self.failed_rollouts_in_a_row = 0
+            return
+        self.failed_rollouts_in_a_row += 1
+        limit = int(self.cfg.reward.reward_max_failed_rollouts)
+        if self.rank == 0:
+            log.error("rollout %d: all %d groups failed to score (no finite reward), so no update happens; %d such "
+                      "rollout(s) in a row%s. Check the scorer (--reward-scorer-path / --reward-endpoint)", k,
+                      failed, self.failed_rollouts_in_a_row, f", the run stops at {limit}" if limit else "")
+        if limit and self.failed_rollouts_in_a_row >= limit:
+            raise RunError(
+                f"{self.failed_rollouts_in_a_row} consecutive rollouts (up to rollout {k}) in which every group failed "
+                f"to score: the scorer returns no finite reward (--reward-scorer-path {self.cfg.reward.reward_scorer_path}"
+                f", --reward-endpoint {self.cfg.reward.reward_endpoint}); fix it and resume with --load, or raise "
+                f"--reward-max-failed-rollouts (0 = never stop)")
+
     def _due(self, k: int, interval: int | None) -> bool:
         last = k == int(self.cfg.rollout.num_rollout) - 1
         return bool(interval) and ((k + 1) % int(interval) == 0 or last)
@@ -467,13 +531,12 @@ class Trainer:
     def evaluate(self, k: int) -> dict[str, float]:
         """Each eval set with the deterministic sde_indices (no per-rollout redraw), so the
         figure is comparable across steps; eval/<name>/<component>_mean."""
-        from trainer.rewards.manager import reward_manager_from_config
         from trainer.rewards.post_process import gather_scores
         from trainer.rollout import generate_rollout
 
         cfg = self.cfg
         n = int(cfg.eval.n_samples_per_eval_prompt)
-        manager = reward_manager_from_config(cfg.reward, self.device)
+        manager = self.reward_manager
         out_m: dict[str, float] = {}
         for name, ds in self.eval_sets.items():
             records = [ds[i] for i in range(len(ds))]
@@ -490,8 +553,7 @@ class Trainer:
             idx = [g * n + s for g, s in out.candidates]
             comps = gather_scores(scored.components, idx, len(records) * n)
             images = [r["image"] for r in out.responses]
-            for scorer, model_path in self.eval_scorers:  # held out: scored here, never trained on
-                held = reward_manager_from_config(cfg.reward, self.device, scorer_path=scorer, model_path=model_path)
+            for held in self.eval_reward_managers:  # held out: scored here, never trained on
                 part = held.score(images, [r["prompt"] for r in out.responses],
                                   [r.get("metadata") or {} for r in out.responses])
                 held_comps = gather_scores(part.components, idx, len(records) * n)
@@ -620,7 +682,10 @@ def run(cfg: Any, recipe: str | None = None) -> int:
     A rank that fails prints its traceback and exits non-zero at once; torchrun then stops the
     other ranks instead of leaving them waiting in a collective.
     """
+    from trainer.checkpoint import CheckpointError
+    from trainer.data import DataError
     from trainer.distributed import init_distributed, shutdown_and_exit
+    from trainer.models.base import ModelFilesError
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -645,6 +710,10 @@ def run(cfg: Any, recipe: str | None = None) -> int:
                               "artifact_root": cfg.artifacts.artifact_root, "save": cfg.checkpoint.save}), flush=True)
         if result["stopped"]:
             code = 3  # the requested rollouts were not all run: let a scheduler see it
+    except (RunError, CheckpointError, DataError, ModelFilesError) as e:  # the message says it all
+        rank = info.rank if info is not None else os.environ.get("RANK", "?")
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        code = 1
     except BaseException:  # noqa: BLE001 - report, then take the whole job down
         rank = info.rank if info is not None else os.environ.get("RANK", "?")
         print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

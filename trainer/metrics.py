@@ -83,6 +83,11 @@ class MetricsLogger:
             if key in metrics and _is_number(metrics[key]):
                 v = float(metrics[key])
                 parts.append(f"{short}={v:.4g}")
+        failed = metrics.get("reward/failed_groups")
+        if _is_number(failed) and float(failed) > 0:
+            # a failed group trains nothing: the line must not look like a healthy step
+            total = float(failed) + float(metrics.get("reward/num_groups", 0) or 0)
+            parts.insert(1, f"FAILED groups={int(failed)}/{int(total)}")
         return " | ".join(parts)
 
     def close(self) -> None:

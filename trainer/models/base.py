@@ -12,6 +12,10 @@ from typing import Any, Protocol, runtime_checkable
 GENERATION_TASKS = ("t2i",)
 
 
+class ModelFilesError(ValueError):
+    """A model directory's files contradict each other; the message names the file to fix."""
+
+
 @runtime_checkable
 class GenerativeModelAdapter(Protocol):
     family: str

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from trainer.engine.base import RolloutRequest
+from trainer.models.base import ModelFilesError
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
 #: DiT uses the same names, so an adapter trained here loads there without a rename
@@ -106,7 +107,17 @@ def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None)
     kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = QwenImageTransformer2DModel.from_pretrained(str(path), **kwargs)
+    model, info = QwenImageTransformer2DModel.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    # diffusers leaves weights the files lack on the meta device and only warns; the first use
+    # then fails with "Cannot copy out of meta tensor", which names nothing
+    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
+        ("missing_keys", "weights the config needs are absent from the files"),
+        ("unexpected_keys", "weights in the files have no place in the config"),
+        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
+    if problems:
+        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
+                         f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
+                         "saved with these weights (or the weights of this config)")
     return model.eval()
 
 
