@@ -28,12 +28,8 @@ if ! $PY -c "import diffusers" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; the
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export MODEL=$WORK/qwen-image PICKSCORE=$WORK/pickscore DATA=$WORK/data RUNS=$WORK/runs
-# run.sh trains in the machine's own Python environment (nothing to install, no network):
-# VENV names it, and its stamp says it is set up
-if [[ -z ${VENV:-} ]]; then
-  export VENV; VENV=$($PY -c 'import sys; print(sys.prefix)')
-  echo "$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS:-test,ocr}" > "$VENV/.setup-stamp"
-fi
+# run.sh trains in the machine's own Python environment (nothing to install, no network)
+export USE_CURRENT_ENV=${USE_CURRENT_ENV:-1} PYTHON=$PY
 
 if [[ $SHAPE == real ]]; then
   GEOM=(--micro-batch-size 8)
