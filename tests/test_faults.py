@@ -235,7 +235,8 @@ def test_the_scorer_is_built_before_the_policy_loads(tmp_path):
     proc, _ = _run_one([*base, "--reward-scorer-path", "pickscore", "--reward-model-path", str(pick)])
     line = _one_error_line(proc.stderr)
     assert proc.returncode == 1
-    assert f"PickScoreScorer (--reward-model-path {pick})" in line and "no CLIP processor" in line
+    assert f"PickScoreScorer (--reward-model-path {pick})" in line
+    assert f"--reward-model-path={pick} is missing model.safetensors" in line  # names the missing file
     port = free_port()
     proc, _ = _run_one([*base, "--reward-runtime", "remote", "--reward-endpoint", f"http://127.0.0.1:{port}/score"])
     line = _one_error_line(proc.stderr)

@@ -539,6 +539,58 @@ def _check_reward(cfg: RunConfig, errors: list[str]) -> None:
                 f"--reward-required-components {comp!r} has no --reward-component-weights entry; add "
                 f'{{"{comp}": 1.0}}'
             )
+    _check_judge_and_watch(cfg, errors)
+
+
+def _check_judge_and_watch(cfg: RunConfig, errors: list[str]) -> None:
+    """The VLM judge's limits, the held-out eval scorers and the reward-hacking watch's thresholds:
+    all knowable before anything loads."""
+    import re
+
+    rw = cfg.reward
+    if rw.reward_judge_score_max <= rw.reward_judge_score_min:
+        errors.append(f"--reward-judge-score-max ({rw.reward_judge_score_max}) must exceed --reward-judge-score-min "
+                      f"({rw.reward_judge_score_min})")
+    for flag, value in (("--reward-judge-max-concurrency", rw.reward_judge_max_concurrency),
+                        ("--reward-judge-max-tokens", rw.reward_judge_max_tokens),
+                        ("--hacking-baseline-rollouts", rw.hacking_baseline_rollouts),
+                        ("--hacking-patience", rw.hacking_patience)):
+        _positive_int(flag, value, errors)
+    _positive_int("--reward-judge-max-retries", rw.reward_judge_max_retries, errors, minimum=0)
+    for flag, value in (("--reward-judge-timeout-s", rw.reward_judge_timeout_s),
+                        ("--hacking-reward-rise", rw.hacking_reward_rise),
+                        ("--hacking-stat-threshold", rw.hacking_stat_threshold),
+                        ("--hacking-heldout-drop", rw.hacking_heldout_drop)):
+        if not (math.isfinite(value) and value > 0):
+            errors.append(f"{flag} must be a number > 0, got {value}")
+    try:
+        if re.compile(rw.reward_judge_score_regex).groups < 1:
+            errors.append(f"--reward-judge-score-regex {rw.reward_judge_score_regex!r} needs a group: its first group "
+                          f"is the score, e.g. '(-?\\d+(?:\\.\\d+)?)'")
+    except re.error as e:
+        errors.append(f"--reward-judge-score-regex {rw.reward_judge_score_regex!r} is not a regular expression: {e}")
+    if "{prompt}" not in rw.reward_judge_prompt_template and resolve_scorer_path(rw.reward_scorer_path) == \
+            resolve_scorer_path("vlm_judge"):
+        errors.append("--reward-judge-prompt-template has no {prompt} placeholder: the judge would never see the "
+                      "prompt it grades")
+    if not rw.eval_reward_scorers:
+        return
+    if not cfg.eval.eval_prompt_data:
+        errors.append("--eval-reward-scorers scores the eval sets only: it needs --eval-prompt-data NAME FILE")
+    from trainer.rewards.watch import parse_eval_scorers
+
+    try:
+        entries = parse_eval_scorers(rw.eval_reward_scorers)
+    except ValueError as e:
+        errors.append(str(e))
+        return
+    for name, model_path in entries:
+        scorer = resolve_scorer_path(name)
+        _check_dotpath(f"--eval-reward-scorers entry {name!r}", scorer, errors)
+        if scorer in SCORERS_NEEDING_MODEL and not model_path:
+            errors.append(f"--eval-reward-scorers entry {name!r} needs its model directory: '{name}=/local/model/dir'")
+        if model_path:
+            _need_existing(f"--eval-reward-scorers entry {name!r}", model_path, "dir", errors, required=True)
 
 
 def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
