@@ -222,6 +222,22 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+def test_held_out_eval_scorers_are_built_at_start_up_too(tmp_path):
+    """--eval-reward-scorers entries are constructed with the trained scorer, before the policy
+    loads: a partial directory fails the start, naming the entry and the missing file."""
+    from trainer.config import load_config
+    from trainer.loop import RunError, build_reward_manager
+
+    partial = tmp_path / "aesthetic"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    cfg = load_config(["--reward-scorer-path", "jpeg_compressibility"])
+    with pytest.raises(RunError, match=rf"--eval-reward-scorers entry aesthetic={partial}.*is missing"):
+        build_reward_manager(cfg.reward, "cpu", held_out=("aesthetic", str(partial)))
+    held = build_reward_manager(cfg.reward, "cpu", held_out=("jpeg_compressibility", None))
+    assert "jpeg_compressibility" in held.components
+
+
 def test_the_scorer_is_built_before_the_policy_loads(tmp_path):
     # a model directory with every subfolder but no weights: loading it would fail, so a
     # scorer error proves the scorer came first
