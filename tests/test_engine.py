@@ -9,7 +9,8 @@ from trainer.engine.base import RolloutEngine, WeightSyncError
 from trainer.engine.native import NativeEngine
 from trainer.models.qwen_image import QwenImageAdapter, dit_velocity, img_shapes_for, select_candidates
 from trainer.sampling import parse_sampling_config
-from trainer.weight_sync import build_manifest, weights_checksum
+from trainer.core.checksum import weights_checksum
+from trainer.core.manifest import build_manifest
 
 SAMPLING = {"height": 64, "width": 64, "num_inference_steps": 6, "eta": 0.7, "sde_type": "sde",
             "sde_indices": [1, 2, 4]}

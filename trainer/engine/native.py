@@ -40,6 +40,11 @@ from typing import Any, Iterable
 
 import torch
 
+from trainer.core.checksum import weights_checksum
+from trainer.core.dtypes import engine_dtype
+from trainer.core.manifest import build_manifest, verify_manifest
+from trainer.core.modules import ModuleTreeSnapshot, model_has_lora
+from trainer.core.names import strip_wrapper_segments
 from trainer.host_arena import HostArena, typed_view
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  check_names_shapes, check_request, rollout_response)
@@ -57,25 +62,6 @@ from trainer.models.qwen_image import (
 )
 
 log = logging.getLogger(__name__)
-
-#: tags of release_memory / resume_memory -> engine modules ("weights" is the DiT, as in SGLang)
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """A torch dtype from a dtype, a name ("bf16", "fp32", ...) or None (fp32 on CPU, where bf16
-    is ~2x slower; bf16 on CUDA)."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unknown engine dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
-
 
 def _resolve_device(device) -> torch.device:
     """torch.device(device), or cuda when available else cpu for None."""
@@ -126,7 +112,7 @@ class NativeEngine(EngineMemoryState):
 
         path = check_model_dir(model_path, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
         dev = _resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
+        dt = engine_dtype(dtype, dev)
         scheduler_config = load_scheduler_config(str(path))
         # each module goes to the device as soon as it is loaded: host memory holds one at a time
         transformer = load_qwen_image_transformer(path, dtype=dt).to(dev)
@@ -151,7 +137,7 @@ class NativeEngine(EngineMemoryState):
         engine = cls.__new__(cls)
         dev = _resolve_device(device)
         engine._set_up(transformer, vae, text_encoder, tokenizer, dict(scheduler_config), device=dev,
-                       dtype=resolve_dtype(dtype, dev), max_batch_size=max_batch_size,
+                       dtype=engine_dtype(dtype, dev), max_batch_size=max_batch_size,
                        max_sequence_length=max_sequence_length, cast=True)
         engine.model_path = "<in-memory modules>"
         engine.revision = None
@@ -352,8 +338,6 @@ class NativeEngine(EngineMemoryState):
         name is known and every shape matches. Raises WeightSyncError naming the problem. The
         copy is one multi-tensor copy (dtype/device conversion included); the sent tensors are
         only read."""
-        from trainer.weight_sync import verify_manifest
-
         self._require_resident(("transformer",), "update_weights_from_tensors", WeightSyncError)
         index = self._weight_index(manifest.version)
         params = index.params
@@ -374,8 +358,6 @@ class NativeEngine(EngineMemoryState):
         ("transformer_blocks.0.attn.to_q.lora_A.weight"); every LoRA tensor of the engine must be
         sent, with matching shapes. lora_config: rank (or r), alpha (or lora_alpha),
         target_modules (default: the adapter's eight attention projections)."""
-        from trainer.weight_sync import verify_manifest
-
         self._require_resident(("transformer",), "set_lora_tensors", WeightSyncError)
         verify_manifest(named_tensors, manifest)
         cfg = _normalize_lora_config(lora_config)
@@ -423,8 +405,6 @@ class NativeEngine(EngineMemoryState):
         the LoRA config used."""
         from safetensors.torch import load_file
 
-        from trainer.weight_sync import build_manifest, strip_wrapper_segments
-
         d = Path(path)
         cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
         if not cfg_file.is_file() or not weights.is_file():
@@ -449,12 +429,10 @@ class NativeEngine(EngineMemoryState):
         return dict(self._lora_config)  # normalised, as installed
 
     def get_weights_checksum(self) -> str:
-        """weight_sync.weights_checksum over the DiT's parameters (diffusers names, wrapper
+        """core.checksum.weights_checksum over the DiT's parameters (diffusers names, wrapper
         segments stripped): the weights the engine samples with. Reads each parameter's bits once
         on the device; one host transfer. The parameter index is re-checked against the DiT's
         structure first (_weight_index)."""
-        from trainer.weight_sync import weights_checksum
-
         self._require_resident(("transformer",), "get_weights_checksum")
         return weights_checksum(self._weight_index(None).params.items())
 
@@ -501,8 +479,6 @@ class _WeightIndex:
     __slots__ = ("structure", "params", "holds_lora", "lora_params", "lora_names_checked", "version")
 
     def __init__(self, transformer: torch.nn.Module) -> None:
-        from trainer.weight_sync import ModuleTreeSnapshot, model_has_lora, strip_wrapper_segments
-
         self.structure = ModuleTreeSnapshot(transformer)
         #: stripped diffusers name -> parameter
         self.params = {strip_wrapper_segments(n): p for n, p in transformer.named_parameters()}

@@ -42,6 +42,15 @@ class GenerativeModelAdapter(Protocol):
         """Log-prob [B] (fp32) of the recorded transition of trained-step column `step`,
         recomputed through `transformer` with the same math the sampler used."""
 
+    def replay_transitions(self, transformer: Any, batch: dict[str, Any], sampling: Any) -> Any:
+        """Log-probs [B, S] (fp32) of every trained-step column at once (what the update calls);
+        equal to S replay_transition calls up to batch-size-dependent rounding."""
+
+    def never_trained_param_names(self, model: Any) -> list[str]:
+        """Parameters (wrapper-free model names) of the train model whose output the family
+        discards, so they can never receive a gradient; the actor freezes exactly these. [] when
+        there are none."""
+
     def artifact_tracks(self) -> tuple[str, ...]:
         """Media tracks a rollout produces (e.g. ("image",))."""
 

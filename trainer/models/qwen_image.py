@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
 from trainer.models.base import ModelFilesError
 
@@ -44,6 +45,9 @@ QWEN_IMAGE_LORA_TARGETS = (
     "attn.add_v_proj",
     "attn.to_add_out",
 )
+
+#: parameter-path prefixes, inside the last dual-stream block, that only produce discarded text outputs
+_DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
 
 #: response keys a rollout must carry for the actor to replay it
 REQUIRED_RESPONSE_KEYS = (
@@ -119,6 +123,42 @@ def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None)
                          f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
                          "saved with these weights (or the weights of this config)")
     return model.eval()
+
+
+def never_trained_param_names(model: torch.nn.Module) -> list[str]:
+    """Parameters (model names) whose output is discarded, so they can never receive a gradient.
+
+    Qwen-Image style dual-stream DiTs drop the text stream after the LAST block, so in that block
+    everything that only shapes text-token OUTPUTS feeds nothing: the text queries
+    (`attn.add_q_proj`, `attn.norm_added_q`; text keys/values still reach the image tokens), the
+    text-output projection `attn.to_add_out` and the text MLP `txt_mlp`. Left trainable,
+    AdamW keeps no state for them (grad is None), which breaks a plain DCP load of model+optimizer
+    ("Missing key ... to_add_out.weight.step") and misreports what is trained. We freeze them
+    deliberately; _assert_trainable_boundary checks exactly this set is frozen (LoRA tensors on
+    these modules included). A model without that structure returns []. Called before any wrapping (the actor's
+    build step 2) and on a meta-device model (tools/export_checkpoint.py).
+    """
+    blocks = getattr(model, "transformer_blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        return []
+    last = blocks[len(blocks) - 1]
+    inner = getattr(last, "_checkpoint_wrapped_module", last)
+    if not (hasattr(inner, "txt_mlp") and hasattr(getattr(inner, "attn", None), "to_add_out")):
+        return []
+    prefix = None
+    for name, module in model.named_modules():
+        if module is last:
+            prefix = model_name(name)
+            break
+    assert prefix is not None
+    dead = []
+    for name, _ in model.named_parameters():
+        mname = model_name(name)
+        if mname.startswith(prefix + "."):
+            rest = mname[len(prefix) + 1:]
+            if rest.startswith(_DEAD_IN_LAST_BLOCK):
+                dead.append(mname)
+    return dead
 
 
 def vae_scale_factor_from_config(vae_config: dict) -> int:
@@ -505,12 +545,14 @@ class QwenImageAdapter:
     def artifact_tracks(self) -> tuple[str, ...]:
         return ("image",)
 
+    def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
+        """The last block's text-output parameters (module function never_trained_param_names)."""
+        return never_trained_param_names(model)
+
     def weight_name_map(self, name: str) -> str:
         """Training-side parameter name -> engine name. The actor's names are already diffusers
-        names once wrapper segments are stripped (weight_sync.strip_wrapper_segments), so
+        names once wrapper segments are stripped (core.names.strip_wrapper_segments), so
         this also strips them, idempotently."""
-        from trainer.weight_sync import strip_wrapper_segments
-
         return strip_wrapper_segments(name)
 
 
