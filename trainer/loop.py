@@ -265,7 +265,7 @@ class Trainer:
             self.engine = load_in_waves(
                 lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
                                    max_batch_size=int(cfg.rollout.engine_batch_size or 0),
-                                   revision=cfg.model.model_revision),
+                                   revision=cfg.model.model_revision, adapter=self.adapter),
                 int(cfg.fsdp.fsdp_load_wave_size or 0), engine_waves)
         self._record_load("engine", t, engine_waves)
 

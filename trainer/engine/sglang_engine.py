@@ -52,7 +52,7 @@ from trainer.core.manifest import verify_manifest
 from trainer.core.names import strip_wrapper_segments
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  check_names_shapes, check_request, rollout_response)
-from trainer.engine.native import _geometry_key, _normalize_lora_config, prompt_template_start_idx
+from trainer.engine.native import _geometry_key, _normalize_lora_config
 
 log = logging.getLogger(__name__)
 
@@ -217,14 +217,17 @@ class SGLangEngine(EngineMemoryState):
     (0: every candidate of a geometry in one request)."""
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
-                 max_sequence_length: int = 512, revision: str | None = None):
+                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None):
+        # adapter: accepted like NativeEngine's; this bridge serves Qwen-Image only, through
+        # SGLang's own Qwen-Image pipeline, so it has nothing to ask of it
+        del adapter
         check_sglang_contract()
         from safetensors import safe_open
         from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks, load_plugins
         from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
 
         from trainer.engine import sglang_plugin
-        from trainer.models.qwen_image import check_model_dir, vae_scale_factor_from_config
+        from trainer.models.qwen_image import check_model_dir, prompt_template_start_idx, vae_scale_factor_from_config
         from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
@@ -550,7 +553,9 @@ class SGLangEngine(EngineMemoryState):
         the engine dtype) for the checksum."""
         self._require_resident(("transformer",), "set_lora_tensors", WeightSyncError)
         verify_manifest(named_tensors, manifest)
-        cfg = _normalize_lora_config(lora_config)
+        from trainer.models.qwen_image import QWEN_IMAGE_LORA_TARGETS  # SGLang's bridge serves Qwen-Image only
+
+        cfg = _normalize_lora_config(lora_config, QWEN_IMAGE_LORA_TARGETS)
         if self._lora_config is not None and cfg != self._lora_config:
             raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
                                   f"({self._lora_config}); rank, alpha and targets cannot change within a run")

@@ -161,6 +161,20 @@ def never_trained_param_names(model: torch.nn.Module) -> list[str]:
     return dead
 
 
+def prompt_template_start_idx(tokenizer, template: str) -> int:
+    """Number of tokens of the prompt template's prefix (the system turn), which encode_prompt
+    drops from the text encoder's output. Computed from the tokenizer because it depends on it
+    (34 for the real Qwen-Image tokenizer; longer for the tiny byte-level one) and
+    save_pretrained does not store it."""
+    prefix = template.split("{}")[0]
+    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    probe = tokenizer(template.format("a photo"), add_special_tokens=False)["input_ids"]
+    if probe[:len(ids)] != ids:
+        raise ValueError("the tokenizer merges the prompt template's prefix with the prompt, so the prefix "
+                         "cannot be dropped by position; the tokenizer/ of --model-path is not a Qwen2 one")
+    return len(ids)
+
+
 def vae_scale_factor_from_config(vae_config: dict) -> int:
     """Spatial compression of a Qwen-Image VAE: 2 ** len(temperal_downsample) (8 for the real
     model, 4 for the tiny test model) -- the same rule QwenImagePipeline uses."""
@@ -336,6 +350,89 @@ class QwenImageAdapter:
         model = load_qwen_image_transformer(model_path, dtype=dtype)
         self.vae_scale_factor = read_vae_scale_factor(model_path)
         return model
+
+    # -- the engine's side -----------------------------------------------------------------
+    # What a generic engine (engine/native.py) asks of the family: its frozen modules, prompt
+    # encoding, the latent layout, the velocity call and the decode. The SDE math is shared.
+
+    #: the model directory's subfolders the engine loads
+    rollout_subfolders = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+
+    def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+        """transformer, vae, text_encoder, tokenizer and scheduler_config from a local diffusers
+        directory, each module moved to `device` as soon as it is loaded (host memory holds one at
+        a time)."""
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        from trainer.sampling import load_scheduler_config
+
+        path = check_model_dir(model_path, self.rollout_subfolders)
+        return {
+            "scheduler_config": load_scheduler_config(str(path)),
+            "transformer": load_qwen_image_transformer(path, dtype=dtype).to(device),
+            "vae": AutoencoderKLQwenImage.from_pretrained(str(path), subfolder="vae", dtype=dtype,
+                                                          local_files_only=True).to(device),
+            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                str(path / "text_encoder"), dtype=dtype, local_files_only=True).to(device),
+            "tokenizer": Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
+            "path": path,
+        }
+
+    def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
+        """encode(prompts, device, max_sequence_length) -> (embeds [B, T, D], mask [B, T] or None),
+        as QwenImagePipeline.encode_prompt does it (template, prefix drop, 512 window). The
+        pipeline object only lends that; it shares the modules, so nothing is loaded twice."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+        pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(scheduler_config),
+                                 vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+        pipe.prompt_template_encode_start_idx = prompt_template_start_idx(tokenizer, pipe.prompt_template_encode)
+
+        def encode(prompts: list[str], device: torch.device, max_sequence_length: int):
+            return pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=max_sequence_length)
+
+        return encode
+
+    def latent_geometry(self, vae) -> tuple[int, int]:
+        """(vae_scale_factor, latent channels) of the engine's VAE."""
+        return vae_scale_factor_from_config(vae.config), int(vae.config.z_dim)
+
+    def initial_latents(self, x_t: torch.Tensor, transformer, height: int, width: int,
+                        vae_scale_factor: int) -> torch.Tensor:
+        """Unpacked x_T [B, C, h, w] -> the DiT's packed input [B, L, 4C], after checking the shape
+        fits height x width on this transformer (a wrong init_noise_latent_shape names itself)."""
+        rows, cols = packed_grid(height, width, vae_scale_factor)
+        shape = list(x_t.shape[1:])
+        in_ch = transformer.config.in_channels
+        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != in_ch:
+            raise ValueError(
+                f"x_T shape {shape} does not fit {height}x{width} on this model (expected "
+                f"[{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
+                "init_noise_latent_shape or height/width")
+        return pack_latents(x_t)
+
+    def pad_text(self, embeds, masks):
+        """Per-prompt conditioning -> one zero-padded batch with its mask (module function pad_text)."""
+        return pad_text(embeds, masks)
+
+    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                 height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+        """The DiT's velocity for packed latents x [B, L, C] at timesteps t [B] (dit_velocity, the
+        call replay makes too)."""
+        return dit_velocity(transformer, x, t, embeds, mask,
+                            img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor))
+
+    def decode(self, vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+        """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
+        QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
+        rows, cols = packed_grid(height, width, vae_scale_factor)
+        z = unpack_latents(packed, rows, cols).unsqueeze(2).to(vae.dtype)
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
+        image = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
 
     # -- rollout --------------------------------------------------------------------------
 
