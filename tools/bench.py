@@ -1038,9 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
             "sde_pool": list(args.sde_pool)})
         sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
-        pipe = engine._pipe
-        prompts = make_prompts(args.prompts, engine.tokenizer, pipe.prompt_template_encode,
-                               pipe.prompt_template_encode_start_idx, args.text_tokens)
+        encoder = engine.prompt_encoder
+        prompts = make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
+                               args.text_tokens)
         text_tokens = int(engine.encode_prompt(prompts[0])[0].shape[0])
         dit_cfg = dict(engine.transformer.config)
         image_tokens = image_tokens_for(args.height, args.width, engine.vae_scale_factor,

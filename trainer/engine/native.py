@@ -140,8 +140,9 @@ class NativeEngine(EngineMemoryState):
         for module in (self.transformer, self.vae, self.text_encoder):
             module.requires_grad_(False)
 
-        self._encode = self.adapter.prompt_encoder(self.transformer, self.vae, self.text_encoder, self.tokenizer,
-                                                   self.scheduler_config)
+        #: the family's encode(prompts, device, max_sequence_length) (the adapter's prompt_encoder)
+        self.prompt_encoder = self.adapter.prompt_encoder(self.transformer, self.vae, self.text_encoder, self.tokenizer,
+                                                         self.scheduler_config)
         self.vae_scale_factor, self.latent_channels = self.adapter.latent_geometry(self.vae)
         self.num_train_timesteps = int(self.scheduler_config.get("num_train_timesteps", 1000))
         self.policy_version = 0
@@ -165,7 +166,7 @@ class NativeEngine(EngineMemoryState):
     @torch.no_grad()
     def encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt_embeds [T, D] in the engine dtype, mask [T] int64) of one prompt, on the device."""
-        embeds, mask = self._encode([prompt], self.device, self.max_sequence_length)
+        embeds, mask = self.prompt_encoder([prompt], self.device, self.max_sequence_length)
         embeds = embeds[0].to(self.dtype)
         mask = torch.ones(embeds.shape[0], dtype=torch.int64, device=self.device) if mask is None \
             else mask[0].to(torch.int64)

@@ -382,7 +382,9 @@ class QwenImageAdapter:
     def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
         """encode(prompts, device, max_sequence_length) -> (embeds [B, T, D], mask [B, T] or None),
         as QwenImagePipeline.encode_prompt does it (template, prefix drop, 512 window). The
-        pipeline object only lends that; it shares the modules, so nothing is loaded twice."""
+        pipeline object only lends that; it shares the modules, so nothing is loaded twice.
+        The callable also carries `template` and `template_start_idx` (tools/bench.py sizes its
+        prompts with them)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
         pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(scheduler_config),
@@ -392,6 +394,8 @@ class QwenImageAdapter:
         def encode(prompts: list[str], device: torch.device, max_sequence_length: int):
             return pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=max_sequence_length)
 
+        encode.template = pipe.prompt_template_encode
+        encode.template_start_idx = pipe.prompt_template_encode_start_idx
         return encode
 
     def latent_geometry(self, vae) -> tuple[int, int]:
