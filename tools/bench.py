@@ -450,7 +450,7 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
     reshard_after_forward / activation_checkpointing (None: as the args say) /
     activation_checkpointing_every: the replay variants (--replay-variants)."""
     from trainer.actor import Actor, build_train_model
-    from trainer.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
+    from trainer.models.qwen_image import QwenImageAdapter
 
     cfg = actor_cfg(args, mode)
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
@@ -458,7 +458,7 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
     model = build_transformer(args.shape, device, dtype, seed=args.seed)
     model, lora_config, never_trained = build_train_model(
-        model, mesh, cfg.fsdp, cfg.lora, default_lora_targets=QWEN_IMAGE_LORA_TARGETS,
+        model, mesh, cfg.fsdp, cfg.lora, adapter=QwenImageAdapter(),
         activation_checkpointing_every=activation_checkpointing_every)
     return Actor(model, mesh, cfg, device=device, built=True, lora_config=lora_config, never_trained=never_trained)
 
@@ -662,7 +662,7 @@ def phase_checksum(c: Ctx) -> None:
     """checksum_s: weights_checksum over the engine DiT's parameters (what a verified full / merged
     sync computes on each side), by itself; checksum_alt_s: the same with column_sums_wide, whose
     digest must be equal (same_digest says whether it is, on this device)."""
-    from trainer.weight_sync import column_sums, column_sums_wide, weights_checksum
+    from trainer.core.checksum import column_sums, column_sums_wide, weights_checksum
 
     params = list(c.engine.transformer.named_parameters())
     gb = sum(p.numel() * p.element_size() for _, p in params) / 1e9
@@ -1038,9 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
             "sde_pool": list(args.sde_pool)})
         sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
-        pipe = engine._pipe
-        prompts = make_prompts(args.prompts, engine.tokenizer, pipe.prompt_template_encode,
-                               pipe.prompt_template_encode_start_idx, args.text_tokens)
+        encoder = engine.prompt_encoder
+        prompts = make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
+                               args.text_tokens)
         text_tokens = int(engine.encode_prompt(prompts[0])[0].shape[0])
         dit_cfg = dict(engine.transformer.config)
         image_tokens = image_tokens_for(args.height, args.width, engine.vae_scale_factor,

@@ -53,8 +53,10 @@ if __package__ in (None, ""):  # run as a script: make `trainer` importable
 
 from trainer.cli import existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
-from trainer.actor import DTYPES, is_lora_name, never_trained_param_names  # noqa: E402
-from trainer.weight_sync import merge_lora, strip_wrapper_segments  # noqa: E402
+from trainer.core.dtypes import DTYPES  # noqa: E402
+from trainer.core.names import is_lora_name, strip_wrapper_segments  # noqa: E402
+from trainer.models.qwen_image import never_trained_param_names  # noqa: E402
+from trainer.weight_sync import merge_lora  # noqa: E402
 
 log = logging.getLogger("export_checkpoint")
 
@@ -414,7 +416,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
 
 def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str]) -> list[str]:
     """Base transformer weights a full fine-tune checkpoint lacks, checked to be exactly ones the
-    trainer freezes as never trained (trainer.actor.never_trained_param_names on the base's
+    trainer freezes as never trained (trainer.models.qwen_image.never_trained_param_names on the base's
     architecture): those equal the base. Any other gap means a damaged checkpoint or the wrong base."""
     missing = sorted(n for n in located if n not in ckpt.tensors)
     if not missing:

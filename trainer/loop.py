@@ -151,13 +151,13 @@ def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
     """replay_fn(model, rows) -> logp [b, S]: every trained-step column of `rows` replayed
     through `model` with the adapter's own replay (the same math the sampler used).
 
-    one_forward: all S columns in one forward of b * S rows when the adapter offers
-    `replay_transitions` (fewer kernel launches; see there), else one forward per column."""
-    batched = getattr(adapter, "replay_transitions", None) if one_forward else None
+    one_forward: all S columns in one forward of b * S rows (the adapter's `replay_transitions`:
+    fewer kernel launches), else one forward per column (`replay_transition`, the reference the
+    tests compare it with)."""
 
     def replay(model: torch.nn.Module, rows: dict[str, Any]) -> torch.Tensor:
-        if batched is not None:
-            return batched(model, rows, sampling)
+        if one_forward:
+            return adapter.replay_transitions(model, rows, sampling)
         num_steps = int(rows["latents"].shape[1])
         return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(num_steps)], dim=1)
 
@@ -220,7 +220,8 @@ class Trainer:
     """Everything one rank holds: the actor, the engine, the scorer, the data order."""
 
     def __init__(self, cfg: Any, info: Any, recipe_name: str = "run") -> None:
-        from trainer.actor import Actor, load_in_waves, resolve_dtype
+        from trainer.actor import Actor, load_in_waves
+        from trainer.core.dtypes import resolve_dtype
         from trainer.data import PromptDataset, load_eval_sets
         from trainer.distributed import build_mesh
         from trainer.metrics import MetricsLogger
@@ -264,7 +265,7 @@ class Trainer:
             self.engine = load_in_waves(
                 lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
                                    max_batch_size=int(cfg.rollout.engine_batch_size or 0),
-                                   revision=cfg.model.model_revision),
+                                   revision=cfg.model.model_revision, adapter=self.adapter),
                 int(cfg.fsdp.fsdp_load_wave_size or 0), engine_waves)
         self._record_load("engine", t, engine_waves)
 
@@ -363,7 +364,7 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------
     def step(self, k: int) -> dict[str, float]:
         from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
-        from trainer.actor import begin_update, end_update, sync_engine
+        from trainer.colocation import begin_update, end_update, sync_engine
         from trainer.rollout import generate_rollout
         from trainer.sampling import rollout_generation_seed
 
