@@ -130,7 +130,7 @@ def test_replay_through_peft_wrapped_transformer(engine, adapter, sampling, tiny
     torch.testing.assert_close(logp.detach(), batch["log_probs"][:, 1], atol=1e-5, rtol=0)
     logp.sum().backward()  # differentiable through the adapter
     # lora_B gets a gradient everywhere except the last block's text queries and text output
-    # projection, whose text-stream outputs Qwen-Image discards (NOTES.md)
+    # projection, whose text-stream outputs Qwen-Image discards
     grads = {n: p.grad for n, p in actor.named_parameters() if "lora_B" in n}
     unused = {n for n in grads if n.startswith(("transformer_blocks.1.attn.to_add_out.",
                                                 "transformer_blocks.1.attn.add_q_proj."))}

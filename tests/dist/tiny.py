@@ -65,7 +65,7 @@ def one_rank_mesh() -> Iterator[Any]:
 
 
 def tiny_transformer(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The diffusers test config of QwenImageTransformer2DModel (NOTES.md), random weights."""
+    """The diffusers test config of QwenImageTransformer2DModel (diffusers' own unit tests use it), random weights."""
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(seed)
