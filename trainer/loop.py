@@ -246,7 +246,7 @@ class Trainer:
         # the scorer before the policy: a scorer directory missing files or a dead endpoint must
         # cost seconds, not a 57 GB pipeline load and a rollout
         self.reward_manager = build_reward_manager(cfg.reward, self.device)
-        from trainer.rewards.watch import parse_eval_scorers
+        from trainer.rewards.watch import HackingWatch, WatchSettings, parse_eval_scorers
 
         #: the held-out scorers of --eval-reward-scorers, built now for the same reason
         self.eval_reward_managers = [build_reward_manager(cfg.reward, self.device, held_out=entry)
@@ -292,8 +292,6 @@ class Trainer:
         self.start_rollout = 0
         #: reward component names, as the scorer returned them on the latest rollout
         self.components: list[str] = []
-        from trainer.rewards.watch import HackingWatch, WatchSettings
-
         self.watch = None if cfg.reward.no_hacking_watch else HackingWatch(WatchSettings.from_config(cfg.reward))
         self.stop_reason: str | None = None
 
@@ -305,10 +303,11 @@ class Trainer:
         m[f"perf/load_{what}_time"] = t.elapsed
         for i, w in enumerate(waves):
             m[f"perf/load_{what}_wave{i}_time"] = w
-        m.update(t.memory(f"load_{what}"))
+        memory = t.memory(f"load_{what}")
+        m.update(memory)
         if self.rank == 0:
             log.info("loaded the %s in %.1f s (waves: %s)%s", what, t.elapsed, ", ".join(f"{w:.1f} s" for w in waves),
-                     "".join(f"; {k.split('/')[1]} {v:.1f} GB" for k, v in t.memory(what).items()))
+                     "".join(f"; {k.split('/')[1]} {v:.1f} GB" for k, v in memory.items()))
 
     def write_recipe_record(self) -> Path | None:
         """<artifact_root>/recipes/<name>-<time>.json: what this run was started with."""
