@@ -536,35 +536,35 @@ def phase_dit_forward(c: Ctx) -> None:
     c.rep.phase_memory("dit_forward")
 
 
-def rollout(c: Ctx, rollout_id: int) -> tuple[list[dict], float]:
-    """One rollout of prompts x group_size candidates through engine.generate; (responses, s)."""
+def rollout(c: Ctx, rollout_id: int) -> tuple[Any, float]:
+    """One rollout of prompts x group_size candidates through engine.generate; (Trajectory, s)."""
     reqs = build_requests(c.engine, c.adapter, c.sampling, c.prompts, c.args.group_size, c.sde_indices,
                           c.args.seed, rollout_id)
     with timed(c.device) as t:
-        responses = c.engine.generate(reqs)
-    return responses, t[0]
+        traj = c.engine.generate(reqs)
+    return traj, t[0]
 
 
-def phase_rollout(c: Ctx) -> list[dict]:
+def phase_rollout(c: Ctx) -> Any:
     """rollout_images_per_s (text encode + DiT + VAE, batched by the engine) and rollout_mfu
     (DiT FLOPs only over the whole rollout time)."""
     a = c.args
     rollout(c, rollout_id=0)  # warm-up: allocator, cuBLAS / cuDNN handles, rope caches
-    times, responses = [], []
+    times, traj = [], None
     for i in range(a.iters):
-        responses, sec = rollout(c, rollout_id=1 + i)
+        traj, sec = rollout(c, rollout_id=1 + i)
         times.append(sec)
     sec = c.rep.reduce(sum(times) / len(times), "max")
-    n = len(responses)
+    n = len(traj)
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"))
     c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n)
     dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops)
     c.rep.phase_memory("rollout")
-    return responses
+    return traj
 
 
-def score(c: Ctx, responses: list[dict]):
+def score(c: Ctx, traj: Any):
     """(advantages [n], valid [n], seconds, degenerate): ColorScorer + compute_advantages. A
     degenerate result (random weights can give equal images) falls back to +-1 advantages so the
     update is never skipped; the line says so."""
@@ -574,8 +574,8 @@ def score(c: Ctx, responses: list[dict]):
 
     scorer = ColorScorer()
     with timed(c.device) as t:
-        images = ImageBatch.from_any(torch.stack([r["image"] for r in responses]))
-        comps = scorer.score(images, [r["prompt"] for r in responses], [r.get("metadata", {}) for r in responses])
+        images = ImageBatch.from_any(traj.images)
+        comps = scorer.score(images, list(traj.prompts), list(traj.metadata))
         result = compute_advantages(comps, c.args.group_size)
     adv, valid = result.advantages, result.valid
     if result.degenerate or not bool(valid.any()):
@@ -585,11 +585,9 @@ def score(c: Ctx, responses: list[dict]):
     return adv, valid, t[0], bool(result.degenerate)
 
 
-def _fwd_bwd(c: Ctx, actor, batch: dict, replay_fn) -> float:
+def _fwd_bwd(c: Ctx, actor, batch: Any, replay_fn) -> float:
     """Seconds of one micro-batch forward + backward through the actor's sharded model."""
-    from trainer.models.qwen_image import select_candidates
-
-    rows = select_candidates(batch, slice(0, c.args.micro_batch))
+    rows = batch[: c.args.micro_batch]
     actor.model.train()
     with timed(c.device) as t:
         logp = replay_fn(actor.model, rows)
@@ -598,21 +596,19 @@ def _fwd_bwd(c: Ctx, actor, batch: dict, replay_fn) -> float:
     return t[0]
 
 
-def phase_replay(c: Ctx, actor, batch: dict, replay_fn, mode: str, *, checkpointing: bool | float | None = None,
+def phase_replay(c: Ctx, actor, batch: Any, replay_fn, mode: str, *, checkpointing: bool | float | None = None,
                  **extra: Any) -> None:
     """replay_transitions_per_s and replay_mfu of one micro-batch forward + backward over all its
     trained columns, and replay_logp_max_abs_err of the replay against the sampler's log-prob.
     mode: the figures' suffix; checkpointing: the fraction of blocks checkpointed (None: as the
     args say), for the hardware FLOPs; extra rides along on the figure lines."""
-    from trainer.models.qwen_image import select_candidates
-
     a = c.args
     if checkpointing is None:
         checkpointing = not a.no_activation_checkpointing
-    rows = select_candidates(batch, slice(0, a.micro_batch))
+    rows = batch[: a.micro_batch]
     with torch.no_grad():
         logp = replay_fn(actor.model, rows).float().cpu()
-    err = float((logp - rows["log_probs"].float()).abs().max())
+    err = float((logp - rows.log_probs.float()).abs().max())
     c.rep.emit(f"replay_logp_max_abs_err_{mode}", err, "nats", mode=mode)
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
     sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
@@ -781,9 +777,9 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
             with timed(c.device) as t:
                 actor.offload()
             stages["actor_offload"] = t[0]
-        responses, stages["rollout"] = rollout(c, rollout_id=100)
-        adv, valid, stages["reward"], degenerate = score(c, responses)
-        batch = c.adapter.pack_trajectory(responses)
+        traj, stages["rollout"] = rollout(c, rollout_id=100)
+        adv, valid, stages["reward"], degenerate = score(c, traj)
+        batch = traj.without_images()
         if a.offload:
             with timed(c.device) as t:
                 c.engine.release_memory()
@@ -801,7 +797,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
         stages["sync"] = t[0]
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
     c.rep.emit("step_s", total[0], "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
-               reward_degenerate=degenerate, candidates=len(responses))
+               reward_degenerate=degenerate, candidates=len(traj))
     c.rep.phase_memory("step")
 
 
@@ -1069,10 +1065,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_dit_forward(c)
         if "checksum" not in skip:
             phase_checksum(c)
-        responses = phase_rollout(c)
-        adv, valid, score_s, degenerate = score(c, responses)
+        traj = phase_rollout(c)
+        adv, valid, score_s, degenerate = score(c, traj)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
-        batch = adapter.pack_trajectory(responses)
+        batch = traj.without_images()
         replay_fn = make_replay_fn(adapter, sampling)  # the training loop's own
 
         if args.full:

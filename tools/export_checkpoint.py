@@ -55,12 +55,11 @@ from trainer.cli import existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
 from trainer.core.dtypes import DTYPES  # noqa: E402
 from trainer.core.names import is_lora_name, strip_wrapper_segments  # noqa: E402
-from trainer.models.qwen_image import never_trained_param_names  # noqa: E402
 from trainer.weight_sync import merge_lora  # noqa: E402
 
 log = logging.getLogger("export_checkpoint")
 
-DEFAULT_ADAPTER = "trainer.models.qwen_image.QwenImageAdapter"
+from trainer.config import DEFAULT_MODEL_ADAPTER as DEFAULT_ADAPTER  # noqa: E402
 FORMS = ("merged", "adapter")
 COMPONENT_MODES = ("copy", "hardlink", "symlink")
 #: the key prefix PeftModel.save_pretrained puts in front of every module name of the wrapped model
@@ -414,14 +413,16 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
 
 
-def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str]) -> list[str]:
+def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str],
+                                 adapter: Any = None) -> list[str]:
     """Base transformer weights a full fine-tune checkpoint lacks, checked to be exactly ones the
-    trainer freezes as never trained (trainer.models.qwen_image.never_trained_param_names on the base's
+    trainer freezes as never trained (the model adapter's never_trained_param_names on the base's
     architecture): those equal the base. Any other gap means a damaged checkpoint or the wrong base."""
     missing = sorted(n for n in located if n not in ckpt.tensors)
     if not missing:
         return []
-    frozen = set(never_trained_param_names(_meta_transformer(base / "transformer", _not_a_pipeline(base))))
+    adapter = adapter or load_model_adapter(DEFAULT_ADAPTER)
+    frozen = set(adapter.never_trained_param_names(_meta_transformer(base / "transformer", _not_a_pipeline(base))))
     unexplained = [n for n in missing if n not in frozen]
     if unexplained:
         raise ExportError(f"{ckpt.path / 'fsdp'} lacks {len(unexplained)} trained transformer weights of the base at "
@@ -457,7 +458,7 @@ def _size_on_disk(path: Path) -> int:
 
 
 def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lora: LoraSettings | None,
-                             dtype: torch.dtype | None) -> dict[str, Any]:
+                             dtype: torch.dtype | None, adapter: Any = None) -> dict[str, Any]:
     """Write <out>/transformer/ with the base's file layout and the trained weights (module docstring).
 
     Works one base file at a time: memory stays at about one base shard plus that shard's
@@ -472,7 +473,7 @@ def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lo
     if unknown:
         raise ExportError(f"the checkpoint has {len(unknown)} weights the base transformer at {tdir} does not, e.g. "
                           f"{unknown[:3]}: --base-model-path is not the model this run trained")
-    from_base = missing_from_full_checkpoint(ckpt, base, located) if ckpt.mode == "full" else []
+    from_base = missing_from_full_checkpoint(ckpt, base, located, adapter) if ckpt.mode == "full" else []
     out_tdir.mkdir(parents=True)
     for extra in sorted(tdir.iterdir()):  # config.json and anything else that is not weights
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name != index:
@@ -857,7 +858,8 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
     try:
         if form == "merged":
             info["components"] = {"mode": components, "entries": place_components(base, staging, components)}
-            info["transformer"] = write_merged_transformer(ckpt, base, staging / "transformer", lora=lora, dtype=tdtype)
+            info["transformer"] = write_merged_transformer(ckpt, base, staging / "transformer", lora=lora, dtype=tdtype,
+                                                           adapter=adapter)
             if verify:
                 info["verify"] = verify_merged(staging, ckpt, base, lora)
         else:

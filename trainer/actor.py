@@ -11,8 +11,9 @@ Build order (`parallelize`), each step before the next:
   6. _assert_trainable_boundary
 
 The update (`Actor.train_step`) is model-family independent: the caller supplies
-`replay_fn(model, batch_slice) -> logp [b, S]` (in production, the adapter's replay_transition over
-the trained-step columns) and the batch as a dict of per-candidate tensors / lists.
+`replay_fn(model, rows) -> logp [b, S]` (in production, the adapter's replay_transitions over the
+trained-step columns) and the batch, a trainer.trajectory.Trajectory (anything whose
+`batch[start:end]` is those candidates' rows will do).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 #: |advantage| at or below this everywhere (all ranks) makes an update degenerate: skipped and counted
 ZERO_ADVANTAGE = 1e-8
-ReplayFn = Callable[[nn.Module, dict], torch.Tensor]
+ReplayFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 class OffloadError(RuntimeError):
@@ -263,27 +264,6 @@ def plan_updates(n_local: int, num_updates: int, micro_batch_size: int) -> list[
             for u in range(num_updates)]
 
 
-#: batch entries shared by all candidates even when their leading size happens to equal n
-SHARED_BATCH_KEYS = ("sde_indices",)
-
-
-def slice_batch(batch: dict[str, Any], start: int, end: int, n: int) -> dict[str, Any]:
-    """Rows [start, end) of every per-candidate entry of `batch` (tensor or list whose leading size is n);
-    other entries (scalars, shared tensors, SHARED_BATCH_KEYS) are passed through unchanged.
-    A family whose batch has other shared [n]-sized entries passes its own slice_fn to train_step."""
-    out = {}
-    for k, v in batch.items():
-        if k in SHARED_BATCH_KEYS:
-            out[k] = v
-        elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
-            out[k] = v[start:end]
-        elif isinstance(v, (list, tuple)) and len(v) == n:
-            out[k] = v[start:end]
-        else:
-            out[k] = v
-    return out
-
-
 def reshard_all(model: nn.Module) -> None:
     """Put every FSDP2 unit of `model` back to its sharded parameters (a no-op for sharded ones)."""
     from torch.distributed.fsdp import FSDPModule
@@ -446,18 +426,16 @@ class Actor:
         self.skipped_rounds = int(state.get("skipped_rounds", 0))
 
     # -- the FlowGRPO update ------------------------------------------------------------------
-    def train_step(self, batch: dict[str, Any], advantages: torch.Tensor, replay_fn: ReplayFn,
+    def train_step(self, batch: Any, advantages: torch.Tensor, replay_fn: ReplayFn,
                    valid: torch.Tensor | None = None,
-                   slice_fn: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None,
                    progress: Callable[[], None] | None = None) -> dict[str, float]:
         """One rollout's update over this rank's candidates. Collective: every rank calls it.
 
-        batch: per-candidate entries with leading size n (what replay_fn consumes);
-        advantages: [n]; valid: [n] bool (False = candidate of a failed reward group: replayed so
-        every rank runs the same collectives, but excluded from the loss); replay_fn(model, rows)
-        -> logp [b, S] (fp32 preferred); slice_fn(batch, start, end) -> rows [start, end) (default
-        slice_batch, which is what the training loop uses for Qwen-Image's batch: views, no copy);
-        progress() is called after every replayed micro-batch, anchor passes included (a progress bar).
+        batch: n candidates' Trajectory (what replay_fn consumes; `batch[s:e]` is a micro-batch,
+        views, no copy); advantages: [n]; valid: [n] bool (False = candidate of a failed reward
+        group: replayed so every rank runs the same collectives, but excluded from the loss);
+        replay_fn(model, rows) -> logp [b, S] (fp32 preferred); progress() is called after every
+        replayed micro-batch, anchor passes included (a progress bar).
 
         1. plan: n split into num_updates_per_batch disjoint equal parts of micro-batches; ranks
            MAX-check they agree on the micro-batch count (raise, never deadlock).
@@ -475,7 +453,6 @@ class Actor:
         t_start = time.perf_counter()
         g = self.grpo
         n = int(advantages.shape[0])
-        cut = slice_fn or (lambda b, s, e: slice_batch(b, s, e, n))
         plan = plan_updates(n, int(g.num_updates_per_batch), int(g.micro_batch_size))
         n_mb = sum(len(p) for p in plan)
         cdev = collective_device()
@@ -532,7 +509,7 @@ class Actor:
             for u, part in enumerate(plan):
                 if run[u] and u not in fused:
                     for (s, e) in part:
-                        old[(s, e)] = replay_fn(self.model, cut(batch, s, e)).detach().float()
+                        old[(s, e)] = replay_fn(self.model, batch[s:e]).detach().float()
                         if progress is not None:
                             progress()
         self.last_anchor_passes = len(old)
@@ -553,7 +530,7 @@ class Actor:
             self.optimizer.zero_grad(set_to_none=True)
             upd = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
             for (s, e) in part:
-                logp = replay_fn(self.model, cut(batch, s, e))
+                logp = replay_fn(self.model, batch[s:e])
                 if logp.dim() == 1:
                     logp = logp[:, None]
                 rows_host = ok_host[s:e]
