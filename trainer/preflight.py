@@ -29,7 +29,13 @@ from trainer.config import (
 )
 from trainer import checkpoint_index as ci
 from trainer.models.base import GENERATION_TASKS
-from trainer.sampling import SamplingConfigError, parse_sampling_config, trainable_step_zero_routes
+from trainer.sampling import (
+    SamplingConfigError,
+    parse_sampling_config,
+    resolve_sde_indices,
+    trainable_step_zero_routes,
+    trained_steps_problem,
+)
 
 HEADER = "Generative RL config validation failed:"
 
@@ -331,11 +337,11 @@ def _check_sampling(cfg: RunConfig, errors: list[str]) -> None:
             return
         errors.extend(trainable_step_zero_routes(parsed))
         return
-    if parsed.sde_indices is None and parsed.num_sde_steps < 1:
-        errors.append(
-            "--sampling-config trains no SDE step (no sde_indices and num_sde_steps 0); set e.g. "
-            '"sde_indices": [1, 3, 5] (see configs/qwen_image_t2i_lora_8gpu.toml)'
-        )
+    # the evaluation fallback (no redraw): empty exactly when no rollout trains a step
+    steps = resolve_sde_indices(parsed, parsed.num_inference_steps, None)
+    problem = trained_steps_problem(steps, parsed.num_inference_steps)
+    if problem:
+        errors.append(f"--sampling-config trains no SDE step: {problem}")
     errors.extend(trainable_step_zero_routes(parsed))
 
 
