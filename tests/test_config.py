@@ -196,6 +196,53 @@ def test_cli_value_errors_name_the_flag(argv, needle):
     assert needle in str(info.value)
 
 
+# a value outside a flag's choices: refused while parsing, naming the flag, the value and the choices
+CHOICE_CASES = [
+    (["--fsdp-trainable-mode", "partial"], "--fsdp-trainable-mode 'partial' must be 'full' or 'lora'"),
+    (["--weight-sync-wire-dtype", "fp16"], "--weight-sync-wire-dtype 'fp16' must be 'bf16' or 'fp32'"),
+    (["--fsdp-lr-scheduler", "step"], "--fsdp-lr-scheduler 'step' must be 'constant', 'linear' or 'cosine'"),
+    (["--fsdp-param-dtype", "fp16"], "--fsdp-param-dtype 'fp16' must be 'bf16' or 'fp32'"),
+    (["--fsdp-reduce-dtype", "fp16"], "--fsdp-reduce-dtype 'fp16' must be 'bf16' or 'fp32'"),
+    (["--fsdp-master-dtype", "fp8"], "--fsdp-master-dtype 'fp8' must be 'bf16' or 'fp32', or none to leave it unset"),
+    (["--advantage-estimator", "ppo"], "--advantage-estimator 'ppo' must be 'grpo'"),
+    (["--generative-advantage-std-mode", "global"], "--generative-advantage-std-mode 'global' must be 'group', 'batch' or 'none'"),
+    (["--reward-runtime", "dedicated"], "--reward-runtime 'dedicated' must be 'cpu', 'colocate' or 'remote' ('dedicated' was removed: use colocate)"),
+    (["--train-backend", "megatron"], "--train-backend 'megatron' must be 'fsdp' (only FSDP2 over torchrun ranks exists here"),
+    (["--weight-sync-mode", "merged"], "--weight-sync-mode 'merged' must be 'full' or 'adapter'"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", CHOICE_CASES, ids=[c[0][0] for c in CHOICE_CASES])
+def test_choices_are_checked_while_parsing(argv, needle, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    assert str(info.value).startswith(f"command line: {needle}"), str(info.value)
+    # the same rule for a recipe and for a resolved tree read back
+    flag, value = argv[0][2:], argv[1]
+    r = write(tmp_path, f'{flag} = "{value}"\n')
+    with pytest.raises(ConfigError, match=re.escape(f"recipe {r}: {needle}")):
+        load_config(["--config", str(r)])
+    spec = FLAGS[flag.replace("-", "_")]
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        RunConfig.from_dict({spec.section: {spec.name: value}})
+
+
+def test_choices_come_from_the_annotations_and_agree_with_the_code_using_them():
+    from trainer.core.dtypes import DTYPES
+    from trainer.flow_grpo import STD_MODES
+    from trainer.lr_schedule import SCHEDULES
+
+    assert FLAGS["fsdp_lr_scheduler"].choices == SCHEDULES
+    assert FLAGS["generative_advantage_std_mode"].choices == STD_MODES
+    for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_master_dtype", "weight_sync_wire_dtype"):
+        assert set(FLAGS[name].choices) <= set(DTYPES), name
+    # an optional choice flag is unset with none; every choice is accepted
+    assert load_config(["--fsdp-master-dtype", "none"]).fsdp.fsdp_master_dtype is None
+    for value in FLAGS["reward_runtime"].choices:
+        assert load_config(["--reward-runtime", value]).reward.reward_runtime == value
+    assert "--fsdp-trainable-mode (one of full, lora, default \"full\")" in format_help()
+
+
 def test_unknown_flag_and_key_suggest_the_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown flag '--n-sample-per-prompt' \(did you mean '--n-samples-per-prompt'\?\)"):
         load_config(["--n-sample-per-prompt", "8"])

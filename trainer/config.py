@@ -27,7 +27,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 try:  # Python >= 3.11
     import tomllib
@@ -39,9 +39,16 @@ class ConfigError(ValueError):
     """A recipe or command line could not be turned into a RunConfig."""
 
 
-def _flag(default: Any = None, help: str = "", *, factory: Any = None) -> Any:
-    """A dataclass field carrying its flag help text."""
-    meta = {"help": help}
+def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: dict[str, str] | None = None) -> Any:
+    """A dataclass field carrying its flag help text.
+
+    A field annotated with a Literal (or an optional one) takes only those values; the parser
+    refuses any other, naming the flag, the value and the choices. `hints` adds a pointer for a
+    known wrong value (one the reference used, or a removed one) to that error.
+    """
+    meta: dict[str, Any] = {"help": help}
+    if hints:
+        meta["hints"] = dict(hints)
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -90,16 +97,21 @@ def resolve_scorer_path(name: str | None) -> str | None:
     return SCORER_SHORT_NAMES.get(name, name)
 
 
+#: the dtype names the FSDP and weight-sync flags take
+DtypeName = Literal["bf16", "fp32"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Sections
 
 
 @dataclass
 class ModelConfig:
-    train_backend: str = _flag(
+    train_backend: Literal["fsdp"] = _flag(
         "fsdp",
         "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); the "
         "reference's 'megatron' is rejected.",
+        hints={"megatron": "only FSDP2 over torchrun ranks exists here; remove the flag or set it to fsdp"},
     )
     generation_task: str | None = _flag(
         None,
@@ -204,7 +216,7 @@ class ArtifactConfig:
 
 @dataclass
 class FsdpConfig:
-    fsdp_trainable_mode: str = _flag(
+    fsdp_trainable_mode: Literal["full", "lora"] = _flag(
         "full",
         "'full' or 'lora'; must agree with --lora-rank ('lora' needs > 0, 'full' needs 0).",
     )
@@ -213,11 +225,11 @@ class FsdpConfig:
         "Attribute of the model bundle that holds the trainable module; everything else is "
         "frozen and lives in the rollout engine.",
     )
-    fsdp_param_dtype: str = _flag(
+    fsdp_param_dtype: DtypeName = _flag(
         "bf16", "FSDP2 compute (all-gathered) parameter dtype: 'bf16' or 'fp32'."
     )
-    fsdp_reduce_dtype: str = _flag("fp32", "Gradient reduction dtype: 'bf16' or 'fp32'.")
-    fsdp_master_dtype: str | None = _flag(
+    fsdp_reduce_dtype: DtypeName = _flag("fp32", "Gradient reduction dtype: 'bf16' or 'fp32'.")
+    fsdp_master_dtype: DtypeName | None = _flag(
         None,
         "Storage dtype of the trainable parameters (the optimizer's master copy): 'fp32', "
         "'bf16' or unset (keep the loaded dtype). LoRA should use 'fp32' (warned otherwise).",
@@ -238,7 +250,7 @@ class FsdpConfig:
         "Load the base model on at most N ranks at a time (bounds host RAM at launch); must be "
         ">= 0, 0 = all at once.",
     )
-    fsdp_lr_scheduler: str = _flag(
+    fsdp_lr_scheduler: Literal["constant", "linear", "cosine"] = _flag(
         "constant",
         "Post-warmup learning-rate shape: 'constant' (ignores the decay flags), 'linear' or "
         "'cosine' (decay to --min-lr over --lr-decay-iters optimizer steps).",
@@ -313,7 +325,7 @@ class OptimConfig:
 
 @dataclass
 class GrpoConfig:
-    advantage_estimator: str = _flag("grpo", "Advantage estimator; only 'grpo' is supported.")
+    advantage_estimator: Literal["grpo"] = _flag("grpo", "Advantage estimator; only 'grpo' is supported.")
     eps_clip: float = _flag(
         0.2, "PPO clip range; must be > 0. FlowGRPO uses a tiny one (both recipes: 1e-4)."
     )
@@ -335,7 +347,7 @@ class GrpoConfig:
         "Do not divide group-centred rewards by the group std (Dr.GRPO). Same as "
         "--generative-advantage-std-mode none; contradicting values are an error.",
     )
-    generative_advantage_std_mode: str | None = _flag(
+    generative_advantage_std_mode: Literal["group", "batch", "none"] | None = _flag(
         None,
         "Std divisor after per-prompt centring: 'group', 'batch' or 'none'. Unset = 'group', "
         "or 'none' with --disable-grpo-std-normalization.",
@@ -358,10 +370,11 @@ class GrpoConfig:
 
 @dataclass
 class RewardConfig:
-    reward_runtime: str = _flag(
+    reward_runtime: Literal["cpu", "colocate", "remote"] = _flag(
         "cpu",
         "Where the scorer runs: 'cpu' or 'colocate' (in this process, on CPU or on the "
         "rank's device) or 'remote' (needs --reward-endpoint).",
+        hints={"dedicated": "'dedicated' was removed: use colocate"},
     )
     reward_scorer_path: str | None = _flag(
         None,
@@ -453,12 +466,12 @@ class RewardConfig:
 
 @dataclass
 class SyncConfig:
-    weight_sync_mode: str = _flag(
+    weight_sync_mode: Literal["full", "adapter"] = _flag(
         "full",
         "'full' or 'adapter'. Derived: --lora-adapter-mode implies 'adapter'; an explicit "
         "contradicting value is an error.",
     )
-    weight_sync_wire_dtype: str = _flag(
+    weight_sync_wire_dtype: DtypeName = _flag(
         "bf16",
         "Dtype of the tensors handed to the engine: 'bf16' or 'fp32' (fp32 makes the sync "
         "exact for fp32 CPU runs). The sglang engine requires 'bf16'.",
@@ -692,6 +705,8 @@ class FlagSpec:
     """One flag: where it lives and how its value is parsed.
 
     kind: 'int' | 'float' | 'str' | 'bool' | 'list' (list[str]) | 'dict' | 'pairs'.
+    choices: the values a 'str' flag may take (from its Literal annotation), () for any;
+    hints: value -> a pointer added to the error when that value is given.
     """
 
     name: str
@@ -700,32 +715,39 @@ class FlagSpec:
     optional: bool
     default: Any
     help: str
+    choices: tuple[str, ...] = ()
+    hints: tuple[tuple[str, str], ...] = ()
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
 
-def _kind_of(tp: Any) -> tuple[str, bool]:
-    """Map a field annotation to (kind, optional)."""
+def _kind_of(tp: Any) -> tuple[str, bool, tuple[str, ...]]:
+    """Map a field annotation to (kind, optional, choices)."""
     args = typing.get_args(tp)
-    optional = type(None) in args
+    optional = type(None) in args and typing.get_origin(tp) is not Literal
     if optional:
         (tp,) = [a for a in args if a is not type(None)]
     origin = typing.get_origin(tp) or tp
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if not all(isinstance(c, str) for c in choices):
+            raise TypeError(f"config Literal {tp!r} must list strings")
+        return "str", optional, choices
     if origin is bool:
-        return "bool", optional
+        return "bool", optional, ()
     if origin is int:
-        return "int", optional
+        return "int", optional, ()
     if origin is float:
-        return "float", optional
+        return "float", optional, ()
     if origin is str:
-        return "str", optional
+        return "str", optional, ()
     if origin is dict:
-        return "dict", optional
+        return "dict", optional, ()
     if origin is list:
         (item,) = typing.get_args(tp)
-        return ("pairs" if typing.get_origin(item) is tuple else "list"), optional
+        return ("pairs" if typing.get_origin(item) is tuple else "list"), optional, ()
     raise TypeError(f"unsupported config field type {tp!r}")
 
 
@@ -736,9 +758,15 @@ def _build_flag_table() -> dict[str, FlagSpec]:
         for f in dataclasses.fields(cls):
             if f.name in table:
                 raise TypeError(f"flag {f.name} is declared in both {table[f.name].section} and {sec}")
-            kind, optional = _kind_of(hints[f.name])
+            kind, optional, choices = _kind_of(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            table[f.name] = FlagSpec(f.name, sec, kind, optional, default, f.metadata.get("help", ""))
+            value_hints = f.metadata.get("hints", {})
+            if choices and not (default in choices or (optional and default is None)):
+                raise TypeError(f"flag {f.name}: default {default!r} is not one of its choices {choices}")
+            if set(value_hints) & set(choices):
+                raise TypeError(f"flag {f.name}: a hint names an allowed value")
+            table[f.name] = FlagSpec(f.name, sec, kind, optional, default, f.metadata.get("help", ""),
+                                     choices, tuple(value_hints.items()))
     return table
 
 
@@ -791,7 +819,7 @@ def _coerce_text(spec: FlagSpec, text: str, origin: str) -> Any:
     if spec.optional and text.strip().lower() in ("none", "null"):
         return None
     if spec.kind == "str":
-        return text
+        return _checked_choice(spec, text, origin)
     if spec.kind == "int":
         try:
             return int(text)
@@ -830,7 +858,7 @@ def _coerce_native(spec: FlagSpec, value: Any, origin: str) -> Any:
     if k == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where} expects a string, got {value!r}")
-        return value
+        return _checked_choice(spec, value, origin)
     if k == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{where} expects true/false, got {value!r}")
@@ -856,6 +884,22 @@ def _coerce_native(spec: FlagSpec, value: Any, origin: str) -> Any:
     if k == "pairs":
         return _coerce_pairs(value, where)
     raise AssertionError(k)
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    """('a',) -> "'a'"; ('a', 'b', 'c') -> "'a', 'b' or 'c'"."""
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _checked_choice(spec: FlagSpec, value: str, origin: str) -> str:
+    """`value` if the flag takes it (any string when the flag has no choices), else ConfigError."""
+    if not spec.choices or value in spec.choices:
+        return value
+    unset = ", or none to leave it unset" if spec.optional else ""
+    hint = dict(spec.hints).get(value)
+    raise ConfigError(f"{origin}: {spec.flag} {value!r} must be {_one_of(spec.choices)}{unset}"
+                      + (f" ({hint})" if hint else ""))
 
 
 def _coerce_pairs(value: Any, where: str) -> list[tuple[str, str]]:
@@ -1108,6 +1152,7 @@ def format_help() -> str:
             if spec.section != sec:
                 continue
             default = json.dumps(_jsonable(spec.default))
-            lines.append(f"  {spec.flag} ({spec.kind}, default {default})")
+            kind = f"one of {', '.join(spec.choices)}" if spec.choices else spec.kind
+            lines.append(f"  {spec.flag} ({kind}, default {default})")
             lines.append(f"      {spec.help}")
     return "\n".join(lines)
