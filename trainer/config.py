@@ -102,6 +102,81 @@ DtypeName = Literal["bf16", "fp32"]
 
 
 # ----------------------------------------------------------------------------------------------
+# Flags that mean nothing here
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Why a flag kept from the reference's command line cannot be used here.
+
+    reason: what is unsupported and what to use instead. rejected False: the flag merely has
+    no effect, so setting it is a warning instead of an error.
+    """
+
+    reason: str
+    rejected: bool = True
+
+
+_TRACKER = "TensorBoard (--tensorboard-dir) is the only tracker here"
+_NO_KL = "FlowGRPO here has no reference model and no KL term"
+_SYNCHRONOUS = "training is synchronous colocate only"
+
+#: Flags that parse, so a reference command line runs unchanged up to preflight, but mean nothing
+#: here: flag -> why. Each is declared with `_unsupported(default)`; preflight reports every one
+#: whose value is not its default (an empty string counts as unset), all at once: an error, or
+#: a warning for those that merely have no effect. Their --help text is made from this table.
+UNSUPPORTED_FLAGS: dict[str, Unsupported] = {
+    # the reference's stage hooks: the stages are built into the loop
+    "rollout_function_path": Unsupported("the rollout stage is built into the training loop"),
+    "custom_convert_samples_to_train_data_path": Unsupported(
+        "each rank replays the candidates it generated; there is no conversion step"),
+    "custom_reward_post_process_path": Unsupported(
+        "scoring and group normalisation are built in; choose the scorer with --reward-scorer-path"),
+    # loss and batching of the token trainers
+    "kl_coef": Unsupported(_NO_KL),
+    "use_kl_loss": Unsupported(_NO_KL),
+    "use_dynamic_batch_size": Unsupported(
+        "diffusion latents are fixed-shape, there is no token-budget batching; use --micro-batch-size"),
+    "max_tokens_per_gpu": Unsupported("there is no token-budget batching; use --micro-batch-size"),
+    # Ray placement and scheduling modes
+    "colocate": Unsupported("actor and engine time-share every device here (synchronous colocation is the only mode)"),
+    "fully_async": Unsupported(_SYNCHRONOUS),
+    "hybrid": Unsupported(_SYNCHRONOUS),
+    "use_fault_tolerance": Unsupported("a failed weight sync raises on every rank; restart with --load <checkpoint dir>"),
+    "autoscaler_config": Unsupported("in-process engines have no elastic scale-out"),
+    # checkpoints, trackers and debug dumps
+    "save_hf": Unsupported("export a committed checkpoint offline with tools/export_checkpoint.py"),
+    "async_save": Unsupported("the checkpoint write is synchronous", rejected=False),
+    "use_wandb": Unsupported(_TRACKER),
+    "use_clearml": Unsupported(_TRACKER),
+    "use_metrics_service": Unsupported(_TRACKER),
+    "load_debug_rollout_data": Unsupported(
+        "each rank replays the trajectories it generated; there is no rollout-data replay file"),
+    "save_debug_train_data": Unsupported(
+        "train data are numeric tensors plus the sidecars under --artifact-root, not token sequences",
+        rejected=False),
+}
+
+
+def _unsupported(default: Any) -> Any:
+    """The field of a flag listed in UNSUPPORTED_FLAGS (its help text is made from the table)."""
+    return field(default=default, metadata={"unsupported": True})
+
+
+def _default_state(default: Any) -> str:
+    """How a default reads after "must stay": off / on / unset / the value."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "unset" if default is None else json.dumps(default)
+
+
+def _unsupported_help(default: Any, why: Unsupported) -> str:
+    if not why.rejected:
+        return f"Has no effect (warned when set): {why.reason}."
+    return f"Must stay {_default_state(default)}: {why.reason}."
+
+
+# ----------------------------------------------------------------------------------------------
 # Sections
 
 
@@ -142,19 +217,10 @@ class RolloutConfig:
         "Rollout engine: 'native' (diffusers + our SDE sampler), 'sglang', or a module.Class "
         "dotpath.",
     )
-    rollout_function_path: str | None = _flag(
-        None,
-        "Reference hook; must stay unset: the rollout stage is built into the training loop.",
-    )
-    custom_convert_samples_to_train_data_path: str | None = _flag(
-        None,
-        "Reference hook; must stay unset: each rank replays the candidates it generated.",
-    )
-    custom_reward_post_process_path: str | None = _flag(
-        None,
-        "Reference hook; must stay unset: scoring and group normalisation are built in "
-        "(choose the scorer with --reward-scorer-path).",
-    )
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    rollout_function_path: str | None = _unsupported(None)
+    custom_convert_samples_to_train_data_path: str | None = _unsupported(None)
+    custom_reward_post_process_path: str | None = _unsupported(None)
     rollout_num_gpus_per_engine: int = _flag(
         1,
         "Devices per rollout engine; must be >= 1 and divide the world size. Each rank holds "
@@ -352,20 +418,11 @@ class GrpoConfig:
         "Std divisor after per-prompt centring: 'group', 'batch' or 'none'. Unset = 'group', "
         "or 'none' with --disable-grpo-std-normalization.",
     )
-    kl_coef: float = _flag(
-        0.0, "Must be 0: FlowGRPO here has no reference model and no KL term."
-    )
-    use_kl_loss: bool = _flag(
-        False, "Must be off: FlowGRPO here has no reference model and no KL term."
-    )
-    use_dynamic_batch_size: bool = _flag(
-        False,
-        "Must be off: diffusion latents are fixed-shape, there is no token-budget batching "
-        "(use --micro-batch-size).",
-    )
-    max_tokens_per_gpu: int | None = _flag(
-        None, "Must stay unset: no token-budget batching (use --micro-batch-size)."
-    )
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    kl_coef: float = _unsupported(0.0)
+    use_kl_loss: bool = _unsupported(False)
+    use_dynamic_batch_size: bool = _unsupported(False)
+    max_tokens_per_gpu: int | None = _unsupported(None)
 
 
 @dataclass
@@ -483,10 +540,8 @@ class SyncConfig:
 
 @dataclass
 class ColocateConfig:
-    colocate: bool = _flag(
-        True,
-        "Actor and engine time-share each device; must stay on (the only mode here).",
-    )
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    colocate: bool = _unsupported(True)
     offload_train: bool = _flag(
         False,
         "Move the actor's parameters and optimizer state to pinned host memory during "
@@ -497,8 +552,9 @@ class ColocateConfig:
         "Move the engine's modules to host memory during the update; a failed release/resume "
         "is fatal.",
     )
-    fully_async: bool = _flag(False, "Must be off: training is synchronous colocate only.")
-    hybrid: bool = _flag(False, "Must be off: training is synchronous colocate only.")
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    fully_async: bool = _unsupported(False)
+    hybrid: bool = _unsupported(False)
     actor_num_nodes: int | None = _flag(
         None,
         "Nodes of the run. With --actor-num-gpus-per-node it gives the world size outside "
@@ -520,13 +576,9 @@ class ColocateConfig:
         "per node). When set, actor and rollout must be equal (colocate) and their product "
         "must equal the world size.",
     )
-    use_fault_tolerance: bool = _flag(
-        False,
-        "Must be off: a failed weight sync raises on every rank; restart with --load.",
-    )
-    autoscaler_config: dict | None = _flag(
-        None, "Must stay unset: in-process engines have no elastic scale-out."
-    )
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    use_fault_tolerance: bool = _unsupported(False)
+    autoscaler_config: dict | None = _unsupported(None)
 
 
 @dataclass
@@ -559,14 +611,9 @@ class CheckpointConfig:
         "Keep the newest N committed checkpoints (older ones are removed only after a new one "
         "is committed); must be >= 1. Unset = keep all.",
     )
-    async_save: bool = _flag(
-        False, "Has no effect: the checkpoint write is synchronous (warned when set)."
-    )
-    save_hf: str | None = _flag(
-        None,
-        "Must stay unset: export a committed checkpoint offline with "
-        "tools/export_checkpoint.py.",
-    )
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    async_save: bool = _unsupported(False)
+    save_hf: str | None = _unsupported(None)
 
 
 @dataclass
@@ -591,29 +638,17 @@ class LoggingConfig:
         "TensorBoard event directory; unset = <save>/tensorboard when --save is set, else "
         "console metrics only."
     )
-    use_wandb: bool = _flag(
-        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
-    )
-    use_clearml: bool = _flag(
-        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
-    )
-    use_metrics_service: bool = _flag(
-        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
-    )
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    use_wandb: bool = _unsupported(False)
+    use_clearml: bool = _unsupported(False)
+    use_metrics_service: bool = _unsupported(False)
 
 
 @dataclass
 class DebugConfig:
-    load_debug_rollout_data: str | None = _flag(
-        None,
-        "Must stay unset: each rank replays the trajectories it generated; there is no "
-        "rollout-data replay file.",
-    )
-    save_debug_train_data: str | None = _flag(
-        None,
-        "Has no effect: train data are numeric tensors plus sidecars under --artifact-root, "
-        "not token sequences (warned when set).",
-    )
+    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    load_debug_rollout_data: str | None = _unsupported(None)
+    save_debug_train_data: str | None = _unsupported(None)
 
 
 #: section attribute -> section class, in the order help and to_dict() list them
@@ -659,6 +694,10 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     explicit: frozenset = field(default_factory=frozenset, repr=False, compare=False)
+
+    def get(self, name: str) -> Any:
+        """The value of flag `name` (underscore form), whichever section holds it."""
+        return getattr(getattr(self, FLAGS[name].section), name)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {field: value}}, JSON-serialisable (pairs become 2-lists)."""
@@ -761,12 +800,20 @@ def _build_flag_table() -> dict[str, FlagSpec]:
             kind, optional, choices = _kind_of(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             value_hints = f.metadata.get("hints", {})
+            help_text = f.metadata.get("help", "")
+            if bool(f.metadata.get("unsupported")) != (f.name in UNSUPPORTED_FLAGS):
+                raise TypeError(f"flag {f.name}: declare it with _unsupported() exactly when UNSUPPORTED_FLAGS lists it")
+            if f.name in UNSUPPORTED_FLAGS:
+                help_text = _unsupported_help(default, UNSUPPORTED_FLAGS[f.name])
             if choices and not (default in choices or (optional and default is None)):
                 raise TypeError(f"flag {f.name}: default {default!r} is not one of its choices {choices}")
             if set(value_hints) & set(choices):
                 raise TypeError(f"flag {f.name}: a hint names an allowed value")
-            table[f.name] = FlagSpec(f.name, sec, kind, optional, default, f.metadata.get("help", ""),
-                                     choices, tuple(value_hints.items()))
+            table[f.name] = FlagSpec(f.name, sec, kind, optional, default, help_text, choices,
+                                     tuple(value_hints.items()))
+    missing = set(UNSUPPORTED_FLAGS) - set(table)
+    if missing:
+        raise TypeError(f"UNSUPPORTED_FLAGS lists {sorted(missing)}, which are no flags")
     return table
 
 

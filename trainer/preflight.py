@@ -2,9 +2,10 @@
 
 `validate(cfg, world_size)` checks the reference's "Preflight validation" list (errors
 and warnings) plus this trainer's own rules (candidate split over the torchrun world,
-paths that must exist, hooks and Ray-only flags that have no meaning here). It
+paths that must exist, and every flag of config.UNSUPPORTED_FLAGS that is set). It
 collects every problem and raises one PreflightError listing them, one line per
 violation naming the flag(s) and the fix; warnings are returned for the caller to log.
+A value outside a flag's choices never gets here: the config parser refuses it.
 
 Imports no torch and loads nothing: only the config, the task vocabulary and the
 torch-free sampling-config parser.
@@ -12,6 +13,7 @@ torch-free sampling-config parser.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -20,8 +22,10 @@ from pathlib import Path
 from trainer.config import (
     DEFAULT_MODEL_ADAPTER,
     ENGINE_SHORT_NAMES,
+    FLAGS,
     SCORER_SHORT_NAMES,
     SCORERS_NEEDING_MODEL,
+    UNSUPPORTED_FLAGS,
     RunConfig,
     recipe_world_size,
     resolve_engine_path,
@@ -76,7 +80,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     warnings: list[str] = []
     world = _check_world(cfg, world_size, errors, warnings, torchrun=torchrun)
     _check_task_and_model(cfg, errors)
-    _check_hooks(cfg, errors)
+    _check_engine(cfg, errors)
     _check_trainable(cfg, errors, warnings)
     _check_sync(cfg, errors)
     _check_sampling(cfg, errors)
@@ -193,24 +197,8 @@ def _check_task_and_model(cfg: RunConfig, errors: list[str]) -> None:
     _need_existing("--model-path", m.model_path, "dir", errors, required=True)
 
 
-def _check_hooks(cfg: RunConfig, errors: list[str]) -> None:
+def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
     r = cfg.rollout
-    hooks = (
-        ("--rollout-function-path", r.rollout_function_path, "the rollout stage is built into the training loop"),
-        (
-            "--custom-convert-samples-to-train-data-path",
-            r.custom_convert_samples_to_train_data_path,
-            "each rank replays the candidates it generated; there is no conversion step",
-        ),
-        (
-            "--custom-reward-post-process-path",
-            r.custom_reward_post_process_path,
-            "scoring and group normalisation are built in; choose the scorer with --reward-scorer-path",
-        ),
-    )
-    for flag, value, why in hooks:
-        if value:
-            errors.append(f"{flag} {value}: not used here ({why}); remove the flag")
     engine = r.rollout_engine_class_path
     if not engine:
         errors.append(f"--rollout-engine-class-path is required: one of {sorted(ENGINE_SHORT_NAMES)} or a dotpath")
@@ -330,12 +318,6 @@ def _check_sampling(cfg: RunConfig, errors: list[str]) -> None:
 
 def _check_colocate(cfg: RunConfig, world: int | None, errors: list[str]) -> None:
     c, r = cfg.colocate, cfg.rollout
-    if c.fully_async:
-        errors.append("--fully-async is rejected: training is synchronous colocate only; remove the flag")
-    if c.hybrid:
-        errors.append("--hybrid is rejected: training is synchronous colocate only; remove the flag")
-    if not c.colocate:
-        errors.append("--colocate must stay on: actor and engine time-share every device here")
     n = r.rollout_num_gpus_per_engine
     if n < 1:
         errors.append(f"--rollout-num-gpus-per-engine must be >= 1, got {n}")
@@ -357,13 +339,6 @@ def _check_colocate(cfg: RunConfig, world: int | None, errors: list[str]) -> Non
         )
     if c.resource is not None:
         _check_resource(c.resource, world, errors)
-    if c.use_fault_tolerance:
-        errors.append(
-            "--use-fault-tolerance is rejected: a failed weight sync raises on every rank; restart with "
-            "--load <checkpoint dir>"
-        )
-    if c.autoscaler_config is not None:
-        errors.append("--autoscaler-config is rejected: in-process engines have no elastic scale-out; remove it")
 
 
 def _check_resource(res: dict, world: int | None, errors: list[str]) -> None:
@@ -455,10 +430,6 @@ def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
             f"--disable-grpo-std-normalization contradicts --generative-advantage-std-mode {mode}; drop one "
             "(the disable flag means 'none')"
         )
-    if g.kl_coef != 0:
-        errors.append(f"--kl-coef {g.kl_coef}: FlowGRPO here has no reference model and no KL term; set it to 0")
-    if g.use_kl_loss:
-        errors.append("--use-kl-loss: FlowGRPO here has no reference model and no KL term; remove the flag")
 
 
 def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
@@ -613,12 +584,6 @@ def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list
         _check_resume(cfg, errors)
     _check_output_paths(cfg, errors)
     _check_data_contents(cfg, errors)
-    if ck.async_save:
-        warnings.append("--async-save has no effect: the checkpoint write is synchronous")
-    if ck.save_hf:
-        errors.append(
-            "--save-hf is rejected: export a committed checkpoint offline with tools/export_checkpoint.py"
-        )
 
 
 def tensorboard_dir(cfg: RunConfig) -> str | None:
@@ -717,27 +682,17 @@ def _check_data_contents(cfg: RunConfig, errors: list[str]) -> None:
 
 
 def _check_unsupported(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
-    g, d, lg = cfg.grpo, cfg.debug, cfg.logging
-    if g.use_dynamic_batch_size:
-        errors.append(
-            "--use-dynamic-batch-size is rejected: diffusion latents are fixed-shape, there is no token-budget "
-            "batching; use --micro-batch-size"
-        )
-    if g.max_tokens_per_gpu is not None:
-        errors.append("--max-tokens-per-gpu is rejected: there is no token-budget batching; use --micro-batch-size")
-    if d.load_debug_rollout_data:
-        errors.append(
-            "--load-debug-rollout-data is rejected: each rank replays the trajectories it generated; remove it"
-        )
-    if d.save_debug_train_data:
-        warnings.append(
-            "--save-debug-train-data has no effect: train data are numeric tensors plus the sidecars under "
-            "--artifact-root"
-        )
-    for flag, on in (
-        ("--use-wandb", lg.use_wandb),
-        ("--use-clearml", lg.use_clearml),
-        ("--use-metrics-service", lg.use_metrics_service),
-    ):
-        if on:
-            errors.append(f"{flag} is rejected: TensorBoard (--tensorboard-dir) is the only tracker here")
+    """Every flag of UNSUPPORTED_FLAGS that is set, i.e. not at its default (an empty string
+    counts as unset): an error saying why and what to use instead, or a warning for a flag that
+    merely has no effect."""
+    for name, why in UNSUPPORTED_FLAGS.items():
+        spec, value = FLAGS[name], cfg.get(name)
+        if value == spec.default or value == "":
+            continue
+        shown = "" if value is True else f" {value if isinstance(value, str) else json.dumps(value)}"
+        if not why.rejected:
+            warnings.append(f"{spec.flag}{shown} has no effect: {why.reason}")
+            continue
+        fix = ("remove the flag" if spec.default is None or spec.default is False
+               else "leave it on" if spec.default is True else f"set it to {json.dumps(spec.default)}")
+        errors.append(f"{spec.flag}{shown} is rejected: {why.reason}; {fix}")
