@@ -7,11 +7,15 @@ reference's Configuration Reference; where this trainer deviates (the default
 backend, flags that only exist for Ray machinery) docs/configuration.md records
 the decision and why.
 
-A recipe is a TOML file whose keys are flag names (dashes or underscores).
-Tables are allowed only where a flag's value is itself a dict (sampling-config,
-reward-component-weights, resource, autoscaler-config). String values may use
-``${VAR}`` / ``${VAR:-default}`` environment expansion. CLI flags override the
-recipe. Unknown keys and flags are errors with a did-you-mean suggestion.
+A recipe is a TOML file whose keys are flag names (dashes or underscores), at the
+top level or under the section that holds them (``[rollout]``, ``[fsdp]``, ... the
+groups of ``--help`` and of ``RunConfig.to_dict()``). Other tables are allowed only
+where a flag's value is itself a dict (sampling-config, reward-component-weights,
+resource, autoscaler-config). String values may use ``${VAR}`` /
+``${VAR:-default}`` environment expansion. A run's recipe record (JSON, its
+``"config"`` object) loads the same way, so a run can be started again from it. CLI
+flags override the recipe. Unknown keys and flags, and keys under the wrong section,
+are errors with a did-you-mean suggestion.
 
 This module imports no torch: preflight and ``--preflight-only`` run before any
 heavy import.
@@ -827,7 +831,9 @@ def _suggest(name: str, candidates: list[str]) -> str:
     return f" (did you mean '{hits[0]}'?)" if hits else ""
 
 
-def _lookup(raw: str, origin: str, as_flag: bool) -> FlagSpec:
+def _lookup(raw: str, origin: str, as_flag: bool, section: str | None = None) -> FlagSpec:
+    """The flag a command-line flag or a recipe key names; a recipe key under a [section] must
+    belong to it. ConfigError otherwise, with the closest name (or section) as a suggestion."""
     name = raw.replace("-", "_")
     spec = FLAGS.get(name)
     if spec is None:
@@ -835,12 +841,18 @@ def _lookup(raw: str, origin: str, as_flag: bool) -> FlagSpec:
             cands = [s.flag for s in FLAGS.values()]
             sugg = _suggest("--" + raw.replace("_", "-"), cands)
         else:
-            cands = [n.replace("_", "-") for n in FLAGS]
-            sugg = _suggest(raw.replace("_", "-"), cands)
+            key = raw.replace("_", "-")
+            cands = [n.replace("_", "-") for n in FLAGS] + (list(SECTIONS) if section is None else [])
+            hits = difflib.get_close_matches(key, cands, n=1, cutoff=0.6)
+            other = FLAGS.get(hits[0].replace("-", "_")) if hits else None
+            elsewhere = f" in [{other.section}]" if other and section and other.section != section else ""
+            sugg = f" (did you mean '{hits[0]}'{elsewhere}?)" if hits else ""
         what = f"flag '--{raw}'" if as_flag else f"key '{raw}'"
         raise ConfigError(
             f"{origin}: unknown {what}{sugg}; `python -m trainer.train --help` lists every flag"
         )
+    if section is not None and spec.section != section:
+        raise ConfigError(f"{origin}: key '{raw}' belongs in [{spec.section}], not [{section}]")
     return spec
 
 
@@ -1014,39 +1026,75 @@ def _expand_tree(value: Any, origin: str, env: dict[str, str] | None) -> Any:
 def read_recipe(
     path: str | Path, env: dict[str, str] | None = None, skip: frozenset | set = frozenset()
 ) -> dict[str, Any]:
-    """Parse a TOML recipe into {underscore flag name: typed value}.
+    """Parse a recipe into {underscore flag name: typed value}.
+
+    A TOML recipe names flags (dashes or underscores) at the top level, under the [section]
+    that holds them ([rollout], [fsdp], ... as --help groups them), or both. A JSON file is a
+    run's recipe record (<artifact_root>/recipes/<name>-<time>.json): its "config" object,
+    {section: {field: value}}, read with the same rules; its values are already resolved, so
+    they are not ${VAR}-expanded.
 
     Keys whose flag is in `skip` (overridden on the command line) are checked for
     existence but neither expanded nor parsed, so an unset ${VAR} there is no error.
-    Raises ConfigError for a missing file, bad TOML, an unknown key (with a
-    suggestion), a key given twice (dash and underscore form), a table where the flag
-    is not a dict, a wrong value type, or an unset ${VAR}.
+    Raises ConfigError for a missing file, bad TOML or JSON, an unknown key or section (with a
+    suggestion), a key under the wrong section (naming the right one), a flag given twice
+    (dash and underscore form, or flat and in its section), a table where the flag is not a
+    dict, a wrong value type, a value outside the flag's choices, or an unset ${VAR}.
     """
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"recipe {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"recipe {path} is not valid TOML: {exc}") from None
+    if path.suffix == ".json":
+        tree, expand = _record_config(path, text), False
+    else:
+        try:
+            tree, expand = tomllib.loads(text), True
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"recipe {path} is not valid TOML: {exc}") from None
+    items: list[tuple[str | None, str, Any]] = []  # (section or None, key, value)
+    for key, value in tree.items():
+        if key in SECTIONS and isinstance(value, dict):
+            items += [(key, sub, v) for sub, v in value.items()]
+        else:
+            items.append((None, key, value))
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}
-    for key, value in raw.items():
-        spec = _lookup(key, f"recipe {path}", as_flag=False)
+    for sec, key, value in items:
+        where = f"recipe {path}" if sec is None else f"recipe {path} [{sec}]"
+        label = key if sec is None else f"[{sec}] {key}"
+        spec = _lookup(key, where, as_flag=False, section=sec)
         if spec.name in seen:
-            raise ConfigError(f"recipe {path}: '{key}' and '{seen[spec.name]}' set the same flag {spec.flag}")
-        seen[spec.name] = key
+            raise ConfigError(f"recipe {path}: '{label}' and '{seen[spec.name]}' set the same flag {spec.flag}")
+        seen[spec.name] = label
         if spec.name in skip:
             continue
         if isinstance(value, dict) and spec.kind not in ("dict", "pairs"):
             raise ConfigError(
-                f"recipe {path}: '{key}' is a table, but {spec.flag} is not a dict-valued flag; "
+                f"{where}: '{key}' is a table, but {spec.flag} is not a dict-valued flag; "
                 "tables are only for sampling-config, reward-component-weights, resource and "
-                "autoscaler-config (section tables like [fsdp] are not used: keys are flat)"
+                f"autoscaler-config, and for the sections {', '.join(f'[{s}]' for s in SECTIONS)}"
             )
-        value = _expand_tree(value, f"recipe {path} key '{key}'", env)
-        out[spec.name] = _coerce_native(spec, value, f"recipe {path}")
+        if expand:
+            value = _expand_tree(value, f"{where} key '{key}'", env)
+        out[spec.name] = _coerce_native(spec, value, where)
     return out
+
+
+def _record_config(path: Path, text: str) -> dict[str, Any]:
+    """The "config" object of a recipe record (JSON), {section: {field: value}}."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"recipe {path} is not valid JSON: {exc}") from None
+    config = record.get("config") if isinstance(record, dict) else None
+    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+        raise ConfigError(
+            f"recipe {path} is JSON but not a recipe record (no \"config\" object of sections); a recipe is a "
+            "TOML file, a record is what a run writes under <artifact_root>/recipes/"
+        )
+    return config
 
 
 def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
@@ -1191,7 +1239,9 @@ def format_help() -> str:
     lines = [
         "usage: python -m trainer.train --config RECIPE.toml [--flag value ...] [--preflight-only]",
         "",
-        "Recipe keys are these flag names (dashes or underscores); the command line overrides the recipe.",
+        "Recipe keys are these flag names (dashes or underscores), at the top level or under the [section]",
+        "that lists them here; --config also takes a run's recipe record (JSON). The command line overrides",
+        "the recipe.",
     ]
     for sec in SECTIONS:
         lines += ["", f"[{sec}]"]
