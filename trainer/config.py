@@ -534,8 +534,8 @@ class SyncConfig:
     )
     weight_sync_wire_dtype: DtypeName = _flag(
         "bf16",
-        "Dtype of the tensors handed to the engine: 'bf16' or 'fp32' (fp32 makes the sync "
-        "exact for fp32 CPU runs). The sglang engine requires 'bf16'.",
+        "Dtype of the tensors handed to the engine: 'bf16' or 'fp32', with either engine (fp32 "
+        "makes the sync exact for fp32 CPU runs).",
     )
     weight_sync_bucket_size_mb: int = _flag(
         512, "Bucket size of the gathered-weight stream in MB; must be >= 1."
