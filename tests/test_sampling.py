@@ -192,6 +192,40 @@ def test_step_zero_route_lines_match_what_would_be_trained():
     assert sp.resolve_sde_indices(clean, 12, None) == [1, 3, 5]
 
 
+# ---------------------------------------------------------------- invariants of every rollout
+
+
+def test_guidance_scale_problem_allows_only_1():
+    assert sp.guidance_scale_problem(1.0) is None and sp.guidance_scale_problem(1) is None
+    for bad in (4.0, 0.0, "1.0", None, float("nan")):
+        assert sp.guidance_scale_problem(bad).startswith("must be 1.0"), bad
+    # the parser reports the same rule under its key
+    with pytest.raises(sp.SamplingConfigError, match=r"key 'guidance_scale': must be 1.0 \(the actor replays"):
+        sp.parse_sampling_config({"guidance_scale": 3.0})
+
+
+def test_trained_steps_problem_needs_steps_in_range():
+    assert sp.trained_steps_problem([1, 3, 5], 6) is None
+    assert "the trained SDE step set is empty" in sp.trained_steps_problem([], 6)
+    assert sp.trained_steps_problem([1, 6, -1], 6) == "step indices [6, -1] are outside [0, num_inference_steps=6)"
+    # resolving trained steps applies the same rule
+    with pytest.raises(ValueError, match=r"key 'sde_indices': step indices \[8\] are outside"):
+        sp.resolve_sde_indices(sp.SamplingConfig(sde_indices=[1, 8]), 8, None)
+
+
+def test_step_zero_problem_only_under_sde():
+    assert "step 0 under sde_type 'sde' is singular" in sp.step_zero_problem([2, 0], "sde")
+    assert sp.step_zero_problem([0, 2], "dance") is None
+    assert sp.step_zero_problem([1, 2], "sde") is None
+    assert sp.step_zero_problem([], "sde") is None
+
+
+def test_sigma_count_problem_wants_n_plus_one():
+    sigmas = sp.sigma_schedule(QWEN_IMAGE_SCHEDULER, 6, 256)
+    assert len(sigmas) == 7 and sp.sigma_count_problem(sigmas, 6) is None
+    assert sp.sigma_count_problem(sigmas[:-1], 6).startswith("6 sigmas for 6 steps")
+
+
 # ---------------------------------------------------------------- sigma schedule
 
 

@@ -21,7 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -29,6 +29,72 @@ SDE_TYPES = ("sde", "dance")
 SAMPLE_ID_MODES = ("metadata", "positional", "group_index")
 
 _FLAG = "--sampling-config"
+
+
+# ---------------------------------------------------------------------------- invariants
+#
+# What any rollout must satisfy, each decided here once. The config parser, preflight, the
+# model adapter's build_rollout_request and the engines' check_request all ask these functions;
+# each returns None when the value is fine, else the problem as a phrase the caller prefixes
+# with what it is checking.
+
+
+def guidance_scale_problem(guidance_scale: Any) -> str | None:
+    """None when a rollout may sample at `guidance_scale`, else what it must be and why, phrased
+    to follow the value ("guidance_scale is 4.0, but " + problem).
+
+    Only 1.0 today: the actor replays each trained step with one positive-conditioned forward,
+    so a CFG rollout would train against a policy it never sampled from. Allowing CFG means a
+    two-forward replay, then relaxing this function.
+    """
+    if _is_number(guidance_scale) and float(guidance_scale) == 1.0:
+        return None
+    return ("must be 1.0 (the actor replays a single positive-conditioned forward, so a CFG rollout would "
+            "train against a policy it never sampled from; two-forward CFG replay is not implemented)")
+
+
+def trained_steps_problem(steps: Sequence[int], num_inference_steps: int) -> str | None:
+    """None when `steps` (trained step indices) is non-empty and inside [0, num_inference_steps),
+    else the problem. Generation injects SDE noise and records a transition only at trained
+    steps, so a rollout without one has nothing to train on. Also the range rule of any step
+    list (sde_pool)."""
+    if not steps:
+        return ("the trained SDE step set is empty (empty sde_indices: no step gets SDE noise or a recorded "
+                f"transition); set sde_indices, or num_sde_steps (with sde_pool or sde_timestep_fraction) in {_FLAG}, "
+                'e.g. "sde_indices": [1, 3, 5]')
+    n = int(num_inference_steps)
+    bad = [int(i) for i in steps if not 0 <= int(i) < n]
+    if bad:
+        return f"step indices {bad} are outside [0, num_inference_steps={n})"
+    return None
+
+
+#: why step 0 cannot be trained under sde_type "sde"
+_STEP_ZERO_WHY = ("under sde_type=\"sde\" step 0 (sigma == 1) is only finite through the sigma_max clamp, "
+                  "which is not what the sampler used")
+
+
+def step_zero_problem(steps: Sequence[int], sde_type: str) -> str | None:
+    """None unless `steps` trains step 0 under sde_type "sde", else the problem.
+
+    At step 0 sigma == 1 and the "sde" coefficient eta * sqrt(sigma / (1 - sigma)) divides by
+    zero; it is finite only through the arbitrary sigma_max clamp, which is not what the sampler
+    used (measured: std 7.0 vs ~2.92, with the mean's sample coefficient changing sign). "dance"
+    has a constant coefficient and no singularity there.
+    """
+    if sde_type != "sde" or 0 not in {int(i) for i in steps}:
+        return None
+    return (f"trained SDE step 0 under sde_type 'sde' is singular ({_STEP_ZERO_WHY}): use e.g. sde_indices "
+            "[1,3,5] / sde_pool [1,2,3,4,5], or sde_type 'dance'")
+
+
+def sigma_count_problem(sigmas: Sequence[float], num_inference_steps: int) -> str | None:
+    """None when `sigmas` is a schedule for `num_inference_steps` steps (N + 1 values, the
+    terminal 0 included, as sigma_schedule returns), else the problem."""
+    n = int(num_inference_steps)
+    if len(sigmas) == n + 1:
+        return None
+    return f"{len(sigmas)} sigmas for {n} steps; a schedule holds num_inference_steps + 1 = {n + 1} (terminal 0 included)"
 
 
 class SamplingConfigError(ValueError):
@@ -60,8 +126,8 @@ class SamplingConfig:
     width: int = 384
     #: denoising steps generated per image (all of them run; only the trained subset is replayed)
     num_inference_steps: int = 12
-    #: must be 1.0: the replay runs one positive-conditioned forward, so a CFG rollout would
-    #: train against a different policy than it sampled from
+    #: must be 1.0 (guidance_scale_problem says why): the replay runs one positive-conditioned
+    #: forward, so a CFG rollout would train against a different policy than it sampled from
     guidance_scale: float = 1.0
     #: SDE noise level (>= 0; > 0 when any step is trained). Used by both the sampler and the
     #: replay, so the two Gaussians are the same by construction
@@ -197,10 +263,8 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
         return check
 
     def guidance(v):
-        if _is_number(v) and float(v) == 1.0:
-            return None, 1.0
-        return ("must be 1.0, got {got}: the replay runs a single positive-conditioned forward, so a "
-                "CFG rollout would train against a different policy than it sampled from", None)
+        problem = guidance_scale_problem(v)
+        return (problem, None) if problem else (None, float(v))
 
     def eta(v):
         return (None, float(v)) if _is_number(v) and v >= 0 else ("must be a number >= 0", None)
@@ -257,11 +321,10 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
     if "num_inference_steps" in ok:
         for key in ("sde_pool", "sde_indices"):
             lst = getattr(cfg, key)
-            if key in ok and lst is not None:
-                bad = [i for i in lst if not 0 <= i < n]
-                if bad:
-                    err(key, f"step indices {bad} are outside [0, num_inference_steps={n})")
-                    ok.discard(key)
+            problem = trained_steps_problem(lst, n) if key in ok and lst is not None else None
+            if problem:
+                err(key, problem)
+                ok.discard(key)
         if "sde_pool" in ok and cfg.sde_pool is not None and len(set(cfg.sde_pool)) != len(cfg.sde_pool):
             err("sde_pool", f"has repeated steps {cfg.sde_pool}; a redraw would train one step twice")
             ok.discard("sde_pool")
@@ -343,16 +406,18 @@ def resolve_sde_indices(
         pool = list(cfg.sde_pool) if cfg.sde_pool is not None else window
         if not 1 <= cfg.num_sde_steps <= len(pool):
             raise ValueError(f"{_FLAG}: cannot draw num_sde_steps={cfg.num_sde_steps} steps from pool {pool}")
-        if any(not 0 <= i < n for i in pool):
-            raise ValueError(f"{_FLAG} key 'sde_pool': {pool} has steps outside [0, {n})")
+        problem = trained_steps_problem(pool, n)
+        if problem:
+            raise ValueError(f"{_FLAG} key 'sde_pool': {problem}")
         if not _is_int(rollout_id) or rollout_id < 0:
             raise ValueError(f"rollout_id must be an integer >= 0 (it seeds the redraw), got {rollout_id!r}")
         picked = np.random.default_rng(int(rollout_id)).choice(pool, size=cfg.num_sde_steps, replace=False)
         return sorted(int(i) for i in picked)
     if cfg.sde_indices is not None:
         out = sorted({int(i) for i in cfg.sde_indices})
-        if any(not 0 <= i < n for i in out):
-            raise ValueError(f"{_FLAG} key 'sde_indices': {out} has steps outside [0, {n})")
+        problem = trained_steps_problem(out, n)
+        if problem:
+            raise ValueError(f"{_FLAG} key 'sde_indices': {problem}")
         return out
     if cfg.num_sde_steps > 0:
         k_total = cfg.num_sde_steps
@@ -363,29 +428,23 @@ def resolve_sde_indices(
 
 
 def trainable_step_zero_routes(cfg: SamplingConfig | Mapping[str, Any] | None) -> list[str]:
-    """One human-readable line per route by which step 0 can become a trained step under
-    sde_type="sde"; [] when there is none, and always [] for "dance".
+    """One human-readable line per route by which a rollout can train step 0 under
+    sde_type="sde" (see `step_zero_problem`); [] when there is none, and always [] for "dance".
 
-    At step 0 sigma == 1 and the "sde" coefficient sqrt(sigma / (1 - sigma)) is singular; it is
-    finite only through the arbitrary sigma_max clamp, which is not what the sampler used
-    (measured: std 7.0 vs ~2.92, with the mean's sample coefficient changing sign). Routes:
-    explicit `sde_indices` (always reachable: it is the evaluation fallback), `sde_pool` (when
-    `sde_resample_per_rollout` draws from it), and the derived `sde_timestep_fraction` window
-    (when it is the redraw pool, or when num_sde_steps picks from it). Preflight turns each
+    Routes: explicit `sde_indices` (always reachable: it is the evaluation fallback), `sde_pool`
+    (when `sde_resample_per_rollout` draws from it), and the derived `sde_timestep_fraction`
+    window (when it is the redraw pool, or when num_sde_steps picks from it). Preflight turns each
     line into an error.
     """
     if not isinstance(cfg, SamplingConfig):
         cfg = parse_sampling_config(cfg)
-    if cfg.sde_type != "sde":
-        return []
     n = cfg.num_inference_steps
-    fix = ("; under sde_type=\"sde\" step 0 (sigma == 1) is only finite through the sigma_max clamp, "
-           "which is not what the sampler used")
+    fix = f"; {_STEP_ZERO_WHY}"
     routes: list[str] = []
-    if cfg.sde_indices is not None and 0 in cfg.sde_indices:
+    if cfg.sde_indices is not None and step_zero_problem(cfg.sde_indices, cfg.sde_type):
         routes.append(f"{_FLAG} key 'sde_indices' {cfg.sde_indices} trains step 0{fix}. "
                       "Drop 0, e.g. \"sde_indices\": [1, 3, 5].")
-    if cfg.sde_resample_per_rollout and cfg.sde_pool is not None and 0 in cfg.sde_pool:
+    if cfg.sde_resample_per_rollout and cfg.sde_pool is not None and step_zero_problem(cfg.sde_pool, cfg.sde_type):
         routes.append(f"{_FLAG} key 'sde_pool' {cfg.sde_pool} lets the per-rollout redraw pick step 0{fix}. "
                       "Drop 0, e.g. \"sde_pool\": [1, 2, 3, 4, 5].")
     window = _fraction_window(cfg.sde_timestep_fraction, n)
@@ -395,7 +454,7 @@ def trainable_step_zero_routes(cfg: SamplingConfig | Mapping[str, Any] | None) -
     if cfg.sde_indices is None and cfg.num_sde_steps > 0:
         picks = resolve_sde_indices(dataclasses.replace(cfg, sde_resample_per_rollout=False), n, None)
         users.append(f"num_sde_steps={cfg.num_sde_steps} picks {picks} from it")
-    if window and window[0] == 0 and users:
+    if users and step_zero_problem(window, cfg.sde_type):
         routes.append(
             f"{_FLAG} key 'sde_timestep_fraction' {cfg.sde_timestep_fraction} over {n} steps starts at "
             f"step 0 and {' and '.join(users)}{fix}. Start the fraction above 1/num_inference_steps "

@@ -150,18 +150,15 @@ def check_request(r: RolloutRequest) -> None:
     """Raise ValueError naming the candidate if `r` is not something an engine may sample: CFG
     (the actor replays one positive-conditioned forward), no trained step, a sigma list of the
     wrong length, trained steps out of range, an unknown SDE type."""
-    from trainer.sampling import SDE_TYPES
+    from trainer.sampling import SDE_TYPES, guidance_scale_problem, sigma_count_problem, trained_steps_problem
 
-    if float(r.guidance_scale) != 1.0:
-        raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale} != 1.0; the engines sample "
-                         "without CFG because the actor replays a single positive-conditioned forward")
-    if not r.sde_indices:
-        raise ValueError(f"request {r.sample_id}: empty sde_indices; a rollout needs at least one trained SDE step")
-    if len(r.sigmas) != r.num_inference_steps + 1:
-        raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
-                         "(need num_inference_steps + 1, terminal 0 included)")
-    if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
-        raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
+    guidance = guidance_scale_problem(r.guidance_scale)
+    if guidance:
+        raise ValueError(f"request {r.sample_id}: guidance_scale is {r.guidance_scale}, but {guidance}")
+    for problem in (trained_steps_problem(r.sde_indices, r.num_inference_steps),
+                    sigma_count_problem(r.sigmas, r.num_inference_steps)):
+        if problem:
+            raise ValueError(f"request {r.sample_id}: {problem}")
     if r.sde_type not in SDE_TYPES:
         raise ValueError(f"request {r.sample_id}: sde_type {r.sde_type!r} not one of {SDE_TYPES}")
 

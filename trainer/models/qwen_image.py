@@ -392,32 +392,21 @@ class QwenImageAdapter:
         trained-step set is empty, out of range, or trains step 0 under sde_type "sde", and when
         `sigmas` is not num_inference_steps + 1 values.
         """
+        from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
+                                      trained_steps_problem)
+
         guidance = float(getattr(sampling, "guidance_scale", 1.0))
-        if guidance != 1.0:
-            raise ValueError(
-                f"--sampling-config guidance_scale is {guidance}, but must be 1.0: the actor replays a single "
-                "positive-conditioned forward, so a CFG rollout would train against a policy it never sampled "
-                "from (two-forward CFG replay is not implemented)"
-            )
         n = int(sampling.num_inference_steps)
         steps = sorted({int(i) for i in sde_indices})
-        if not steps:
-            raise ValueError(
-                "the resolved trained SDE step set is empty: set sde_indices, or num_sde_steps (with sde_pool or "
-                "sde_timestep_fraction) in --sampling-config; generation injects SDE noise and records a "
-                "trajectory only at trained steps"
-            )
-        if steps[0] < 0 or steps[-1] >= n:
-            raise ValueError(f"trained SDE steps {steps} are outside 0..{n - 1} (num_inference_steps={n})")
         sde_type = getattr(sampling, "sde_type", "sde")
-        if sde_type == "sde" and steps[0] == 0:
-            raise ValueError(
-                "trained SDE step 0 under sde_type 'sde' is singular (sigma == 1 divides by zero; only the "
-                "sigma_max clamp keeps it finite): use e.g. sde_indices [1,3,5] / sde_pool [1,2,3,4,5], or "
-                "sde_type 'dance'"
-            )
-        if len(sigmas) != n + 1:
-            raise ValueError(f"sigmas must hold num_inference_steps + 1 = {n + 1} values (terminal 0 included), got {len(sigmas)}")
+        for where, problem in (
+            (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
+            (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
+            (f"trained SDE steps {steps}:", step_zero_problem(steps, sde_type)),
+            ("sigmas:", sigma_count_problem(sigmas, n)),
+        ):
+            if problem:
+                raise ValueError(f"{where} {problem}")
         shape = getattr(sampling, "init_noise_latent_shape", None)
         return RolloutRequest(
             prompt=prompt,
