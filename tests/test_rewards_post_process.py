@@ -139,15 +139,18 @@ def _fresh_cache():
     clear_reward_manager_cache()
 
 
-def test_cpu_runtime_hides_cuda_colocate_uses_engine_device(monkeypatch):
+def test_the_runtime_picks_the_device_the_scorer_is_built_on(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend a GPU is present
     cpu = RewardManager("cpu", PROBE, device="cuda:3")
     cpu.score(torch.rand(2, 3, 4, 4), ["a", "b"])
-    assert cpu.scorer.device == "cpu" and cpu.scorer.cuda_at_init is False and cpu.scorer.calls[0][1] is False
-    assert torch.cuda.is_available() is True  # restored after scoring
+    assert cpu.device == "cpu" and cpu.scorer.device == "cpu"  # cpu ignores the engine's device
+    # the device is the constructor's argument only: the manager patches nothing process-wide
+    assert cpu.scorer.cuda_at_init is True and cpu.scorer.calls[0][1] is True
+    assert torch.cuda.is_available() is True
     colo = RewardManager("colocate", PROBE, device="cuda:3")
     colo.score(torch.rand(2, 3, 4, 4), ["a", "b"])
-    assert colo.scorer.device == "cuda:3" and colo.scorer.cuda_at_init is True and colo.scorer.calls[0][1] is True
+    assert colo.device == "cuda:3" and colo.scorer.device == "cuda:3"
+    assert colo.scorer.cuda_at_init is True and colo.scorer.calls[0][1] is True
 
 
 def test_manager_batches_in_order_and_is_cached():

@@ -1,12 +1,14 @@
 """Where a scorer runs (`--reward-runtime`) and how a rollout's images reach it.
 
-- `cpu`: built and run in this process with device "cpu"; while it is built and while it scores,
-  torch.cuda.is_available() reports False, so libraries that pick a device by themselves stay on
-  the CPU too. (CUDA_VISIBLE_DEVICES is not touched: in a process whose engine already uses the
-  GPU it would change nothing, and before that it would hide the GPU from the engine for good.)
+- `cpu`: built and run in this process with device "cpu".
 - `colocate`: built and run in this process on the engine's device, sharing the card while the
   actor is offloaded.
 - `remote`: every batch is POSTed to `--reward-endpoint` (trainer.rewards.remote).
+
+The device is the scorer's constructor argument and nothing else: a scorer places every tensor
+and module it holds on the device it is given (every shipped one does), and the manager changes
+no process-wide state (torch.cuda, the environment) to steer a scorer that would pick a device by
+itself.
 
 A manager is cached per (scorer path, model path, runtime, device, endpoint), so a scorer's
 weights load once per process, not once per rollout.
@@ -14,12 +16,11 @@ weights load once per process, not once per rollout.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import threading
 import time
-import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -37,18 +38,6 @@ RUNTIMES = ("colocate", "cpu", "remote")
 
 #: images per scorer call when the caller does not say
 DEFAULT_SCORE_BATCH_SIZE = 32
-
-
-@contextlib.contextmanager
-def cuda_hidden() -> Iterator[None]:
-    """Within the block torch.cuda.is_available() is False and device_count() is 0."""
-    is_available, device_count = torch.cuda.is_available, torch.cuda.device_count
-    torch.cuda.is_available = lambda: False
-    torch.cuda.device_count = lambda: 0
-    try:
-        yield
-    finally:
-        torch.cuda.is_available, torch.cuda.device_count = is_available, device_count
 
 
 @dataclass
@@ -103,12 +92,9 @@ class RewardManager:
                 f"--reward-runtime={runtime} needs --reward-scorer-path "
                 "(e.g. pickscore or trainer.rewards.pickscore.PickScoreScorer)"
             )
+        #: the device the scorer was built on: "cpu" under `cpu`, the engine's under `colocate`
         self.device = "cpu" if runtime == "cpu" else str(device)
-        with self._placement():
-            self.scorer = build_scorer(scorer_path, model_path, self.device, scorer_options)
-
-    def _placement(self):
-        return cuda_hidden() if self.runtime == "cpu" else contextlib.nullcontext()
+        self.scorer = build_scorer(scorer_path, model_path, self.device, scorer_options)
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -141,8 +127,7 @@ class RewardManager:
         for start in range(0, n, bs):
             stop = min(start + bs, n)
             t0 = time.perf_counter()
-            with self._placement():
-                raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
+            raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
             score_time += time.perf_counter() - t0
             source = f"scorer {self.scorer_path or self.device}"
             parts.append((start, stop, check_scores(raw, stop - start, source)))
@@ -223,7 +208,6 @@ __all__ = [
     "RewardManager",
     "ScoreOutput",
     "clear_reward_manager_cache",
-    "cuda_hidden",
     "get_reward_manager",
     "reward_manager_from_config",
 ]
