@@ -183,7 +183,8 @@ class RunError(RuntimeError):
 
 def build_reward_manager(reward: Any, device: Any, held_out: tuple[str, str | None] | None = None) -> Any:
     """The configured scorer, built (or, for --reward-runtime remote, probed with a GET) now; with
-    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead.
+    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead. The
+    trainer calls it once per scorer at start-up and holds the managers for the run.
 
     Generic over scorers: whatever --reward-scorer-path names is constructed, and a failure
     becomes a RunError naming the flag, the scorer and the constructor's own message (which

@@ -9,6 +9,6 @@ Modules (import what you need; this package imports nothing heavy on its own):
                 JpegIncompressibilityScorer "jpeg_incompressibility"
   color         ColorScorer                component "color"; color_palette(), color_prompts()
   remote        the HTTP JSON protocol and RemoteScorer (--reward-runtime remote)
-  manager       RewardManager / get_reward_manager: runtimes cpu / colocate / remote, batching, cache
+  manager       RewardManager / reward_manager_from_config: runtimes cpu / colocate / remote, batching
   post_process  post_process / compute_advantages / gather_scores -> RewardResult (reward/* metrics)
 """

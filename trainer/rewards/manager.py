@@ -10,14 +10,13 @@ and module it holds on the device it is given (every shipped one does), and the 
 no process-wide state (torch.cuda, the environment) to steer a scorer that would pick a device by
 itself.
 
-A manager is cached per (scorer path, model path, runtime, device, endpoint), so a scorer's
-weights load once per process, not once per rollout.
+A manager is built once by whoever scores (the trainer at start-up, before the policy loads; a
+tool at its start) and held for the run: the scorer's weights load once, when it is built, and
+nothing is looked up per rollout.
 """
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -140,45 +139,15 @@ class RewardManager:
         return ScoreOutput(components=out, score_time=score_time, num_samples=n, failures=pop() if pop else {})
 
 
-_CACHE: dict[tuple, RewardManager] = {}
-_CACHE_LOCK = threading.Lock()
-
-
-def get_reward_manager(
-    runtime: str,
-    scorer_path: str | None = None,
-    model_path: str | None = None,
-    device: str | torch.device = "cpu",
-    endpoint: str | None = None,
-    **kwargs: Any,
-) -> RewardManager:
-    """The process-wide manager for this configuration, built on first use.
-
-    Keyed by (scorer_path, model_path, runtime, device, endpoint, scorer_options); `cpu` ignores
-    `device` and `remote` ignores everything but the endpoint, so equivalent configurations share
-    one manager. Other kwargs (batch_size, remote_*) apply only when the manager is first built.
-    """
-    scorer_path = resolve_scorer_path(scorer_path)
-    if runtime == "remote":
-        key = (None, None, runtime, None, endpoint, None)
-    else:
-        options = json.dumps(kwargs.get("scorer_options") or {}, sort_keys=True, default=str)
-        key = (scorer_path, model_path, runtime, "cpu" if runtime == "cpu" else str(device), None, options)
-    with _CACHE_LOCK:
-        manager = _CACHE.get(key)
-        if manager is None:
-            manager = RewardManager(runtime, scorer_path, model_path, device, endpoint, **kwargs)
-            _CACHE[key] = manager
-        return manager
-
-
 def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", *, scorer_path: str | None = None,
                                model_path: str | None = None, **kwargs: Any) -> RewardManager:
-    """get_reward_manager from a config's reward section (duck-typed: reward_runtime,
-    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields).
+    """A new RewardManager from a config's reward section (duck-typed: reward_runtime,
+    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields);
+    the scorer is built now.
 
     With `scorer_path` (a held-out --eval-reward-scorers entry, with its own `model_path`) the
-    scorer runs in this process: on `device` under --reward-runtime colocate, else on the CPU."""
+    scorer runs in this process: on `device` under --reward-runtime colocate, else on the CPU.
+    Other kwargs (batch_size, remote_*) go to RewardManager."""
     runtime = getattr(reward, "reward_runtime", "cpu") or "cpu"
     if scorer_path is not None:
         runtime = "colocate" if runtime == "colocate" else "cpu"
@@ -186,20 +155,7 @@ def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", 
         scorer_path, model_path = getattr(reward, "reward_scorer_path", None), getattr(reward, "reward_model_path", None)
     if runtime != "remote":
         kwargs.setdefault("scorer_options", scorer_options(scorer_path, reward))
-    return get_reward_manager(
-        runtime,
-        scorer_path,
-        model_path,
-        device,
-        getattr(reward, "reward_endpoint", None),
-        **kwargs,
-    )
-
-
-def clear_reward_manager_cache() -> None:
-    """Drop every cached manager (tests; or to free a colocated scorer's memory)."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
+    return RewardManager(runtime, scorer_path, model_path, device, getattr(reward, "reward_endpoint", None), **kwargs)
 
 
 __all__ = [
@@ -207,7 +163,5 @@ __all__ = [
     "RewardError",
     "RewardManager",
     "ScoreOutput",
-    "clear_reward_manager_cache",
-    "get_reward_manager",
     "reward_manager_from_config",
 ]

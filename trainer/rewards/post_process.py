@@ -209,6 +209,7 @@ def post_process_from_config(
     prompts: Sequence[str],
     metadata: Sequence[dict] | None = None,
     *,
+    manager: Any = None,
     group_size: int | None = None,
     device: str | torch.device = "cpu",
 ) -> RewardResult:
@@ -216,7 +217,11 @@ def post_process_from_config(
     (reward_runtime, reward_scorer_path, reward_model_path, reward_endpoint,
     reward_required_components, reward_component_weights), cfg.grpo
     (generative_advantage_std_mode, disable_grpo_std_normalization) and, unless group_size is
-    given, cfg.rollout.n_samples_per_prompt. `device` is the engine's (used by colocate)."""
+    given, cfg.rollout.n_samples_per_prompt.
+
+    manager: the RewardManager to score with; pass the one you hold when scoring more than once.
+    Unset, one is built from cfg.reward for this call (its scorer loads now), `device` being the
+    engine's (used by colocate)."""
     from trainer.rewards.manager import reward_manager_from_config
 
     reward, grpo = cfg.reward, getattr(cfg, "grpo", None)
@@ -232,7 +237,7 @@ def post_process_from_config(
         prompts,
         metadata,
         group_size=group_size,
-        manager=reward_manager_from_config(reward, device),
+        manager=manager if manager is not None else reward_manager_from_config(reward, device),
         required_components=getattr(reward, "reward_required_components", None),
         component_weights=getattr(reward, "reward_component_weights", None),
         std_mode=std_mode,
