@@ -74,9 +74,7 @@ class RewardManager:
             raise ValueError(f"--reward-runtime={runtime!r} must be one of {RUNTIMES}")
         if batch_size < 1:
             raise ValueError(f"reward batch_size must be >= 1, got {batch_size}")
-        self.runtime = runtime
         self.scorer_path = scorer_path = resolve_scorer_path(scorer_path)
-        self.model_path = model_path
         self.batch_size = int(batch_size)
         if runtime == "remote":
             from trainer.rewards.remote import RemoteScorer

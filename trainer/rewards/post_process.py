@@ -44,7 +44,6 @@ class RewardResult:
     failed_groups: list[int]  # group indices left out of the update
     metrics: dict[str, float]  # reward/* series (names as in the reference's Monitoring table)
     degenerate: bool  # advantage variance < DEGENERATE_VARIANCE, or no valid group
-    group_size: int
     weights: dict[str, float] = field(default_factory=dict)  # the component weights trained on
 
 
@@ -169,7 +168,6 @@ def compute_advantages(
         failed_groups=failed_groups,
         metrics=metrics,
         degenerate=degenerate,
-        group_size=group_size,
         weights=weights,
     )
 
