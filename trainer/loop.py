@@ -541,8 +541,8 @@ class Trainer:
         out_m: dict[str, float] = {}
         for name, ds in self.eval_sets.items():
             records = [ds[i] for i in range(len(ds))]
-            # one set: the reference layout <root>/eval/<task>/rollout_<k>/; several: one
-            # directory per set, <root>/eval/<task>/<name>/rollout_<k>/, so they never collide
+            # one set: <root>/eval/<task>/rollout_<k>/; several: one directory per set,
+            # <root>/eval/<task>/<name>/rollout_<k>/, so they never collide
             task_dir = self.task if len(self.eval_sets) == 1 else f"{self.task}/{name}"
             out = generate_rollout(self.engine, self.adapter, records, rollout_id=k, sampling=self.sampling,
                                    group_size=n, generation_seed=int(cfg.rollout.generation_seed),

@@ -42,7 +42,7 @@ class RewardResult:
     valid: torch.Tensor  # bool [G*n]; False for every candidate of a failed group
     components: dict[str, torch.Tensor]  # raw scores, fp32 [G*n], NaN where not scored
     failed_groups: list[int]  # group indices left out of the update
-    metrics: dict[str, float]  # reward/* series (names as in the reference's Monitoring table)
+    metrics: dict[str, float]  # reward/* series (docs/rewards.md, "Metrics", lists them)
     degenerate: bool  # advantage variance < DEGENERATE_VARIANCE, or no valid group
     weights: dict[str, float] = field(default_factory=dict)  # the component weights trained on
 
