@@ -20,10 +20,9 @@ model directory and no device, so a scorer that loads a model is a class.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
-
 import inspect
 import math
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
