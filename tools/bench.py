@@ -654,11 +654,37 @@ def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None 
     return sec
 
 
+#: column_sums_wide's row length in periods: rows of CHECKSUM_WIDE_FOLD * CHECKSUM_PERIOD words
+CHECKSUM_WIDE_FOLD = 64
+
+
+def column_sums_wide(words: torch.Tensor) -> torch.Tensor:
+    """trainer.core.checksum.column_sums(words), bit for bit, by another reduction order: the
+    alternative phase_checksum times against the one the sync uses.
+
+    The words as a [n // (P * K), P * K] view reduced over dim 0 (K = CHECKSUM_WIDE_FOLD: 65,344
+    independent column sums for a device reduction to spread over, where column_sums has 1,021),
+    those K * P partial sums folded into P ([K, P] reduced over dim 0), then the < P * K remaining
+    words by column_sums (they start at a multiple of P, so their residues line up). Integer
+    addition modulo 2^32 is associative and commutative: the order cannot change the result."""
+    from trainer.core.checksum import CHECKSUM_PERIOD, column_sums
+
+    p, k = CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD
+    n = words.numel()
+    m = n - n % (p * k)
+    if m == 0:
+        return column_sums(words)
+    cs = words[:m].view(-1, p * k).sum(0, dtype=torch.int32).view(k, p).sum(0, dtype=torch.int32)
+    if n > m:
+        cs += column_sums(words[m:])
+    return cs
+
+
 def phase_checksum(c: Ctx) -> None:
     """checksum_s: weights_checksum over the engine DiT's parameters (what a verified full / merged
     sync computes on each side), by itself; checksum_alt_s: the same with column_sums_wide, whose
     digest must be equal (same_digest says whether it is, on this device)."""
-    from trainer.core.checksum import column_sums, column_sums_wide, weights_checksum
+    from trainer.core.checksum import column_sums, weights_checksum
 
     params = list(c.engine.transformer.named_parameters())
     gb = sum(p.numel() * p.element_size() for _, p in params) / 1e9

@@ -65,7 +65,6 @@ COMPONENT_MODES = ("copy", "hardlink", "symlink")
 #: the key prefix PeftModel.save_pretrained puts in front of every module name of the wrapped model
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 EXPORT_INFO = "export_info.json"
 #: safetensors header key diffusers' load_lora_adapter reads the LoraConfig kwargs from
 DIFFUSERS_LORA_METADATA_KEY = "lora_adapter_metadata"

@@ -144,28 +144,6 @@ def optimizer_stateless_params(model: torch.nn.Module, optimizer: torch.optim.Op
     return sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stateful)
 
 
-#: fault injection for the chaos tests: "<point>:<iteration>:<rank>" SIGKILLs that rank at that
-#: point of that save (points: shards, sidecars, committed), as a power cut would
-KILL_AT_ENV = "TRAINER_TEST_KILL_AT"
-
-
-def _kill_point(point: str, iteration: int) -> None:
-    if os.environ.get(KILL_AT_ENV) == f"{point}:{iteration}:{_rank()}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _failing_writer_cls():
-    import torch.distributed.checkpoint as dcp
-
-    class FailingWriter(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):
-            raise OSError("simulated failure while writing shards")
-
-    return FailingWriter
-
-
 def save_checkpoint(
     save_root: str | os.PathLike,
     task: str,
@@ -178,16 +156,13 @@ def save_checkpoint(
     adapter_contract: dict[str, Any],
     trainable_only: bool,
     max_to_keep: int = 0,
-    rotate: bool = True,
-    fail_rank: int | None = None,
 ) -> bool:
     """Write one checkpoint on every rank (collective). Returns True when it was committed.
 
     Every failure is logged loudly and returns False on every rank (the caller counts it in
     train/checkpoint_failures and carries on): a failed preparation on rank 0 (a read-only or
     vanished --save), a failed shard or sidecar write. Committed iterations are never
-    overwritten and rotation (`max_to_keep`, when `rotate`) runs only after the new checkpoint
-    is committed. `fail_rank` makes that rank's shard write fail, for testing the crash path.
+    overwritten and rotation (`max_to_keep` > 0) runs only after the new checkpoint is committed.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -220,11 +195,9 @@ def save_checkpoint(
         state = {"model": model_sd}
         if optim_sd is not None:
             state["optim"] = optim_sd
-        writer_cls = _failing_writer_cls() if fail_rank == rank else dcp.FileSystemWriter
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
-        dcp.save(state, storage_writer=writer_cls(str(out / "fsdp")))
-        _kill_point("shards", iteration)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / "fsdp")))
         torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
     except BaseException as e:  # CheckpointException derives from BaseException
         if isinstance(e, KeyboardInterrupt):
@@ -246,12 +219,10 @@ def save_checkpoint(
             logger.error("CHECKPOINT WRITE FAILED on rank 0 (sidecars) for %s: %r", out, e)
             ok = False
 
-    _kill_point("sidecars", iteration)
     committed = _all_ranks_ok(ok)
     if committed and rank == 0:
         try:
             atomic_write_bytes(out / COMMITTED, f"{iteration}\n".encode())
-            _kill_point("committed", iteration)
             for marker_dir in (Path(save_root), Path(save_root) / task):
                 atomic_write_bytes(marker_dir / LATEST, f"{iteration}\n".encode(), overwrite=True)
         except BaseException as e:  # noqa: BLE001 - a missing marker is still "not committed"
@@ -259,7 +230,7 @@ def save_checkpoint(
             committed = (out / COMMITTED).is_file()
     if not committed and rank == 0:
         logger.error("checkpoint iteration %d was NOT committed (a rank failed); resume ignores %s", iteration, out)
-    if committed and rank == 0 and rotate and max_to_keep:
+    if committed and rank == 0 and max_to_keep:
         try:
             removed = rotate_checkpoints(save_root, task, max_to_keep)
             if removed:

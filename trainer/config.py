@@ -48,7 +48,7 @@ def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: di
 
     A field annotated with a Literal (or an optional one) takes only those values; the parser
     refuses any other, naming the flag, the value and the choices. `hints` adds a pointer for a
-    known wrong value (one the reference used, or a removed one) to that error.
+    known wrong value (one Relax used, or a removed one) to that error.
     """
     meta: dict[str, Any] = {"help": help}
     if hints:
@@ -111,7 +111,7 @@ DtypeName = Literal["bf16", "fp32"]
 
 @dataclass(frozen=True)
 class Unsupported:
-    """Why a flag kept from the reference's command line cannot be used here.
+    """Why a flag kept from Relax's command line cannot be used here.
 
     reason: what is unsupported and what to use instead. rejected False: the flag merely has
     no effect, so setting it is a warning instead of an error.
@@ -130,7 +130,7 @@ _SYNCHRONOUS = "training is synchronous colocate only"
 #: whose value is not its default (an empty string counts as unset), all at once: an error, or
 #: a warning for those that merely have no effect. Their --help text is made from this table.
 UNSUPPORTED_FLAGS: dict[str, Unsupported] = {
-    # the reference's stage hooks: the stages are built into the loop
+    # Relax's stage hooks: the stages are built into the loop
     "rollout_function_path": Unsupported("the rollout stage is built into the training loop"),
     "custom_convert_samples_to_train_data_path": Unsupported(
         "each rank replays the candidates it generated; there is no conversion step"),
@@ -221,7 +221,7 @@ class RolloutConfig:
         "Rollout engine: 'native' (diffusers + our SDE sampler), 'sglang', or a module.Class "
         "dotpath.",
     )
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     rollout_function_path: str | None = _unsupported(None)
     custom_convert_samples_to_train_data_path: str | None = _unsupported(None)
     custom_reward_post_process_path: str | None = _unsupported(None)
@@ -422,7 +422,7 @@ class GrpoConfig:
         "Std divisor after per-prompt centring: 'group', 'batch' or 'none'. Unset = 'group', "
         "or 'none' with --disable-grpo-std-normalization.",
     )
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     kl_coef: float = _unsupported(0.0)
     use_kl_loss: bool = _unsupported(False)
     use_dynamic_batch_size: bool = _unsupported(False)
@@ -544,7 +544,7 @@ class SyncConfig:
 
 @dataclass
 class ColocateConfig:
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     colocate: bool = _unsupported(True)
     offload_train: bool = _flag(
         False,
@@ -556,7 +556,7 @@ class ColocateConfig:
         "Move the engine's modules to host memory during the update; a failed release/resume "
         "is fatal.",
     )
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     fully_async: bool = _unsupported(False)
     hybrid: bool = _unsupported(False)
     actor_num_nodes: int | None = _flag(
@@ -580,7 +580,7 @@ class ColocateConfig:
         "per node). When set, actor and rollout must be equal (colocate) and their product "
         "must equal the world size.",
     )
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     use_fault_tolerance: bool = _unsupported(False)
     autoscaler_config: dict | None = _unsupported(None)
 
@@ -615,7 +615,7 @@ class CheckpointConfig:
         "Keep the newest N committed checkpoints (older ones are removed only after a new one "
         "is committed); must be >= 1. Unset = keep all.",
     )
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     async_save: bool = _unsupported(False)
     save_hf: str | None = _unsupported(None)
 
@@ -642,7 +642,7 @@ class LoggingConfig:
         "TensorBoard event directory; unset = <save>/tensorboard when --save is set, else "
         "console metrics only."
     )
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     use_wandb: bool = _unsupported(False)
     use_clearml: bool = _unsupported(False)
     use_metrics_service: bool = _unsupported(False)
@@ -650,7 +650,7 @@ class LoggingConfig:
 
 @dataclass
 class DebugConfig:
-    # kept for the reference's command line; UNSUPPORTED_FLAGS says why
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     load_debug_rollout_data: str | None = _unsupported(None)
     save_debug_train_data: str | None = _unsupported(None)
 
@@ -679,7 +679,7 @@ class RunConfig:
     """The whole run: one instance of every section.
 
     `explicit` holds the flag names (underscore form) that a recipe or the CLI set;
-    preflight uses it where the reference distinguishes "set" from "defaulted"
+    preflight uses it where Relax distinguishes "set" from "defaulted"
     (e.g. an explicit --weight-sync-mode that contradicts --lora-adapter-mode).
     """
 
@@ -1165,7 +1165,7 @@ def _build(flat: dict[str, Any], explicit: frozenset) -> RunConfig:
 
 
 def finalize(cfg: RunConfig) -> RunConfig:
-    """Fill the derived values the reference derives, without overriding explicit ones.
+    """Fill the derived values Relax derives, without overriding explicit ones.
 
     - global_batch_size unset -> rollout_batch_size x n_samples_per_prompt;
     - weight_sync_mode not set explicitly -> 'adapter' under --lora-adapter-mode;

@@ -160,7 +160,7 @@ def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
     through `model` with the adapter's own replay (the same math the sampler used).
 
     one_forward: all S columns in one forward of b * S rows (the adapter's `replay_transitions`:
-    fewer kernel launches), else one forward per column (`replay_transition`, the reference the
+    fewer kernel launches), else one forward per column (`replay_transition`, the baseline the
     tests compare it with)."""
 
     def replay(model: torch.nn.Module, rows: Any) -> torch.Tensor:
@@ -190,7 +190,8 @@ class RunError(RuntimeError):
 
 def build_reward_manager(reward: Any, device: Any, held_out: tuple[str, str | None] | None = None) -> Any:
     """The configured scorer, built (or, for --reward-runtime remote, probed with a GET) now; with
-    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead.
+    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead. The
+    trainer calls it once per scorer at start-up and holds the managers for the run.
 
     Generic over scorers: whatever --reward-scorer-path names is constructed, and a failure
     becomes a RunError naming the flag, the scorer and the constructor's own message (which
@@ -550,8 +551,8 @@ class Trainer:
         out_m: dict[str, float] = {}
         for name, ds in self.eval_sets.items():
             records = [ds[i] for i in range(len(ds))]
-            # one set: the reference layout <root>/eval/<task>/rollout_<k>/; several: one
-            # directory per set, <root>/eval/<task>/<name>/rollout_<k>/, so they never collide
+            # one set: <root>/eval/<task>/rollout_<k>/; several: one directory per set,
+            # <root>/eval/<task>/<name>/rollout_<k>/, so they never collide
             task_dir = self.task if len(self.eval_sets) == 1 else f"{self.task}/{name}"
             out = generate_rollout(self.engine, self.adapter, records, rollout_id=k, sampling=self.sampling,
                                    group_size=n, generation_seed=int(cfg.rollout.generation_seed),

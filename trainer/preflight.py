@@ -1,6 +1,6 @@
 """Launch-time validation of a RunConfig: every violation at once, before any model loads.
 
-`validate(cfg, world_size)` checks the reference's "Preflight validation" list (errors
+`validate(cfg, world_size)` checks Relax's "Preflight validation" list (errors
 and warnings) plus this trainer's own rules (candidate split over the torchrun world,
 paths that must exist, and every flag of config.UNSUPPORTED_FLAGS that is set). It
 collects every problem and raises one PreflightError listing them, one line per
@@ -49,7 +49,7 @@ _SHIPPED_DOTPATHS = frozenset(
     [DEFAULT_MODEL_ADAPTER, *ENGINE_SHORT_NAMES.values(), *SCORER_SHORT_NAMES.values()]
 )
 
-#: the reference's relax.* dotpaths -> what replaces them here
+#: Relax's relax.* dotpaths -> what replaces them here
 RELAX_REPLACEMENTS = {
     "relax.models.qwen_image.adapter.QwenImageAdapter": DEFAULT_MODEL_ADAPTER,
     "relax.backends.sglang.diffusion_engine.SGLangNativeGenerationEngine": (
@@ -105,7 +105,7 @@ def _check_dotpath(flag: str, value: str, errors: list[str]) -> None:
     if value.startswith("relax.") or value == "relax":
         repl = RELAX_REPLACEMENTS.get(value)
         hint = f"use {repl}" if repl else "point it at a trainer.* implementation"
-        errors.append(f"{flag} {value}: the reference's relax.* modules do not exist here; {hint}")
+        errors.append(f"{flag} {value}: Relax's relax.* modules do not exist here; {hint}")
         return
     if not _DOTPATH_RE.match(value):
         errors.append(f"{flag} {value!r} is not a dotpath of the form package.module.Class")

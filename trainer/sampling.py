@@ -114,7 +114,7 @@ class SamplingConfigError(ValueError):
 
 @dataclass
 class SamplingConfig:
-    """Every `--sampling-config` key with its default (the reference's table).
+    """Every `--sampling-config` key with its default (Relax's table).
 
     Build it with `parse_sampling_config`, which validates every key; constructing the class
     directly skips validation.
@@ -684,7 +684,7 @@ def make_sample_id(mode: str, group_index: int, slot: int, metadata: Mapping[str
                               (prompt_id / sample_id read from the prompt's metadata), so a
                               prompt keeps its noise wherever it lands in the data order;
     "positional"/"group_index": f"prompt:{group_index}:sample:{slot}".
-    Only the `sample_id_mode` key of --sampling-config selects the mode: the reference's
+    Only the `sample_id_mode` key of --sampling-config selects the mode: Relax's
     RELAX_NATIVE_GENERATION_SAMPLE_ID_MODE environment override is not supported.
     """
     if mode not in SAMPLE_ID_MODES:

@@ -42,9 +42,8 @@ class RewardResult:
     valid: torch.Tensor  # bool [G*n]; False for every candidate of a failed group
     components: dict[str, torch.Tensor]  # raw scores, fp32 [G*n], NaN where not scored
     failed_groups: list[int]  # group indices left out of the update
-    metrics: dict[str, float]  # reward/* series (names as in the reference's Monitoring table)
+    metrics: dict[str, float]  # reward/* series (docs/rewards.md, "Metrics", lists them)
     degenerate: bool  # advantage variance < DEGENERATE_VARIANCE, or no valid group
-    group_size: int
     weights: dict[str, float] = field(default_factory=dict)  # the component weights trained on
 
 
@@ -169,7 +168,6 @@ def compute_advantages(
         failed_groups=failed_groups,
         metrics=metrics,
         degenerate=degenerate,
-        group_size=group_size,
         weights=weights,
     )
 
@@ -209,6 +207,7 @@ def post_process_from_config(
     prompts: Sequence[str],
     metadata: Sequence[dict] | None = None,
     *,
+    manager: Any = None,
     group_size: int | None = None,
     device: str | torch.device = "cpu",
 ) -> RewardResult:
@@ -216,7 +215,11 @@ def post_process_from_config(
     (reward_runtime, reward_scorer_path, reward_model_path, reward_endpoint,
     reward_required_components, reward_component_weights), cfg.grpo
     (generative_advantage_std_mode, disable_grpo_std_normalization) and, unless group_size is
-    given, cfg.rollout.n_samples_per_prompt. `device` is the engine's (used by colocate)."""
+    given, cfg.rollout.n_samples_per_prompt.
+
+    manager: the RewardManager to score with; pass the one you hold when scoring more than once.
+    Unset, one is built from cfg.reward for this call (its scorer loads now), `device` being the
+    engine's (used by colocate)."""
     from trainer.rewards.manager import reward_manager_from_config
 
     reward, grpo = cfg.reward, getattr(cfg, "grpo", None)
@@ -232,7 +235,7 @@ def post_process_from_config(
         prompts,
         metadata,
         group_size=group_size,
-        manager=reward_manager_from_config(reward, device),
+        manager=manager if manager is not None else reward_manager_from_config(reward, device),
         required_components=getattr(reward, "reward_required_components", None),
         component_weights=getattr(reward, "reward_component_weights", None),
         std_mode=std_mode,
