@@ -188,8 +188,8 @@ def _unsupported_help(default: Any, why: Unsupported) -> str:
 class ModelConfig:
     train_backend: Literal["fsdp"] = _flag(
         "fsdp",
-        "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); the "
-        "reference's 'megatron' is rejected.",
+        "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); Relax's "
+        "'megatron' is rejected.",
         hints={"megatron": "only FSDP2 over torchrun ranks exists here; remove the flag or set it to fsdp"},
     )
     generation_task: str | None = _flag(
