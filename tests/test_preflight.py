@@ -198,7 +198,8 @@ ERROR_CASES = [
     (["--use-wandb"], ["--use-wandb is rejected"], 1),
     (["--use-clearml"], ["--use-clearml is rejected"], 1),
     # ours: sampling config problems folded in
-    (["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 4.0})], ["key 'guidance_scale': must be 1.0"], 1),
+    (["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 0.5})],
+     ["key 'guidance_scale': must be a number >= 1.0"], 1),
     (
         ["--sampling-config", json.dumps({**SAMPLING, "eta": -1, "heigth": 64})],
         ["key 'heigth': unknown key (did you mean 'height'?)", "key 'eta': must be a number >= 0"],
@@ -316,10 +317,10 @@ def test_preflight_does_not_create_anything(base, tmp_path):
 
 
 def test_sampling_problems_and_step_zero_are_reported_together(base):
-    bad = {**SAMPLING, "guidance_scale": 3.0, "sde_indices": [0, 1]}
+    bad = {**SAMPLING, "guidance_scale": 0.5, "sde_indices": [0, 1]}
     got = problems(base + ["--sampling-config", json.dumps(bad)])
     assert len(got) == 2, got
-    assert any("key 'guidance_scale': must be 1.0" in p for p in got)
+    assert any("key 'guidance_scale': must be a number >= 1.0" in p for p in got)
     assert any("key 'sde_indices' [0, 1] trains step 0" in p for p in got)
 
 

@@ -188,8 +188,8 @@ def _unsupported_help(default: Any, why: Unsupported) -> str:
 class ModelConfig:
     train_backend: Literal["fsdp"] = _flag(
         "fsdp",
-        "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); the "
-        "reference's 'megatron' is rejected.",
+        "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); Relax's "
+        "'megatron' is rejected.",
         hints={"megatron": "only FSDP2 over torchrun ranks exists here; remove the flag or set it to fsdp"},
     )
     generation_task: str | None = _flag(
@@ -253,7 +253,8 @@ class RolloutConfig:
     sampling_config: dict | None = _flag(
         None,
         "Sampling geometry as a JSON object (TOML: a table); required. Keys: height, width, "
-        "num_inference_steps, guidance_scale (must be 1.0), eta (set it explicitly), sde_type, "
+        "num_inference_steps, guidance_scale (1.0, or > 1 for true CFG with negative_prompt and "
+        "cfg_renorm), eta (set it explicitly), sde_type, "
         "sde_indices / sde_pool / num_sde_steps / sde_timestep_fraction (must never train "
         "step 0 under sde_type 'sde'), ... see docs/configuration.md.",
     )

@@ -209,6 +209,14 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                 f"--rollout-engine-class-path {engine}: sglang is not installed in this environment and the "
                 "SGLang engine needs it; install it with `pip install .[sglang]` (GPU), or use the CPU test venv "
                 "made by `bash run.sh setup-sglang` (.venv-sglang)")
+        if resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"]:
+            guidance = (r.sampling_config or {}).get("guidance_scale", 1.0) if isinstance(r.sampling_config, dict) \
+                else 1.0
+            if isinstance(guidance, (int, float)) and float(guidance) > 1.0:
+                errors.append(
+                    f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: the "
+                    "SGLang engine samples without CFG (its bridge runs one conditional row per candidate); use "
+                    "--rollout-engine-class-path native for true CFG, or guidance_scale 1.0")
 
 
 def _sglang_importable() -> bool:
