@@ -481,3 +481,33 @@ def test_the_qwen_image_adapter_implements_the_whole_protocol():
     members = [m for m in vars(GenerativeModelAdapter) if not m.startswith("_")]
     members += list(GenerativeModelAdapter.__annotations__)
     assert [m for m in members if not hasattr(QwenImageAdapter(), m)] == []
+
+
+def test_true_cfg_update_starts_at_ratio_one_and_trains_every_parameter(tiny_model_dir, adapter):
+    """The actor's update on a CFG rollout, through the loop's replay_fn: the first update's
+    ratio is exactly 1 (its own two-row forward is pi_old), the loss is finite, every trainable
+    parameter changes and the frozen ones do not."""
+    from tests.dist.tiny import full_params, make_cfg, one_rank_mesh
+    from trainer.actor import Actor
+    from trainer.core.names import model_name
+    from trainer.loop import make_replay_fn
+
+    cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32, "guidance_scale": 3.0})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)).without_images()
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        actor = Actor.from_adapter(adapter, str(tiny_model_dir), mesh, make_cfg("full", optim__lr=1e-3),
+                                   device=torch.device("cpu"))
+        before = full_params(actor.model)
+        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter, cfg))
+        after = full_params(actor.model)
+        first = actor.last_update_stats[0]
+        assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+        assert m["train/optimizer_steps"] >= 1 and torch.isfinite(torch.tensor(m["train/loss"]))
+        trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+        assert trainable and all(not torch.equal(before[n], after[n]) for n in trainable)
+        assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+    finally:
+        next(gen, None)
