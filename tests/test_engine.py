@@ -511,3 +511,38 @@ def test_true_cfg_update_starts_at_ratio_one_and_trains_every_parameter(tiny_mod
         assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
     finally:
         next(gen, None)
+
+
+def test_kl_to_the_reference_is_zero_until_the_adapter_moves(tiny_model_dir, adapter):
+    """--use-kl-loss on a LoRA actor: the reference is the base (adapter disabled). Before any
+    optimizer step the adapter is zero, so the KL is exactly 0; after one it is > 0; the loss
+    carries it, and the frozen LoRA tensors stay frozen through the reference forward."""
+    from tests.dist.tiny import make_cfg, one_rank_mesh
+    from trainer.actor import Actor, lora_disabled
+    from trainer.loop import make_replay_fn
+
+    cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)).without_images()
+    replay_fn = make_replay_fn(adapter, cfg)
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        actor = Actor.from_adapter(adapter, str(tiny_model_dir), mesh,
+                                   make_cfg("lora", optim__lr=1e-2, fsdp__fsdp_master_dtype="fp32",
+                                            grpo__num_updates_per_batch=2, grpo__kl_coef=0.5, grpo__use_kl_loss=True),
+                                   device=torch.device("cpu"))
+        frozen = {n for n, p in actor.model.named_parameters() if not p.requires_grad}
+        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), replay_fn)
+        first, second = actor.last_update_stats
+        assert first["kl_ref_max"].item() == 0.0 and first["ratio_max"].item() == 1.0
+        assert second["kl_ref_max"].item() > 0.0
+        assert 0.0 < m["train/kl_ref"] and m["train/approx_kl"] >= 0.0
+        assert {n for n, p in actor.model.named_parameters() if not p.requires_grad} == frozen
+        with torch.no_grad():  # the context restores the adapter: the policy differs from its reference again
+            with lora_disabled(actor.model):
+                ref = replay_fn(actor.model, batch)
+            live = replay_fn(actor.model, batch)
+        assert (ref - live).abs().max() > 0
+    finally:
+        next(gen, None)

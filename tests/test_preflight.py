@@ -106,8 +106,11 @@ ERROR_CASES = [
     (["--fully-async"], ["--fully-async is rejected"], 1),
     (["--hybrid"], ["--hybrid is rejected"], 1),
     (["--colocate", "false"], ["--colocate false is rejected: actor and engine time-share every device here"], 1),
-    (["--kl-coef", "0.01"], ["--kl-coef 0.01 is rejected: FlowGRPO here has no reference model"], 1),
-    (["--use-kl-loss"], ["--use-kl-loss is rejected: FlowGRPO here has no reference model"], 1),
+    (["--kl-coef", "0.01"], ["--kl-coef 0.01 without --use-kl-loss"], 1),
+    (["--use-kl-loss"], ["--use-kl-loss with --kl-coef 0 adds nothing"], 1),
+    (["--kl-coef", "-1", "--use-kl-loss"], ["--kl-coef must be >= 0"], 1),
+    (["--kl-coef", "0.04", "--use-kl-loss", "--fsdp-trainable-mode", "full"],
+     ["--use-kl-loss with --fsdp-trainable-mode full"], 1),
     (["--rollout-num-gpus-per-engine", "0"], ["--rollout-num-gpus-per-engine must be >= 1"], 1),
     (
         ["--rollout-num-gpus-per-engine", "3"],

@@ -519,7 +519,8 @@ class QwenImageAdapter:
         """
         return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
 
-    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any) -> torch.Tensor:
+    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any, *,
+                           moments: bool = False) -> Any:
         """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch`, in one DiT forward over
         B * S rows (row k * B + i = candidate i at column k), instead of S forwards of B rows.
 
@@ -530,8 +531,10 @@ class QwenImageAdapter:
         autograd graph holds the same activations as S separate forwards kept for one backward.
         A true-CFG trajectory (batch.guided) replays its conditional and unconditional rows
         together (guided_velocity: 2 * B * S rows), with the guidance it was sampled at.
+        moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32) of
+        the same forward, what the KL to a reference policy needs.
         """
-        from trainer.flow_grpo import replay_transition_logp
+        from trainer.flow_grpo import flow_sde_log_prob, flow_sde_transition_moments, replay_transition_logp
 
         device, compute_dtype = _module_device_dtype(transformer)
         lat = batch.latents
@@ -558,17 +561,18 @@ class QwenImageAdapter:
         else:
             velocity = dit_velocity(transformer, x, rows(batch.timesteps), embeds, mask, shapes,
                                     rollout_dtype=recorded.dtype)
-        logp = replay_transition_logp(
-            recorded,
-            next_latents,
-            velocity,
-            rows(batch.sigmas).to(device),
-            rows(batch.sigmas_next).to(device),
-            float(sampling.eta),
-            getattr(sampling, "sde_type", "sde"),
-            float(getattr(sampling, "sigma_max", 0.99)),
-        )
-        return logp.view(s, b).transpose(0, 1)
+        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
+                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
+        if not moments:
+            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
+        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
+        logp = flow_sde_log_prob(next_latents, mean, std)
+
+        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
+            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
+
+        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
+        return cols(logp), cols(mean), cols(std)
 
     # -- misc -----------------------------------------------------------------------------
 
