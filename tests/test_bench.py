@@ -343,3 +343,23 @@ def test_checksum_with_the_wide_reduction_is_the_same_digest():
     changed[0][1][P * K + 5] += 1.0  # an element in the remainder past the wide rows
     assert weights_checksum(changed, column_sums_wide) != weights_checksum(named)
     assert tensor_words(named[1][1]).numel() == 300 * 700 // 2
+
+
+def test_tiny_run_with_true_cfg_counts_both_rows(tmp_path):
+    """--guidance-scale 4: the rollout and the replay run two DiT rows per candidate, the replay
+    still reproduces the sampler's log-prob, and the figures record the guidance."""
+    out = tmp_path / "cfg.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
+           "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
+           "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2", "--iters", "1",
+           "--text-tokens", "8", "--guidance-scale", "4", "--skip", "dit", "checksum", "merged", "offload",
+           "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = {line["figure"]: line for line in map(json.loads, out.read_text().splitlines())}
+    assert figures["rollout_images_per_s"]["geometry"]["guidance_scale"] == 4.0
+    assert figures["replay_logp_max_abs_err_lora"]["value"] < 1e-4
+    assert figures["rollout_mfu"]["value"] > 0 and figures["replay_mfu_lora"]["value"] > 0

@@ -181,20 +181,61 @@ def test_cfg_and_empty_trained_steps_fail_clearly(engine, adapter, sampling):
     sigmas = engine.sigma_schedule(64, 64, 6)
     kwargs = dict(group_index=0, slot=0, sample_id="s", sigmas=sigmas, generation_seed=1)
     cfg = parse_sampling_config(SAMPLING)
-    cfg.guidance_scale = 3.0  # bypasses the parser on purpose: the adapter must still refuse
-    with pytest.raises(ValueError, match="guidance_scale is 3.0, but must be 1.0"):
+    cfg.guidance_scale = 0.5  # bypasses the parser on purpose: the adapter must still refuse
+    with pytest.raises(ValueError, match="guidance_scale is 0.5, but must be a number >= 1.0"):
         adapter.build_rollout_request("p", sampling=cfg, sde_indices=[1], **kwargs)
     with pytest.raises(ValueError, match="trained SDE step set is empty"):
         adapter.build_rollout_request("p", sampling=sampling, sde_indices=[], **kwargs)
     with pytest.raises(ValueError, match="step 0 under sde_type 'sde'"):
         adapter.build_rollout_request("p", sampling=sampling, sde_indices=[0, 2], **kwargs)
     req = adapter.build_rollout_request("p", sampling=sampling, sde_indices=[1], **kwargs)
-    req.guidance_scale = 2.0
+    req.guidance_scale = 0.5
     with pytest.raises(ValueError, match="guidance_scale"):
         engine.generate([req])
     req.guidance_scale, req.sde_indices = 1.0, []
     with pytest.raises(ValueError, match="empty sde_indices"):
         engine.generate([req])
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_true_cfg_rollout_replays_to_the_sampler_logprob(engine, adapter, tiny_model_dir, tmp_path, renorm):
+    """guidance_scale 4: both rows of a candidate in one forward; the trajectory carries the
+    negative prompt's conditioning; the replay (per column, all columns, a sidecar round trip)
+    reproduces the sampler's log-prob, and gradients flow; the guidance changes the policy."""
+    import dataclasses
+
+    from trainer import artifacts
+
+    cfg = parse_sampling_config({**SAMPLING, "guidance_scale": 4.0, "cfg_renorm": renorm})
+    sizes = []
+    handle = engine.transformer.register_forward_pre_hook(
+        lambda mod, args, kwargs: sizes.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+    try:
+        batch = engine.generate(make_requests(adapter, engine, cfg, prompts=PROMPTS[:2]))
+    finally:
+        handle.remove()
+    assert sizes == [8] * cfg.num_inference_steps  # 4 candidates, conditional + unconditional rows, one forward
+    assert batch.guided and batch.negative_prompt == " " and batch.cfg_renorm is renorm
+    neg = batch.conditions["negative_prompt_embeds"]
+    assert neg.shape[0] == 4 and torch.equal(neg[0], neg[3])  # one negative prompt, encoded once
+    actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    one = adapter.replay_transitions(actor, batch, cfg)
+    torch.testing.assert_close(one.detach(), batch.log_probs, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        per_col = torch.stack([adapter.replay_transition(actor, batch, c, cfg) for c in range(batch.num_steps)], 1)
+        torch.testing.assert_close(per_col, batch.log_probs, atol=1e-5, rtol=0)
+        # the replay uses the guidance the trajectory was sampled at: without it, another policy
+        unguided = adapter.replay_transitions(actor, dataclasses.replace(batch, guidance_scale=1.0), cfg)
+        assert (unguided - batch.log_probs).abs().max() > 10 * 1e-5  # well above the replay tolerance
+    one.sum().backward()
+    assert sum(float(p.grad.abs().sum()) for p in actor.parameters() if p.grad is not None) > 0
+    path = artifacts.write_group_sidecar(tmp_path / "g.safetensors", batch[batch.rows_of_group(1)], task="t2i",
+                                         rollout_id=0, sampling=cfg)
+    back = artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(path))
+    assert (back.guidance_scale, back.negative_prompt, back.cfg_renorm) == (4.0, " ", renorm)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.replay_transitions(actor, back, cfg), batch.log_probs[2:], atol=1e-5,
+                                   rtol=0)
 
 
 def test_validate_trajectory_names_the_bad_field(engine, adapter, sampling):
@@ -440,3 +481,68 @@ def test_the_qwen_image_adapter_implements_the_whole_protocol():
     members = [m for m in vars(GenerativeModelAdapter) if not m.startswith("_")]
     members += list(GenerativeModelAdapter.__annotations__)
     assert [m for m in members if not hasattr(QwenImageAdapter(), m)] == []
+
+
+def test_true_cfg_update_starts_at_ratio_one_and_trains_every_parameter(tiny_model_dir, adapter):
+    """The actor's update on a CFG rollout, through the loop's replay_fn: the first update's
+    ratio is exactly 1 (its own two-row forward is pi_old), the loss is finite, every trainable
+    parameter changes and the frozen ones do not."""
+    from tests.dist.tiny import full_params, make_cfg, one_rank_mesh
+    from trainer.actor import Actor
+    from trainer.core.names import model_name
+    from trainer.loop import make_replay_fn
+
+    cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32, "guidance_scale": 3.0})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)).without_images()
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        actor = Actor.from_adapter(adapter, str(tiny_model_dir), mesh, make_cfg("full", optim__lr=1e-3),
+                                   device=torch.device("cpu"))
+        before = full_params(actor.model)
+        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter, cfg))
+        after = full_params(actor.model)
+        first = actor.last_update_stats[0]
+        assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+        assert m["train/optimizer_steps"] >= 1 and torch.isfinite(torch.tensor(m["train/loss"]))
+        trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+        assert trainable and all(not torch.equal(before[n], after[n]) for n in trainable)
+        assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+    finally:
+        next(gen, None)
+
+
+def test_kl_to_the_reference_is_zero_until_the_adapter_moves(tiny_model_dir, adapter):
+    """--use-kl-loss on a LoRA actor: the reference is the base (adapter disabled). Before any
+    optimizer step the adapter is zero, so the KL is exactly 0; after one it is > 0; the loss
+    carries it, and the frozen LoRA tensors stay frozen through the reference forward."""
+    from tests.dist.tiny import make_cfg, one_rank_mesh
+    from trainer.actor import Actor, lora_disabled
+    from trainer.loop import make_replay_fn
+
+    cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)).without_images()
+    replay_fn = make_replay_fn(adapter, cfg)
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        actor = Actor.from_adapter(adapter, str(tiny_model_dir), mesh,
+                                   make_cfg("lora", optim__lr=1e-2, fsdp__fsdp_master_dtype="fp32",
+                                            grpo__num_updates_per_batch=2, grpo__kl_coef=0.5, grpo__use_kl_loss=True),
+                                   device=torch.device("cpu"))
+        frozen = {n for n, p in actor.model.named_parameters() if not p.requires_grad}
+        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), replay_fn)
+        first, second = actor.last_update_stats
+        assert first["kl_ref_max"].item() == 0.0 and first["ratio_max"].item() == 1.0
+        assert second["kl_ref_max"].item() > 0.0
+        assert 0.0 < m["train/kl_ref"] and m["train/approx_kl"] >= 0.0
+        assert {n for n, p in actor.model.named_parameters() if not p.requires_grad} == frozen
+        with torch.no_grad():  # the context restores the adapter: the policy differs from its reference again
+            with lora_disabled(actor.model):
+                ref = replay_fn(actor.model, batch)
+            live = replay_fn(actor.model, batch)
+        assert (ref - live).abs().max() > 0
+    finally:
+        next(gen, None)

@@ -106,8 +106,11 @@ ERROR_CASES = [
     (["--fully-async"], ["--fully-async is rejected"], 1),
     (["--hybrid"], ["--hybrid is rejected"], 1),
     (["--colocate", "false"], ["--colocate false is rejected: actor and engine time-share every device here"], 1),
-    (["--kl-coef", "0.01"], ["--kl-coef 0.01 is rejected: FlowGRPO here has no reference model"], 1),
-    (["--use-kl-loss"], ["--use-kl-loss is rejected: FlowGRPO here has no reference model"], 1),
+    (["--kl-coef", "0.01"], ["--kl-coef 0.01 without --use-kl-loss"], 1),
+    (["--use-kl-loss"], ["--use-kl-loss with --kl-coef 0 adds nothing"], 1),
+    (["--kl-coef", "-1", "--use-kl-loss"], ["--kl-coef must be >= 0"], 1),
+    (["--kl-coef", "0.04", "--use-kl-loss", "--fsdp-trainable-mode", "full"],
+     ["--use-kl-loss with --fsdp-trainable-mode full"], 1),
     (["--rollout-num-gpus-per-engine", "0"], ["--rollout-num-gpus-per-engine must be >= 1"], 1),
     (
         ["--rollout-num-gpus-per-engine", "3"],
@@ -198,7 +201,8 @@ ERROR_CASES = [
     (["--use-wandb"], ["--use-wandb is rejected"], 1),
     (["--use-clearml"], ["--use-clearml is rejected"], 1),
     # ours: sampling config problems folded in
-    (["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 4.0})], ["key 'guidance_scale': must be 1.0"], 1),
+    (["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 0.5})],
+     ["key 'guidance_scale': must be a number >= 1.0"], 1),
     (
         ["--sampling-config", json.dumps({**SAMPLING, "eta": -1, "heigth": 64})],
         ["key 'heigth': unknown key (did you mean 'height'?)", "key 'eta': must be a number >= 0"],
@@ -316,10 +320,10 @@ def test_preflight_does_not_create_anything(base, tmp_path):
 
 
 def test_sampling_problems_and_step_zero_are_reported_together(base):
-    bad = {**SAMPLING, "guidance_scale": 3.0, "sde_indices": [0, 1]}
+    bad = {**SAMPLING, "guidance_scale": 0.5, "sde_indices": [0, 1]}
     got = problems(base + ["--sampling-config", json.dumps(bad)])
     assert len(got) == 2, got
-    assert any("key 'guidance_scale': must be 1.0" in p for p in got)
+    assert any("key 'guidance_scale': must be a number >= 1.0" in p for p in got)
     assert any("key 'sde_indices' [0, 1] trains step 0" in p for p in got)
 
 

@@ -40,7 +40,8 @@ def test_defaults_match_reference_table():
     assert c.sde_resample_per_rollout is False and c.sde_pool is None and c.sde_indices is None
     assert c.num_sde_steps == 0 and c.sde_timestep_fraction == [0.0, 1.0]
     assert set(c.to_dict()) == {f.name for f in dataclasses.fields(sp.SamplingConfig)}
-    assert len(c.to_dict()) == 16
+    assert len(c.to_dict()) == 18
+    assert c.negative_prompt == " " and c.cfg_renorm is True  # used only when guidance_scale > 1
     assert sp.parse_sampling_config({}) == c == sp.parse_sampling_config("{}")
 
 
@@ -59,7 +60,7 @@ def test_parse_collects_every_problem_in_one_error():
     bad = {
         "etaa": 0.7, "heigth": 384, "sde_type": "ode", "sample_id_mode": "random", "eta": -0.1,
         "width": 0, "num_inference_steps": 12.0, "sde_timestep_fraction": [0.5, 0.5],
-        "sde_indices": [1, 12], "driver_xt": 1, "guidance_scale": 4.5, "sigma_max": 1.0,
+        "sde_indices": [1, 12], "driver_xt": 1, "guidance_scale": 0.5, "sigma_max": 1.0,
         "init_noise_latent_shape": [16, 0, 48],
     }
     with pytest.raises(ValueError) as e:
@@ -195,13 +196,18 @@ def test_step_zero_route_lines_match_what_would_be_trained():
 # ---------------------------------------------------------------- invariants of every rollout
 
 
-def test_guidance_scale_problem_allows_only_1():
-    assert sp.guidance_scale_problem(1.0) is None and sp.guidance_scale_problem(1) is None
-    for bad in (4.0, 0.0, "1.0", None, float("nan")):
-        assert sp.guidance_scale_problem(bad).startswith("must be 1.0"), bad
-    # the parser reports the same rule under its key
-    with pytest.raises(sp.SamplingConfigError, match=r"key 'guidance_scale': must be 1.0 \(the actor replays"):
-        sp.parse_sampling_config({"guidance_scale": 3.0})
+def test_guidance_scale_problem_allows_1_and_true_cfg_above():
+    for good in (1.0, 1, 4.0, 4.5):
+        assert sp.guidance_scale_problem(good) is None, good
+    for bad in (0.5, 0.0, "1.0", None, float("nan")):
+        assert sp.guidance_scale_problem(bad).startswith("must be a number >= 1.0"), bad
+    # the parser reports the same rule under its key, and takes the CFG keys
+    with pytest.raises(sp.SamplingConfigError, match=r"key 'guidance_scale': must be a number >= 1.0"):
+        sp.parse_sampling_config({"guidance_scale": 0.9})
+    c = sp.parse_sampling_config({"guidance_scale": 4.0, "negative_prompt": "blurry", "cfg_renorm": False})
+    assert (c.guidance_scale, c.negative_prompt, c.cfg_renorm) == (4.0, "blurry", False)
+    with pytest.raises(sp.SamplingConfigError, match="key 'negative_prompt': must be a string"):
+        sp.parse_sampling_config({"negative_prompt": 3})
 
 
 def test_trained_steps_problem_needs_steps_in_range():

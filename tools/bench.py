@@ -536,6 +536,11 @@ def phase_dit_forward(c: Ctx) -> None:
     c.rep.phase_memory("dit_forward")
 
 
+def cfg_rows(args) -> int:
+    """DiT rows per candidate: 2 under true CFG (conditional + unconditional), else 1."""
+    return 2 if args.guidance_scale > 1.0 else 1
+
+
 def rollout(c: Ctx, rollout_id: int) -> tuple[Any, float]:
     """One rollout of prompts x group_size candidates through engine.generate; (Trajectory, s)."""
     reqs = build_requests(c.engine, c.adapter, c.sampling, c.prompts, c.args.group_size, c.sde_indices,
@@ -558,7 +563,7 @@ def phase_rollout(c: Ctx) -> Any:
     n = len(traj)
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"))
     c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n)
-    dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n) * a.steps
+    dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops)
     c.rep.phase_memory("rollout")
     return traj
@@ -613,7 +618,7 @@ def phase_replay(c: Ctx, actor, batch: Any, replay_fn, mode: str, *, checkpointi
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
     sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
     transitions = a.micro_batch * len(c.sde_indices)
-    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions, checkpointing)
+    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(a), checkpointing)
     c.rep.emit(f"replay_transitions_per_s_{mode}", transitions / sec, "transitions/s", op="min", mode=mode,
                micro_batch=a.micro_batch, seconds=sec, **extra)
     c.rep.emit(f"replay_mfu_{mode}", model_f / sec / 1e12 / c.peak_tflops, "fraction", op="min", mode=mode,
@@ -981,6 +986,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trained-steps", type=int, default=3, help="SDE steps drawn from --sde-pool per rollout")
     p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="SDE step pool")
     p.add_argument("--eta", type=float, default=0.7, help="SDE noise level")
+    p.add_argument("--guidance-scale", type=float, default=1.0,
+                   help="> 1: true CFG (two DiT rows per candidate in rollout and replay; FLOPs count both)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per GPU")
     p.add_argument("--group-size", type=int, default=8, help="candidates per prompt (prompts x group = per GPU)")
     p.add_argument("--text-tokens", type=int, default=128, help="text conditioning length of every prompt")
@@ -1058,7 +1065,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sampling = parse_sampling_config({
             "height": args.height, "width": args.width, "num_inference_steps": args.steps, "eta": args.eta,
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
-            "sde_pool": list(args.sde_pool)})
+            "sde_pool": list(args.sde_pool), "guidance_scale": args.guidance_scale})
         sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
         encoder = engine.prompt_encoder
         prompts = make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
@@ -1069,6 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         int(dit_cfg["patch_size"]))
         geometry = {"shape": args.shape, "height": args.height, "width": args.width, "steps": args.steps,
                     "trained_steps": len(sde_indices), "sde_indices": sde_indices, "eta": args.eta,
+                    "guidance_scale": args.guidance_scale,
                     "prompts": args.prompts, "group_size": args.group_size,
                     "candidates": args.prompts * args.group_size, "image_tokens": image_tokens,
                     "dit_layers": int(dit_cfg["num_layers"]),

@@ -31,7 +31,7 @@ import torch.nn as nn
 from trainer.core.dtypes import resolve_dtype
 from trainer.core.names import is_lora_name, model_name
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
-from trainer.flow_grpo import grpo_clip_loss
+from trainer.flow_grpo import grpo_clip_loss, transition_kl
 from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
 
@@ -298,7 +298,7 @@ class UpdateStats:
 
     _SUMS = ("loss", "clip_fraction", "approx_kl", "ratio_mean", "ratio_sq")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kl: bool = False) -> None:
         self.device = device
         self.sums = torch.zeros(len(self._SUMS), dtype=torch.float64, device=device)
         #: (ratio_max, -ratio_min) over the whole step, and over the current update
@@ -306,11 +306,15 @@ class UpdateStats:
         self._update_range = self.ratio_range.clone()
         self.elements = 0.0  # valid (sample, step) elements behind `sums`; host-side, no device traffic
         self.grad_norms: list[torch.Tensor] = []
+        #: KL to the reference (--use-kl-loss): its element-weighted sum, over the step and the update
+        self.kl_sum = torch.zeros((), dtype=torch.float64, device=device) if kl else None
+        self._update_kl: torch.Tensor | None = None
         self.transitions = 0
         self.steps = 0
 
     def begin_update(self) -> None:
         self._update_range = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
+        self._update_kl = None
 
     def add(self, loss: torch.Tensor, st: dict[str, torch.Tensor], k: float) -> None:
         rm, rs = st["ratio_mean"].double(), st["ratio_std"].double()
@@ -319,12 +323,20 @@ class UpdateStats:
         self.sums += torch.stack([loss.detach().double(), st["clip_fraction"].double(), st["approx_kl"].double(),
                                   rm, rs * rs + rm * rm]).to(self.device) * k
         self.elements += k
+        if "kl_ref" in st:
+            part = st["kl_ref"].double().to(self.device) * k
+            self.kl_sum = self.kl_sum + part
+            self._update_kl = part / k if self._update_kl is None else torch.maximum(self._update_kl, part / k)
         r_range = torch.stack([st["ratio_max"].double(), -st["ratio_min"].double()])
         self.ratio_range = torch.maximum(self.ratio_range, r_range)
         self._update_range = torch.maximum(self._update_range, r_range)
 
     def update_ratio_range(self) -> dict[str, torch.Tensor]:
-        return {"ratio_max": self._update_range[0], "ratio_min": -self._update_range[1]}
+        """This update's ratio range (and, with the KL term, its largest micro-batch mean KL)."""
+        out = {"ratio_max": self._update_range[0], "ratio_min": -self._update_range[1]}
+        if self._update_kl is not None:
+            out["kl_ref_max"] = self._update_kl
+        return out
 
     def add_step(self, grad_norm: torch.Tensor) -> None:
         self.grad_norms.append(grad_norm.detach().double().reshape(()))
@@ -347,7 +359,11 @@ class UpdateStats:
         loss, clip, kl, ratio, ratio_sq, elems, gn, n_gn, transitions, samples, _ = sums
         k = max(elems, 1.0)
         mean_r = ratio / k
+        extra = {}
+        if self.kl_sum is not None:
+            extra["train/kl_ref"] = float(all_reduce_sum(self.kl_sum.reshape(1).to(cdev))[0]) / k
         return {
+            **extra,
             "train/loss": loss / k,
             "train/clip_fraction": clip / k,
             "train/approx_kl": kl / k,
@@ -360,6 +376,28 @@ class UpdateStats:
             "perf/train_transitions_per_s": transitions / max(maxes[2], 1e-9),
             "perf/train_samples_per_s": samples / max(maxes[2], 1e-9),
         }
+
+
+class lora_disabled:
+    """Context manager: every peft LoRA layer of `model` computes the base output only (the
+    reference policy of the KL term), restored on exit. A model without LoRA is unchanged."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+    # the forward's own switch; peft's enable_adapters() would also reset requires_grad, which
+    # would unfreeze the LoRA tensors the actor froze as never trained
+    def __enter__(self) -> "lora_disabled":
+        self.saved = [layer._disable_adapters for layer in self.layers]
+        for layer in self.layers:
+            layer._disable_adapters = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer, was in zip(self.layers, self.saved):
+            layer._disable_adapters = was
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -570,7 +608,7 @@ class Actor:
         fused = {plan.run.index(True)} if self.anchor_from_first_update else set()
         old = self._anchor(batch, plan, replay_fn, fused, progress)
 
-        stats = UpdateStats(self.device)
+        stats = UpdateStats(self.device, kl=bool(self.kl_coef))
         lr = self.lr_at(self.optimizer_steps)
         skips = plan.skipped_microbatches
         #: per executed update, this rank's ratio range (detached tensors; for diagnostics and tests)
@@ -581,9 +619,16 @@ class Actor:
             self.optimizer.zero_grad(set_to_none=True)
             stats.begin_update()
             for (s, e) in part:
-                logp = replay_fn(self.model, batch[s:e])
+                rows = batch[s:e]
+                if self.kl_coef:
+                    ref_mean = self._reference_means(rows, replay_fn)
+                    logp, mean, std = replay_fn(self.model, rows, moments=True)
+                    kl = transition_kl(mean.flatten(0, 1), ref_mean.flatten(0, 1),
+                                       std.reshape(-1, *([1] * (mean.dim() - 2)))).view(logp.shape)
+                else:
+                    logp, kl = replay_fn(self.model, rows), None
                 anchor = None if u in fused else old[(s, e)]
-                self._backward_microbatch(logp, anchor, adv, plan, u, s, e, stats)
+                self._backward_microbatch(logp, anchor, adv, plan, u, s, e, stats, kl)
                 if progress is not None:
                     progress()
             self.last_update_stats.append({"update": u, **stats.update_ratio_range()})
@@ -652,10 +697,25 @@ class Actor:
         self.last_anchor_passes = len(old)
         return old
 
+    @property
+    def kl_coef(self) -> float:
+        """The KL-to-reference weight in the loss (0: no KL term, no reference forward)."""
+        g = self.grpo
+        return float(getattr(g, "kl_coef", 0.0) or 0.0) if getattr(g, "use_kl_loss", False) else 0.0
+
+    @torch.no_grad()
+    def _reference_means(self, rows: Any, replay_fn: ReplayFn) -> torch.Tensor:
+        """Transition means [b, S, ...] of the reference policy: the same model with its LoRA
+        adapter disabled (the base weights; no extra memory, one more no_grad forward)."""
+        with lora_disabled(self.model):
+            return replay_fn(self.model, rows, moments=True)[1]
+
     def _backward_microbatch(self, logp: torch.Tensor, anchor: torch.Tensor | None, adv: torch.Tensor,
-                             plan: "UpdatePlan", u: int, s: int, e: int, stats: "UpdateStats") -> None:
+                             plan: "UpdatePlan", u: int, s: int, e: int, stats: "UpdateStats",
+                             kl: torch.Tensor | None = None) -> None:
         """Step 3, one micro-batch: the clipped loss over its valid rows (anchor None: this very
-        forward is pi_old, ratio exactly 1), scaled to the global valid mean, backward, stats."""
+        forward is pi_old, ratio exactly 1), plus --kl-coef x the mean KL to the reference when
+        `kl` [b, S] is given, scaled to the global valid mean, backward, stats."""
         g = self.grpo
         if logp.dim() == 1:
             logp = logp[:, None]
@@ -671,7 +731,11 @@ class Actor:
         else:
             idx = plan.partial_rows[(s, e)].to(logp.device)
             lp, op, ad = logp.index_select(0, idx), anchor.index_select(0, idx), adv[s:e].index_select(0, idx)
+            kl = None if kl is None else kl.index_select(0, idx)
         loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, getattr(g, "eps_clip_high", None))
+        if kl is not None:
+            st["kl_ref"] = kl.detach().mean()
+            loss = loss + self.kl_coef * kl.mean()
         (loss * (n_rows * plan.world / plan.global_valid[u])).backward()
         stats.add(loss, st, float(n_rows * logp.shape[1]))
 

@@ -15,7 +15,8 @@ trained steps, L packed tokens of C channels, T text tokens of width D):
     common.height / common.width / common.vae_scale_factor      0-d int64
     conditions.<name>                                          the group's conditioning, one row, at its own
                                                                length (Qwen-Image: prompt_embeds [T, D],
-                                                               prompt_embeds_mask [T] int64)
+                                                               prompt_embeds_mask [T] int64; true CFG adds
+                                                               negative_prompt_embeds / _mask)
     tracks.latents / tracks.next_latents [K, S, L, C] (sampler dtype), tracks.log_probs [K, S] fp32
 
 and string metadata: the format tag, task, rollout id, group index, prompt, sample ids, the
@@ -249,6 +250,9 @@ def group_sidecar_payload(traj: Trajectory, *, task: str, rollout_id: int | None
         "eta": repr(float(g.eta)),
         "sde_type": str(g.sde_type),
         "sigma_max": repr(float(g.sigma_max)),
+        "guidance_scale": repr(float(g.guidance_scale)),
+        "negative_prompt": json.dumps(g.negative_prompt),
+        "cfg_renorm": json.dumps(bool(g.cfg_renorm)),
         "latent_dtype": g.latent_dtype,
         "sampling": json.dumps(sampling.to_dict() if hasattr(sampling, "to_dict") else None, sort_keys=True),
         "sampling_fingerprint": fingerprint,
@@ -301,6 +305,9 @@ def sidecar_to_trajectory(tensors: Mapping[str, torch.Tensor], metadata: Mapping
         eta=float(metadata.get("eta", "nan")),
         sde_type=metadata.get("sde_type", "sde"),
         sigma_max=float(metadata.get("sigma_max", "0.99")),
+        guidance_scale=float(metadata.get("guidance_scale", "1.0")),
+        negative_prompt=json.loads(metadata.get("negative_prompt", "null")),
+        cfg_renorm=bool(json.loads(metadata.get("cfg_renorm", "false"))),
         train_metadata=manifests if len(manifests) == k else None,
         rollout_id=json.loads(metadata.get("rollout_id", "null")),
     ).validate()

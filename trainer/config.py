@@ -122,7 +122,6 @@ class Unsupported:
 
 
 _TRACKER = "TensorBoard (--tensorboard-dir) is the only tracker here"
-_NO_KL = "FlowGRPO here has no reference model and no KL term"
 _SYNCHRONOUS = "training is synchronous colocate only"
 
 #: Flags that parse, so a reference command line runs unchanged up to preflight, but mean nothing
@@ -137,8 +136,6 @@ UNSUPPORTED_FLAGS: dict[str, Unsupported] = {
     "custom_reward_post_process_path": Unsupported(
         "scoring and group normalisation are built in; choose the scorer with --reward-scorer-path"),
     # loss and batching of the token trainers
-    "kl_coef": Unsupported(_NO_KL),
-    "use_kl_loss": Unsupported(_NO_KL),
     "use_dynamic_batch_size": Unsupported(
         "diffusion latents are fixed-shape, there is no token-budget batching; use --micro-batch-size"),
     "max_tokens_per_gpu": Unsupported("there is no token-budget batching; use --micro-batch-size"),
@@ -253,7 +250,8 @@ class RolloutConfig:
     sampling_config: dict | None = _flag(
         None,
         "Sampling geometry as a JSON object (TOML: a table); required. Keys: height, width, "
-        "num_inference_steps, guidance_scale (must be 1.0), eta (set it explicitly), sde_type, "
+        "num_inference_steps, guidance_scale (1.0, or > 1 for true CFG with negative_prompt and "
+        "cfg_renorm), eta (set it explicitly), sde_type, "
         "sde_indices / sde_pool / num_sde_steps / sde_timestep_fraction (must never train "
         "step 0 under sde_type 'sde'), ... see docs/configuration.md.",
     )
@@ -422,9 +420,15 @@ class GrpoConfig:
         "Std divisor after per-prompt centring: 'group', 'batch' or 'none'. Unset = 'group', "
         "or 'none' with --disable-grpo-std-normalization.",
     )
-    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
-    kl_coef: float = _unsupported(0.0)
-    use_kl_loss: bool = _unsupported(False)
+    kl_coef: float = _flag(
+        0.0,
+        "Weight of the KL to the reference policy in the loss; >= 0, and > 0 needs --use-kl-loss. "
+        "Per (sample, trained step) the closed-form KL of the two transition Gaussians (same std). "
+        "LoRA only: the reference is the base with the adapter disabled.",
+    )
+    use_kl_loss: bool = _flag(
+        False, "Add --kl-coef x KL(policy || reference) to the clipped loss; needs --kl-coef > 0 and LoRA."
+    )
     use_dynamic_batch_size: bool = _unsupported(False)
     max_tokens_per_gpu: int | None = _unsupported(None)
 

@@ -175,6 +175,22 @@ def ode_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next) -
     return x + velocity.float() * (s_next - s)
 
 
+def transition_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, std^2) || N(ref_mean, std^2)) of one Flow-SDE transition, per candidate, fp32.
+
+    The policy and the reference share the transition std (it depends only on the schedule and
+    eta), so the closed form is |mean - ref_mean|^2 / (2 std^2) per element; as for the log-prob,
+    the MEAN over every non-batch dim is taken (FlowGRPO's kl_loss), so its scale does not depend
+    on the resolution. mean / ref_mean [B, ...], std broadcastable [B or 1, 1, ..., 1]. Returns
+    [B]; gradients flow through `mean` only (the reference is a constant).
+    """
+    diff = mean.float() - ref_mean.detach().float()
+    elem = diff * diff / (2.0 * std.detach().float() ** 2)
+    if elem.dim() <= 1:
+        return elem.reshape(-1)
+    return elem.mean(dim=tuple(range(1, elem.dim())))
+
+
 def grpo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

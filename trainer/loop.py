@@ -161,9 +161,12 @@ def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
 
     one_forward: all S columns in one forward of b * S rows (the adapter's `replay_transitions`:
     fewer kernel launches), else one forward per column (`replay_transition`, the baseline the
-    tests compare it with)."""
+    tests compare it with). replay_fn(model, rows, moments=True) returns (logp, mean, std) for
+    the update's KL to the reference policy (--use-kl-loss)."""
 
-    def replay(model: torch.nn.Module, rows: Any) -> torch.Tensor:
+    def replay(model: torch.nn.Module, rows: Any, moments: bool = False) -> Any:
+        if moments:  # (logp, transition mean, std) of one forward, for the KL to the reference
+            return adapter.replay_transitions(model, rows, sampling, moments=True)
         if one_forward:
             return adapter.replay_transitions(model, rows, sampling)
         return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(rows.num_steps)], dim=1)

@@ -209,6 +209,14 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                 f"--rollout-engine-class-path {engine}: sglang is not installed in this environment and the "
                 "SGLang engine needs it; install it with `pip install .[sglang]` (GPU), or use the CPU test venv "
                 "made by `bash run.sh setup-sglang` (.venv-sglang)")
+        if resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"]:
+            guidance = (r.sampling_config or {}).get("guidance_scale", 1.0) if isinstance(r.sampling_config, dict) \
+                else 1.0
+            if isinstance(guidance, (int, float)) and float(guidance) > 1.0:
+                errors.append(
+                    f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: the "
+                    "SGLang engine samples without CFG (its bridge runs one conditional row per candidate); use "
+                    "--rollout-engine-class-path native for true CFG, or guidance_scale 1.0")
 
 
 def _sglang_importable() -> bool:
@@ -424,6 +432,18 @@ def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(f"--eps-clip must be > 0, got {g.eps_clip} (FlowGRPO recipes use 1e-4)")
     if g.eps_clip_high is not None and not (g.eps_clip_high > 0):
         errors.append(f"--eps-clip-high must be > 0 when set, got {g.eps_clip_high}")
+    if not g.kl_coef >= 0:
+        errors.append(f"--kl-coef must be >= 0, got {g.kl_coef}")
+    elif g.kl_coef > 0 and not g.use_kl_loss:
+        errors.append(f"--kl-coef {g.kl_coef} without --use-kl-loss: the KL term is added to the loss only with "
+                      "--use-kl-loss; pass it, or set --kl-coef 0")
+    elif g.use_kl_loss and not g.kl_coef > 0:
+        errors.append("--use-kl-loss with --kl-coef 0 adds nothing: set --kl-coef > 0 (e.g. 0.04), or drop "
+                      "--use-kl-loss")
+    elif g.use_kl_loss and cfg.fsdp.fsdp_trainable_mode != "lora":
+        errors.append("--use-kl-loss with --fsdp-trainable-mode full: the KL's reference policy is the base model "
+                      "with the LoRA adapter disabled, and a frozen full-size reference copy is not built; use "
+                      "--fsdp-trainable-mode lora, or drop --use-kl-loss")
     mode = g.generative_advantage_std_mode
     if g.disable_grpo_std_normalization and mode in ("group", "batch"):
         errors.append(

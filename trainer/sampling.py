@@ -41,16 +41,16 @@ _FLAG = "--sampling-config"
 
 def guidance_scale_problem(guidance_scale: Any) -> str | None:
     """None when a rollout may sample at `guidance_scale`, else what it must be and why, phrased
-    to follow the value ("guidance_scale is 4.0, but " + problem).
+    to follow the value ("guidance_scale is 0.5, but " + problem).
 
-    Only 1.0 today: the actor replays each trained step with one positive-conditioned forward,
-    so a CFG rollout would train against a policy it never sampled from. Allowing CFG means a
-    two-forward replay, then relaxing this function.
+    1.0 is no guidance (one positive-conditioned forward); > 1 is true classifier-free guidance:
+    the conditional and unconditional rows of a candidate run in one DiT forward, the step uses
+    the combined velocity, and the replay runs the same two-row forward (gradients through both).
+    Below 1 would extrapolate toward the negative prompt, which no recipe means.
     """
-    if _is_number(guidance_scale) and float(guidance_scale) == 1.0:
+    if _is_number(guidance_scale) and float(guidance_scale) >= 1.0:
         return None
-    return ("must be 1.0 (the actor replays a single positive-conditioned forward, so a CFG rollout would "
-            "train against a policy it never sampled from; two-forward CFG replay is not implemented)")
+    return "must be a number >= 1.0 (1.0 = no guidance; > 1 = true CFG with negative_prompt)"
 
 
 def trained_steps_problem(steps: Sequence[int], num_inference_steps: int) -> str | None:
@@ -126,9 +126,14 @@ class SamplingConfig:
     width: int = 384
     #: denoising steps generated per image (all of them run; only the trained subset is replayed)
     num_inference_steps: int = 12
-    #: must be 1.0 (guidance_scale_problem says why): the replay runs one positive-conditioned
-    #: forward, so a CFG rollout would train against a different policy than it sampled from
+    #: 1.0 = no guidance; > 1 = true CFG (guidance_scale_problem): conditional and unconditional
+    #: rows in one DiT forward, in the rollout and in the replay alike
     guidance_scale: float = 1.0
+    #: the unconditional prompt of true CFG (QwenImagePipeline's default is " "); unused at 1.0
+    negative_prompt: str = " "
+    #: rescale the combined CFG velocity to the conditional velocity's norm per token, as
+    #: diffusers' QwenImagePipeline does; unused at guidance 1.0
+    cfg_renorm: bool = True
     #: SDE noise level (>= 0; > 0 when any step is trained). Used by both the sampler and the
     #: replay, so the two Gaussians are the same by construction
     eta: float = 0.7
@@ -303,6 +308,8 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
     take("width", pos_int)
     take("num_inference_steps", pos_int)
     take("guidance_scale", guidance)
+    take("negative_prompt", lambda v: (None, v) if isinstance(v, str) else ("must be a string (\" \" by default)", None))
+    take("cfg_renorm", boolean)
     take("eta", eta)
     take("sigma_max", sigma_max)
     take("sde_type", choice(SDE_TYPES))

@@ -9,7 +9,8 @@ B candidates, each recorded at the same S trained steps (the rollout's `sde_indi
     sigmas / sigmas_next     [B, S] fp32      the schedule's sigma before / after it
     log_probs                [B, S] fp32      the sampler's log-prob of each recorded transition
     conditions               name -> [B, ...] the frozen conditioning the DiT saw (Qwen-Image:
-                                              "prompt_embeds" [B, T, D], "prompt_embeds_mask" [B, T]);
+                                              "prompt_embeds" [B, T, D], "prompt_embeds_mask" [B, T];
+                                              with true CFG also "negative_prompt_embeds" / "_mask");
                                               an entry `X` with an `X_mask` partner is a padded
                                               token sequence
     images                   [B, 3, H, W] fp32 in [0, 1] on CPU, or None (dropped before the
@@ -37,7 +38,7 @@ _ROW_LISTS = ("prompts", "sample_ids", "generation_seeds", "metadata")
 COLUMN_FIELDS = ("latents", "next_latents", "timesteps", "sigmas", "sigmas_next", "log_probs")
 #: what every row must agree on (Trajectory.cat refuses to mix them)
 SHARED_FIELDS = ("sde_indices", "height", "width", "vae_scale_factor", "num_inference_steps", "eta", "sde_type",
-                 "sigma_max")
+                 "sigma_max", "guidance_scale", "negative_prompt", "cfg_renorm")
 
 
 @dataclass
@@ -67,6 +68,10 @@ class Trajectory:
     eta: float
     sde_type: str = "sde"
     sigma_max: float = 0.99
+    #: true CFG as sampled (guidance 1.0: none; negative_prompt None then)
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    cfg_renorm: bool = False
     images: torch.Tensor | None = None
     #: provenance manifest per candidate (artifacts.candidate_manifest), set by the rollout
     train_metadata: list[dict[str, Any]] | None = None
@@ -89,6 +94,11 @@ class Trajectory:
     @property
     def prompt_embeds_mask(self) -> torch.Tensor | None:
         return self.conditions.get("prompt_embeds_mask")
+
+    @property
+    def guided(self) -> bool:
+        """True CFG: the replay runs the conditional and unconditional rows of every candidate."""
+        return float(self.guidance_scale) > 1.0
 
     @property
     def latent_dtype(self) -> str:
@@ -123,6 +133,9 @@ class Trajectory:
         if "prompt_embeds" not in self.conditions:
             raise ValueError(f"trajectory of {who}: conditions lack 'prompt_embeds' (the frozen text conditioning "
                              "the DiT saw); the actor cannot replay without it")
+        if self.guided and "negative_prompt_embeds" not in self.conditions:
+            raise ValueError(f"trajectory of {who}: guidance_scale {self.guidance_scale} but conditions lack "
+                             "'negative_prompt_embeds'; a CFG replay needs the unconditional rows' conditioning")
         for name, t in self.conditions.items():
             if t.dim() < 1 or int(t.shape[0]) != b:
                 raise ValueError(f"trajectory of {who}: condition {name} has shape {tuple(t.shape)}, expected "

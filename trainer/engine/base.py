@@ -39,7 +39,11 @@ class RolloutRequest:
     eta: float
     sde_type: str = "sde"
     sigma_max: float = 0.99
+    #: > 1: true CFG with `negative_prompt` as the unconditional prompt (cfg_renorm: rescale the
+    #: combined velocity to the conditional one's norm per token)
     guidance_scale: float = 1.0
+    negative_prompt: str = " "
+    cfg_renorm: bool = True
     generation_seed: int = 1234
     metadata: dict[str, Any] = field(default_factory=dict)
     #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
@@ -93,9 +97,11 @@ class RolloutEngine(Protocol):
 def geometry_key(r: RolloutRequest) -> tuple:
     """Candidates with equal keys can share a DiT forward and one Trajectory (same grid, schedule,
     trained steps and SDE settings)."""
+    guided = float(r.guidance_scale) > 1.0
     return (r.height, r.width, r.num_inference_steps, tuple(float(s) for s in r.sigmas), tuple(r.sde_indices),
             float(r.eta), r.sde_type, float(r.sigma_max),
-            None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape))
+            None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape),
+            float(r.guidance_scale), r.negative_prompt if guided else None, bool(r.cfg_renorm) if guided else None)
 
 
 def check_one_geometry(requests: list[RolloutRequest]) -> None:
@@ -142,6 +148,9 @@ def rollout_trajectory(reqs: list[RolloutRequest], *, images: torch.Tensor, late
         eta=float(r0.eta),
         sde_type=str(r0.sde_type),
         sigma_max=float(r0.sigma_max),
+        guidance_scale=float(r0.guidance_scale),
+        negative_prompt=r0.negative_prompt if float(r0.guidance_scale) > 1.0 else None,
+        cfg_renorm=bool(r0.cfg_renorm) if float(r0.guidance_scale) > 1.0 else False,
         images=images.float().cpu(),
     ).validate()
 

@@ -183,9 +183,10 @@ class NativeEngine(EngineMemoryState):
         check_one_geometry(requests)
         t0 = time.perf_counter()
         conds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for r in requests:
-            if r.prompt not in conds:
-                conds[r.prompt] = self.encode_prompt(r.prompt)
+        wanted = [r.prompt for r in requests] + ([requests[0].negative_prompt] if requests[0].guidance_scale > 1 else [])
+        for prompt in wanted:  # the negative prompt of true CFG too: once per call
+            if prompt not in conds:
+                conds[prompt] = self.encode_prompt(prompt)
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
         parts = [self._generate_chunk(requests[start:start + step], conds) for start in range(0, len(requests), step)]
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
@@ -213,10 +214,20 @@ class NativeEngine(EngineMemoryState):
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
         trained = set(int(i) for i in r0.sde_indices)
+        conditions = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        guided = r0.guidance_scale > 1.0
+        if guided:
+            neg, neg_mask = conds[r0.negative_prompt]
+            neg_embeds, neg_mask = self.adapter.pad_text([neg] * b, [neg_mask] * b)
+            conditions.update(negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=neg_mask)
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
-            v = self.adapter.velocity(self.transformer, x, t, embeds, mask, *geom)
+            if guided:
+                v = self.adapter.guided_velocity(self.transformer, x, t, embeds, mask, neg_embeds, neg_mask, *geom,
+                                                 r0.guidance_scale, r0.cfg_renorm)
+            else:
+                v = self.adapter.velocity(self.transformer, x, t, embeds, mask, *geom)
             if i in trained:
                 noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
                 s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
@@ -238,7 +249,7 @@ class NativeEngine(EngineMemoryState):
         return rollout_trajectory(
             reqs, images=images, latents=torch.stack(lat, 1), next_latents=torch.stack(nxt, 1), sigmas=sig,
             sigmas_next=sig_next, timesteps=ts, log_probs=torch.stack(logps, 1), sde_indices=steps,
-            conditions={"prompt_embeds": embeds, "prompt_embeds_mask": mask}, vae_scale_factor=self.vae_scale_factor,
+            conditions=conditions, vae_scale_factor=self.vae_scale_factor,
             policy_version=self.policy_version)
 
     # ------------------------------------------------------------------ weights

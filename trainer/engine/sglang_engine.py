@@ -389,6 +389,9 @@ class SGLangEngine(EngineMemoryState):
             return None
         for r in requests:
             check_request(r)
+            if r.guidance_scale > 1.0:
+                raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale}; the SGLang engine samples "
+                                 "without CFG: use the native engine for true CFG")
         check_one_geometry(requests)
         t0 = time.perf_counter()
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)

@@ -74,6 +74,12 @@ class GenerativeModelAdapter(Protocol):
                  vae_scale_factor: int) -> Any:
         """The DiT's velocity for latents x at timesteps t [B]: the call replay makes too."""
 
+    def guided_velocity(self, transformer: Any, x: Any, t: Any, embeds: Any, mask: Any, negative_embeds: Any,
+                        negative_mask: Any, height: int, width: int, vae_scale_factor: int, guidance_scale: float,
+                        renorm: bool) -> Any:
+        """True-CFG velocity (guidance_scale > 1): conditional and unconditional rows in one
+        forward, combined; the call replay makes too."""
+
     def decode(self, vae: Any, latents: Any, height: int, width: int, vae_scale_factor: int) -> Any:
         """Final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU."""
 

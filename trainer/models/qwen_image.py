@@ -246,6 +246,54 @@ def dit_velocity(
     return out[0] if isinstance(out, (tuple, list)) else out.sample
 
 
+def guided_velocity(
+    transformer,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_embeds_mask: torch.Tensor | None,
+    negative_embeds: torch.Tensor,
+    negative_mask: torch.Tensor | None,
+    img_shapes,
+    guidance_scale: float,
+    renorm: bool,
+    *,
+    rollout_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """True classifier-free guidance in ONE DiT forward of 2B rows (conditional rows first, then
+    the unconditional ones, the two text conditionings zero-padded to a common length):
+
+        v = v_neg + g * (v_cond - v_neg)
+        renorm: v = v * ||v_cond|| / ||v||   (per token, over channels; QwenImagePipeline's rescale)
+
+    latents [B, L, C]; timesteps [B]; prompt / negative embeds [B, T, D] / [B, T', D] with
+    masks; img_shapes for B rows. Rollout and replay both call this, so the replay's velocity is
+    the sampler's; gradients reach the policy through both rows. Returns [B, L, C].
+    """
+    b = int(latents.shape[0])
+    t_max = max(int(prompt_embeds.shape[1]), int(negative_embeds.shape[1]))
+
+    def padded(e, m):
+        if m is None:
+            m = torch.ones(e.shape[:2], dtype=torch.int64, device=e.device)
+        pad = t_max - int(e.shape[1])
+        if pad:
+            e = torch.cat([e, e.new_zeros((e.shape[0], pad, e.shape[2]))], dim=1)
+            m = torch.cat([m, m.new_zeros((m.shape[0], pad))], dim=1)
+        return e, m.to(torch.int64)
+
+    pe, pm = padded(prompt_embeds, prompt_embeds_mask)
+    ne, nm = padded(negative_embeds.to(device=pe.device, dtype=pe.dtype), negative_mask.to(pe.device)
+                    if negative_mask is not None else None)
+    both = dit_velocity(transformer, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+                        torch.cat([pe, ne]), torch.cat([pm, nm]), list(img_shapes) * 2, rollout_dtype=rollout_dtype)
+    cond, uncond = both[:b], both[b:]
+    out = uncond + float(guidance_scale) * (cond - uncond)
+    if renorm:
+        out = out * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(out, dim=-1, keepdim=True))
+    return out
+
+
 # ----------------------------------------------------------------------------- batches
 
 
@@ -359,6 +407,15 @@ class QwenImageAdapter:
         return dit_velocity(transformer, x, t, embeds, mask,
                             img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor))
 
+    def guided_velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                        negative_embeds: torch.Tensor, negative_mask: torch.Tensor, height: int, width: int,
+                        vae_scale_factor: int, guidance_scale: float, renorm: bool) -> torch.Tensor:
+        """True-CFG velocity (module function guided_velocity: both rows in one forward), the call
+        replay makes too."""
+        return guided_velocity(transformer, x, t, embeds, mask, negative_embeds, negative_mask,
+                               img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor), guidance_scale,
+                               renorm)
+
     def decode(self, vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
         """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
         QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
@@ -387,10 +444,10 @@ class QwenImageAdapter:
     ) -> RolloutRequest:
         """One candidate as an engine RolloutRequest.
 
-        Raises ValueError when guidance_scale != 1.0 (the replay is a single positive-conditioned
-        forward, so a CFG rollout would train against a policy it never sampled from), when the
-        trained-step set is empty, out of range, or trains step 0 under sde_type "sde", and when
-        `sigmas` is not num_inference_steps + 1 values.
+        Raises ValueError when guidance_scale < 1.0, when the trained-step set is empty, out of
+        range, or trains step 0 under sde_type "sde", and when `sigmas` is not
+        num_inference_steps + 1 values. guidance_scale > 1 carries the sampling config's
+        negative_prompt and cfg_renorm (true CFG).
         """
         from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
                                       trained_steps_problem)
@@ -422,6 +479,8 @@ class QwenImageAdapter:
             sde_type=sde_type,
             sigma_max=float(getattr(sampling, "sigma_max", 0.99)),
             guidance_scale=guidance,
+            negative_prompt=str(getattr(sampling, "negative_prompt", " ")),
+            cfg_renorm=bool(getattr(sampling, "cfg_renorm", True)),
             generation_seed=int(generation_seed),
             metadata=dict(metadata or {}),
             init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
@@ -460,7 +519,8 @@ class QwenImageAdapter:
         """
         return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
 
-    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any) -> torch.Tensor:
+    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any, *,
+                           moments: bool = False) -> Any:
         """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch`, in one DiT forward over
         B * S rows (row k * B + i = candidate i at column k), instead of S forwards of B rows.
 
@@ -469,8 +529,12 @@ class QwenImageAdapter:
         this with S = 1) up to the GEMM's batch-size-dependent rounding. Fewer, larger launches: replay of a micro-batch is
         bound by the host's kernel-launch rate at real scale, so this is what makes it fast. The
         autograd graph holds the same activations as S separate forwards kept for one backward.
+        A true-CFG trajectory (batch.guided) replays its conditional and unconditional rows
+        together (guided_velocity: 2 * B * S rows), with the guidance it was sampled at.
+        moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32) of
+        the same forward, what the KL to a reference policy needs.
         """
-        from trainer.flow_grpo import replay_transition_logp
+        from trainer.flow_grpo import flow_sde_log_prob, flow_sde_transition_moments, replay_transition_logp
 
         device, compute_dtype = _module_device_dtype(transformer)
         lat = batch.latents
@@ -483,27 +547,32 @@ class QwenImageAdapter:
         # which in bf16 changes the velocity by an ulp and the log-prob by ~1e-4
         recorded = rows(lat).to(device).contiguous()
         next_latents = rows(batch.next_latents).to(device)
-        embeds, mask = batch.prompt_embeds, batch.prompt_embeds_mask
-        velocity = dit_velocity(
-            transformer,
-            recorded.to(compute_dtype or recorded.dtype),
-            rows(batch.timesteps),
-            embeds.repeat(s, *([1] * (embeds.dim() - 1))),
-            None if mask is None else mask.repeat(s, *([1] * (mask.dim() - 1))),
-            img_shapes_for(s * b, batch.height, batch.width, batch.vae_scale_factor),
-            rollout_dtype=recorded.dtype,
-        )
-        logp = replay_transition_logp(
-            recorded,
-            next_latents,
-            velocity,
-            rows(batch.sigmas).to(device),
-            rows(batch.sigmas_next).to(device),
-            float(sampling.eta),
-            getattr(sampling, "sde_type", "sde"),
-            float(getattr(sampling, "sigma_max", 0.99)),
-        )
-        return logp.view(s, b).transpose(0, 1)
+        def tiled(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, ...] -> [S * B, ...], column-major
+            return None if t is None else t.repeat(s, *([1] * (t.dim() - 1)))
+
+        x = recorded.to(compute_dtype or recorded.dtype)
+        shapes = img_shapes_for(s * b, batch.height, batch.width, batch.vae_scale_factor)
+        embeds, mask = tiled(batch.prompt_embeds), tiled(batch.prompt_embeds_mask)
+        if batch.guided:
+            velocity = guided_velocity(transformer, x, rows(batch.timesteps), embeds, mask,
+                                       tiled(batch.conditions["negative_prompt_embeds"]),
+                                       tiled(batch.conditions.get("negative_prompt_embeds_mask")), shapes,
+                                       batch.guidance_scale, batch.cfg_renorm, rollout_dtype=recorded.dtype)
+        else:
+            velocity = dit_velocity(transformer, x, rows(batch.timesteps), embeds, mask, shapes,
+                                    rollout_dtype=recorded.dtype)
+        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
+                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
+        if not moments:
+            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
+        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
+        logp = flow_sde_log_prob(next_latents, mean, std)
+
+        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
+            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
+
+        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
+        return cols(logp), cols(mean), cols(std)
 
     # -- misc -----------------------------------------------------------------------------
 
