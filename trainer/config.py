@@ -422,6 +422,11 @@ class GrpoConfig:
         "Std divisor after per-prompt centring: 'group', 'batch' or 'none'. Unset = 'group', "
         "or 'none' with --disable-grpo-std-normalization.",
     )
+    adv_clip_max: float = _flag(
+        0.0,
+        "Clamp each advantage to [-max, max] after normalisation (FlowGRPO's adv_clip_max, 5 "
+        "there); must be >= 0, 0 = off. The clipped share is logged as reward/adv_clipped_fraction.",
+    )
     # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     kl_coef: float = _unsupported(0.0)
     use_kl_loss: bool = _unsupported(False)

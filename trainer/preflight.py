@@ -424,6 +424,8 @@ def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(f"--eps-clip must be > 0, got {g.eps_clip} (FlowGRPO recipes use 1e-4)")
     if g.eps_clip_high is not None and not (g.eps_clip_high > 0):
         errors.append(f"--eps-clip-high must be > 0 when set, got {g.eps_clip_high}")
+    if not (math.isfinite(g.adv_clip_max) and g.adv_clip_max >= 0):
+        errors.append(f"--adv-clip-max must be a finite number >= 0 (0 = off; FlowGRPO uses 5), got {g.adv_clip_max}")
     mode = g.generative_advantage_std_mode
     if g.disable_grpo_std_normalization and mode in ("group", "batch"):
         errors.append(
