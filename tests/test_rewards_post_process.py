@@ -243,3 +243,49 @@ def test_gather_scores_two_ranks(tmp_path):
     assert r0["failed"] == r1["failed"] == [1]
     assert torch.equal(r0["adv"], r1["adv"])  # every rank computes the same advantages
     assert "scored by" in torch.load(tmp_path / "err0.pt")
+
+
+def test_adv_clip_max_clamps_after_normalisation_and_counts():
+    """One outlier in a group of 8 normalises to sqrt(7) ~ 2.65 (the others to -1/sqrt(7)):
+    a clamp at 1.5 clips exactly that one candidate of each group; 0 leaves everything alone."""
+    r = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -3.0])
+    off = compute_advantages({"r": r}, 8, std_mode="group")
+    assert "reward/adv_clipped_fraction" not in off.metrics
+    assert off.advantages.max().item() == pytest.approx(math.sqrt(7), rel=1e-5)
+    on = compute_advantages({"r": r}, 8, std_mode="group", adv_clip_max=1.5)
+    assert on.advantages.max().item() == 1.5 and on.advantages.min().item() == -1.5
+    assert on.metrics["reward/adv_clipped_fraction"] == pytest.approx(2 / 16)
+    inside = off.advantages.abs() <= 1.5
+    assert torch.equal(on.advantages[inside], off.advantages[inside])
+    assert on.metrics["reward/advantage_mean"] != off.metrics["reward/advantage_mean"]
+    # a failed group stays 0 and out of the share
+    nan = r.clone()
+    nan[8] = float("nan")
+    part = compute_advantages({"r": nan}, 8, std_mode="group", adv_clip_max=1.5)
+    assert part.metrics["reward/adv_clipped_fraction"] == pytest.approx(1 / 8)
+    assert torch.equal(part.advantages[8:], torch.zeros(8))
+    with pytest.raises(ValueError, match="--adv-clip-max"):
+        compute_advantages({"r": r}, 8, adv_clip_max=-1.0)
+
+
+def test_adv_clip_max_flag_reaches_post_process_and_preflight():
+    from trainer.config import load_config
+    from trainer.preflight import PreflightError, validate
+
+    assert load_config([]).grpo.adv_clip_max == 0.0
+    assert load_config(["--adv-clip-max", "5"]).grpo.adv_clip_max == 5.0
+    cfg = SimpleNamespace(reward=SimpleNamespace(), rollout=SimpleNamespace(n_samples_per_prompt=8),
+                          grpo=SimpleNamespace(generative_advantage_std_mode=None,
+                                               disable_grpo_std_normalization=False, adv_clip_max=1.5))
+    r = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 0])
+
+    class Manager:
+        def score(self, images, prompts, metadata, batch_size=None):
+            return SimpleNamespace(components={"r": r}, score_time=None)
+
+    res = post_process_from_config(cfg, [None] * 8, ["p"] * 8, manager=Manager())
+    assert res.advantages.max().item() == 1.5
+    for value, refused in (("-1", True), ("5", False)):
+        with pytest.raises(PreflightError) as exc:  # the bare config has other problems too
+            validate(load_config(["--adv-clip-max", value]), 1, torchrun=False)
+        assert any(p.startswith("--adv-clip-max") for p in exc.value.problems) is refused

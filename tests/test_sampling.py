@@ -39,8 +39,9 @@ def test_defaults_match_reference_table():
     assert c.init_noise_latent_shape is None and c.sample_id_mode == "metadata"
     assert c.sde_resample_per_rollout is False and c.sde_pool is None and c.sde_indices is None
     assert c.num_sde_steps == 0 and c.sde_timestep_fraction == [0.0, 1.0]
+    assert c.sde_window_size == 0 and c.sde_window_range is None
     assert set(c.to_dict()) == {f.name for f in dataclasses.fields(sp.SamplingConfig)}
-    assert len(c.to_dict()) == 18
+    assert len(c.to_dict()) == 20
     assert c.negative_prompt == " " and c.cfg_renorm is True  # used only when guidance_scale > 1
     assert sp.parse_sampling_config({}) == c == sp.parse_sampling_config("{}")
 
@@ -49,8 +50,16 @@ def test_parse_dict_and_json_string_and_fingerprint():
     a = sp.parse_sampling_config(RECIPE)
     b = sp.parse_sampling_config(json.dumps(dict(reversed(list(RECIPE.items())))))
     assert a == b and a.sde_pool == [1, 2, 3, 4, 5] and a.sde_resample_per_rollout
-    blob = json.dumps(a.to_dict(), sort_keys=True, separators=(",", ":"))
+    # the keys added later are left out at their defaults: older artifacts keep their fingerprint
+    d = {k: v for k, v in a.to_dict().items()
+         if k not in ("sde_window_size", "sde_window_range", "negative_prompt", "cfg_renorm")}
+    blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
     assert a.fingerprint() == hashlib.sha256(blob.encode()).hexdigest() == b.fingerprint()
+    assert sp.parse_sampling_config(None).fingerprint() == (
+        "c6f8fc22625e30aa2aad8660f50251a7447bf9d92b92b9e1972018c717a67a55")
+    windowed = {"num_inference_steps": 12, "sde_window_size": 2, "sde_window_range": [1, 6]}
+    assert sp.parse_sampling_config(windowed).fingerprint() != sp.parse_sampling_config(
+        dict(windowed, sde_window_range=[1, 7])).fingerprint()
     assert sp.parse_sampling_config(dict(RECIPE, eta=0.8)).fingerprint() != a.fingerprint()
     assert sp.parse_sampling_config(a) == a  # a parsed config passes through
     assert sp.parse_sampling_config({"eta": 1}).eta == 1.0 and isinstance(sp.parse_sampling_config({"eta": 1}).eta, float)

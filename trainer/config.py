@@ -429,6 +429,11 @@ class GrpoConfig:
     use_kl_loss: bool = _flag(
         False, "Add --kl-coef x KL(policy || reference) to the clipped loss; needs --kl-coef > 0 and LoRA."
     )
+    adv_clip_max: float = _flag(
+        0.0,
+        "Clamp each advantage to [-max, max] after normalisation (FlowGRPO's adv_clip_max, 5 "
+        "there); must be >= 0, 0 = off. The clipped share is logged as reward/adv_clipped_fraction.",
+    )
     use_dynamic_batch_size: bool = _unsupported(False)
     max_tokens_per_gpu: int | None = _unsupported(None)
 

@@ -409,7 +409,8 @@ class Trainer:
             reward = compute_advantages(components, self.group_size,
                                         required_components=cfg.reward.reward_required_components,
                                         component_weights=cfg.reward.reward_component_weights,
-                                        std_mode=std_mode, score_time=scored.score_time)
+                                        std_mode=std_mode, score_time=scored.score_time,
+                                        adv_clip_max=cfg.grpo.adv_clip_max)
         m["perf/reward_time"] = t.elapsed
         m.update(t.memory("reward"))
         m.update(reward.metrics)

@@ -444,6 +444,8 @@ def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
         errors.append("--use-kl-loss with --fsdp-trainable-mode full: the KL's reference policy is the base model "
                       "with the LoRA adapter disabled, and a frozen full-size reference copy is not built; use "
                       "--fsdp-trainable-mode lora, or drop --use-kl-loss")
+    if not (math.isfinite(g.adv_clip_max) and g.adv_clip_max >= 0):
+        errors.append(f"--adv-clip-max must be a finite number >= 0 (0 = off; FlowGRPO uses 5), got {g.adv_clip_max}")
     mode = g.generative_advantage_std_mode
     if g.disable_grpo_std_normalization and mode in ("group", "batch"):
         errors.append(

@@ -534,7 +534,7 @@ class QwenImageAdapter:
         moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32) of
         the same forward, what the KL to a reference policy needs.
         """
-        from trainer.flow_grpo import flow_sde_log_prob, flow_sde_transition_moments, replay_transition_logp
+        from trainer.flow_grpo import flow_sde_transition_moments, replay_transition_logp, transition_log_prob
 
         device, compute_dtype = _module_device_dtype(transformer)
         lat = batch.latents
@@ -566,7 +566,7 @@ class QwenImageAdapter:
         if not moments:
             return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
         mean, std = flow_sde_transition_moments(recorded, velocity, *step)
-        logp = flow_sde_log_prob(next_latents, mean, std)
+        logp = transition_log_prob(next_latents, mean, std, step[3])
 
         def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
             return t.view(s, b, *t.shape[1:]).transpose(0, 1)
