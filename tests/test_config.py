@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {
     "lora": ROOT / "configs" / "qwen_image_t2i_lora_8gpu.toml",
     "full": ROOT / "configs" / "qwen_image_t2i_full_8gpu.toml",
+    "flowgrpo_cfg": ROOT / "configs" / "qwen_image_t2i_lora_flowgrpo_cfg.toml",
     "demo": ROOT / "configs" / "tiny_cpu_demo.toml",
 }
 
