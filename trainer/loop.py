@@ -354,7 +354,8 @@ class Trainer:
             return
         state = load_checkpoint(load, self.task, model=self.actor.model, optimizer=self.actor.optimizer,
                                 adapter_contract=self.contract, trainable_only=self.actor.mode == "lora",
-                                iteration=self.cfg.checkpoint.ckpt_step)
+                                iteration=self.cfg.checkpoint.ckpt_step,
+                                ema=None if self.actor.ema is None else self.actor.ema.state_dict())
         if state is None:  # preflight refuses this; the directory changed since
             raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
@@ -618,7 +619,8 @@ class Trainer:
         ok = save_checkpoint(cfg.checkpoint.save, self.task, k, model=self.actor.model, optimizer=self.actor.optimizer,
                              trainer_state=state, weight_sync_manifest=manifest, adapter_contract=self.contract,
                              trainable_only=self.actor.mode == "lora",
-                             max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0))
+                             max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0),
+                             ema=None if self.actor.ema is None else self.actor.ema.state_dict())
         if not ok:
             self.checkpoint_failures += 1
 
