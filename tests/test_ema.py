@@ -187,3 +187,38 @@ def test_swapped_in_shows_the_ema_and_puts_the_live_weights_back(mesh):
         raise RuntimeError("boom")
     back = _trainable_full(actor)
     assert all(torch.equal(back[n], live[n]) for n in live)
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_eval_samples_the_ema_and_the_next_rollout_the_live_weights(mesh, offloaded):
+    from tests.dist.tiny import ReceiverEngine
+    from trainer.loop import evaluate_with_ema
+    from trainer.weight_sync import WeightSyncer
+
+    actor = _actor(mesh, 0.5)
+    actor.train_step(make_batch(4, seed=4), torch.tensor([1.0, -1.0, 0.5, -0.5]), replay)
+    engine = ReceiverEngine(tiny_transformer(seed=5))
+    syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=0.05)
+    syncer.sync(actor.model, engine)
+    live, ema = full_params(actor.model), _ema_full(actor)
+    assert any(not torch.equal(live[n], ema[n]) for n in ema)
+    if offloaded:
+        actor.offload()
+    seen = {}
+
+    def evaluate():
+        seen.update({n: p.detach().clone() for n, p in engine.transformer.named_parameters()})
+        seen["offloaded"] = actor.offloaded
+        return {"eval/x": 1.0}
+
+    assert evaluate_with_ema(actor, syncer, engine, evaluate) == {"eval/x": 1.0}
+    assert seen.pop("offloaded") is offloaded
+    assert all(torch.equal(seen[n], ema[n]) for n in ema)  # eval sampled the EMA
+    assert all(torch.equal(seen[n], live[n]) for n in live if n not in ema)  # frozen ones as they are
+    after = {n: p.detach() for n, p in engine.transformer.named_parameters()}
+    assert all(torch.equal(after[n], live[n]) for n in live)  # the next rollout samples the live policy
+    assert actor.offloaded is offloaded
+    if offloaded:
+        actor.onload()
+    assert all(torch.equal(t, live[n]) for n, t in full_params(actor.model).items())
+    assert syncer.policy_version == engine.policy_version == 1 and syncer.failures == 0
