@@ -222,3 +222,13 @@ def test_eval_samples_the_ema_and_the_next_rollout_the_live_weights(mesh, offloa
         actor.onload()
     assert all(torch.equal(t, live[n]) for n, t in full_params(actor.model).items())
     assert syncer.policy_version == engine.policy_version == 1 and syncer.failures == 0
+
+
+def test_export_ema_of_a_checkpoint_without_one_is_refused(mesh, tmp_path):
+    """tools/export_checkpoint.py --ema needs EMA state (tests/test_e2e.py exports a real one)."""
+    from tools.export_checkpoint import ExportError, load_checkpoint
+
+    _save(_actor(mesh), tmp_path, 1, ema=False)
+    assert load_checkpoint(tmp_path, "t2i", 1).tensors
+    with pytest.raises(ExportError, match=r"holds no EMA weights .*\(drop --ema\)"):
+        load_checkpoint(tmp_path, "t2i", 1, ema=True)
