@@ -31,6 +31,7 @@ import torch.nn as nn
 from trainer.core.dtypes import resolve_dtype
 from trainer.core.names import is_lora_name, model_name
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
+from trainer.ema import ParamEMA
 from trainer.flow_grpo import grpo_clip_loss, transition_kl
 from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
@@ -529,6 +530,12 @@ class Actor:
         self.last_anchor_passes = 0
         self._params_off = _StorageOffload()
         self._optim_off = _StorageOffload()
+        #: the EMA of the trainable parameters (--ema-decay > 0), or None; starts equal to them
+        self.ema: ParamEMA | None = None
+        decay = float(getattr(o, "ema_decay", 0.0) or 0.0)
+        if decay > 0:
+            self.ema = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), decay,
+                                int(getattr(o, "ema_update_interval", 1) or 1))
 
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
@@ -553,9 +560,13 @@ class Actor:
         return lr_at_step(step, lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
                           decay_iters=self.decay_iters, schedule=self.fsdp.fsdp_lr_scheduler)
 
-    def state_dict(self) -> dict[str, int]:
-        """Scalar training state that rides along with the DCP checkpoint."""
-        return {"lr_scheduler_steps": self.optimizer_steps, "skipped_rounds": self.skipped_rounds}
+    def state_dict(self) -> dict[str, Any]:
+        """Scalar training state that rides along with the DCP checkpoint (the EMA's settings only
+        when it is on, so an EMA-off trainer_state.json is unchanged)."""
+        state: dict[str, Any] = {"lr_scheduler_steps": self.optimizer_steps, "skipped_rounds": self.skipped_rounds}
+        if self.ema is not None:
+            state.update({"ema_decay": self.ema.decay, "ema_update_interval": self.ema.interval})
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.optimizer_steps = int(state["lr_scheduler_steps"])
@@ -751,6 +762,8 @@ class Actor:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer_steps += 1
+        if self.ema is not None and self.ema.due(self.optimizer_steps):
+            self.ema.update()
         stats.add_step(gn)
         return True, lr
 
@@ -795,10 +808,13 @@ class Actor:
                     # AdamW keeps `step` as a CPU scalar on GPU runs: nothing to free there
                     if lt.device.type == self.device.type:
                         out.append(lt)
+        # the EMA is optimizer-like state: it leaves the device with AdamW's moments
+        if self.ema is not None:
+            out += [t for t in self.ema.local_tensors() if t.device.type == self.device.type]
         return out
 
     def offload(self) -> dict[str, float]:
-        """Release the parameter/buffer shards and AdamW state from the device into (pinned) host memory.
+        """Release the parameter/buffer shards, AdamW state and the EMA from the device into (pinned) host memory.
 
         Fatal on failure (OffloadError). Gradients must be None (they are after train_step).
         """

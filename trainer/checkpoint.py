@@ -3,7 +3,7 @@
 Layout (one directory per iteration, i.e. per rollout id):
 
     <save>/<task>/iter_0000020/
-        fsdp/                       DCP shards (model + optimizer)
+        fsdp/                       DCP shards (model + optimizer, + "ema.*" when --ema-decay > 0)
         rng_rank0.pt ...            per-rank RNG state
         trainer_state.json          rollout id, policy version, lr_scheduler_steps, ...
         weight_sync_manifest.json
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.artifacts import atomic_write_bytes
+from trainer.ema import EMA_PREFIX
 from trainer.checkpoint_index import (  # noqa: F401 - re-exported: the checkpoint API in one module
     COMMITTED,
     LATEST,
@@ -156,6 +157,7 @@ def save_checkpoint(
     adapter_contract: dict[str, Any],
     trainable_only: bool,
     max_to_keep: int = 0,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> bool:
     """Write one checkpoint on every rank (collective). Returns True when it was committed.
 
@@ -163,6 +165,8 @@ def save_checkpoint(
     train/checkpoint_failures and carries on): a failed preparation on rank 0 (a read-only or
     vanished --save), a failed shard or sidecar write. Committed iterations are never
     overwritten and rotation (`max_to_keep` > 0) runs only after the new checkpoint is committed.
+    `ema` (trainer.ema.ParamEMA.state_dict(), or None without an EMA) is written under "ema.";
+    without it the DCP keys are exactly the model's and the optimizer's.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -195,6 +199,8 @@ def save_checkpoint(
         state = {"model": model_sd}
         if optim_sd is not None:
             state["optim"] = optim_sd
+        if ema:
+            state["ema"] = ema
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / "fsdp")))
@@ -278,9 +284,15 @@ def load_checkpoint(
     adapter_contract: dict[str, Any],
     trainable_only: bool,
     iteration: int | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
     """Restore model, optimizer and this rank's RNG from the newest COMMITTED iteration
-    (or `iteration`). Returns the trainer_state dict, or None when there is nothing to load."""
+    (or `iteration`). Returns the trainer_state dict, or None when there is nothing to load.
+
+    `ema`: the run's EMA tensors (ParamEMA.state_dict()), loaded in place. A checkpoint without
+    EMA state cannot give them: that raises (silently restarting the average from the resumed
+    weights would make the run differ from an uninterrupted one). A checkpoint with EMA state
+    loaded by a run without an EMA drops it, with a warning."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -299,6 +311,8 @@ def load_checkpoint(
     state = {"model": model_sd}
     if optim_sd is not None:
         state["optim"] = optim_sd
+    if ema:
+        state["ema"] = ema
 
     reader = FileSystemReader(str(d / "fsdp"))
     try:
@@ -309,6 +323,13 @@ def load_checkpoint(
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     wanted, _ = flatten_state_dict(state)
+    saved_ema = any(k.startswith(EMA_PREFIX) for k in saved_keys)
+    if ema and not saved_ema:
+        raise CheckpointError(
+            f"{d / 'fsdp'} holds no EMA state ('{EMA_PREFIX}*'), but this run has --ema-decay > 0: it was written "
+            f"by a run without an EMA. Resume with --ema-decay 0, or start a fresh run with another --save.")
+    if saved_ema and not ema:
+        logger.warning("%s holds EMA state; this run has no EMA (--ema-decay 0), so it is not loaded", d / "fsdp")
     missing = sorted(k for k in wanted if k not in saved_keys)
     stateless = set(trainer_state.get("optimizer_stateless_params", []))
     bad = [k for k in missing if not (k.startswith("optim.state.") and _param_of_optim_key(k) in stateless)]

@@ -389,6 +389,14 @@ class OptimConfig:
         "would dominate the denominator.",
     )
     clip_grad: float = _flag(1.0, "Gradient-norm clip before each optimizer step; must be > 0.")
+    ema_decay: float = _flag(
+        0.0,
+        "Decay of an fp32 EMA of the trainable parameters, kept sharded beside them and "
+        "checkpointed; must be in [0, 1). 0 = no EMA.",
+    )
+    ema_update_interval: int = _flag(
+        1, "Update the EMA after every N-th optimizer step; must be >= 1; needs --ema-decay > 0 when not 1."
+    )
 
 
 @dataclass
@@ -641,6 +649,9 @@ class EvalConfig:
     )
     n_samples_per_eval_prompt: int = _flag(
         1, "Candidates per eval prompt; must be >= 1."
+    )
+    eval_use_ema: bool = _flag(
+        False, "Evaluate with the EMA weights (training rollouts keep the live ones); needs --ema-decay > 0."
     )
 
 

@@ -174,6 +174,42 @@ def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
     return replay
 
 
+def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> Any:
+    """Run `evaluate()` with the engine holding the actor's EMA weights, then give the engine the
+    live weights back, so the next training rollout samples the policy being trained.
+
+    The EMA values are swapped into the actor's parameters (the live ones kept in a copy) only
+    for the sync; the actor holds the live weights again before the eval samples, and under
+    --offload-train it is off the device while the engine evaluates (onloaded twice, once per
+    sync). Both syncs commit the engine's current policy version label again, through a copy of
+    the syncer, so the run's version, manifest and failure count are those of the live policy.
+    Collective, like every sync."""
+    import copy
+
+    from trainer.actor import reshard_all
+
+    def hand_over(swap: bool) -> None:
+        was_off = actor.offloaded
+        if was_off:
+            actor.onload()
+        reshard_all(actor.model)  # the swap writes the sharded parameters
+        twin = copy.copy(syncer)
+        twin.policy_version = syncer.policy_version - 1  # sync() commits policy_version + 1
+        if swap:
+            with actor.ema.swapped_in():
+                twin.sync(actor.model, engine)
+        else:
+            twin.sync(actor.model, engine)
+        if was_off:
+            actor.offload()
+
+    hand_over(swap=True)
+    try:
+        return evaluate()
+    finally:
+        hand_over(swap=False)
+
+
 def weights_fingerprint(model: torch.nn.Module) -> float:
     """abs-sum of the trainable weights over all ranks (a full reduction: debug only)."""
     from trainer.actor import _local
@@ -357,7 +393,8 @@ class Trainer:
             return
         state = load_checkpoint(load, self.task, model=self.actor.model, optimizer=self.actor.optimizer,
                                 adapter_contract=self.contract, trainable_only=self.actor.mode == "lora",
-                                iteration=self.cfg.checkpoint.ckpt_step)
+                                iteration=self.cfg.checkpoint.ckpt_step,
+                                ema=None if self.actor.ema is None else self.actor.ema.state_dict())
         if state is None:  # preflight refuses this; the directory changed since
             raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
@@ -471,7 +508,10 @@ class Trainer:
         # 7. eval
         if self.eval_sets and self._due(k, cfg.eval.eval_interval):
             with Timer(self.device) as t:
-                m.update(self.evaluate(k))
+                if cfg.eval.eval_use_ema and self.actor.ema is not None:
+                    m.update(evaluate_with_ema(self.actor, self.syncer, self.engine, lambda: self.evaluate(k)))
+                else:
+                    m.update(self.evaluate(k))
             m["perf/eval_time"] = t.elapsed
             m.update(t.memory("eval"))
 
@@ -622,7 +662,8 @@ class Trainer:
         ok = save_checkpoint(cfg.checkpoint.save, self.task, k, model=self.actor.model, optimizer=self.actor.optimizer,
                              trainer_state=state, weight_sync_manifest=manifest, adapter_contract=self.contract,
                              trainable_only=self.actor.mode == "lora",
-                             max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0))
+                             max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0),
+                             ema=None if self.actor.ema is None else self.actor.ema.state_dict())
         if not ok:
             self.checkpoint_failures += 1
 

@@ -481,6 +481,20 @@ def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None
         errors.append(f"--adam-eps must be > 0, got {o.adam_eps}")
     if not (o.clip_grad > 0):
         errors.append(f"--clip-grad must be > 0, got {o.clip_grad}")
+    _check_ema(cfg, errors)
+
+
+def _check_ema(cfg: RunConfig, errors: list[str]) -> None:
+    o = cfg.optim
+    if not (0.0 <= o.ema_decay < 1.0):
+        errors.append(f"--ema-decay must be in [0, 1) (0 = no EMA), got {o.ema_decay}")
+    if o.ema_update_interval < 1:
+        errors.append(f"--ema-update-interval must be >= 1, got {o.ema_update_interval}")
+    elif o.ema_update_interval != 1 and o.ema_decay == 0:
+        errors.append(f"--ema-update-interval {o.ema_update_interval} has no effect without an EMA: "
+                      "set --ema-decay in (0, 1) or drop --ema-update-interval")
+    if cfg.eval.eval_use_ema and o.ema_decay == 0:
+        errors.append("--eval-use-ema needs an EMA to evaluate: set --ema-decay in (0, 1) or drop --eval-use-ema")
 
 
 def _check_reward(cfg: RunConfig, errors: list[str]) -> None:
