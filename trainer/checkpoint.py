@@ -123,6 +123,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _dcp_state(model, optimizer, trainable_only: bool, ema) -> dict:
+    """What DCP saves and loads in place: "model", "optim" (when there is an optimizer) and "ema"
+    (only when the run keeps one, so an EMA-off checkpoint has exactly the keys it always had)."""
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
+    state = {"model": model_sd}
+    if optim_sd is not None:
+        state["optim"] = optim_sd
+    if ema:
+        state["ema"] = ema
+    return state
+
+
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -195,12 +207,7 @@ def save_checkpoint(
 
     ok = True
     try:
-        model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
-        state = {"model": model_sd}
-        if optim_sd is not None:
-            state["optim"] = optim_sd
-        if ema:
-            state["ema"] = ema
+        state = _dcp_state(model, optimizer, trainable_only, ema)
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / "fsdp")))
@@ -307,12 +314,7 @@ def load_checkpoint(
     trainer_state = _read_json(d / TRAINER_STATE)
     assert_resumable(_read_json(d / CONTRACT), adapter_contract, d / CONTRACT)
 
-    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
-    state = {"model": model_sd}
-    if optim_sd is not None:
-        state["optim"] = optim_sd
-    if ema:
-        state["ema"] = ema
+    state = _dcp_state(model, optimizer, trainable_only, ema)
 
     reader = FileSystemReader(str(d / "fsdp"))
     try:

@@ -141,6 +141,14 @@ def cps_transition_moments(
     return mean, std
 
 
+def per_sample_mean(elem: torch.Tensor) -> torch.Tensor:
+    """[B, ...] per-element terms -> [B]: the MEAN over every non-batch dim (FlowGRPO's
+    convention for log-probs and KLs, so their scale does not depend on the resolution)."""
+    if elem.dim() <= 1:
+        return elem.reshape(-1)
+    return elem.mean(dim=tuple(range(1, elem.dim())))
+
+
 def cps_log_prob(next_latents: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """FlowGRPO's CPS log-prob of the (detached) `next_latents`: per element -(x' - mean)^2,
     then the MEAN over every non-batch dim. Returns [B] fp32.
@@ -150,10 +158,7 @@ def cps_log_prob(next_latents: torch.Tensor, mean: torch.Tensor) -> torch.Tensor
     shrinks towards the end of the schedule. This is the convention FlowGRPO's clip ranges are
     tuned for; it is used by the sampler and by the replay alike.
     """
-    elem = -((next_latents.detach().float() - mean.float()) ** 2)
-    if elem.dim() <= 1:
-        return elem.reshape(-1)
-    return elem.mean(dim=tuple(range(1, elem.dim())))
+    return per_sample_mean(-((next_latents.detach().float() - mean.float()) ** 2))
 
 
 def transition_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
@@ -177,10 +182,7 @@ def flow_sde_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, std: torch
     x = next_latents.detach().float()
     mean = mean.float()
     std = std.float()
-    elem = -((x - mean) ** 2) / (2.0 * std * std) - torch.log(std) - _LOG_SQRT_2PI
-    if elem.dim() <= 1:
-        return elem.reshape(-1)
-    return elem.mean(dim=tuple(range(1, elem.dim())))
+    return per_sample_mean(-((x - mean) ** 2) / (2.0 * std * std) - torch.log(std) - _LOG_SQRT_2PI)
 
 
 def replay_transition_logp(
@@ -253,10 +255,7 @@ def transition_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor)
     [B]; gradients flow through `mean` only (the reference is a constant).
     """
     diff = mean.float() - ref_mean.detach().float()
-    elem = diff * diff / (2.0 * std.detach().float() ** 2)
-    if elem.dim() <= 1:
-        return elem.reshape(-1)
-    return elem.mean(dim=tuple(range(1, elem.dim())))
+    return per_sample_mean(diff * diff / (2.0 * std.detach().float() ** 2))
 
 
 def grpo_clip_loss(
