@@ -217,6 +217,11 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                     f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: the "
                     "SGLang engine samples without CFG (its bridge runs one conditional row per candidate); use "
                     "--rollout-engine-class-path native for true CFG, or guidance_scale 1.0")
+            sde_type = (r.sampling_config or {}).get("sde_type") if isinstance(r.sampling_config, dict) else None
+            if sde_type == "cps":
+                errors.append(
+                    f"--rollout-engine-class-path {engine} with --sampling-config sde_type 'cps': the SGLang engine's "
+                    "bridge is checked for 'sde' and 'dance' only; use --rollout-engine-class-path native for 'cps'")
 
 
 def _sglang_importable() -> bool:
