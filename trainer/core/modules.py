@@ -71,3 +71,25 @@ class ModuleTreeSnapshot:
 
     def __len__(self) -> int:
         return len(self._modules)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated transformer blocks, in module order: every submodule whose class is
+    named in diffusers' `_repeated_blocks` (FLUX names two kinds), else the children of a
+    `transformer_blocks` ModuleList. What regional compilation and FP8 conversion act on."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if found:
+            return found
+    blocks = getattr(model, "transformer_blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+        return list(blocks)
+    raise ValueError(f"cannot find the repeated blocks of {type(model).__name__}: no _repeated_blocks class "
+                     "and no transformer_blocks ModuleList")
+
+
+#: torch.compile keyword arguments of regional compilation (the engine's and the actor's repeated
+#: blocks): fixed shapes, so one graph per sampling geometry / micro-batch shape and no dynamic
+#: shape guards. Tests add backend="eager" to check the wiring without inductor's codegen time.
+REGIONAL_COMPILE_KWARGS: dict = {"dynamic": False}

@@ -45,7 +45,7 @@ from trainer.core.checksum import weights_checksum
 from trainer.core.dtypes import engine_dtype
 from trainer.core.manifest import build_manifest, verify_manifest
 from trainer.core.modules import ModuleTreeSnapshot, model_has_lora
-from trainer.core.names import strip_wrapper_segments
+from trainer.core.names import is_lora_name, strip_wrapper_segments
 from trainer.host_arena import HostArena, typed_view
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  Trajectory, check_names_shapes, check_one_geometry, check_request,
@@ -85,24 +85,31 @@ class NativeEngine(EngineMemoryState):
     max_batch_size: candidates per DiT forward / VAE decode; <= 0 means all candidates of a
       geometry at once.
     max_sequence_length: text tokens kept after the template prefix (Qwen-Image's 512 window).
+    compile_blocks: torch.compile each repeated DiT block (regional compilation, fixed shapes:
+      one compile per geometry, reused by every later rollout; `last_stats["new_graphs"]` counts
+      graphs compiled during a call). Off by default: it pays on a GPU, not on CPU.
+    precision: "default" (every module in `dtype`) or "fp8": the DiT blocks' linear layers run
+      as FP8 GEMMs (trainer/core/fp8.py), re-quantized after every weight sync.
     """
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
-                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None):
+                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None,
+                 compile_blocks: bool = False, precision: str = "default"):
         self.adapter = _default_adapter(adapter)
         dev = _resolve_device(device)
         dt = engine_dtype(dtype, dev)
         m = self.adapter.load_rollout_modules(model_path, dtype=dt, device=dev)
         self._set_up(m["transformer"], m["vae"], m["text_encoder"], m["tokenizer"], m["scheduler_config"],
                      device=dev, dtype=dt, max_batch_size=max_batch_size, max_sequence_length=max_sequence_length,
-                     cast=False)
+                     cast=False, compile_blocks=compile_blocks, precision=precision)
         self.model_path = str(m.get("path", model_path))
         self.revision = revision
 
     @classmethod
     def from_modules(cls, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device=None,
                      dtype=None, max_batch_size: int = 0, max_sequence_length: int = 512,
-                     adapter: Any = None) -> "NativeEngine":
+                     adapter: Any = None, compile_blocks: bool = False,
+                     precision: str = "default") -> "NativeEngine":
         """An engine over modules already in memory (nothing is read from disk): a Qwen-Image DiT
         (QwenImageTransformer2DModel), its VAE (AutoencoderKLQwenImage), text encoder
         (Qwen2_5_VLForConditionalGeneration), Qwen2 tokenizer and the scheduler config dict. The
@@ -113,13 +120,15 @@ class NativeEngine(EngineMemoryState):
         dev = _resolve_device(device)
         engine._set_up(transformer, vae, text_encoder, tokenizer, dict(scheduler_config), device=dev,
                        dtype=engine_dtype(dtype, dev), max_batch_size=max_batch_size,
-                       max_sequence_length=max_sequence_length, cast=True)
+                       max_sequence_length=max_sequence_length, cast=True, compile_blocks=compile_blocks,
+                       precision=precision)
         engine.model_path = "<in-memory modules>"
         engine.revision = None
         return engine
 
     def _set_up(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device: torch.device,
-                dtype: torch.dtype, max_batch_size: int, max_sequence_length: int, cast: bool) -> None:
+                dtype: torch.dtype, max_batch_size: int, max_sequence_length: int, cast: bool,
+                compile_blocks: bool = False, precision: str = "default") -> None:
         """Everything after loading: placement, frozen eval modules, the prompt-encoding pipeline,
         derived constants, state. cast: also cast the modules to `dtype` (loaders already did)."""
         self.device = device
@@ -147,6 +156,36 @@ class NativeEngine(EngineMemoryState):
         self.last_stats: dict[str, float] = {}
         #: the DiT's name -> parameter index, see _weight_index
         self._weights_index: _WeightIndex | None = None
+        self.enable_speedups(compile_blocks, precision)
+
+    def enable_speedups(self, compile_blocks: bool = False, precision: str = "default") -> None:
+        """FP8 linears (precision "fp8") and regional compilation of the DiT's repeated blocks
+        (see the class docstring); called by the constructor. Both are one-way: a later call can
+        add them, not take them away. FP8 goes first, so the compiled graphs hold the FP8 GEMMs
+        and fuse the activation quantization into the surrounding kernels."""
+        from trainer.core.fp8 import FP8Linear, convert_to_fp8
+        from trainer.core.modules import REGIONAL_COMPILE_KWARGS, repeated_blocks
+
+        if precision not in ("default", "fp8"):
+            raise ValueError(f"precision must be 'default' or 'fp8' (--rollout-precision), got {precision!r}")
+        first = not hasattr(self, "precision")
+        if first:
+            self.precision, self.compile_blocks = "default", False
+            #: id(weight parameter) -> its FP8Linear, to re-quantize exactly the layers a sync wrote
+            self._fp8_of_weight: dict[int, FP8Linear] = {}
+        blocks = repeated_blocks(self.transformer)
+        if precision == "fp8" and self.precision != "fp8":
+            if model_has_lora(self.transformer):
+                raise ValueError("FP8 conversion after LoRA was installed would quantize the adapter too; "
+                                 "enable precision 'fp8' when the engine is built")
+            self.precision = "fp8"
+            for block in blocks:
+                convert_to_fp8(block)
+            self._fp8_of_weight = {id(m.weight): m for m in self.transformer.modules() if isinstance(m, FP8Linear)}
+        if compile_blocks and not self.compile_blocks:
+            self.compile_blocks = True
+            for block in blocks:
+                block.compile(**REGIONAL_COMPILE_KWARGS)
 
     # ------------------------------------------------------------------ generation
 
@@ -188,10 +227,13 @@ class NativeEngine(EngineMemoryState):
             if prompt not in conds:
                 conds[prompt] = self.encode_prompt(prompt)
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
+        graphs = _compiled_graphs() if self.compile_blocks else 0
         parts = [self._generate_chunk(requests[start:start + step], conds) for start in range(0, len(requests), step)]
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
                            "dit_forwards": float(len(parts) * requests[0].num_inference_steps),
                            "generate_time": time.perf_counter() - t0}
+        if self.compile_blocks:
+            self.last_stats["new_graphs"] = float(_compiled_graphs() - graphs)
         return Trajectory.cat(parts)
 
     def _init_shape(self, r: RolloutRequest) -> list[int]:
@@ -295,7 +337,12 @@ class NativeEngine(EngineMemoryState):
                 "(--lora-adapter-mode) or a fresh engine, never both on one engine")
         verify_manifest(named_tensors, manifest)
         check_names_shapes(named_tensors, params, manifest.kind)
-        _copy_into([params[n] for n, _ in named_tensors], [t for _, t in named_tensors])
+        dst = [params[n] for n, _ in named_tensors]
+        _copy_into(dst, [t for _, t in named_tensors])
+        for p in dst:  # FP8 copies follow their new weights (a LoRA sync leaves the base alone)
+            layer = self._fp8_of_weight.get(id(p))
+            if layer is not None:
+                layer.requantize()
 
 
     def set_lora_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest,
@@ -341,8 +388,11 @@ class NativeEngine(EngineMemoryState):
                                                 target_modules=list(cfg["target_modules"]), lora_dropout=0.0,
                                                 init_lora_weights=True), adapter_name="default")
         self.transformer.requires_grad_(False)
-        # keep adapter tensors in the engine's dtype and device, like the base weights
-        self.transformer.to(device=self.device, dtype=self.dtype)
+        # keep adapter tensors in the engine's dtype and device, like the base weights; only
+        # theirs: a module-wide .to(dtype) would also cast the FP8 copies of an fp8 engine
+        for name, p in self.transformer.named_parameters():
+            if is_lora_name(name):
+                p.data = p.data.to(device=self.device, dtype=self.dtype)
         self._lora_config = cfg
         self._weights_index = None  # new parameters: the next look walks the tree again
 
@@ -458,6 +508,13 @@ def _normalize_lora_config(cfg: dict[str, Any], default_targets=()) -> dict[str,
     if isinstance(targets, str):
         targets = [targets]
     return {"rank": int(rank), "alpha": float(alpha), "target_modules": tuple(sorted(targets))}
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has produced in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def move_module_to_host(module: torch.nn.Module, arena: HostArena) -> None:

@@ -1,0 +1,96 @@
+"""FP8 (e4m3) linear layers for the rollout DiT: weights quantized once per weight version with one
+scale per output channel, activations quantized per row (token) at every call, one
+`torch._scaled_mm` per layer (Hopper's FP8 tensor cores on CUDA; the same math on CPU).
+
+Only the rollout uses it (`--rollout-precision fp8`): the replay stays in the actor's dtype, so an
+FP8 rollout is off-policy by the FP8 rounding, which docs/PERFORMANCE.md measures. The bf16 (or
+fp32) weight stays the module's parameter -- what a sync writes, a checksum reads and a LoRA
+wraps -- and the FP8 copy is a buffer derived from it (`requantize_fp8` after a weight change).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+#: the largest finite float8_e4m3fn value
+E4M3_MAX = 448.0
+#: _scaled_mm needs both GEMM dimensions of the weight to be multiples of 16
+_ALIGN = 16
+
+
+def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax quantization of a 2-D tensor to float8_e4m3fn.
+
+    t [R, K] (any float dtype) -> (q [R, K] float8_e4m3fn, scale [R, 1] fp32) with
+    q = t / scale, scale = max(|t_r|) / 448, so t ~= q.float() * scale. Computed in fp32 (the
+    scale must not round in bf16); an all-zero row gets scale 1 (its q is exactly 0).
+    """
+    t32 = t.float()
+    amax = t32.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (t32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ W^T + b with x quantized per row and W per output channel.
+
+    x [..., K] (bf16/fp32); weight_fp8 [N, K] float8_e4m3fn; weight_scale [1, N] fp32; bias [N]
+    or None. Returns [..., N] in x's dtype. The GEMM accumulates in fp32 and applies
+    scale_x[m] * scale_w[n] to each output element (rowwise scaling).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, xs = quantize_rowwise(x2)
+    y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=xs, scale_b=weight_scale,
+                         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+    return y.reshape(*shape[:-1], weight_fp8.shape[0])
+
+
+class FP8Linear(nn.Linear):
+    """An nn.Linear whose forward runs `fp8_linear` on an FP8 copy of its weight (buffers
+    `weight_fp8`, `weight_scale`). Still an nn.Linear, so peft's LoRA wraps it as a base layer
+    (the adapter branch stays in the compute dtype) and a sync into `.weight` works unchanged;
+    call `requantize()` after the weight changed."""
+
+    weight_fp8: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def requantize(self) -> None:
+        with torch.no_grad():
+            q, s = quantize_rowwise(self.weight)
+        self.register_buffer("weight_fp8", q, persistent=False)
+        self.register_buffer("weight_scale", s.reshape(1, -1).contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
+
+
+def fp8_eligible(module: nn.Module) -> bool:
+    """A plain nn.Linear whose in / out features are multiples of 16 (what _scaled_mm takes)."""
+    return (type(module) is nn.Linear and module.in_features % _ALIGN == 0
+            and module.out_features % _ALIGN == 0)
+
+
+def convert_to_fp8(blocks: nn.Module) -> int:
+    """Turn every eligible nn.Linear under `blocks` into an FP8Linear in place (class swap; the
+    parameters and their names stay), quantizing its current weight. Returns how many. Call it
+    on the repeated transformer blocks only: the embedders and the final projection stay in the
+    compute dtype, as FP8 inference recipes keep them."""
+    n = 0
+    for module in blocks.modules():
+        if fp8_eligible(module):
+            module.__class__ = FP8Linear
+            module.requantize()
+            n += 1
+    return n
+
+
+def requantize_fp8(model: nn.Module) -> int:
+    """Re-derive every FP8Linear's FP8 copy from its current weight (after a weight sync).
+    Returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in layers:
+        m.requantize()
+    return len(layers)
