@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from trainer.core.dtypes import resolve_dtype
 from trainer.core.names import is_lora_name, model_name
+from trainer.core.modules import REGIONAL_COMPILE_KWARGS
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
 from trainer.ema import ParamEMA
 from trainer.flow_grpo import grpo_clip_loss, transition_kl
@@ -108,15 +109,18 @@ def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha
 def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
                 activation_checkpointing: bool = False, cpu_offload: bool = False,
-                activation_checkpointing_every: int = 1) -> nn.Module:
-    """Apply activation checkpointing (optional) and FSDP2 to `model` in place: fully_shard on
-    every transformer block, then on the root, all over `mesh`.
+                activation_checkpointing_every: int = 1, compile_blocks: bool = False) -> nn.Module:
+    """Apply activation checkpointing (optional), regional compilation (optional) and FSDP2 to
+    `model` in place: fully_shard on every transformer block, then on the root, all over `mesh`.
 
     param_dtype: the all-gathered compute dtype (None: the storage dtype);
     reduce_dtype: gradient reduce-scatter dtype. LoRA and frozen parameters must be set up before.
     activation_checkpointing_every: with activation_checkpointing, checkpoint only the blocks whose
     index is a multiple of k (k = 1: every block; k = 2: blocks 0, 2, 4, ...): fewer recomputed
     forwards for more stored activations.
+    compile_blocks: torch.compile each block (outside its checkpoint wrapper, inside FSDP2, as
+    torchtitan orders them), so the recomputation in backward runs the compiled forward too;
+    the added `_orig_mod` name segment is a wrapper segment (core.names).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -129,6 +133,9 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
         for i in range(0, len(blocks), activation_checkpointing_every):
             # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
             blocks[i] = checkpoint_wrapper(blocks[i])
+    if compile_blocks:
+        for i in range(len(blocks)):
+            blocks[i] = torch.compile(blocks[i], **REGIONAL_COMPILE_KWARGS)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
@@ -209,7 +216,8 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None =
                 reduce_dtype=resolve_dtype(fsdp.fsdp_reduce_dtype),
                 reshard_after_forward=not fsdp.no_fsdp_reshard_after_forward,
                 activation_checkpointing=fsdp.fsdp_activation_checkpointing,
-                cpu_offload=fsdp.fsdp_cpu_offload, activation_checkpointing_every=activation_checkpointing_every)
+                cpu_offload=fsdp.fsdp_cpu_offload, activation_checkpointing_every=activation_checkpointing_every,
+                compile_blocks=bool(getattr(fsdp, "fsdp_compile", False)))
     _assert_trainable_boundary(model, mode, dead)
     return model, lora_config, dead
 
