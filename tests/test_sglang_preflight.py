@@ -67,3 +67,24 @@ def test_cps_on_the_sglang_engine_fails_preflight_naming_it(base, monkeypatch): 
     got = problems(base + ["--rollout-engine-class-path", "sglang"] + cps)
     assert [p for p in got if "sde_type 'cps'" in p and "native" in p], got
     assert not problems(base + ["--rollout-engine-class-path", "native"] + cps)
+
+
+def test_native_speed_options_on_the_sglang_engine_fail_preflight_together(base, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(preflight, "_sglang_importable", lambda: True)
+    speed = ["--rollout-compile", "--rollout-precision", "fp8"]
+    got = problems(base + ["--rollout-engine-class-path", "sglang"] + speed)
+    hits = [p for p in got if "belongs to the native engine" in p]
+    assert len(hits) == 2 and "--rollout-compile" in hits[0] and "--rollout-precision fp8" in hits[1], got
+    assert not problems(base + ["--rollout-engine-class-path", "native"] + speed)  # no GPU here: CPU FP8 runs
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_fails_preflight(base, monkeypatch):  # noqa: F811
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    got = problems(base + ["--rollout-precision", "fp8"])
+    assert [p for p in got if "compute capability >= 8.9" in p and "8.0 (NVIDIA A100)" in p], got
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert not [p for p in problems(base + ["--rollout-precision", "fp8"]) if "compute capability" in p]

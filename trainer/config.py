@@ -266,6 +266,19 @@ class RolloutConfig:
         "Candidates per DiT forward during rollout; must be >= 0. 0 = auto (all of a rank's "
         "candidates of a rollout at once, bounded by the engine).",
     )
+    rollout_compile: bool = _flag(
+        False,
+        "torch.compile each repeated DiT block of the native engine (compiled once per sampling "
+        "geometry, reused by every rollout). Pays on a GPU; the rollout then differs from the "
+        "eager replay by kernel rounding (docs/PERFORMANCE.md gives the measured log-prob gap).",
+    )
+    rollout_precision: Literal["default", "fp8"] = _flag(
+        "default",
+        "Native engine DiT precision: 'default' (the actor's compute dtype) or 'fp8' (the blocks' "
+        "linear layers as rowwise-scaled FP8 GEMMs; needs an FP8 GPU (compute capability >= 8.9) "
+        "on CUDA). The replay stays in the actor's dtype, so fp8 rollouts are off-policy by the "
+        "FP8 rounding: see docs/PERFORMANCE.md before using it.",
+    )
 
 
 @dataclass
@@ -307,6 +320,11 @@ class FsdpConfig:
     )
     fsdp_activation_checkpointing: bool = _flag(
         False, "Recompute each transformer block in backward; effectively required on the real model."
+    )
+    fsdp_compile: bool = _flag(
+        False,
+        "torch.compile each repeated transformer block of the actor (inside its checkpointing "
+        "and FSDP2 wrappers). Pays on a GPU; compiled once, on the first update.",
     )
     fsdp_cpu_offload: bool = _flag(
         False,

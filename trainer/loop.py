@@ -308,11 +308,14 @@ class Trainer:
         #: start-up figures (load times per wave, memory after each load), logged with rollout 0's
         self.load_metrics: dict[str, float] = {}
         engine_waves: list[float] = []
+        # the native engine's speed options, passed only when set (another engine need not know them)
+        speed = {k: v for k, v in (("compile_blocks", bool(cfg.rollout.rollout_compile)),
+                                   ("precision", cfg.rollout.rollout_precision)) if v not in (False, "default")}
         with Timer(self.device) as t:
             self.engine = load_in_waves(
                 lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
                                    max_batch_size=int(cfg.rollout.engine_batch_size or 0),
-                                   revision=cfg.model.model_revision, adapter=self.adapter),
+                                   revision=cfg.model.model_revision, adapter=self.adapter, **speed),
                 int(cfg.fsdp.fsdp_load_wave_size or 0), engine_waves)
         self._record_load("engine", t, engine_waves)
 

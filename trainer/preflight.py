@@ -81,6 +81,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     world = _check_world(cfg, world_size, errors, warnings, torchrun=torchrun)
     _check_task_and_model(cfg, errors)
     _check_engine(cfg, errors)
+    _check_fp8_device(cfg, errors)
     _check_trainable(cfg, errors, warnings)
     _check_sync(cfg, errors)
     _check_sampling(cfg, errors)
@@ -217,11 +218,31 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                     f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: the "
                     "SGLang engine samples without CFG (its bridge runs one conditional row per candidate); use "
                     "--rollout-engine-class-path native for true CFG, or guidance_scale 1.0")
+            for flag, on in (("--rollout-compile", r.rollout_compile), ("--rollout-precision fp8",
+                                                                          r.rollout_precision == "fp8")):
+                if on:
+                    errors.append(f"--rollout-engine-class-path {engine} with {flag}: that option belongs to the "
+                                  "native engine (SGLang brings its own kernels); drop it or use "
+                                  "--rollout-engine-class-path native")
             sde_type = (r.sampling_config or {}).get("sde_type") if isinstance(r.sampling_config, dict) else None
             if sde_type == "cps":
                 errors.append(
                     f"--rollout-engine-class-path {engine} with --sampling-config sde_type 'cps': the SGLang engine's "
                     "bridge is checked for 'sde' and 'dance' only; use --rollout-engine-class-path native for 'cps'")
+
+
+def _check_fp8_device(cfg: RunConfig, errors: list[str]) -> None:
+    """--rollout-precision fp8 on CUDA needs FP8 tensor cores (compute capability 8.9: Ada,
+    Hopper and later); known before any model loads. On CPU the same math runs (slowly)."""
+    import torch
+
+    if cfg.rollout.rollout_precision != "fp8" or not torch.cuda.is_available():
+        return
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        errors.append(f"--rollout-precision fp8 needs a GPU with FP8 tensor cores (compute capability >= 8.9); "
+                      f"this one is {major}.{minor} ({torch.cuda.get_device_name()}): use --rollout-precision "
+                      "default")
 
 
 def _sglang_importable() -> bool:
