@@ -363,3 +363,29 @@ def test_tiny_run_with_true_cfg_counts_both_rows(tmp_path):
     assert figures["rollout_images_per_s"]["geometry"]["guidance_scale"] == 4.0
     assert figures["replay_logp_max_abs_err_lora"]["value"] < 1e-4
     assert figures["rollout_mfu"]["value"] > 0 and figures["replay_mfu_lora"]["value"] > 0
+
+
+def test_tiny_run_with_fp8_and_the_diffusers_comparison(tmp_path):
+    """--rollout-precision fp8 --compare diffusers: the eager engine, diffusers' pipeline on the
+    same modules, then the FP8 engine, in one process; the ratios and the FP8 gap are figures."""
+    out = tmp_path / "fp8.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
+           "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
+           "--prompts", "2", "--group-size", "2", "--micro-batch", "2", "--num-updates", "2", "--iters", "1",
+           "--text-tokens", "8", "--rollout-precision", "fp8", "--compare", "diffusers", "--dit-batches", "2",
+           "--skip", "checksum", "merged", "offload", "replay", "update", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    by = {(line["figure"], line.get("variant")): line["value"] for line in lines}
+    assert by[("rollout_images_per_s", "eager")] > 0 and by[("rollout_images_per_s", "fp8")] > 0
+    assert by[("dit_mfu", "eager")] > 0 and by[("dit_mfu", "fp8")] > 0
+    ratio = by[("rollout_vs_diffusers", "eager")]
+    assert ratio == pytest.approx(by[("rollout_images_per_s", "eager")] / by[("compare_diffusers_images_per_s", None)])
+    assert by[("rollout_speedup", "fp8")] > 0
+    # FP8 rounding is visible as a gap between the engine's and the actor's transitions, and small
+    assert 0 < by[("rollout_replay_kl", "fp8")] < 1e-2
+    assert math.isfinite(by[("step_s", None)])

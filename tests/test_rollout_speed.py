@@ -1,0 +1,163 @@
+"""The rollout's speed options on CPU: FP8 linears (--rollout-precision fp8) and regional
+compilation of the engine's and the actor's repeated blocks (--rollout-compile, --fsdp-compile).
+
+The compile tests run torch.compile with the "eager" backend: dynamo traces and guards the
+blocks exactly as with inductor (what decides recompiles, module names, and whether LoRA and
+FSDP2 hooks still work), without inductor's codegen time. The GPU figures are
+tools/bench.py's (docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.dist.tiny import make_batch, make_cfg, one_rank_mesh, replay, tiny_transformer
+from tests.test_engine import make_requests
+from trainer.core.fp8 import E4M3_MAX, FP8Linear, convert_to_fp8, fp8_linear, quantize_rowwise
+from trainer.core.manifest import build_manifest
+from trainer.core.modules import repeated_blocks
+from trainer.core.names import model_name
+from trainer.engine.native import NativeEngine
+from trainer.models.qwen_image import QwenImageAdapter
+from trainer.sampling import parse_sampling_config
+
+SAMPLING = parse_sampling_config({"height": 64, "width": 64, "num_inference_steps": 4, "eta": 0.7,
+                                  "sde_type": "sde", "sde_indices": [1, 2]})
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5])
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    from trainer.core import modules
+
+    monkeypatch.setitem(modules.REGIONAL_COMPILE_KWARGS, "backend", "eager")
+    yield
+    torch._dynamo.reset()
+
+
+def test_rowwise_quantization_error_is_e4m3_rounding():
+    torch.manual_seed(0)
+    t = torch.randn(6, 64) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 1.0, 0.0])[:, None]
+    q, scale = quantize_rowwise(t)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
+    back = q.float() * scale
+    # 3 mantissa bits: relative error <= 2^-4 for normal values, absolute <= 2^-10 * scale below
+    bound = torch.maximum(t.abs() * 2.0 ** -4, scale * 2.0 ** -9)
+    assert (back - t).abs().le(bound).all()
+    torch.testing.assert_close(back.abs().amax(dim=1), t.abs().amax(dim=1), rtol=1e-6, atol=0)  # 448 * scale
+    assert torch.equal(back[5], torch.zeros(64)) and scale[5].item() == 1.0  # an all-zero row
+    assert q.float().abs().max() <= E4M3_MAX
+
+
+def test_fp8_linear_is_the_gemm_of_the_dequantized_operands():
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(3, 5, 64)
+    want = lin(x)
+    convert_to_fp8(nn.Sequential(lin))
+    assert isinstance(lin, FP8Linear) and lin.weight_fp8.dtype == torch.float8_e4m3fn
+    xq, xs = quantize_rowwise(x.reshape(-1, 64))
+    emulated = (xq.float() * xs) @ (lin.weight_fp8.float() * lin.weight_scale.t()).t() + lin.bias
+    got = fp8_linear(x, lin.weight_fp8, lin.weight_scale, lin.bias)
+    torch.testing.assert_close(got, emulated.reshape(3, 5, 32), rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin(x), got)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 1e-4 < rel < 0.08  # FP8 rounding is there, and only that
+    # the FP8 copy follows a new weight only when asked
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    stale = lin(x)
+    lin.requantize()
+    assert not torch.equal(lin(x), stale)
+    torch.testing.assert_close(lin(x) - lin.bias, 2 * (stale - lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_dir):
+    from tests.test_engine import lora_actor
+    from trainer.weight_sync import iter_sync_tensors
+
+    adapter = QwenImageAdapter()
+    ref = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")
+    fp8 = [m for m in eng.transformer.modules() if isinstance(m, FP8Linear)]
+    in_blocks = sum(isinstance(m, FP8Linear) for b in repeated_blocks(eng.transformer) for m in b.modules())
+    assert fp8 and len(fp8) == in_blocks  # the blocks only: embedders and the output projection stay
+    assert type(eng.transformer.proj_out) is nn.Linear
+    assert eng.get_weights_checksum() == ref.get_weights_checksum()  # the parameters are untouched
+
+    reqs = make_requests(adapter, eng, SAMPLING, prompts=["a red ball", "dog"], group_size=2)
+    a, b = ref.generate(reqs), eng.generate(reqs)
+    assert torch.isfinite(b.log_probs).all() and not torch.equal(a.latents, b.latents)
+    assert ((b.images - a.images).abs().mean() < 0.05).item()  # the same images, up to FP8 rounding
+
+    # a full sync re-quantizes exactly the layers it wrote
+    actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    named = [(n, p.detach().clone()) for n, p in actor.named_parameters()]
+    eng.update_weights_from_tensors(named, build_manifest("full", named, 1))
+    for m in fp8:
+        q, s = quantize_rowwise(m.weight)
+        assert torch.equal(m.weight_fp8.float(), q.float()) and torch.equal(m.weight_scale, s.reshape(1, -1))
+
+    # LoRA wraps the FP8 layers; its tensors are cast to the engine dtype and the FP8 copies stay FP8
+    eng2 = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")
+    lora = lora_actor(adapter, tiny_model_dir, rank=4, alpha=8)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    tensors = list(iter_sync_tensors(lora, "adapter", wire_dtype=None))
+    eng2.set_lora_tensors(tensors, build_manifest("adapter", tensors, 1),
+                          {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)})
+    assert all(m.weight_fp8.dtype == torch.float8_e4m3fn for m in eng2.transformer.modules() if isinstance(m, FP8Linear))
+    assert torch.isfinite(eng2.generate(reqs).log_probs).all()
+    # FP8 cannot come after LoRA (it would quantize the adapter's own linears)
+    ref.set_lora_tensors(tensors, build_manifest("adapter", tensors, 1),
+                         {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)})
+    with pytest.raises(ValueError, match="after LoRA"):
+        ref.enable_speedups(precision="fp8")
+
+
+def test_compiled_engine_equals_eager_and_compiles_once_per_geometry(tiny_model_dir, eager_compile):
+    adapter = QwenImageAdapter()
+    ref = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, compile_blocks=True)
+    reqs = make_requests(adapter, eng, SAMPLING, prompts=["a red ball", "dog"], group_size=2)
+    first = eng.generate(reqs)
+    assert eng.last_stats["new_graphs"] > 0  # compiled on the first rollout
+    again = eng.generate(make_requests(adapter, eng, SAMPLING, prompts=["a red ball", "dog"], group_size=2, seed=8))
+    assert eng.last_stats["new_graphs"] == 0  # fixed shapes: the next rollout reuses the graphs
+    want = ref.generate(reqs)
+    assert torch.equal(first.latents, want.latents) and torch.equal(first.log_probs, want.log_probs)
+    assert not torch.equal(again.latents, first.latents)
+    assert eng.get_weights_checksum() == ref.get_weights_checksum()  # compile wraps, names stay
+
+
+def test_compiled_actor_keeps_names_and_starts_at_ratio_one(eager_compile):
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        from trainer.actor import Actor
+        from tests.dist.tiny import ADAPTER
+
+        plain = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__fsdp_master_dtype="fp32"),
+                      device=torch.device("cpu"), adapter=ADAPTER)
+        actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__fsdp_master_dtype="fp32",
+                                                         fsdp__fsdp_compile=True),
+                      device=torch.device("cpu"), adapter=ADAPTER)
+        names = [model_name(n) for n, _ in actor.model.named_parameters()]
+        assert any("_orig_mod" in n for n, _ in actor.model.named_parameters())
+        assert names == [model_name(n) for n, _ in plain.model.named_parameters()]
+        batch = make_batch(4)
+        m_plain = plain.train_step(batch, ADV, replay)
+        m = actor.train_step(batch, ADV, replay)
+        first = actor.last_update_stats[0]
+        assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
+        # the eager backend runs the same kernels: the compiled actor's update is the plain one's
+        assert m["train/loss"] == m_plain["train/loss"] and m["train/grad_norm"] == m_plain["train/grad_norm"]
+    finally:
+        next(gen, None)
