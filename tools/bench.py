@@ -69,6 +69,8 @@ TINY_VISION_CONFIG = dict(depth=2, hidden_size=16, intermediate_size=32, num_hea
                           fullatt_block_indexes=[1])
 
 SHAPES = ("real", "tiny")
+#: --compare: other code timed on the engine's own modules
+COMPARE_PATHS = ("diffusers", "flowgrpo")
 #: phases --skip can leave out
 SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step")
 #: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
@@ -435,7 +437,8 @@ def actor_cfg(args, mode: str):
     lora = mode == "lora"
     fsdp = FsdpConfig(fsdp_trainable_mode=mode, fsdp_param_dtype=args.dtype, fsdp_reduce_dtype="fp32",
                       fsdp_master_dtype="fp32" if lora else None,
-                      fsdp_activation_checkpointing=not args.no_activation_checkpointing)
+                      fsdp_activation_checkpointing=not args.no_activation_checkpointing,
+                      fsdp_compile=bool(getattr(args, "fsdp_compile", False)))
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
@@ -509,11 +512,20 @@ class Ctx:
     image_tokens: int
     text_tokens: int
     peak_tflops: float
+    #: rollout_images_per_s by variant ("eager", "compile", ...), for the in-process ratios
+    images_per_s: dict[str, float] = field(default_factory=dict)
 
 
-def phase_dit_forward(c: Ctx) -> None:
+def rollout_variant(args) -> str:
+    """The figures' name of the engine's speed options: "eager", "compile", "fp8", "fp8+compile"."""
+    parts = (["fp8"] if args.rollout_precision == "fp8" else []) + (["compile"] if args.rollout_compile else [])
+    return "+".join(parts) or "eager"
+
+
+def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     """dit_forward_s and dit_mfu at each --dit-batches size: the engine's transformer through
-    the adapter's dit_velocity (exactly the engine's rollout call), no grad."""
+    the adapter's dit_velocity (exactly the engine's rollout call), no grad. A compiled DiT is
+    compiled for each batch size by its first (untimed) call."""
     from trainer.models.qwen_image import dit_velocity, img_shapes_for
 
     a, e = c.args, c.engine
@@ -530,9 +542,9 @@ def phase_dit_forward(c: Ctx) -> None:
             fwd()
             sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")  # cheap: average more
         flops = dit_forward_flops(c.dit_cfg, c.image_tokens, int(emb.shape[1]), b)
-        c.rep.emit("dit_forward_s", sec, "s", batch=b)
+        c.rep.emit("dit_forward_s", sec, "s", batch=b, variant=variant)
         c.rep.emit("dit_mfu", flops / sec / 1e12 / c.peak_tflops, "fraction", batch=b,
-                   tflop_per_forward=flops / 1e12, peak_tflops=c.peak_tflops)
+                   tflop_per_forward=flops / 1e12, peak_tflops=c.peak_tflops, variant=variant)
     c.rep.phase_memory("dit_forward")
 
 
@@ -550,23 +562,134 @@ def rollout(c: Ctx, rollout_id: int) -> tuple[Any, float]:
     return traj, t[0]
 
 
-def phase_rollout(c: Ctx) -> Any:
+def phase_rollout(c: Ctx, variant: str = "eager") -> Any:
     """rollout_images_per_s (text encode + DiT + VAE, batched by the engine) and rollout_mfu
-    (DiT FLOPs only over the whole rollout time)."""
+    (DiT FLOPs only over the whole rollout time); rollout_first_s: the untimed warm-up rollout
+    (with compilation: the compile); rollout_new_graphs: graphs compiled during the timed
+    rollouts (0 = no recompiles: the shapes are fixed)."""
     a = c.args
-    rollout(c, rollout_id=0)  # warm-up: allocator, cuBLAS / cuDNN handles, rope caches
-    times, traj = [], None
+    _, first = rollout(c, rollout_id=0)  # warm-up: allocator, cuBLAS / cuDNN handles, rope caches, compile
+    c.rep.emit("rollout_first_s", first, "s", variant=variant)
+    times, traj, graphs = [], None, 0.0
     for i in range(a.iters):
         traj, sec = rollout(c, rollout_id=1 + i)
         times.append(sec)
+        graphs += c.engine.last_stats.get("new_graphs", 0.0)
     sec = c.rep.reduce(sum(times) / len(times), "max")
     n = len(traj)
-    c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"))
-    c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n)
+    c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"),
+               variant=variant)
+    c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n, variant=variant)
     dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
-    c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops)
+    c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops,
+               variant=variant)
+    if c.engine.compile_blocks:
+        c.rep.emit("rollout_new_graphs", graphs, "graphs", variant=variant)
     c.rep.phase_memory("rollout")
+    c.images_per_s[variant] = n / sec
     return traj
+
+
+def _stock_pipeline(c: Ctx):
+    """diffusers' QwenImagePipeline over the engine's own modules (the same weights and devices)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    e = c.engine
+    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(e.scheduler_config), vae=e.vae,
+                             text_encoder=e.text_encoder, tokenizer=e.tokenizer, transformer=e.transformer)
+
+
+def _flowgrpo_rollout_fn(path: Path):
+    """FlowGRPO's Qwen-Image rollout function, imported from a local checkout at run time."""
+    root = Path(path).resolve()
+    module_file = root / "flow_grpo" / "diffusers_patch" / "qwenimage_pipeline_with_logprob.py"
+    if not module_file.is_file():
+        raise SystemExit(f"--flowgrpo-path {path}: {module_file} does not exist; point it at a FlowGRPO checkout")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import importlib
+
+    return importlib.import_module("flow_grpo.diffusers_patch.qwenimage_pipeline_with_logprob").pipeline_with_logprob
+
+
+def phase_compare(c: Ctx, path: str) -> None:
+    """compare_<path>_images_per_s: the rollout's prompts x group_size images through other code
+    on the engine's modules, timed like phase_rollout (a warm-up call, then --iters), and
+    rollout_vs_<path>: the eager engine's images/s over it (both per DiT row: the same CFG rows).
+
+    diffusers: QwenImagePipeline.__call__ (ODE; true CFG as the pipeline does it: two forwards
+    per step when --guidance-scale > 1); flowgrpo: FlowGRPO's pipeline_with_logprob (SDE over
+    its window, CFG rows in one forward), imported from --flowgrpo-path."""
+    a = c.args
+    pipe = _stock_pipeline(c)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = [p for p in c.prompts for _ in range(a.group_size)]
+    per_call = a.compare_batch or len(prompts)
+    guided = a.guidance_scale > 1.0
+    negative = [" "] * per_call
+    kw = dict(height=a.height, width=a.width, num_inference_steps=a.steps, output_type="pt",
+              max_sequence_length=512)
+    if path == "diffusers":
+        def call(batch):
+            extra = dict(true_cfg_scale=a.guidance_scale, negative_prompt=negative[:len(batch)]) if guided \
+                else dict(true_cfg_scale=1.0)
+            return pipe(prompt=batch, **kw, **extra)
+    else:
+        fn = _flowgrpo_rollout_fn(a.flowgrpo_path)
+
+        def call(batch):
+            return fn(pipe, prompt=list(batch), negative_prompt=negative[:len(batch)], true_cfg_scale=a.guidance_scale,
+                      noise_level=a.eta, **kw)
+
+    def run() -> float:
+        with timed(c.device) as t, torch.no_grad():
+            for start in range(0, len(prompts), per_call):
+                call(prompts[start:start + per_call])
+        return t[0]
+
+    dit = c.engine.transformer
+    if path == "flowgrpo":
+        # FlowGRPO's function still passes txt_seq_lens, which diffusers >= 0.36 no longer takes
+        # (the DiT reads the text lengths from the mask it is also given): drop it at the call
+        own_forward = dit.forward
+
+        def forward(*args, txt_seq_lens=None, **kwargs):
+            return own_forward(*args, **kwargs)
+
+        dit.forward = forward
+    try:
+        run()
+        sec = c.rep.reduce(sum(run() for _ in range(a.iters)) / a.iters, "max")
+    finally:
+        if path == "flowgrpo":
+            del dit.forward
+    c.rep.emit(f"compare_{path}_images_per_s", len(prompts) / sec, "images/s", op="min", candidates=len(prompts),
+               per_call=per_call)
+    if "eager" in c.images_per_s:
+        c.rep.emit(f"rollout_vs_{path}", c.images_per_s["eager"] * sec / len(prompts), "ratio", variant="eager")
+    c.rep.phase_memory(f"compare_{path}")
+    del pipe
+    _free(c.device)
+
+
+def phase_rollout_gap(c: Ctx, actor, traj: Any, replay_fn, variant: str) -> None:
+    """How far the engine's rollout is from the actor's replay on the rollout's own transitions
+    (what an FP8 or compiled rollout costs in on-policyness): rollout_replay_kl, the closed-form
+    KL between the engine's and the actor's transition Gaussians at the recorded latents (nats
+    per element, the log-prob's convention), and rollout_logp_gap_mean, mean(sampler log-prob -
+    replay log-prob) (its sample estimate). Both 0 for an eager engine in the actor's dtype."""
+    from trainer.flow_grpo import transition_kl
+
+    rows = traj.without_images()[: c.args.micro_batch]
+    with torch.no_grad():
+        _, mean_e, std = replay_fn(c.engine.transformer, rows, moments=True)
+        logp_a, mean_a, _ = replay_fn(actor.model, rows, moments=True)
+    b, s = int(std.shape[0]), int(std.shape[1])
+    kl = transition_kl(mean_e.reshape(b * s, -1), mean_a.reshape(b * s, -1).to(mean_e.device),
+                       std.reshape(b * s, 1).to(mean_e.device))
+    gap = rows.log_probs.float() - logp_a.float().cpu()
+    c.rep.emit("rollout_replay_kl", float(kl.mean()), "nats", variant=variant, max=float(kl.max()))
+    c.rep.emit("rollout_logp_gap_mean", float(gap.mean()), "nats", variant=variant, max_abs=float(gap.abs().max()))
 
 
 def score(c: Ctx, traj: Any):
@@ -802,34 +925,50 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
     a = c.args
     syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, name_map=c.adapter.weight_name_map,
                           lora_config=actor.lora_config, policy_version=c.engine.policy_version)
+    if c.engine.compile_blocks:
+        # the first rollout with the engine's LoRA recompiles its blocks (a new module structure):
+        # sync first, so the untimed step takes that compile and the timed one is steady state
+        syncer.sync(actor.model, c.engine)
+        with timed(c.device) as t:
+            _one_step(c, actor, replay_fn, syncer, 99, {})
+        c.rep.emit("step_first_s", t[0], "s", sync_kind=kind, note="includes the compile for the engine's LoRA")
     stages: dict[str, float] = {}
     with timed(c.device) as total:
-        if a.offload:
-            with timed(c.device) as t:
-                actor.offload()
-            stages["actor_offload"] = t[0]
-        traj, stages["rollout"] = rollout(c, rollout_id=100)
-        adv, valid, stages["reward"], degenerate = score(c, traj)
-        batch = traj.without_images()
-        if a.offload:
-            with timed(c.device) as t:
-                c.engine.release_memory()
-                actor.onload()
-            stages["swap_to_train"] = t[0]
-        with timed(c.device) as t:
-            actor.train_step(batch, adv, replay_fn, valid=valid)
-        stages["update"] = t[0]
-        if a.offload:
-            with timed(c.device) as t:
-                c.engine.resume_memory()
-            stages["swap_to_sync"] = t[0]
-        with timed(c.device) as t:
-            syncer.sync(actor.model, c.engine)
-        stages["sync"] = t[0]
+        traj, degenerate = _one_step(c, actor, replay_fn, syncer, 100, stages)
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
     c.rep.emit("step_s", total[0], "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
                reward_degenerate=degenerate, candidates=len(traj))
     c.rep.phase_memory("step")
+
+
+def _one_step(c: Ctx, actor, replay_fn, syncer, rollout_id: int, stages: dict[str, float]) -> tuple[Any, bool]:
+    """The stages of phase_step, their seconds into `stages`; (trajectory, reward degenerate)."""
+    a = c.args
+    if a.offload:
+        with timed(c.device) as t:
+            actor.offload()
+        stages["actor_offload"] = t[0]
+    traj, stages["rollout"] = rollout(c, rollout_id=rollout_id)
+    if c.engine.compile_blocks:
+        stages["rollout_new_graphs"] = c.engine.last_stats.get("new_graphs", 0.0)
+    adv, valid, stages["reward"], degenerate = score(c, traj)
+    batch = traj.without_images()
+    if a.offload:
+        with timed(c.device) as t:
+            c.engine.release_memory()
+            actor.onload()
+        stages["swap_to_train"] = t[0]
+    with timed(c.device) as t:
+        actor.train_step(batch, adv, replay_fn, valid=valid)
+    stages["update"] = t[0]
+    if a.offload:
+        with timed(c.device) as t:
+            c.engine.resume_memory()
+        stages["swap_to_sync"] = t[0]
+    with timed(c.device) as t:
+        syncer.sync(actor.model, c.engine)
+    stages["sync"] = t[0]
+    return traj, degenerate
 
 
 def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:
@@ -1021,12 +1160,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scorers", action="store_true",
                    help="only time the reward scorers (PickScore, HPSv2.1, CLIPScore, aesthetic) at random weights")
     p.add_argument("--score-images", type=int, default=32, help="images per scorer call with --scorers")
+    p.add_argument("--rollout-compile", action="store_true",
+                   help="the engine's repeated DiT blocks under torch.compile (the trainer's --rollout-compile)")
+    p.add_argument("--rollout-precision", choices=("default", "fp8"), default="default",
+                   help="the engine's DiT linears in FP8 (the trainer's --rollout-precision)")
+    p.add_argument("--fsdp-compile", action="store_true",
+                   help="the actor's blocks under torch.compile (the trainer's --fsdp-compile)")
+    p.add_argument("--compare", nargs="+", default=[], choices=COMPARE_PATHS, metavar="PATH",
+                   help=f"also time the same rollout through other code on the same modules, before the engine's "
+                        f"speed options are switched on: any of {COMPARE_PATHS} (flowgrpo needs --flowgrpo-path and "
+                        "--guidance-scale > 1: its rollout function always runs CFG)")
+    p.add_argument("--flowgrpo-path", type=Path, default=None,
+                   help="a local checkout of FlowGRPO (its flow_grpo/diffusers_patch/qwenimage_pipeline_with_logprob.py "
+                        "is imported from there for --compare flowgrpo; nothing is copied)")
+    p.add_argument("--compare-batch", type=int, default=0,
+                   help="prompts per call of the --compare paths (0: all candidates in one call)")
     p.add_argument("--replay-variants", action="store_true",
                    help=f"also time LoRA replay with each of {tuple(REPLAY_VARIANTS)} (an actor built per variant; "
                         "out of memory gives a null figure with oom: true)")
     p.add_argument("--profile-replay", type=Path, default=None, metavar="PATH",
                    help="profile one LoRA replay micro-batch (forward + backward) and write the op table to PATH")
     args = p.parse_args(argv)
+    if "flowgrpo" in args.compare and (args.flowgrpo_path is None or args.guidance_scale <= 1.0):
+        p.error("--compare flowgrpo needs --flowgrpo-path (a local FlowGRPO checkout) and --guidance-scale > 1 "
+                "(FlowGRPO's Qwen-Image rollout function always runs true CFG)")
     if args.iters < 1:
         p.error(f"--iters must be >= 1, got {args.iters}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
@@ -1095,11 +1252,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 image_tokens, text_tokens, peak)
 
         skip = set(args.skip)
+        speedups = args.rollout_compile or args.rollout_precision != "default"
+        variant = rollout_variant(args)
+        if args.compare or speedups:  # the eager engine first: every ratio comes from this process
+            if "dit" not in skip:
+                phase_dit_forward(c, variant="eager")
+            phase_rollout(c, variant="eager")
+            for path in args.compare:
+                phase_compare(c, path)
+            with timed(device) as t:
+                engine.enable_speedups(compile_blocks=args.rollout_compile, precision=args.rollout_precision)
+            rep.emit("enable_speedups_s", t[0], "s", variant=variant)
         if "dit" not in skip:
-            phase_dit_forward(c)
+            phase_dit_forward(c, variant=variant)
         if "checksum" not in skip:
             phase_checksum(c)
-        traj = phase_rollout(c)
+        traj = phase_rollout(c, variant=variant)
         adv, valid, score_s, degenerate = score(c, traj)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
         batch = traj.without_images()
@@ -1110,8 +1278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.replay_variants:
             phase_replay_variants(c, batch, replay_fn)
 
+        if variant != "eager" and "eager" in c.images_per_s:
+            rep.emit("rollout_speedup", c.images_per_s[variant] / c.images_per_s["eager"], "ratio", variant=variant)
         actor = build_actor(args, "lora", mesh, device, dtype)
         rep.phase_memory("build_actor_lora")
+        phase_rollout_gap(c, actor, traj, replay_fn, variant)
         if "merged" not in skip:
             phase_sync(c, actor, "merged", verify=True)
             phase_sync(c, actor, "merged", verify=False, label="merged_sync_noverify_s")
