@@ -150,6 +150,15 @@ def test_engine_is_the_native_engine_over_the_given_modules():
     assert embeds.shape[1] == 16 and int(mask.sum()) == embeds.shape[0]
 
 
+def run_bench(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    """tools/bench.py as a fresh unlaunched process (no torchrun variables) on one thread: on a
+    shared 2-core machine, two spinning OpenMP threads make tiny GEMMs ~10x slower."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
     """One CPU run of the whole bench (LoRA, --full, --replay-variants, --profile-replay) at a tiny
     geometry."""
@@ -160,11 +169,7 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
            "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2",
            "--dit-batches", "2", "--iters", "1", "--text-tokens", "8", "--full", "--replay-variants",
            "--profile-replay", str(profile), "--out", str(out)]
-    # one thread: on a shared 2-core machine, two spinning OpenMP threads make tiny GEMMs ~10x slower
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_bench(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -354,10 +359,7 @@ def test_tiny_run_with_true_cfg_counts_both_rows(tmp_path):
            "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2", "--iters", "1",
            "--text-tokens", "8", "--guidance-scale", "4", "--skip", "dit", "checksum", "merged", "offload",
            "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_bench(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = {line["figure"]: line for line in map(json.loads, out.read_text().splitlines())}
     assert figures["rollout_images_per_s"]["geometry"]["guidance_scale"] == 4.0
@@ -374,10 +376,7 @@ def test_tiny_run_with_fp8_and_the_diffusers_comparison(tmp_path):
            "--prompts", "2", "--group-size", "2", "--micro-batch", "2", "--num-updates", "2", "--iters", "1",
            "--text-tokens", "8", "--rollout-precision", "fp8", "--compare", "diffusers", "--dit-batches", "2",
            "--skip", "checksum", "merged", "offload", "replay", "update", "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_bench(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     by = {(line["figure"], line.get("variant")): line["value"] for line in lines}
