@@ -36,6 +36,56 @@ class ModelFilesError(ValueError):
     """A model directory's files contradict each other; the message names the file to fix."""
 
 
+def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
+                             sde_indices: list[int], sigmas: list[float], generation_seed: int,
+                             metadata: dict | None = None):
+    """One candidate as an engine RolloutRequest under the shared invariants of trainer.sampling
+    (what every family's build_rollout_request checks; a family adds its own checks first).
+
+    Raises ValueError when guidance_scale < 1.0, when the trained-step set is empty, out of
+    range, or trains step 0 under sde_type "sde", and when `sigmas` is not
+    num_inference_steps + 1 values. guidance_scale > 1 carries the sampling config's
+    negative_prompt and cfg_renorm (true CFG).
+    """
+    from trainer.engine.base import RolloutRequest
+    from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
+                                  trained_steps_problem)
+
+    guidance = float(getattr(sampling, "guidance_scale", 1.0))
+    n = int(sampling.num_inference_steps)
+    steps = sorted({int(i) for i in sde_indices})
+    sde_type = getattr(sampling, "sde_type", "sde")
+    for where, problem in (
+        (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
+        (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
+        (f"trained SDE steps {steps}:", step_zero_problem(steps, sde_type)),
+        ("sigmas:", sigma_count_problem(sigmas, n)),
+    ):
+        if problem:
+            raise ValueError(f"{where} {problem}")
+    shape = getattr(sampling, "init_noise_latent_shape", None)
+    return RolloutRequest(
+        prompt=prompt,
+        group_index=int(group_index),
+        slot=int(slot),
+        sample_id=str(sample_id),
+        height=int(sampling.height),
+        width=int(sampling.width),
+        num_inference_steps=n,
+        sigmas=[float(s) for s in sigmas],
+        sde_indices=steps,
+        eta=float(sampling.eta),
+        sde_type=sde_type,
+        sigma_max=float(getattr(sampling, "sigma_max", 0.99)),
+        guidance_scale=guidance,
+        negative_prompt=str(getattr(sampling, "negative_prompt", " ")),
+        cfg_renorm=bool(getattr(sampling, "cfg_renorm", True)),
+        generation_seed=int(generation_seed),
+        metadata=dict(metadata or {}),
+        init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
+    )
+
+
 @runtime_checkable
 class GenerativeModelAdapter(Protocol):
     family: str

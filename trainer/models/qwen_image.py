@@ -22,7 +22,7 @@ import torch
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
 from trainer.trajectory import Trajectory
-from trainer.models.base import ModelFilesError
+from trainer.models.base import ModelFilesError, standard_rollout_request
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
 #: DiT uses the same names, so an adapter trained here loads there without a rename
@@ -467,42 +467,9 @@ class QwenImageAdapter:
         num_inference_steps + 1 values. guidance_scale > 1 carries the sampling config's
         negative_prompt and cfg_renorm (true CFG).
         """
-        from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
-                                      trained_steps_problem)
-
-        guidance = float(getattr(sampling, "guidance_scale", 1.0))
-        n = int(sampling.num_inference_steps)
-        steps = sorted({int(i) for i in sde_indices})
-        sde_type = getattr(sampling, "sde_type", "sde")
-        for where, problem in (
-            (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
-            (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
-            (f"trained SDE steps {steps}:", step_zero_problem(steps, sde_type)),
-            ("sigmas:", sigma_count_problem(sigmas, n)),
-        ):
-            if problem:
-                raise ValueError(f"{where} {problem}")
-        shape = getattr(sampling, "init_noise_latent_shape", None)
-        return RolloutRequest(
-            prompt=prompt,
-            group_index=int(group_index),
-            slot=int(slot),
-            sample_id=str(sample_id),
-            height=int(sampling.height),
-            width=int(sampling.width),
-            num_inference_steps=n,
-            sigmas=[float(s) for s in sigmas],
-            sde_indices=steps,
-            eta=float(sampling.eta),
-            sde_type=sde_type,
-            sigma_max=float(getattr(sampling, "sigma_max", 0.99)),
-            guidance_scale=guidance,
-            negative_prompt=str(getattr(sampling, "negative_prompt", " ")),
-            cfg_renorm=bool(getattr(sampling, "cfg_renorm", True)),
-            generation_seed=int(generation_seed),
-            metadata=dict(metadata or {}),
-            init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
-        )
+        return standard_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                        sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                        generation_seed=generation_seed, metadata=metadata)
 
     def validate_trajectory(self, traj: Trajectory) -> None:
         """Raise ValueError when a trajectory's shapes do not fit this family: packed latents
