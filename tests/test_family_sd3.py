@@ -8,13 +8,12 @@ MMDiT-X block, CLIP-L + CLIP-G + T5, SD3's VAE factors, the static-shift schedul
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
 from tests.test_actor_dist import EXPECTED as ACTOR_DIST_CHECKS
-from tests.workers.launch import ROOT, torchrun
+from tests.workers.launch import torchrun
 from trainer.engine.native import NativeEngine
 from trainer.models.sd3 import SD3Adapter
 from trainer.sampling import parse_sampling_config
@@ -229,3 +228,97 @@ def test_two_ranks_replay_update_and_sync_parity(tiny_sd3_model_dir, tmp_path):
         assert set(checks) == {k for k in ACTOR_DIST_CHECKS if k.startswith("real_")}
         assert [k for k, ok in checks.items() if ok is not True] == [], rank
         assert result["figures"]["real_replay_vs_sampler_max_abs"] == 0.0
+
+
+# ---------------------------------------------------------------- the real loop: resume and export
+
+
+def test_loop_resume_is_exact_and_exports_round_trip(tmp_path, tiny_sd3_model_dir):
+    """The real training loop (2 gloo ranks, LoRA, adapter sync) on the tiny SD3.5 model: a run of
+    4 rollouts and a run of 2 resumed for 2 more end with the same weights, policy version and lr
+    step and sample the same images after the resume point. The checkpoint then exports: the
+    merged pipeline loads with DiffusionPipeline.from_pretrained, the PEFT adapter with the
+    pipeline's load_lora_weights, and both transformers replay the next rollout's recorded
+    log-probs (sampled by the engine with exactly those weights)."""
+    from tests.test_e2e import _model_tensors, _recipe, _state, _train
+
+    recipe = _recipe(tmp_path, tiny_sd3_model_dir, "lora", extra=f'model-adapter-path = "{ADAPTER_PATH}"')
+    a, b = tmp_path / "a", tmp_path / "b"
+    lr = ("--lr", "1e-2")  # the LoRA moves the log-probs well beyond the export check's tolerance
+    _train(recipe, a, "--num-rollout", "4", *lr)
+    _train(recipe, b, "--num-rollout", "2", *lr)
+    log = _train(recipe, b, "--num-rollout", "4", "--load", str(b / "ckpt"), *lr)
+    assert "continuing at rollout 2" in log
+    ta, tb = _model_tensors(a / "ckpt", 3), _model_tensors(b / "ckpt", 3)
+    # the adapter, plus the DiT's one persistent buffer (the fixed sin-cos position table) that
+    # every model state dict carries
+    assert ta.keys() == tb.keys() and {n for n in ta if "lora_" not in n} == {"pos_embed.pos_embed"}
+    assert all(torch.equal(ta[n], tb[n]) for n in ta)
+    sa, sb = _state(a / "ckpt", 3), _state(b / "ckpt", 3)
+    assert [sa[k] for k in ("policy_version", "lr_scheduler_steps")] == [sb[k] for k in
+                                                                         ("policy_version", "lr_scheduler_steps")]
+    assert sa["policy_version"] == 4 and sa["lr_scheduler_steps"] == 8
+    for rollout_id in (2, 3):
+        da, db = (d / "artifacts" / "t2i" / f"rollout_{rollout_id:07d}" for d in (a, b))
+        pngs = sorted(p.name for p in da.glob("*.png"))
+        assert len(pngs) == 8 and pngs == sorted(p.name for p in db.glob("*.png"))
+        assert all((da / n).read_bytes() == (db / n).read_bytes() for n in pngs)
+    _check_exports(a, tmp_path, tiny_sd3_model_dir)
+
+
+def _check_exports(run, tmp_path, model_dir) -> None:
+    """Export iteration 2 both ways and replay rollout 3 (sampled at policy version 3, i.e. with
+    iteration 2's weights) through each loaded transformer."""
+    from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+
+    from tools.export_checkpoint import export_checkpoint
+    from trainer import artifacts
+
+    merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
+    # no --model-adapter-path: the run's adapter_contract.json names the SD3 adapter
+    info = export_checkpoint(run / "ckpt", "t2i", 2, merged_dir, form="merged", base_model_path=model_dir,
+                             verify=True)
+    assert info["verify"]["lora_modules_checked"] > 0
+    export_checkpoint(run / "ckpt", "t2i", 2, adapter_dir, form="adapter", verify=True)
+    adapter = SD3Adapter()
+    sidecars = sorted(artifacts.iter_sidecars(run / "artifacts" / "t2i" / "rollout_0000003"))
+    payloads = [artifacts.read_sidecar(p) for p in sidecars]
+    groups = [artifacts.sidecar_to_trajectory(*payload) for payload in payloads]
+    assert groups and all(int(g.policy_versions.max()) == 3 for g in groups)
+    cfg = parse_sampling_config(json.loads(payloads[0][1]["sampling"]))
+
+    def replays(transformer):
+        with torch.no_grad():
+            return [(adapter.replay_transitions(transformer.eval(), g, cfg), g.log_probs) for g in groups]
+
+    merged = DiffusionPipeline.from_pretrained(str(merged_dir), dtype=torch.float32)
+    assert isinstance(merged, StableDiffusion3Pipeline)
+    base = StableDiffusion3Pipeline.from_pretrained(str(model_dir), dtype=torch.float32)
+    base.load_lora_weights(str(adapter_dir))  # pytorch_lora_weights.safetensors, diffusers' default name
+    assert {n for n, _ in base.transformer.named_parameters() if ".lora_" in n}
+    for transformer in (merged.transformer, base.transformer):
+        for got, recorded in replays(transformer):
+            torch.testing.assert_close(got, recorded, rtol=0, atol=1e-5)
+    # and the base alone does not: the exports carry the training
+    plain = StableDiffusion3Pipeline.from_pretrained(str(model_dir), dtype=torch.float32).transformer
+    assert max(float((got - rec).abs().max()) for got, rec in replays(plain)) > 1e-4  # 10x the tolerance
+
+
+# ---------------------------------------------------------------- tools
+
+
+def test_sample_tool_picks_the_family_from_model_index(tiny_sd3_model_dir, tmp_path, capsys):
+    """tools/sample.py without --model-adapter-path samples the SD3 directory with the SD3 adapter."""
+    from tools.sample import main
+    from trainer import artifacts
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2i", "sample_id": "a"}}) + "\n")
+    assert main(["--model-path", str(tiny_sd3_model_dir), "--prompt-data", str(prompts), "--output-dir",
+                 str(tmp_path / "out"), "--n-samples-per-prompt", "2", "--device", "cpu",
+                 "--sampling-config", json.dumps(CFG)]) == 0
+    out = tmp_path / "out" / "t2i" / "rollout_0000000"
+    assert len(list(out.glob("*.png"))) == 2
+    tensors, meta = artifacts.read_sidecar(next(iter(artifacts.iter_sidecars(out))))
+    assert {"conditions.pooled_prompt_embeds", "conditions.negative_pooled_prompt_embeds"} <= set(tensors)
+    assert tensors["tracks.latents"].shape == (2, 3, 4, 16, 16) and float(meta["guidance_scale"]) == 4.5
