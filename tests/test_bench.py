@@ -146,7 +146,8 @@ def test_engine_is_the_native_engine_over_the_given_modules():
     engine = build_engine("tiny", torch.device("cpu"), torch.float32, max_batch_size=4)
     assert type(engine) is NativeEngine
     assert engine.vae_scale_factor == 4 and engine.latent_channels == 4
-    embeds, mask = engine.encode_prompt("a red ball")
+    cond = engine.encode_prompt("a red ball")
+    embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
     assert embeds.shape[1] == 16 and int(mask.sum()) == embeds.shape[0]
 
 
@@ -388,3 +389,98 @@ def test_tiny_run_with_fp8_and_the_diffusers_comparison(tmp_path):
     # FP8 rounding is visible as a gap between the engine's and the actor's transitions, and small
     assert 0 < by[("rollout_replay_kl", "fp8")] < 1e-2
     assert math.isfinite(by[("step_s", None)])
+
+
+# ---------------------------------------------------------------- --family sd3
+
+
+def test_sd3_flop_model_counts_the_tiny_dits_forward_exactly():
+    """FlopCounterMode over a real forward of the tiny SD3.5 DiT (a dual-attention block, a
+    context_pre_only last block; math SDPA) counts exactly the FLOP model's figure."""
+    from diffusers import SD3Transformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tools.bench_sd3 import sd3_forward_flops, transformer_config
+
+    cfg = transformer_config("tiny")
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(**cfg).eval()
+    b, h, w, t = 3, 6, 10, 7
+    with torch.no_grad(), FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(hidden_states=torch.randn(b, cfg["in_channels"], h, w),
+              encoder_hidden_states=torch.randn(b, t, cfg["joint_attention_dim"]),
+              pooled_projections=torch.randn(b, cfg["pooled_projection_dim"]), timestep=torch.full((b,), 500.0),
+              return_dict=False)
+    assert counter.get_total_flops() == sd3_forward_flops(cfg, h * w, t, b)
+
+
+def test_sd35_medium_shape_is_2_24_b_parameters_and_2_2_tflop_per_forward():
+    from diffusers import SD3Transformer2DModel
+
+    from tools.bench_sd3 import REAL_SD3_TRANSFORMER_CONFIG, sd3_forward_flops, sd3_param_counts
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**REAL_SD3_TRANSFORMER_CONFIG)
+    total = sum(p.numel() for p in model.parameters())
+    assert total == pytest.approx(2.24e9, rel=0.01)  # diffusers' count; Stability quotes "2.5 B"
+    # the matmul weights are all but the norms, biases and embeddings' tables
+    assert sd3_param_counts(REAL_SD3_TRANSFORMER_CONFIG)["total_matmul"] == pytest.approx(total, rel=0.01)
+    f = sd3_forward_flops(REAL_SD3_TRANSFORMER_CONFIG, 1024, 77 + 128, 1)  # 512x512, FlowGRPO's text window
+    assert f == pytest.approx(2.22e12, rel=0.01)
+
+
+def _fake_flowgrpo_checkout(root):
+    """A stand-in with FlowGRPO's layout and call signature (not its code): the stock pipeline
+    call, returning (images, latents list, log-prob list) as pipeline_with_logprob does."""
+    patch = root / "flow_grpo" / "diffusers_patch"
+    patch.mkdir(parents=True)
+    (patch / "sd3_pipeline_with_logprob.py").write_text(
+        "import torch\n"
+        "CALLS = []\n"
+        "def pipeline_with_logprob(self, prompt, negative_prompt, height, width, num_inference_steps,\n"
+        "                          guidance_scale, output_type, max_sequence_length, noise_level, generator):\n"
+        "    CALLS.append(len(prompt))\n"
+        "    images = self(prompt=prompt, negative_prompt=negative_prompt, height=height, width=width,\n"
+        "                  num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,\n"
+        "                  output_type=output_type, max_sequence_length=max_sequence_length,\n"
+        "                  generator=generator).images\n"
+        "    return images, [images], [torch.zeros(len(prompt))] * num_inference_steps\n")
+    return root
+
+
+def test_sd3_tiny_bench_with_the_flowgrpo_phase(tmp_path):
+    """The whole --family sd3 bench on CPU at the tiny shape, with true CFG and the FlowGRPO
+    phase run against a stand-in checkout: every figure finite, the replay exact, the FlowGRPO
+    function called on every candidate, its time and the ratio reported."""
+    checkout = _fake_flowgrpo_checkout(tmp_path / "flow_grpo")
+    out = tmp_path / "sd3.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--family", "sd3", "--shape", "tiny", "--device", "cpu",
+           "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
+           "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2", "--dit-batches", "2",
+           "--iters", "1", "--guidance-scale", "4.5", "--skip", "checksum", "offload",
+           "--flowgrpo-path", str(checkout), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = {}
+    for line in map(json.loads, out.read_text().splitlines()):
+        assert isinstance(line["value"], float) and math.isfinite(line["value"]), line
+        assert line["geometry"]["family"] == "sd3" and line["geometry"]["image_tokens"] == 256
+        figures[line["figure"]] = line
+    assert {"dit_forward_s", "dit_mfu", "rollout_images_per_s", "rollout_mfu", "flowgrpo_rollout_s",
+            "flowgrpo_vs_native", "replay_transitions_per_s_lora", "replay_mfu_lora", "adapter_sync_s",
+            "merged_sync_s", "step_s"} <= set(figures)
+    assert figures["replay_logp_max_abs_err_lora"]["value"] == 0.0
+    assert figures["flowgrpo_rollout_s"]["candidates"] == 4
+    ratio = figures["flowgrpo_vs_native"]
+    assert ratio["value"] == pytest.approx(ratio["native_rollout_s"] / ratio["flowgrpo_rollout_s"])
+
+
+def test_flowgrpo_path_is_checked():
+    from tools.bench_sd3 import import_flowgrpo_rollout
+
+    with pytest.raises(ValueError, match="--flowgrpo-path .*sd3_pipeline_with_logprob.py"):
+        import_flowgrpo_rollout(ROOT / "docs")

@@ -47,7 +47,9 @@ def _write_prompts(path: Path, prompts: list[str], prefix: str) -> Path:
     return path
 
 
-def _recipe(tmp: Path, model_dir: Path, mode: str) -> Path:
+def _recipe(tmp: Path, model_dir: Path, mode: str, extra: str = "") -> Path:
+    """A 2-rank recipe of the tiny model at `model_dir`; `extra` is more top-level TOML (e.g. the
+    model adapter of another family)."""
     train = _write_prompts(tmp / "train.jsonl", PROMPTS, "t")
     evalf = _write_prompts(tmp / "eval.jsonl", ["a white ball", "a black cube"], "e")
     evalg = _write_prompts(tmp / "eval2.jsonl", ["an orange kite"], "o")
@@ -67,6 +69,7 @@ n-samples-per-eval-prompt = 2
 eval-reward-scorers = ["jpeg_compressibility"]
 hacking-baseline-rollouts = 1
 {TINY_GEOMETRY}
+{extra}
 fsdp-trainable-mode = "{'lora' if lora else 'full'}"
 {'ema-decay = 0.9' if ema else ''}
 {'ema-update-interval = 3' if ema else ''}

@@ -372,3 +372,21 @@ def _without(argv: list[str], flag: str, nvalues: int) -> list[str]:
         return list(argv)
     i = argv.index(flag)
     return argv[:i] + argv[i + 1 + nvalues:]
+
+
+def test_model_directory_and_adapter_of_different_families_are_refused(base, tmp_path):
+    """model_index.json names the family: a StableDiffusion3Pipeline directory with the Qwen-Image
+    adapter (the default) is refused before anything loads, naming the adapter to use; the
+    right adapter passes."""
+    model = tmp_path / "models" / "Qwen-Image"
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    found = [p for p in problems(base) if "--model-adapter-path" in p]
+    assert len(found) == 1 and "StableDiffusion3Pipeline" in found[0] and "trainer.models.sd3.SD3Adapter" in found[0]
+    assert problems(base + ["--model-adapter-path", "trainer.models.sd3.SD3Adapter"]) == []
+
+
+def test_sglang_engine_with_a_family_it_does_not_bridge_is_refused(base):
+    found = problems(base + ["--model-adapter-path", "trainer.models.sd3.SD3Adapter",
+                             "--rollout-engine-class-path", "sglang"])
+    assert any("bridges SGLang's Qwen-Image pipeline only" in p and "trainer.models.sd3.SD3Adapter" in p
+               and "native" in p for p in found), found

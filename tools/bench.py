@@ -7,6 +7,13 @@
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
 other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch).
 
+--family sd3 times the Stable Diffusion 3.5 family instead (tools/bench_sd3.py: SD3.5-Medium's
+2.24 B MMDiT-X, CLIP-L + CLIP-G + T5-XXL, its FLOP model); with --flowgrpo-path DIR it also times
+FlowGRPO's own SD3 rollout function, imported from that checkout, on the same modules:
+
+    torchrun --nproc-per-node 1 tools/bench.py --family sd3 --shape real --height 512 --width 512 \
+        --steps 10 --guidance-scale 4.5 --flowgrpo-path runs/flow_grpo --output bench/results/sd3.jsonl
+
 Nothing is read from disk: every module (the 20.4 B DiT, the VAE, the Qwen2.5-VL-7B text
 encoder) is built on the meta device from its config, materialised on the rank's device with
 `to_empty`, then given cheap random values there (`materialise`). The code being timed is the
@@ -35,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
 if __package__ in (None, ""):  # run as a script (torchrun tools/bench.py): this checkout's trainer and tools
@@ -140,15 +148,17 @@ def dit_forward_flops(cfg: dict, image_tokens: int, text_tokens: int, batch: int
 
 
 def replay_flops(cfg: dict, image_tokens: int, text_tokens: int, transitions: int = 1,
-                 checkpointing: bool | float = True) -> tuple[float, float]:
+                 checkpointing: bool | float = True, forward_flops: Callable[..., float] | None = None
+                 ) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of replaying `transitions` transitions with a backward.
 
     Model FLOPs = 3 F (forward + a backward counted as 2 forwards); hardware FLOPs add the
     forward that activation checkpointing recomputes (4 F; a float is the fraction of the blocks
     checkpointed: 3 F + fraction * F). LoRA's backward skips the frozen base weights' gradients,
-    so for LoRA this convention over-counts the true work by ~F.
+    so for LoRA this convention over-counts the true work by ~F. forward_flops: the family's F
+    (default dit_forward_flops, Qwen-Image's).
     """
-    f = dit_forward_flops(cfg, image_tokens, text_tokens, transitions)
+    f = (forward_flops or dit_forward_flops)(cfg, image_tokens, text_tokens, transitions)
     return 3.0 * f, (3.0 + float(checkpointing)) * f
 
 
@@ -297,6 +307,30 @@ def build_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch
     text_encoder = build_text_encoder(shape, tokenizer, device, dtype, seed + 2)
     return NativeEngine.from_modules(transformer, vae, text_encoder, tokenizer, QWEN_IMAGE_SCHEDULER_CONFIG,
                                      device=device, dtype=dtype, max_batch_size=max_batch_size)
+
+
+def family_parts(family: str) -> SimpleNamespace:
+    """What --family changes in the bench: the random engine and DiT builders, the adapter
+    class, the FLOP model of one DiT forward and the prompts (count -> prompts, given the engine
+    and --text-tokens), the sampling keys the family needs."""
+    if family == "sd3":
+        from tools import bench_sd3
+        from trainer.models.sd3 import SD3Adapter
+
+        return SimpleNamespace(build_engine=bench_sd3.build_sd3_engine, build_transformer=bench_sd3.build_sd3_transformer,
+                               adapter=SD3Adapter, forward_flops=bench_sd3.sd3_forward_flops,
+                               prompts=lambda engine, n, text_tokens: bench_sd3.sd3_prompts(n),
+                               sampling={"cfg_renorm": False, "negative_prompt": ""},
+                               transformer_config=bench_sd3.transformer_config)
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    def prompts(engine, n, text_tokens):
+        encoder = engine.prompt_encoder
+        return make_prompts(n, engine.tokenizer, encoder.template, encoder.template_start_idx, text_tokens)
+
+    return SimpleNamespace(build_engine=build_engine, build_transformer=build_transformer, adapter=QwenImageAdapter,
+                           forward_flops=dit_forward_flops, prompts=prompts, sampling={},
+                           transformer_config=lambda shape: shape_configs(shape)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,15 +487,15 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
     reshard_after_forward / activation_checkpointing (None: as the args say) /
     activation_checkpointing_every: the replay variants (--replay-variants)."""
     from trainer.actor import Actor, build_train_model
-    from trainer.models.qwen_image import QwenImageAdapter
 
+    fam = family_parts(args.family)
     cfg = actor_cfg(args, mode)
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
     if activation_checkpointing is not None:
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
-    model = build_transformer(args.shape, device, dtype, seed=args.seed)
+    model = fam.build_transformer(args.shape, device, dtype, seed=args.seed)
     model, lora_config, never_trained = build_train_model(
-        model, mesh, cfg.fsdp, cfg.lora, adapter=QwenImageAdapter(),
+        model, mesh, cfg.fsdp, cfg.lora, adapter=fam.adapter(),
         activation_checkpointing_every=activation_checkpointing_every)
     return Actor(model, mesh, cfg, device=device, built=True, lora_config=lora_config, never_trained=never_trained)
 
@@ -512,6 +546,8 @@ class Ctx:
     image_tokens: int
     text_tokens: int
     peak_tflops: float
+    #: the family's FLOPs of one DiT forward (cfg, image_tokens, text_tokens, batch)
+    forward_flops: Callable[..., float] = None
     #: rollout_images_per_s by variant ("eager", "compile", ...), for the in-process ratios
     images_per_s: dict[str, float] = field(default_factory=dict)
 
@@ -524,24 +560,25 @@ def rollout_variant(args) -> str:
 
 def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     """dit_forward_s and dit_mfu at each --dit-batches size: the engine's transformer through
-    the adapter's dit_velocity (exactly the engine's rollout call), no grad. A compiled DiT is
-    compiled for each batch size by its first (untimed) call."""
-    from trainer.models.qwen_image import dit_velocity, img_shapes_for
+    the adapter's velocity call (exactly the engine's rollout call, one conditional row per
+    sample), no grad. A compiled DiT is compiled for each batch size by its first (untimed)
+    call."""
+    from trainer.sampling import init_noise_shape
 
     a, e = c.args, c.engine
-    embeds, mask = e.encode_prompt(c.prompts[0])
+    cond = e.encode_prompt(c.prompts[0])
+    shape = init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor)
     for b in a.dit_batches:
-        x = torch.randn(b, c.image_tokens, int(e.transformer.config.in_channels), device=c.device, dtype=c.dtype)
+        x_t = torch.randn(b, *shape)
+        x = e.adapter.initial_latents(x_t, e.transformer, a.height, a.width, e.vae_scale_factor).to(c.device, c.dtype)
         t = torch.full((b,), 500.0)
-        emb = embeds[None].expand(b, -1, -1).contiguous()  # contiguous, like the engine's padded batch
-        msk = mask[None].expand(b, -1).contiguous()
-        shapes = img_shapes_for(b, a.height, a.width, e.vae_scale_factor)
+        conditions = e.adapter.batch_conditions([cond] * b)  # the engine's own batching
         with torch.no_grad():
             def fwd():
-                return dit_velocity(e.transformer, x, t, emb, msk, shapes)
+                return e.adapter.velocity(e.transformer, x, t, conditions, a.height, a.width, e.vae_scale_factor)
             fwd()
             sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")  # cheap: average more
-        flops = dit_forward_flops(c.dit_cfg, c.image_tokens, int(emb.shape[1]), b)
+        flops = c.forward_flops(c.dit_cfg, c.image_tokens, int(cond["prompt_embeds"].shape[0]), b)
         c.rep.emit("dit_forward_s", sec, "s", batch=b, variant=variant)
         c.rep.emit("dit_mfu", flops / sec / 1e12 / c.peak_tflops, "fraction", batch=b,
                    tflop_per_forward=flops / 1e12, peak_tflops=c.peak_tflops, variant=variant)
@@ -580,7 +617,7 @@ def phase_rollout(c: Ctx, variant: str = "eager") -> Any:
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"),
                variant=variant)
     c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n, variant=variant)
-    dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
+    dit = c.forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops,
                variant=variant)
     if c.engine.compile_blocks:
@@ -741,7 +778,8 @@ def phase_replay(c: Ctx, actor, batch: Any, replay_fn, mode: str, *, checkpointi
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
     sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
     transitions = a.micro_batch * len(c.sde_indices)
-    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(a), checkpointing)
+    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(a), checkpointing,
+                                 forward_flops=c.forward_flops)
     c.rep.emit(f"replay_transitions_per_s_{mode}", transitions / sec, "transitions/s", op="min", mode=mode,
                micro_batch=a.micro_batch, seconds=sec, **extra)
     c.rep.emit(f"replay_mfu_{mode}", model_f / sec / 1e12 / c.peak_tflops, "fraction", op="min", mode=mode,
@@ -1114,7 +1152,15 @@ def bench_scorers(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = tool_parser("bench", __doc__)
-    p.add_argument("--shape", choices=SHAPES, default="real", help="real: Qwen-Image 20.4 B; tiny: the test model")
+    p.add_argument("--family", choices=("qwen_image", "sd3"), default="qwen_image",
+                   help="model family: qwen_image (Qwen-Image) or sd3 (Stable Diffusion 3.5 Medium)")
+    p.add_argument("--shape", choices=SHAPES, default="real",
+                   help="real: Qwen-Image 20.4 B / SD3.5-Medium 2.24 B; tiny: the family's test model")
+    p.add_argument("--flowgrpo-path", type=Path, default=None, metavar="DIR",
+                   help="a local FlowGRPO checkout, imported at run time and timed on the same modules (nothing "
+                        "is copied): --family sd3 times its SD3 rollout function (flow_grpo/diffusers_patch/"
+                        "sd3_pipeline_with_logprob.py: flowgrpo_rollout_s, flowgrpo_vs_native); --compare flowgrpo "
+                        "times its Qwen-Image one (qwenimage_pipeline_with_logprob.py)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="unset: cuda when available")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="unset: bf16 on cuda, fp32 on cpu")
     p.add_argument("--output", "--out", dest="out", type=Path, default=None,
@@ -1170,9 +1216,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"also time the same rollout through other code on the same modules, before the engine's "
                         f"speed options are switched on: any of {COMPARE_PATHS} (flowgrpo needs --flowgrpo-path and "
                         "--guidance-scale > 1: its rollout function always runs CFG)")
-    p.add_argument("--flowgrpo-path", type=Path, default=None,
-                   help="a local checkout of FlowGRPO (its flow_grpo/diffusers_patch/qwenimage_pipeline_with_logprob.py "
-                        "is imported from there for --compare flowgrpo; nothing is copied)")
     p.add_argument("--compare-batch", type=int, default=0,
                    help="prompts per call of the --compare paths (0: all candidates in one call)")
     p.add_argument("--replay-variants", action="store_true",
@@ -1186,6 +1229,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 "(FlowGRPO's Qwen-Image rollout function always runs true CFG)")
     if args.iters < 1:
         p.error(f"--iters must be >= 1, got {args.iters}")
+    if args.flowgrpo_path is not None and args.family != "sd3" and "flowgrpo" not in args.compare:
+        p.error("--flowgrpo-path is read by --family sd3 (FlowGRPO's SD3 rollout function) or by --compare flowgrpo "
+                "(its Qwen-Image one): add one of them")
+    if args.compare and args.family != "qwen_image":
+        p.error(f"--compare times Qwen-Image pipelines; with --family {args.family} use --flowgrpo-path (sd3)")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
                 f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
@@ -1197,12 +1245,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from trainer.distributed import build_mesh, init_distributed
     from trainer.loop import make_replay_fn
-    from trainer.models.qwen_image import QwenImageAdapter
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     args = parse_args(argv)
+    fam = family_parts(args.family)
     if args.num_layers and args.shape == "real":
         REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
+        from tools.bench_sd3 import REAL_SD3_TRANSFORMER_CONFIG
+
+        REAL_SD3_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
+        REAL_SD3_TRANSFORMER_CONFIG["dual_attention_layers"] = tuple(
+            i for i in REAL_SD3_TRANSFORMER_CONFIG["dual_attention_layers"] if i < int(args.num_layers))
     if args.scorers:
         return bench_scorers(args)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1216,22 +1269,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = build_engine(args.shape, device, dtype, args.max_batch, seed=args.seed)
+        engine = fam.build_engine(args.shape, device, dtype, args.max_batch, seed=args.seed)
         build_s = time.perf_counter() - t0
-        adapter = QwenImageAdapter(vae_scale_factor=engine.vae_scale_factor)
+        adapter = fam.adapter(vae_scale_factor=engine.vae_scale_factor)
         sampling = parse_sampling_config({
             "height": args.height, "width": args.width, "num_inference_steps": args.steps, "eta": args.eta,
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
-            "sde_pool": list(args.sde_pool), "guidance_scale": args.guidance_scale})
+            "sde_pool": list(args.sde_pool), "guidance_scale": args.guidance_scale, **fam.sampling})
         sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
-        encoder = engine.prompt_encoder
-        prompts = make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
-                               args.text_tokens)
-        text_tokens = int(engine.encode_prompt(prompts[0])[0].shape[0])
+        prompts = fam.prompts(engine, args.prompts, args.text_tokens)
+        text_tokens = int(engine.encode_prompt(prompts[0])["prompt_embeds"].shape[0])
         dit_cfg = dict(engine.transformer.config)
         image_tokens = image_tokens_for(args.height, args.width, engine.vae_scale_factor,
                                         int(dit_cfg["patch_size"]))
-        geometry = {"shape": args.shape, "height": args.height, "width": args.width, "steps": args.steps,
+        geometry = {"family": args.family, "shape": args.shape, "height": args.height, "width": args.width, "steps": args.steps,
                     "trained_steps": len(sde_indices), "sde_indices": sde_indices, "eta": args.eta,
                     "guidance_scale": args.guidance_scale,
                     "prompts": args.prompts, "group_size": args.group_size,
@@ -1249,7 +1300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep.emit("build_engine_s", build_s, "s")
         rep.phase_memory("build_engine")
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
-                image_tokens, text_tokens, peak)
+                image_tokens, text_tokens, peak, fam.forward_flops)
 
         skip = set(args.skip)
         speedups = args.rollout_compile or args.rollout_precision != "default"
@@ -1268,6 +1319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "checksum" not in skip:
             phase_checksum(c)
         traj = phase_rollout(c, variant=variant)
+        if args.flowgrpo_path is not None and args.family == "sd3":
+            from tools.bench_sd3 import phase_flowgrpo
+
+            phase_flowgrpo(c, args.flowgrpo_path)
         adv, valid, score_s, degenerate = score(c, traj)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
         batch = traj.without_images()

@@ -25,7 +25,10 @@ It reads the DCP shards of `<save-dir>/<task>/iter_<7 digits>/fsdp/` offline, in
                 PeftModel.from_pretrained(base_transformer, DIR) loads it; the safetensors header
                 also carries diffusers' "lora_adapter_metadata" so that
                 transformer.load_lora_adapter(DIR, weight_name="adapter_model.safetensors",
-                prefix="base_model.model") gets the right alpha.
+                prefix="base_model.model") gets the right alpha; and the same tensors as a
+                diffusers pipeline LoRA, pytorch_lora_weights.safetensors ("transformer.<module>
+                .lora_A.weight", the file the pipelines' save_lora_weights writes), so that
+                pipe.load_lora_weights(DIR) of the family's diffusers pipeline loads it.
 
 --ema           export the checkpoint's EMA of the trainable weights (written by runs with
                 --ema-decay > 0, under "ema.*", in fp32) instead of the live ones, in either
@@ -70,6 +73,10 @@ COMPONENT_MODES = ("copy", "hardlink", "symlink")
 #: the key prefix PeftModel.save_pretrained puts in front of every module name of the wrapped model
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: the pipeline-level LoRA file (diffusers' default weight name of load_lora_weights) and the
+#: component prefix its names and metadata keys carry
+PIPELINE_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+PIPELINE_LORA_PREFIX = "transformer."
 EXPORT_INFO = "export_info.json"
 #: safetensors header key diffusers' load_lora_adapter reads the LoraConfig kwargs from
 DIFFUSERS_LORA_METADATA_KEY = "lora_adapter_metadata"
@@ -602,7 +609,8 @@ def peft_lora_config(modules: list[str], lora: LoraSettings, base_model_name_or_
 
 def write_adapter(ckpt: Checkpoint, out: Path, lora: LoraSettings, *, dtype: torch.dtype | None,
                   base_model_name_or_path: str | None) -> dict[str, Any]:
-    """adapter_config.json + adapter_model.safetensors (module docstring) into `out`."""
+    """adapter_config.json + adapter_model.safetensors + pytorch_lora_weights.safetensors (module
+    docstring) into `out`."""
     state = peft_adapter_state(ckpt, dtype)
     modules = sorted({k[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0] for k in state})
     config = peft_lora_config(modules, lora, base_model_name_or_path)
@@ -614,9 +622,10 @@ def write_adapter(ckpt: Checkpoint, out: Path, lora: LoraSettings, *, dtype: tor
             kwargs[k] = sorted(v)
     # diffusers strips the load prefix from the metadata keys too, so they carry the same prefix
     # as the tensor names (diffusers' own pipeline-level save does this with "transformer.")
-    meta = {PEFT_PREFIX + k: v for k, v in kwargs.items()}
-    _save_safetensors(state, out / ADAPTER_WEIGHTS,
-                      {"format": "pt", DIFFUSERS_LORA_METADATA_KEY: json.dumps(meta, sort_keys=True, default=str)})
+    for weights, prefix in ((ADAPTER_WEIGHTS, PEFT_PREFIX), (PIPELINE_LORA_WEIGHTS, PIPELINE_LORA_PREFIX)):
+        meta = {prefix + k: v for k, v in kwargs.items()}
+        _save_safetensors({prefix + k[len(PEFT_PREFIX):]: t for k, t in state.items()}, out / weights,
+                          {"format": "pt", DIFFUSERS_LORA_METADATA_KEY: json.dumps(meta, sort_keys=True, default=str)})
     return {"modules": len(modules), "tensors": len(state),
             "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
@@ -753,7 +762,13 @@ def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path |
         problems.append(f"adapter_config.json has r={config.r}, lora_alpha={config.lora_alpha}; the checkpoint "
                         f"has rank {lora.rank}, alpha {lora.alpha}")
     written = load_file(str(out / ADAPTER_WEIGHTS))
-    want = {PEFT_PREFIX + n: t for n, t in ckpt.tensors.items()}
+    pipeline_file = {PEFT_PREFIX + k[len(PIPELINE_LORA_PREFIX):]: t
+                     for k, t in load_file(str(out / PIPELINE_LORA_WEIGHTS)).items()}
+    if set(pipeline_file) != set(written) or any(not torch.equal(pipeline_file[k], written[k]) for k in written):
+        problems.append(f"{PIPELINE_LORA_WEIGHTS} does not hold exactly the tensors of {ADAPTER_WEIGHTS}")
+    # the LoRA tensors only: a LoRA checkpoint also holds the DiT's persistent buffers (SD3's
+    # position table), which are the base's and no part of an adapter
+    want = {PEFT_PREFIX + n: t for n, t in ckpt.tensors.items() if is_lora_name(n)}
     if set(written) != set(want):
         problems.append(f"tensor names differ from the checkpoint: missing {sorted(set(want) - set(written))[:3]}, "
                         f"extra {sorted(set(written) - set(want))[:3]}")
@@ -795,6 +810,21 @@ def load_model_adapter(dotpath: str):
     return cls()
 
 
+def resolve_adapter_path(save_dir, task: str, iteration: int | None, base_model_path=None) -> str:
+    """The model adapter of a checkpoint when --model-adapter-path is not given: the one its run
+    recorded (adapter_contract.json "model_adapter_path"), else the family that the base's
+    model_index.json names (config.PIPELINE_ADAPTERS; the given base, else the recorded one), else
+    the default family's."""
+    from trainer.config import adapter_for_model_dir
+
+    ckpt = load_checkpoint(save_dir, task, iteration)
+    recorded = ckpt.contract.get("model_adapter_path")
+    if recorded:
+        return str(recorded)
+    base = base_model_path or recorded_base_path(ckpt)
+    return adapter_for_model_dir(base) if base else DEFAULT_ADAPTER
+
+
 def recorded_base_path(ckpt: Checkpoint) -> str | None:
     """The base model directory the run trained on, as its trainer_state.json records it
     (checkpoints of older runs may have it in adapter_contract.json instead)."""
@@ -812,7 +842,7 @@ def _check_output_dir(output_dir: Path) -> None:
 
 
 def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, output_dir: str | os.PathLike,
-                      *, form: str, model_adapter_path: str = DEFAULT_ADAPTER,
+                      *, form: str, model_adapter_path: str | None = None,
                       base_model_path: str | os.PathLike | None = None, verify: bool = False,
                       dtype: str | None = None, components: str = "copy", ema: bool = False) -> dict[str, Any]:
     """Export one committed iteration (see the module docstring). Returns the export_info dict,
@@ -820,13 +850,15 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
 
     base_model_path: required for --form merged on a LoRA checkpoint; for a full fine-tune it
     defaults to the base path recorded in adapter_contract.json. dtype: None keeps the base's
-    dtype per tensor (merged) or the checkpoint's (adapter)."""
+    dtype per tensor (merged) or the checkpoint's (adapter). model_adapter_path: None takes the
+    adapter the run recorded in adapter_contract.json, else the family of the base's
+    model_index.json (resolve_adapter_path)."""
     if form not in FORMS:
         raise ExportError(f"--form must be one of {FORMS}, got {form!r}")
     out = Path(output_dir)
     _check_output_dir(out)
     tdtype = _resolve_dtype(dtype)
-    adapter = load_model_adapter(model_adapter_path)
+    adapter = load_model_adapter(model_adapter_path or resolve_adapter_path(save_dir, task, iteration, base_model_path))
     name_map = getattr(adapter, "weight_name_map", None)
     ckpt = load_checkpoint(save_dir, task, iteration, name_map=name_map, ema=ema)
     lora = lora_settings(ckpt, getattr(adapter, "lora_target_modules", ())) if ckpt.mode == "lora" else None
@@ -917,7 +949,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", required=True, help="where to write the export; must not exist or be empty")
     p.add_argument("--form", choices=FORMS, default="merged",
                    help="merged: a diffusers pipeline directory; adapter: a HF-PEFT adapter (LoRA checkpoints only)")
-    p.add_argument("--model-adapter-path", default=DEFAULT_ADAPTER, help="dotted path of the model adapter class")
+    p.add_argument("--model-adapter-path", default=None,
+                   help="dotted path of the model adapter class (unset: the one the run recorded in "
+                        "adapter_contract.json, else the family of the base's model_index.json)")
     p.add_argument("--base-model-path", default=None, type=existing_dir,
                    help="the local base pipeline directory the run trained on; required for --form merged of a "
                         "LoRA checkpoint (unset for a full fine-tune: the path the run recorded in trainer_state.json)")

@@ -1,10 +1,13 @@
-"""Build a tiny, random-weight Qwen-Image pipeline directory, entirely offline.
+"""Build a tiny, random-weight pipeline directory of a model family, entirely offline.
 
-The directory has the same layout as a real Qwen-Image checkout (model_index.json,
-transformer/, vae/, text_encoder/, tokenizer/, scheduler/) so that every consumer loads
-it through the same code path as the real model. It is what the tests and the demo run on.
+The directory has the same layout as a real checkout of the family (Qwen-Image:
+model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/; sd3: see
+tools/tiny_sd3.py) so that every consumer loads it through the same code path as the real
+model. It is what the tests and the demo run on.
 
-    python tools/make_tiny_model.py --output-dir tiny [--seed 0]
+    python tools/make_tiny_model.py --output-dir tiny [--family qwen_image|sd3] [--seed 0]
+
+The Qwen-Image builder is this file's; each other family's lives in tools/tiny_<family>.py.
 
 Sizes follow diffusers' own Qwen-Image unit tests: a 2-block DiT (3 heads x 16), a
 4-channel VAE with spatial factor 4, and a 2-layer Qwen2.5-VL text encoder of width 16.
@@ -200,17 +203,38 @@ def build_tiny_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0)
     return out
 
 
+#: family -> (module, builder function, what it writes); each builder takes (output_dir, seed,
+#: vae_output_gain) and returns the directory
+BUILDERS = {
+    "qwen_image": ("tools.make_tiny_model", "build_tiny_pipeline", "Qwen-Image"),
+    "sd3": ("tools.tiny_sd3", "build_tiny_sd3_pipeline", "Stable Diffusion 3.5"),
+}
+
+
+def build_family(family: str, output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
+    """The tiny pipeline of `family` (a BUILDERS key) written to `output_dir`."""
+    import importlib
+
+    if family not in BUILDERS:
+        raise ValueError(f"--family {family!r} is not one of {sorted(BUILDERS)}")
+    module, fn, _ = BUILDERS[family]
+    return getattr(importlib.import_module(module), fn)(output_dir, seed=seed, vae_output_gain=vae_output_gain)
+
+
 def main(argv=None) -> int:
     parser = tool_parser("make_tiny_model", __doc__)
     parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
                         help="directory to write the pipeline to (created)")
+    parser.add_argument("--family", default="qwen_image", choices=sorted(BUILDERS),
+                        help="model family of the pipeline (qwen_image: QwenImagePipeline; sd3: "
+                             "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's output convolution (1: plain random init); "
                              "the demo uses 8 so that image colours depend visibly on the latents")
     args = parser.parse_args(argv)
-    path = build_tiny_pipeline(args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
-    print(f"wrote tiny Qwen-Image pipeline to {path}")
+    path = build_family(args.family, args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
+    print(f"wrote tiny {BUILDERS[args.family][2]} pipeline to {path}")
     return 0
 
 

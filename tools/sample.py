@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = tool_parser("sample", __doc__)
     p.add_argument("--model-path", required=True, type=existing_dir, help="local diffusers pipeline directory")
     p.add_argument("--model-adapter-path", default=None,
-                   help="dotpath of the model family's adapter class (unset: the Qwen-Image adapter, "
-                        "trainer.models.qwen_image.QwenImageAdapter)")
+                   help="dotpath of the model family's adapter class (unset: the family model_index.json "
+                        "names, e.g. trainer.models.sd3.SD3Adapter for a StableDiffusion3Pipeline; "
+                        "trainer.models.qwen_image.QwenImageAdapter otherwise)")
     p.add_argument("--prompt-data", required=True, type=existing_file, help="JSONL prompt file (training schema)")
     p.add_argument("--output-dir", "--output", "--artifact-root", dest="output_dir", required=True,
                    help="artifact root; files go to OUTPUT_DIR/<task>/rollout_<id>/")
@@ -86,7 +87,7 @@ def _sample(args: argparse.Namespace) -> int:
                         "directory (e.g. one written by save_pretrained or tools/make_tiny_model.py)")
 
     from trainer import artifacts
-    from trainer.config import DEFAULT_MODEL_ADAPTER
+    from trainer.config import adapter_for_model_dir
     from trainer.dotpath import import_dotpath
     from trainer.engine.native import NativeEngine
     from trainer.rollout import generate_rollout
@@ -104,7 +105,8 @@ def _sample(args: argparse.Namespace) -> int:
                         "--overwrite")
 
     try:
-        adapter = import_dotpath(args.model_adapter_path or DEFAULT_MODEL_ADAPTER, "--model-adapter-path")()
+        adapter = import_dotpath(args.model_adapter_path or adapter_for_model_dir(args.model_path),
+                                 "--model-adapter-path")()
     except ValueError as e:  # the message names the flag and the dotpath
         raise ToolError(str(e)) from None
     t0 = time.perf_counter()

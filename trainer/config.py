@@ -63,6 +63,32 @@ def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: di
 
 DEFAULT_MODEL_ADAPTER = "trainer.models.qwen_image.QwenImageAdapter"
 
+#: diffusers pipeline class (model_index.json "_class_name") -> the adapter of its family: the
+#: preflight check that --model-path and --model-adapter-path agree, and the tools' default
+#: adapter for a model directory
+PIPELINE_ADAPTERS = {
+    "QwenImagePipeline": "trainer.models.qwen_image.QwenImageAdapter",
+    "StableDiffusion3Pipeline": "trainer.models.sd3.SD3Adapter",
+}
+
+
+def pipeline_class_name(model_path) -> str | None:
+    """model_index.json's "_class_name" of a diffusers directory, or None when there is no
+    readable model_index.json (the callers that need the directory report that themselves)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(model_path) / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def adapter_for_model_dir(model_path, default: str | None = DEFAULT_MODEL_ADAPTER) -> str | None:
+    """The adapter dotpath of the family `model_path`'s model_index.json names (PIPELINE_ADAPTERS),
+    else `default`."""
+    return PIPELINE_ADAPTERS.get(pipeline_class_name(model_path) or "", default)
+
 ENGINE_SHORT_NAMES = {
     "native": "trainer.engine.native.NativeEngine",
     "sglang": "trainer.engine.sglang_engine.SGLangEngine",

@@ -23,10 +23,12 @@ from trainer.config import (
     DEFAULT_MODEL_ADAPTER,
     ENGINE_SHORT_NAMES,
     FLAGS,
+    PIPELINE_ADAPTERS,
     SCORER_SHORT_NAMES,
     SCORERS_NEEDING_MODEL,
     UNSUPPORTED_FLAGS,
     RunConfig,
+    pipeline_class_name,
     recipe_world_size,
     resolve_engine_path,
     resolve_scorer_path,
@@ -196,6 +198,13 @@ def _check_task_and_model(cfg: RunConfig, errors: list[str]) -> None:
     else:
         _check_dotpath("--model-adapter-path", m.model_adapter_path, errors)
     _need_existing("--model-path", m.model_path, "dir", errors, required=True)
+    # a known family's directory with another known family's adapter fails at the first load,
+    # after minutes; model_index.json says which it is (a custom adapter is not second-guessed)
+    pipeline = pipeline_class_name(m.model_path) if m.model_path else None
+    want = PIPELINE_ADAPTERS.get(pipeline or "")
+    if want and m.model_adapter_path in PIPELINE_ADAPTERS.values() and m.model_adapter_path != want:
+        errors.append(f"--model-adapter-path {m.model_adapter_path} does not fit --model-path {m.model_path}: its "
+                      f"model_index.json is a {pipeline}; use --model-adapter-path {want}")
 
 
 def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
@@ -211,6 +220,11 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                 "SGLang engine needs it; install it with `pip install .[sglang]` (GPU), or use the CPU test venv "
                 "made by `bash run.sh setup-sglang` (.venv-sglang)")
         if resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"]:
+            adapter = cfg.model.model_adapter_path
+            if adapter in PIPELINE_ADAPTERS.values() and adapter != PIPELINE_ADAPTERS["QwenImagePipeline"]:
+                errors.append(
+                    f"--rollout-engine-class-path {engine} with --model-adapter-path {adapter}: the SGLang engine "
+                    "bridges SGLang's Qwen-Image pipeline only; this family runs on --rollout-engine-class-path native")
             guidance = (r.sampling_config or {}).get("guidance_scale", 1.0) if isinstance(r.sampling_config, dict) \
                 else 1.0
             if isinstance(guidance, (int, float)) and float(guidance) > 1.0:

@@ -2,8 +2,10 @@
 
 Runs every multi-process actor check in ONE launch (a launch costs ~10 s) and writes
 <out_dir>/rank<r>.json: {"checks": {name: bool}, "figures": {...}} or {"error": traceback}.
-Usage: python -m torch.distributed.run --nproc-per-node 2 tests/dist/actor_worker.py OUT_DIR [TINY_MODEL_DIR]
-(with TINY_MODEL_DIR, the Qwen-Image adapter + native engine checks run too)
+Usage: python -m torch.distributed.run --nproc-per-node 2 tests/dist/actor_worker.py OUT_DIR [TINY_MODEL_DIR
+[ADAPTER_DOTPATH SAMPLING_JSON]]
+(with TINY_MODEL_DIR, the Qwen-Image adapter + native engine checks run too; with an adapter
+dotpath and a sampling config, ONLY those checks run, for that family's tiny model)
 """
 
 from __future__ import annotations
@@ -213,15 +215,18 @@ SAMPLING = {"height": 64, "width": 64, "num_inference_steps": 6, "eta": 0.7, "sd
             "sde_indices": [1, 3]}
 
 
-def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: dict) -> None:
-    """The Qwen-Image adapter + native engine on the tiny pipeline: rollout -> replay parity ->
-    update -> sync -> the engine's DiT is the actor's gathered weights, and it samples with them."""
+def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: dict, adapter=None,
+                      sampling_dict: dict | None = None) -> None:
+    """A family's adapter (default Qwen-Image) + native engine on its tiny pipeline: rollout ->
+    replay parity -> update -> sync -> the engine's DiT is the actor's gathered weights, and it
+    samples with them."""
     from trainer.engine.native import NativeEngine
     from trainer.models.qwen_image import QwenImageAdapter
     from trainer.sampling import parse_sampling_config
 
-    adapter, sampling = QwenImageAdapter(), parse_sampling_config(SAMPLING)
-    engine = NativeEngine(model_dir, device="cpu", dtype=torch.float32)
+    adapter = adapter or QwenImageAdapter()
+    sampling = parse_sampling_config(sampling_dict or SAMPLING)
+    engine = NativeEngine(model_dir, device="cpu", dtype=torch.float32, adapter=adapter)
     sigmas = engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps)
 
     def rollout(eng, seed):
@@ -266,7 +271,7 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     lcfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32")
     lactor = Actor.from_adapter(adapter, model_dir, mesh, lcfg, device=torch.device("cpu"))
     lactor.train_step(batch, adv, replay_fn)
-    leng = NativeEngine(model_dir, device="cpu", dtype=torch.float32)
+    leng = NativeEngine(model_dir, device="cpu", dtype=torch.float32, adapter=adapter)
     WeightSyncer("adapter", wire_dtype="fp32", lora_config=lactor.lora_config,
                  name_map=adapter.weight_name_map).sync(lactor.model, leng)
     lg = full_params(lactor.model)
@@ -282,7 +287,10 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     # merged sync into the (LoRA-free) engine of the full run: its DiT becomes base + B @ A * alpha / rank
     ref_model = adapter.load_train_model(model_dir, dtype=torch.float32)
     apply_lora(ref_model, adapter.lora_target_modules, lactor.lora_config["rank"], lactor.lora_config["alpha"])
-    ref_model.load_state_dict({n: lg[model_name(n)] for n, _ in ref_model.named_parameters()})
+    # parameters only: the model's own buffers (SD3's persistent pos_embed table) stay as loaded
+    missing, unexpected = ref_model.load_state_dict({n: lg[model_name(n)] for n, _ in ref_model.named_parameters()},
+                                                    strict=False)
+    assert not unexpected and set(missing) <= {n for n, _ in ref_model.named_buffers()}, (missing, unexpected)
     ref = merged_state(ref_model)
     merged.policy_version = engine.policy_version
     merged.sync(lactor.model, engine)
@@ -313,16 +321,23 @@ def wave_checks(rank: int, checks: dict) -> None:
 def main() -> None:
     out_dir = sys.argv[1]
     model_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    family = sys.argv[3:5] if len(sys.argv) > 4 else None  # [adapter dotpath, sampling JSON]
     info = init_distributed("cpu")
     result: dict = {"rank": info.rank, "world_size": info.world_size, "checks": {}, "figures": {}}
     code = 0
     try:
         mesh = build_mesh("cpu")
-        full_checks(info.rank, mesh, result["checks"], result["figures"])
-        lora_checks(info.rank, mesh, result["checks"], result["figures"])
-        wave_checks(info.rank, result["checks"])
-        if model_dir:
-            real_model_checks(info.rank, mesh, model_dir, result["checks"], result["figures"])
+        if family:
+            from trainer.dotpath import import_dotpath
+
+            real_model_checks(info.rank, mesh, model_dir, result["checks"], result["figures"],
+                              adapter=import_dotpath(family[0], "adapter")(), sampling_dict=json.loads(family[1]))
+        else:
+            full_checks(info.rank, mesh, result["checks"], result["figures"])
+            lora_checks(info.rank, mesh, result["checks"], result["figures"])
+            wave_checks(info.rank, result["checks"])
+            if model_dir:
+                real_model_checks(info.rank, mesh, model_dir, result["checks"], result["figures"])
     except Exception:
         result["error"] = traceback.format_exc()
         code = 1

@@ -1,0 +1,414 @@
+"""The Stable Diffusion 3 / 3.5 adapter: diffusers' SD3Transformer2DModel pipelines
+(SD3.5-Medium's MMDiT-X with dual-attention layers, SD3.5-Large's MMDiT).
+
+The actor loads only the transformer; the engine loads the three frozen text encoders (CLIP-L,
+CLIP-G, T5, held as one nn.ModuleDict), the VAE and the scheduler config. Rollout and replay
+share one DiT call (`dit_velocity` / `guided_velocity`), made exactly as StableDiffusion3Pipeline
+makes it, so the velocity the actor recomputes comes from the kwargs the engine sampled with.
+
+A trajectory of this family holds latents unpacked [B, S, C, h, w] (the DiT patchifies itself) and
+the conditions "prompt_embeds" [B, 77 + T, 4096] (the CLIP-L and CLIP-G penultimate hidden states,
+concatenated and zero-padded to T5's width, then the T5 tokens: every prompt is padded to the same
+length by its tokenizers, so no mask is needed) and "pooled_prompt_embeds" [B, 2048] (the two CLIP
+pooled projections); true CFG adds both under "negative_".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from trainer.core.names import model_name, strip_wrapper_segments
+from trainer.engine.base import RolloutRequest
+from trainer.models.base import ModelFilesError, split_negative, standard_rollout_request
+from trainer.trajectory import Trajectory
+
+#: the attention projections of both streams of every joint block, as diffusers names them; the
+#: target list of FlowGRPO's SD3 LoRA (scripts/train_sd3.py). The second, image-only attention of
+#: SD3.5-Medium's dual-attention blocks ("attn2.*") is not among them, as there; name it in
+#: --lora-target-modules to train it too
+SD3_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+#: parameter-path prefixes, inside the last (context_pre_only) joint block, that only shape the
+#: text tokens' attention OUTPUT, which that block discards
+_DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.")
+
+#: the model directory's subfolders the engine loads
+SD3_SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
+                  "tokenizer_2", "tokenizer_3", "scheduler")
+
+#: the text encoders' names in the pipeline (and in the engine's ModuleDict)
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
+
+
+def check_model_dir(model_path, subfolders: Sequence[str] = ("transformer",)) -> Path:
+    """The model directory as a Path after checking it is a local diffusers SD3 directory
+    holding `subfolders`. Raises FileNotFoundError naming --model-path."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--model-path {str(model_path)!r} is not a directory; point it at a local diffusers Stable Diffusion 3 "
+            "directory (nothing is downloaded; tools/make_tiny_model.py --family sd3 builds a tiny one)")
+    missing = [s for s in subfolders if not (path / s).is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
+            f"StableDiffusion3Pipeline directory (expected model_index.json, {', '.join(s + '/' for s in SD3_SUBFOLDERS)})")
+    return path
+
+
+def load_sd3_transformer(model_path, *, dtype: torch.dtype | None = None):
+    """SD3Transformer2DModel from `<model_path>/transformer`, local files only, eval mode; raises
+    ModelFilesError when the weight files do not fill the config (diffusers only warns)."""
+    from diffusers import SD3Transformer2DModel
+
+    path = check_model_dir(model_path, ("transformer",))
+    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model, info = SD3Transformer2DModel.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
+        ("missing_keys", "weights the config needs are absent from the files"),
+        ("unexpected_keys", "weights in the files have no place in the config"),
+        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
+    if problems:
+        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
+                              f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
+                              "saved with these weights (or the weights of this config)")
+    return model.eval()
+
+
+def never_trained_param_names(model: torch.nn.Module) -> list[str]:
+    """Parameters (model names) whose output is discarded, so they can never receive a gradient.
+
+    SD3's last joint block is `context_pre_only`: it reads the text tokens (their keys and values
+    reach the image tokens) but returns no text output, so the text QUERIES of that block
+    (`attn.add_q_proj`, and `attn.norm_added_q` under qk_norm) only shape attention rows that are
+    thrown away. Their gradient is identically zero; frozen deliberately (LoRA tensors on them
+    included) so the optimizer holds no state for them and the trained set is what changes. A
+    model without that structure returns []. Works on a meta-device model.
+    """
+    blocks = getattr(model, "transformer_blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        return []
+    last = blocks[len(blocks) - 1]
+    inner = getattr(last, "_checkpoint_wrapped_module", last)
+    if not getattr(inner, "context_pre_only", False):
+        return []
+    prefix = next((model_name(n) for n, m in model.named_modules() if m is last), None)
+    assert prefix is not None
+    dead = []
+    for name, _ in model.named_parameters():
+        mname = model_name(name)
+        if mname.startswith(prefix + ".") and mname[len(prefix) + 1:].startswith(_DEAD_IN_LAST_BLOCK):
+            dead.append(mname)
+    return dead
+
+
+def vae_scale_factor_from_config(vae_config) -> int:
+    """Spatial compression of an AutoencoderKL: 2 ** (len(block_out_channels) - 1), the rule of
+    StableDiffusion3Pipeline (8 for SD3.5, 2 for the tiny model)."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def image_seq_len(height: int, width: int, vae_scale_factor: int, patch_size: int) -> int:
+    """Image tokens of the DiT: (H / vsf / p) * (W / vsf / p), as StableDiffusion3Pipeline counts
+    them for a dynamic shift."""
+    return (int(height) // vae_scale_factor // patch_size) * (int(width) // vae_scale_factor // patch_size)
+
+
+# ----------------------------------------------------------------------------- the DiT call
+
+
+def dit_velocity(transformer, latents: torch.Tensor, timesteps: torch.Tensor, prompt_embeds: torch.Tensor,
+                 pooled_prompt_embeds: torch.Tensor) -> torch.Tensor:
+    """Velocity [B, C, h, w] of the SD3 DiT, called as StableDiffusion3Pipeline calls it.
+
+    latents [B, C, h, w] in the dtype the module computes in; timesteps [B] fp32 scheduler
+    timesteps (sigma * 1000) passed as they are (the pipeline hands the scheduler's float32
+    timesteps to the transformer, which embeds them in fp32); prompt_embeds [B, T, D] and
+    pooled_prompt_embeds [B, D'] cast to the latents' dtype. A plain forward call: works for the
+    bare module, a peft-injected one and an FSDP2-sharded one.
+    """
+    out = transformer(
+        hidden_states=latents,
+        timestep=timesteps.to(latents.device),
+        encoder_hidden_states=prompt_embeds.to(device=latents.device, dtype=latents.dtype),
+        pooled_projections=pooled_prompt_embeds.to(device=latents.device, dtype=latents.dtype),
+        return_dict=False,
+    )
+    return out[0] if isinstance(out, (tuple, list)) else out.sample
+
+
+def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """v = v_uncond + g * (v_cond - v_uncond), StableDiffusion3Pipeline's guidance (no rescale);
+    any shape, the inputs' dtype."""
+    return uncond + float(guidance_scale) * (cond - uncond)
+
+
+def guided_velocity(transformer, latents: torch.Tensor, timesteps: torch.Tensor, prompt_embeds: torch.Tensor,
+                    pooled_prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor,
+                    negative_pooled_prompt_embeds: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """True CFG in ONE DiT forward of 2B rows, unconditional rows first as
+    StableDiffusion3Pipeline orders them (torch.cat([negative, positive])), then cfg_combine.
+    Gradients reach the policy through both rows. Returns [B, C, h, w]."""
+    b = int(latents.shape[0])
+    both = dit_velocity(transformer, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+                        torch.cat([negative_prompt_embeds.to(prompt_embeds.device, prompt_embeds.dtype), prompt_embeds]),
+                        torch.cat([negative_pooled_prompt_embeds.to(pooled_prompt_embeds.device,
+                                                                    pooled_prompt_embeds.dtype),
+                                   pooled_prompt_embeds]))
+    return cfg_combine(both[:b], both[b:], guidance_scale)
+
+
+def conditioned_velocity(transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor], *,
+                         guidance_scale: float = 1.0) -> torch.Tensor:
+    """The engine's and the replay's one velocity call: dit_velocity at guidance 1, else
+    guided_velocity with the "negative_" entries of `conditions`."""
+    pos, neg = split_negative(conditions)
+    if float(guidance_scale) > 1.0:
+        return guided_velocity(transformer, x, t, pos["prompt_embeds"], pos["pooled_prompt_embeds"],
+                               neg["prompt_embeds"], neg["pooled_prompt_embeds"], guidance_scale)
+    return dit_velocity(transformer, x, t, pos["prompt_embeds"], pos["pooled_prompt_embeds"])
+
+
+class SD3Adapter:
+    """GenerativeModelAdapter for Stable Diffusion 3 / 3.5 text-to-image (trainer/models/base.py)."""
+
+    family = "sd3"
+    supported_tasks = ("t2i",)
+    lora_target_modules = SD3_LORA_TARGETS
+    #: T5 tokens per prompt: FlowGRPO's SD3 training and evaluation encode with 128
+    #: (StableDiffusion3Pipeline's own default is 256)
+    max_sequence_length = 128
+    rollout_subfolders = SD3_SUBFOLDERS
+
+    def __init__(self, vae_scale_factor: int | None = None):
+        self.vae_scale_factor = vae_scale_factor
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None):
+        """Only the trainable SD3Transformer2DModel; `revision` only labels the run."""
+        import json
+
+        model = load_sd3_transformer(model_path, dtype=dtype)
+        vae_cfg = Path(model_path) / "vae" / "config.json"
+        try:
+            self.vae_scale_factor = vae_scale_factor_from_config(json.loads(vae_cfg.read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            raise FileNotFoundError(f"cannot read block_out_channels from {vae_cfg} ({e}); is --model-path a "
+                                    "Stable Diffusion 3 directory?") from None
+        return model
+
+    def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+        """transformer, vae, the three text encoders as one nn.ModuleDict, the three tokenizers
+        (a dict) and scheduler_config from a local diffusers SD3 directory; each module moved to
+        `device` as it is loaded."""
+        from diffusers import AutoencoderKL
+        from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+
+        from trainer.sampling import load_scheduler_config
+
+        path = check_model_dir(model_path, self.rollout_subfolders)
+        encoders = torch.nn.ModuleDict()
+        for name, cls in zip(TEXT_ENCODERS, (CLIPTextModelWithProjection, CLIPTextModelWithProjection,
+                                             T5EncoderModel)):
+            encoders[name] = cls.from_pretrained(str(path / name), dtype=dtype, local_files_only=True).to(device)
+        return {
+            "scheduler_config": load_scheduler_config(str(path)),
+            "transformer": load_sd3_transformer(path, dtype=dtype).to(device),
+            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
+                                                 local_files_only=True).to(device),
+            "text_encoder": encoders,
+            "tokenizer": {name: AutoTokenizer.from_pretrained(str(path / name), local_files_only=True)
+                          for name in TOKENIZERS},
+            "path": path,
+        }
+
+    # -- the engine's side -----------------------------------------------------------------
+
+    def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
+        """encode(prompts, device, max_sequence_length) -> {"prompt_embeds": [B, 77 + T, D],
+        "pooled_prompt_embeds": [B, D']}: StableDiffusion3Pipeline.encode_prompt (all three
+        encoders see the same prompt, no clip skip, no CFG pairing: the negative prompt is encoded
+        the same way as a prompt of its own). The pipeline object only lends that; it shares the
+        engine's modules."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+        pipe = StableDiffusion3Pipeline(
+            transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler.from_config(scheduler_config),
+            **{name: text_encoder[name] for name in TEXT_ENCODERS}, **dict(tokenizer))
+
+        def encode(prompts: list[str], device: torch.device, max_sequence_length: int) -> dict[str, torch.Tensor]:
+            embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+                                                      do_classifier_free_guidance=False,
+                                                      max_sequence_length=max_sequence_length)
+            return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+        encode.pipeline = pipe
+        return encode
+
+    def batch_conditions(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per-candidate {"prompt_embeds": [T, D], "pooled_prompt_embeds": [D']} -> stacked [B, ...]
+        (every prompt has the same T: the tokenizers pad to fixed lengths)."""
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
+        lengths = {tuple(r["prompt_embeds"].shape) for r in rows}
+        if len(lengths) != 1:
+            raise ValueError(f"SD3 prompt_embeds of one batch have different shapes {sorted(lengths)}; the engine "
+                             "must encode every prompt with one max_sequence_length")
+        return {k: torch.stack([r[k] for r in rows]) for k in keys}
+
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
+                       vae_scale_factor: int) -> list[float]:
+        """StableDiffusion3Pipeline's sigmas: the scheduler's own set_timesteps(N), no sigmas passed
+        (sampling.scheduler_sigma_schedule; SD3.5's static shift 3 is applied twice there)."""
+        from trainer.sampling import scheduler_sigma_schedule
+
+        return scheduler_sigma_schedule(scheduler_config, num_inference_steps,
+                                        image_seq_len(height, width, vae_scale_factor, 2))
+
+    def latent_geometry(self, vae) -> tuple[int, int]:
+        return vae_scale_factor_from_config(vae.config), int(vae.config.latent_channels)
+
+    def initial_latents(self, x_t: torch.Tensor, transformer, height: int, width: int,
+                        vae_scale_factor: int) -> torch.Tensor:
+        """x_T [B, C, h, w] is already the DiT's layout (it patchifies itself); checked against
+        height x width, the VAE factor and the DiT's in_channels and patch size."""
+        h, w = int(height) // vae_scale_factor, int(width) // vae_scale_factor
+        cfg = transformer.config
+        p = int(cfg.patch_size)
+        if (list(x_t.shape[1:]) != [int(cfg.in_channels), h, w]) or h % p or w % p:
+            raise ValueError(f"x_T shape {list(x_t.shape[1:])} does not fit {height}x{width} on this model (expected "
+                             f"[{cfg.in_channels}, {h}, {w}] with h, w multiples of patch size {p}); fix "
+                             "--sampling-config init_noise_latent_shape or height/width")
+        return x_t
+
+    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
+                 height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+        return conditioned_velocity(transformer, x, t, conditions)
+
+    def guided_velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
+                        height: int, width: int, vae_scale_factor: int, guidance_scale: float,
+                        renorm: bool) -> torch.Tensor:
+        """True CFG as StableDiffusion3Pipeline does it; `renorm` must be False (build_rollout_request
+        refuses cfg_renorm for this family: the SD3 pipelines have no rescale)."""
+        if renorm:
+            raise ValueError("cfg_renorm is QwenImagePipeline's rescale; StableDiffusion3Pipeline has none: set "
+                             "--sampling-config cfg_renorm false")
+        return conditioned_velocity(transformer, x, t, conditions, guidance_scale=guidance_scale)
+
+    def decode(self, vae, latents: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+        """Final latents [B, C, h, w] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
+        StableDiffusion3Pipeline decodes: z / scaling_factor + shift_factor, then (x / 2 + 0.5)."""
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+    # -- rollout --------------------------------------------------------------------------
+
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
+                              sde_indices: list[int], sigmas: list[float], generation_seed: int,
+                              metadata: dict | None = None) -> RolloutRequest:
+        """One candidate as an engine RolloutRequest (models.base.standard_rollout_request) after
+        refusing cfg_renorm under CFG, a rescale this family's pipeline does not have."""
+        if float(getattr(sampling, "guidance_scale", 1.0)) > 1.0 and bool(getattr(sampling, "cfg_renorm", True)):
+            raise ValueError("--sampling-config cfg_renorm is true, but StableDiffusion3Pipeline's CFG has no rescale "
+                             "(it is QwenImagePipeline's); set cfg_renorm false for this family")
+        return standard_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                        sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                        generation_seed=generation_seed, metadata=metadata)
+
+    def validate_trajectory(self, traj: Trajectory) -> None:
+        """Raise ValueError unless the latents are unpacked [B, S, C, h, w] of the height x width
+        grid and the conditions carry the pooled embeddings (and their negative partners under CFG)."""
+        traj.validate()
+        who = traj.sample_ids[0]
+        lat = traj.latents
+        h, w = traj.height // traj.vae_scale_factor, traj.width // traj.vae_scale_factor
+        if lat.dim() != 5 or tuple(lat.shape[3:]) != (h, w):
+            raise ValueError(f"trajectory of {who}: latents {tuple(lat.shape)} must be [B, S, C, {h}, {w}] for "
+                             f"{traj.height}x{traj.width} at vae_scale_factor {traj.vae_scale_factor}")
+        wanted = ["pooled_prompt_embeds"] + (["negative_prompt_embeds", "negative_pooled_prompt_embeds"]
+                                             if traj.guided else [])
+        missing = [k for k in wanted if k not in traj.conditions]
+        if missing:
+            raise ValueError(f"trajectory of {who}: conditions lack {missing}; the SD3 DiT needs the pooled CLIP "
+                             "embeddings (and under CFG the negative prompt's)")
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def replay_transition(self, transformer: Any, batch: Trajectory, step: int, sampling: Any) -> torch.Tensor:
+        """Log-prob [B] (fp32) of trained-step column `step`: replay_transitions of that column."""
+        return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
+
+    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any, *, moments: bool = False) -> Any:
+        """Log-probs [B, S] (fp32) of every trained-step column in one DiT forward of S * B rows
+        (row k * B + i = candidate i at column k; 2 * S * B under CFG), recomputed from the
+        recorded latents, timesteps, sigmas and conditions with the sampler's math
+        (flow_grpo.replay_transition_logp). The DiT input is the recorded latents in the module's
+        parameter dtype; exact at equal dtypes. moments=True returns (logp [B, S], transition
+        mean [B, S, C, h, w] fp32, std [B, S] fp32) of the same forward (the KL's inputs).
+        Differentiable w.r.t. the transformer's parameters."""
+        from trainer.flow_grpo import flow_sde_transition_moments, replay_transition_logp, transition_log_prob
+
+        device, compute_dtype = _module_device_dtype(transformer)
+        lat = batch.latents
+        b, s = int(lat.shape[0]), int(lat.shape[1])
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [S * B, ...], column-major
+            return t.transpose(0, 1).reshape(s * b, *t.shape[2:])
+
+        recorded = rows(lat).to(device).contiguous()
+        next_latents = rows(batch.next_latents).to(device)
+        conditions = {k: v.to(device).repeat(s, *([1] * (v.dim() - 1))) for k, v in batch.conditions.items()}
+        x = recorded.to(compute_dtype or recorded.dtype)
+        velocity = conditioned_velocity(transformer, x, rows(batch.timesteps).to(device), conditions,
+                                        guidance_scale=batch.guidance_scale if batch.guided else 1.0)
+        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
+                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
+        if not moments:
+            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
+        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
+        logp = transition_log_prob(next_latents, mean, std, step[3])
+
+        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
+            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
+
+        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
+        return cols(logp), cols(mean), cols(std)
+
+    # -- misc -----------------------------------------------------------------------------
+
+    def artifact_tracks(self) -> tuple[str, ...]:
+        return ("image",)
+
+    def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
+        """The last block's text-query parameters (module function never_trained_param_names)."""
+        return never_trained_param_names(model)
+
+    def weight_name_map(self, name: str) -> str:
+        """Training-side name -> engine name: both are diffusers names once wrapper segments are
+        stripped (idempotent)."""
+        return strip_wrapper_segments(name)
+
+
+def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:
+    """(device, dtype) of the first floating parameter (a DTensor's local shard under FSDP2)."""
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point():
+            return local.device, local.dtype
+    return torch.device("cpu"), None
