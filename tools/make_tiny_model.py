@@ -4,7 +4,7 @@ The directory has the same layout as a real Qwen-Image checkout (model_index.jso
 transformer/, vae/, text_encoder/, tokenizer/, scheduler/) so that every consumer loads
 it through the same code path as the real model. It is what the tests and the demo run on.
 
-    python tools/make_tiny_model.py --output-dir tiny [--seed 0]
+    python tools/make_tiny_model.py --output-dir tiny [--seed 0] [--family qwen_image|flux]
 
 Sizes follow diffusers' own Qwen-Image unit tests: a 2-block DiT (3 heads x 16), a
 4-channel VAE with spatial factor 4, and a 2-layer Qwen2.5-VL text encoder of width 16.
@@ -200,6 +200,20 @@ def build_tiny_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0)
     return out
 
 
+def _build_flux(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
+    from tools.tiny_flux import build_tiny_flux_pipeline
+
+    return build_tiny_flux_pipeline(output_dir, seed=seed, vae_output_gain=vae_output_gain)
+
+
+#: --family -> (builder(output_dir, seed=, vae_output_gain=), what it writes); each family's builder
+#: lives in its own module (tools/tiny_<family>.py) except Qwen-Image's, which is this file's
+FAMILIES = {
+    "qwen_image": (build_tiny_pipeline, "Qwen-Image"),
+    "flux": (_build_flux, "FLUX.1"),
+}
+
+
 def main(argv=None) -> int:
     parser = tool_parser("make_tiny_model", __doc__)
     parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
@@ -208,9 +222,12 @@ def main(argv=None) -> int:
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's output convolution (1: plain random init); "
                              "the demo uses 8 so that image colours depend visibly on the latents")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen_image",
+                        help="model family of the pipeline (flux: FLUX.1-dev's layout, tools/tiny_flux.py)")
     args = parser.parse_args(argv)
-    path = build_tiny_pipeline(args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
-    print(f"wrote tiny Qwen-Image pipeline to {path}")
+    build, what = FAMILIES[args.family]
+    path = build(args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
+    print(f"wrote tiny {what} pipeline to {path}")
     return 0
 
 
