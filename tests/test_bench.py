@@ -146,7 +146,8 @@ def test_engine_is_the_native_engine_over_the_given_modules():
     engine = build_engine("tiny", torch.device("cpu"), torch.float32, max_batch_size=4)
     assert type(engine) is NativeEngine
     assert engine.vae_scale_factor == 4 and engine.latent_channels == 4
-    embeds, mask = engine.encode_prompt("a red ball")
+    cond = engine.encode_prompt("a red ball")
+    embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
     assert embeds.shape[1] == 16 and int(mask.sum()) == embeds.shape[0]
 
 

@@ -406,3 +406,44 @@ def test_rollout_generation_seed_fresh_per_rollout_and_reproducible():
     assert all(0 <= s < 2**63 for s in seeds)
     with pytest.raises(ValueError, match="rollout_id"):
         rollout_generation_seed(42, -1)
+
+
+#: SD3.5-Medium's and -Large's scheduler/scheduler_config.json: a static shift of 3
+SD3_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
+
+
+@pytest.mark.parametrize("config", [
+    SD3_SCHEDULER,
+    dict(SD3_SCHEDULER, shift=1.0),
+    dict(SD3_SCHEDULER, shift=2.5, shift_terminal=0.05),
+    dict(QWEN_IMAGE_SCHEDULER),  # dynamic exponential shift + terminal stretch
+    dict(QWEN_IMAGE_SCHEDULER, time_shift_type="linear", shift_terminal=None),
+])
+@pytest.mark.parametrize("n", [2, 10, 28, 40])
+def test_scheduler_sigma_schedule_is_the_stable_diffusion_3_pipelines(config, n):
+    """StableDiffusion3Pipeline passes no sigmas: retrieve_timesteps(scheduler, n) (with mu only
+    under dynamic shifting). Our schedule is that scheduler's float32 sigmas and timesteps exactly."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
+
+    seq = sp.image_seq_len(512, 512)
+    sched = FlowMatchEulerDiscreteScheduler.from_config(config)
+    kwargs = {}
+    if sched.config.use_dynamic_shifting:
+        kwargs["mu"] = calculate_shift(seq, sched.config.get("base_image_seq_len", 256),
+                                       sched.config.get("max_image_seq_len", 4096),
+                                       sched.config.get("base_shift", 0.5), sched.config.get("max_shift", 1.15))
+    timesteps, _ = retrieve_timesteps(sched, n, "cpu", **kwargs)
+    ours = sp.scheduler_sigma_schedule(config, n, seq)
+    assert ours == sched.sigmas.tolist() and len(ours) == n + 1 and ours[-1] == 0.0
+    assert sp.timesteps_from_sigmas(ours[:-1]) == timesteps.tolist()
+    if not sched.config.use_dynamic_shifting and config["shift"] != 1.0:
+        # not the explicit-linspace schedule of the other pipelines: the static shift applies twice
+        assert ours != sp.sigma_schedule(config, n, seq)
+
+
+def test_scheduler_sigma_schedule_rejects_unsupported():
+    with pytest.raises(ValueError, match="use_karras_sigmas"):
+        sp.scheduler_sigma_schedule(dict(SD3_SCHEDULER, use_karras_sigmas=True), 10, 1024)
+    with pytest.raises(ValueError, match="num_inference_steps must be >= 1"):
+        sp.scheduler_sigma_schedule(SD3_SCHEDULER, 0, 1024)

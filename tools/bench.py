@@ -517,7 +517,8 @@ def phase_dit_forward(c: Ctx) -> None:
     from trainer.models.qwen_image import dit_velocity, img_shapes_for
 
     a, e = c.args, c.engine
-    embeds, mask = e.encode_prompt(c.prompts[0])
+    cond = e.encode_prompt(c.prompts[0])
+    embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
     for b in a.dit_batches:
         x = torch.randn(b, c.image_tokens, int(e.transformer.config.in_channels), device=c.device, dtype=c.dtype)
         t = torch.full((b,), 500.0)
@@ -1070,7 +1071,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         encoder = engine.prompt_encoder
         prompts = make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
                                args.text_tokens)
-        text_tokens = int(engine.encode_prompt(prompts[0])[0].shape[0])
+        text_tokens = int(engine.encode_prompt(prompts[0])["prompt_embeds"].shape[0])
         dit_cfg = dict(engine.transformer.config)
         image_tokens = image_tokens_for(args.height, args.width, engine.vae_scale_factor,
                                         int(dit_cfg["patch_size"]))

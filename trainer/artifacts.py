@@ -16,7 +16,9 @@ trained steps, L packed tokens of C channels, T text tokens of width D):
     conditions.<name>                                          the group's conditioning, one row, at its own
                                                                length (Qwen-Image: prompt_embeds [T, D],
                                                                prompt_embeds_mask [T] int64; true CFG adds
-                                                               negative_prompt_embeds / _mask)
+                                                               negative_prompt_embeds / _mask; SD3:
+                                                               prompt_embeds [T, D], pooled_prompt_embeds
+                                                               [D'] and their negative_ partners)
     tracks.latents / tracks.next_latents [K, S, L, C] (sampler dtype), tracks.log_probs [K, S] fp32
 
 and string metadata: the format tag, task, rollout id, group index, prompt, sample ids, the
@@ -48,7 +50,7 @@ _ROLLOUT_RE = re.compile(r"^rollout_(\d{7,})$")
 REQUIRED_SIDECAR_KEYS = (
     "common.slots", "common.policy_versions", "common.seed_hashes", "common.sde_indices", "common.sigmas",
     "common.sigmas_next", "common.timesteps", "common.height", "common.width", "common.vae_scale_factor",
-    "conditions.prompt_embeds", "conditions.prompt_embeds_mask",
+    "conditions.prompt_embeds",
     "tracks.latents", "tracks.next_latents", "tracks.log_probs",
 )
 

@@ -686,6 +686,18 @@ def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: in
 _UNSUPPORTED_SCHEDULER_FLAGS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas")
 
 
+def _check_flow_match_scheduler(cfg: Mapping[str, Any]) -> None:
+    """Raise ValueError unless the scheduler config is a FlowMatchEulerDiscreteScheduler without
+    the sigma conversions this sampler does not implement."""
+    cls = cfg.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+    if cls != "FlowMatchEulerDiscreteScheduler":
+        raise ValueError(f"scheduler {cls!r} is not supported: the SDE sampler assumes FlowMatchEulerDiscreteScheduler "
+                         "(scheduler/scheduler_config.json)")
+    on = [k for k in _UNSUPPORTED_SCHEDULER_FLAGS if cfg.get(k)]
+    if on:
+        raise ValueError(f"scheduler_config.json sets {on}, which this sampler does not implement")
+
+
 def sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_steps: int, image_seq_len: int) -> list[float]:
     """The N + 1 sigmas (terminal 0 included) that QwenImagePipeline +
     FlowMatchEulerDiscreteScheduler use for this scheduler config, N = num_inference_steps.
@@ -701,13 +713,7 @@ def sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_steps: int
     scheduler's / pipeline's defaults. sigmas[0] is exactly 1.0 under every shift.
     """
     cfg = dict(scheduler_config)
-    cls = cfg.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-    if cls != "FlowMatchEulerDiscreteScheduler":
-        raise ValueError(f"scheduler {cls!r} is not supported: the SDE sampler assumes FlowMatchEulerDiscreteScheduler "
-                         "(scheduler/scheduler_config.json)")
-    on = [k for k in _UNSUPPORTED_SCHEDULER_FLAGS if cfg.get(k)]
-    if on:
-        raise ValueError(f"scheduler_config.json sets {on}, which this sampler does not implement")
+    _check_flow_match_scheduler(cfg)
     n = int(num_inference_steps)
     if n < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {n}")
@@ -743,6 +749,58 @@ def sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_steps: int
         raise ValueError(f"the scheduler config gives non-finite sigmas for num_inference_steps={n}: "
                          f"{sigmas.tolist()}; use more steps")
     return [float(s) for s in sigmas] + [0.0]
+
+
+def scheduler_sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_steps: int,
+                             image_seq_len: int) -> list[float]:
+    """The N + 1 sigmas (terminal 0 included) of FlowMatchEulerDiscreteScheduler.set_timesteps(N)
+    when the pipeline passes no sigmas of its own: what StableDiffusion3Pipeline samples with.
+
+    The scheduler's construction keeps sigma_max = s(1) and sigma_min = s(1/T) of its training
+    grid (T = num_train_timesteps, float32; under a static shift s(x) = shift * x / (1 + (shift -
+    1) * x), else s(x) = x); set_timesteps then takes linspace(sigma_max * T, sigma_min * T, N) / T
+    in float64 and applies the shift AGAIN (the static one, or the dynamic time shift at
+    mu = calculate_shift(image_seq_len, ...)), then the terminal stretch if shift_terminal is set,
+    rounds to float32 and appends 0. That double application of the static shift is the SD3
+    pipelines' schedule; sigma_schedule (explicit linspace(1, 1/N, N) sigmas) is Qwen-Image's and
+    FLUX's. Values are the scheduler's float32 sigmas exactly (as python floats); missing keys take
+    the scheduler's defaults.
+    """
+    cfg = dict(scheduler_config)
+    _check_flow_match_scheduler(cfg)
+    n = int(num_inference_steps)
+    if n < 1:
+        raise ValueError(f"num_inference_steps must be >= 1, got {n}")
+    t_train = int(cfg.get("num_train_timesteps", 1000))
+    shift = cfg.get("shift", 1.0)
+    dynamic = bool(cfg.get("use_dynamic_shifting", False))
+    grid = np.linspace(1, t_train, t_train, dtype=np.float32)[::-1] / np.float32(t_train)  # float32, like torch
+    if not dynamic:
+        grid = (np.float32(shift) * grid / (np.float32(1) + np.float32(shift - 1) * grid)).astype(np.float32)
+    sigma_max, sigma_min = float(grid[0]), float(grid[-1])
+    sigmas = np.linspace(sigma_max * t_train, sigma_min * t_train, n) / t_train  # float64, as set_timesteps
+    if dynamic:
+        mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        kind = cfg.get("time_shift_type", "exponential")
+        if kind == "exponential":
+            sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
+        elif kind == "linear":
+            sigmas = mu / (mu + (1 / sigmas - 1) ** 1.0)
+        else:
+            raise ValueError(f"scheduler time_shift_type {kind!r} must be 'exponential' or 'linear'")
+    else:
+        sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+    terminal = cfg.get("shift_terminal")
+    if terminal:
+        one_minus = 1 - sigmas
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sigmas = 1 - (one_minus / (one_minus[-1] / (1 - terminal)))
+    sigmas = np.asarray(sigmas, dtype=np.float32)
+    if not np.all(np.isfinite(sigmas)):
+        raise ValueError(f"the scheduler config gives non-finite sigmas for num_inference_steps={n}: "
+                         f"{sigmas.tolist()}; use more steps")
+    return [float(v) for v in sigmas] + [0.0]
 
 
 def timesteps_from_sigmas(sigmas, num_train_timesteps: int = 1000) -> list[float]:

@@ -5,11 +5,13 @@ velocity call, decode) come from the model adapter it is given; Qwen-Image's by 
 What one `generate` call does:
 
 1. encodes every distinct prompt once (alone, so a prompt's conditioning never depends on
-   which other prompts share the rollout), with the adapter's prompt encoder;
+   which other prompts share the rollout), with the adapter's prompt encoder: a dict of named
+   condition tensors per prompt;
 2. runs the DiT on up to `max_batch_size` candidates of several prompts per forward (all the
    candidates of a call share one sampling geometry: size, schedule, trained steps, SDE settings), the
-   text conditioning zero-padded to the chunk's longest prompt with its mask (the adapter's velocity call
-   trims padding shared by every row and passes no all-ones mask, so SDPA can use flash);
+   conditions batched by the adapter (Qwen-Image: zero-padded to the chunk's longest prompt with its
+   mask; its velocity call trims padding shared by every row and passes no all-ones mask, so SDPA can
+   use flash);
 3. per candidate, draws x_T and each trained step's noise on CPU from its seed recipe
    (trainer/sampling.py), so the randomness of a candidate is bit-identical in any batch, on
    any rank or device;
@@ -47,6 +49,7 @@ from trainer.core.manifest import build_manifest, verify_manifest
 from trainer.core.modules import ModuleTreeSnapshot, model_has_lora
 from trainer.core.names import strip_wrapper_segments
 from trainer.host_arena import HostArena, typed_view
+from trainer.models.base import with_negative
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  Trajectory, check_names_shapes, check_one_geometry, check_request,
                                  rollout_trajectory)
@@ -84,11 +87,12 @@ class NativeEngine(EngineMemoryState):
     dtype: compute dtype of every module (default bf16 on CUDA, fp32 on CPU).
     max_batch_size: candidates per DiT forward / VAE decode; <= 0 means all candidates of a
       geometry at once.
-    max_sequence_length: text tokens kept after the template prefix (Qwen-Image's 512 window).
+    max_sequence_length: text tokens the prompt encoder keeps; None: the adapter's own
+      (`max_sequence_length`; Qwen-Image's 512 window after the template prefix).
     """
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
-                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None):
+                 max_sequence_length: int | None = None, revision: str | None = None, adapter: Any = None):
         self.adapter = _default_adapter(adapter)
         dev = _resolve_device(device)
         dt = engine_dtype(dtype, dev)
@@ -101,13 +105,14 @@ class NativeEngine(EngineMemoryState):
 
     @classmethod
     def from_modules(cls, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device=None,
-                     dtype=None, max_batch_size: int = 0, max_sequence_length: int = 512,
+                     dtype=None, max_batch_size: int = 0, max_sequence_length: int | None = None,
                      adapter: Any = None) -> "NativeEngine":
-        """An engine over modules already in memory (nothing is read from disk): a Qwen-Image DiT
-        (QwenImageTransformer2DModel), its VAE (AutoencoderKLQwenImage), text encoder
-        (Qwen2_5_VLForConditionalGeneration), Qwen2 tokenizer and the scheduler config dict. The
-        modules are moved to `device` and cast to `dtype` in place (the engine owns them from then
-        on); defaults as in __init__."""
+        """An engine over modules already in memory (nothing is read from disk): the adapter's
+        family's DiT, VAE, text encoder (one module; an nn.ModuleDict for several), tokenizer(s)
+        and the scheduler config dict, as its load_rollout_modules returns them (Qwen-Image:
+        QwenImageTransformer2DModel, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration,
+        a Qwen2 tokenizer). The modules are moved to `device` and cast to `dtype` in place (the
+        engine owns them from then on); defaults as in __init__."""
         engine = cls.__new__(cls)
         engine.adapter = _default_adapter(adapter)
         dev = _resolve_device(device)
@@ -119,13 +124,14 @@ class NativeEngine(EngineMemoryState):
         return engine
 
     def _set_up(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device: torch.device,
-                dtype: torch.dtype, max_batch_size: int, max_sequence_length: int, cast: bool) -> None:
+                dtype: torch.dtype, max_batch_size: int, max_sequence_length: int | None, cast: bool) -> None:
         """Everything after loading: placement, frozen eval modules, the prompt-encoding pipeline,
         derived constants, state. cast: also cast the modules to `dtype` (loaders already did)."""
         self.device = device
         self.dtype = dtype
         self.max_batch_size = int(max_batch_size)
-        self.max_sequence_length = int(max_sequence_length)
+        self.max_sequence_length = int(max_sequence_length if max_sequence_length is not None
+                                       else getattr(self.adapter, "max_sequence_length", 512))
         self.scheduler_config = scheduler_config
         for name, module in (("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)):
             module = module.to(device=self.device, dtype=self.dtype) if cast else module.to(self.device)
@@ -151,20 +157,18 @@ class NativeEngine(EngineMemoryState):
     # ------------------------------------------------------------------ generation
 
     def sigma_schedule(self, height: int, width: int, num_inference_steps: int) -> list[float]:
-        """The driver's N + 1 sigmas for this model's scheduler config at height x width."""
-        from trainer.sampling import image_seq_len, sigma_schedule
-
-        return sigma_schedule(self.scheduler_config, num_inference_steps,
-                              image_seq_len(height, width, self.vae_scale_factor))
+        """The driver's N + 1 sigmas for this model's scheduler config at height x width (the
+        adapter's sigma_schedule: its pipeline's own rule)."""
+        return self.adapter.sigma_schedule(self.scheduler_config, num_inference_steps, height, width,
+                                           self.vae_scale_factor)
 
     @torch.no_grad()
-    def encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt_embeds [T, D] in the engine dtype, mask [T] int64) of one prompt, on the device."""
-        embeds, mask = self.prompt_encoder([prompt], self.device, self.max_sequence_length)
-        embeds = embeds[0].to(self.dtype)
-        mask = torch.ones(embeds.shape[0], dtype=torch.int64, device=self.device) if mask is None \
-            else mask[0].to(torch.int64)
-        return embeds, mask
+    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+        """The conditioning of one prompt on the device: the adapter's condition tensors, row 0
+        (no batch dimension), floating ones in the engine dtype (Qwen-Image: prompt_embeds [T, D],
+        prompt_embeds_mask [T] int64)."""
+        encoded = self.prompt_encoder([prompt], self.device, self.max_sequence_length)
+        return {k: (v[0].to(self.dtype) if v.is_floating_point() else v[0]) for k, v in encoded.items()}
 
     @torch.no_grad()
     def generate(self, requests: list[RolloutRequest]) -> Trajectory | None:
@@ -173,7 +177,9 @@ class NativeEngine(EngineMemoryState):
 
         Tensors are on CPU: images [B, 3, H, W] float32 in [0, 1]; latents / next_latents
         [B, S, L, C] in the engine dtype; sigmas / sigmas_next / timesteps / log_probs [B, S] fp32;
-        conditions "prompt_embeds" [B, T, D] and "prompt_embeds_mask" [B, T] int64.
+        conditions: the adapter's batch_conditions of each candidate's prompt (Qwen-Image:
+        "prompt_embeds" [B, T, D] and "prompt_embeds_mask" [B, T] int64), plus the negative
+        prompt's under "negative_<name>" with true CFG.
         """
         self._require_resident(ENGINE_MODULES, "generate")
         if not requests:
@@ -182,7 +188,7 @@ class NativeEngine(EngineMemoryState):
             check_request(r)
         check_one_geometry(requests)
         t0 = time.perf_counter()
-        conds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        conds: dict[str, dict[str, torch.Tensor]] = {}
         wanted = [r.prompt for r in requests] + ([requests[0].negative_prompt] if requests[0].guidance_scale > 1 else [])
         for prompt in wanted:  # the negative prompt of true CFG too: once per call
             if prompt not in conds:
@@ -210,24 +216,21 @@ class NativeEngine(EngineMemoryState):
         shape = self._init_shape(r0)
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
         x = self.adapter.initial_latents(x_t, self.transformer, *geom).to(device=self.device, dtype=self.dtype)
-        embeds, mask = self.adapter.pad_text([conds[r.prompt][0] for r in reqs], [conds[r.prompt][1] for r in reqs])
+        conditions = self.adapter.batch_conditions([conds[r.prompt] for r in reqs])
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
         trained = set(int(i) for i in r0.sde_indices)
-        conditions = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
         guided = r0.guidance_scale > 1.0
         if guided:
-            neg, neg_mask = conds[r0.negative_prompt]
-            neg_embeds, neg_mask = self.adapter.pad_text([neg] * b, [neg_mask] * b)
-            conditions.update(negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=neg_mask)
+            conditions = with_negative(conditions, self.adapter.batch_conditions([conds[r0.negative_prompt]] * b))
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
             if guided:
-                v = self.adapter.guided_velocity(self.transformer, x, t, embeds, mask, neg_embeds, neg_mask, *geom,
-                                                 r0.guidance_scale, r0.cfg_renorm)
+                v = self.adapter.guided_velocity(self.transformer, x, t, conditions, *geom, r0.guidance_scale,
+                                                 r0.cfg_renorm)
             else:
-                v = self.adapter.velocity(self.transformer, x, t, embeds, mask, *geom)
+                v = self.adapter.velocity(self.transformer, x, t, conditions, *geom)
             if i in trained:
                 noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
                 s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)

@@ -14,6 +14,24 @@ from typing import Any, Protocol, runtime_checkable
 GENERATION_TASKS = ("t2i",)
 
 
+#: the prefix of the unconditional entries of a true-CFG conditions dict
+NEGATIVE_PREFIX = "negative_"
+
+
+def with_negative(conditions: dict, negative: dict) -> dict:
+    """One conditions dict for true CFG: the conditional entries as they are plus every
+    unconditional entry under NEGATIVE_PREFIX + its name. Both dicts hold [B, ...] tensors."""
+    return {**conditions, **{NEGATIVE_PREFIX + k: v for k, v in negative.items()}}
+
+
+def split_negative(conditions: dict) -> tuple[dict, dict]:
+    """Inverse of with_negative: (conditional entries, unconditional entries under their plain
+    names). An entry whose name starts with NEGATIVE_PREFIX is always an unconditional one."""
+    pos = {k: v for k, v in conditions.items() if not k.startswith(NEGATIVE_PREFIX)}
+    neg = {k[len(NEGATIVE_PREFIX):]: v for k, v in conditions.items() if k.startswith(NEGATIVE_PREFIX)}
+    return pos, neg
+
+
 class ModelFilesError(ValueError):
     """A model directory's files contradict each other; the message names the file to fix."""
 
@@ -51,15 +69,38 @@ class GenerativeModelAdapter(Protocol):
         there are none."""
 
     # -- the engine's side (engine/native.py is generic over these) ----------------------------
+    #
+    # Conditioning travels as a dict of named tensors, never as a fixed tuple: Qwen-Image's is
+    # {"prompt_embeds", "prompt_embeds_mask"}, SD3's {"prompt_embeds", "pooled_prompt_embeds"}.
+    # A per-prompt dict holds rows without the batch dimension; a batch dict holds [B, ...]
+    # tensors and becomes the Trajectory's `conditions`; true CFG adds the unconditional
+    # conditioning under the same names prefixed "negative_". A token sequence X padded to a
+    # common length carries its mask as X_mask [B, T] int64 (Trajectory.cat pads by that rule).
+
+    #: text tokens the prompt encoder keeps when the engine is given no max_sequence_length
+    max_sequence_length: int
 
     def load_rollout_modules(self, model_path: str, *, dtype: Any, device: Any) -> dict[str, Any]:
-        """The frozen pipeline from a local directory: "transformer", "vae", "text_encoder",
-        "tokenizer" and "scheduler_config" (a dict), modules already on `device` in `dtype`."""
+        """The frozen pipeline from a local directory: "transformer", "vae", "text_encoder" (one
+        nn.Module; a family with several encoders returns an nn.ModuleDict of them), "tokenizer"
+        (whatever the prompt encoder takes) and "scheduler_config" (a dict), modules already on
+        `device` in `dtype`."""
 
     def prompt_encoder(self, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any,
                        scheduler_config: dict) -> Any:
-        """A callable encode(prompts, device, max_sequence_length) -> (embeds [B, T, D],
-        mask [B, T] or None)."""
+        """A callable encode(prompts, device, max_sequence_length) -> dict name -> [B, ...] tensor:
+        the conditioning of each prompt encoded as the family's pipeline encodes it (masks, if
+        any, int64 with 1 = real token)."""
+
+    def batch_conditions(self, rows: Any) -> dict[str, Any]:
+        """Per-candidate condition dicts (each entry without the batch dimension, as one row of
+        the prompt encoder's output) -> one batch dict of [B, ...] tensors (the family decides
+        which entries are padded and carries their masks)."""
+
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
+                       vae_scale_factor: int) -> list[float]:
+        """The N + 1 sigmas (terminal 0 included) the family's pipeline samples with at height x
+        width, bit-exact with its scheduler (float32 values as python floats)."""
 
     def latent_geometry(self, vae: Any) -> tuple[int, int]:
         """(vae_scale_factor, latent channels) of the VAE."""
@@ -67,18 +108,16 @@ class GenerativeModelAdapter(Protocol):
     def initial_latents(self, x_t: Any, transformer: Any, height: int, width: int, vae_scale_factor: int) -> Any:
         """Unpacked x_T [B, C, h, w] -> the DiT's input layout; raises if the shape does not fit."""
 
-    def pad_text(self, embeds: Any, masks: Any) -> tuple[Any, Any]:
-        """Per-prompt conditioning ([T_i, D] and [T_i] or None) -> one padded batch and its mask."""
-
-    def velocity(self, transformer: Any, x: Any, t: Any, embeds: Any, mask: Any, height: int, width: int,
+    def velocity(self, transformer: Any, x: Any, t: Any, conditions: dict[str, Any], height: int, width: int,
                  vae_scale_factor: int) -> Any:
-        """The DiT's velocity for latents x at timesteps t [B]: the call replay makes too."""
+        """The DiT's velocity for latents x at scheduler timesteps t [B] fp32 (sigma x
+        num_train_timesteps) under a batch conditions dict: the call replay makes too."""
 
-    def guided_velocity(self, transformer: Any, x: Any, t: Any, embeds: Any, mask: Any, negative_embeds: Any,
-                        negative_mask: Any, height: int, width: int, vae_scale_factor: int, guidance_scale: float,
-                        renorm: bool) -> Any:
-        """True-CFG velocity (guidance_scale > 1): conditional and unconditional rows in one
-        forward, combined; the call replay makes too."""
+    def guided_velocity(self, transformer: Any, x: Any, t: Any, conditions: dict[str, Any], height: int, width: int,
+                        vae_scale_factor: int, guidance_scale: float, renorm: bool) -> Any:
+        """True-CFG velocity (guidance_scale > 1): `conditions` holds the conditional entries and
+        their "negative_" partners; conditional and unconditional rows in one forward, combined;
+        the call replay makes too."""
 
     def decode(self, vae: Any, latents: Any, height: int, width: int, vae_scale_factor: int) -> Any:
         """Final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU."""

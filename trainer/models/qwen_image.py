@@ -317,6 +317,8 @@ class QwenImageAdapter:
     family = "qwen_image"
     supported_tasks = ("t2i",)
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
+    #: QwenImagePipeline's text window after the template prefix
+    max_sequence_length = 512
 
     def __init__(self, vae_scale_factor: int | None = None):
         #: set from the model directory by load_train_model; responses carry it as well
@@ -360,8 +362,9 @@ class QwenImageAdapter:
         }
 
     def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
-        """encode(prompts, device, max_sequence_length) -> (embeds [B, T, D], mask [B, T] or None),
-        as QwenImagePipeline.encode_prompt does it (template, prefix drop, 512 window). The
+        """encode(prompts, device, max_sequence_length) -> {"prompt_embeds": [B, T, D],
+        "prompt_embeds_mask": [B, T] int64 (all ones when the pipeline returns no mask)}, as
+        QwenImagePipeline.encode_prompt does it (template, prefix drop, 512 window). The
         pipeline object only lends that; it shares the modules, so nothing is loaded twice.
         The callable also carries `template` and `template_start_idx` (tools/bench.py sizes its
         prompts with them)."""
@@ -371,8 +374,11 @@ class QwenImageAdapter:
                                  vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
         pipe.prompt_template_encode_start_idx = prompt_template_start_idx(tokenizer, pipe.prompt_template_encode)
 
-        def encode(prompts: list[str], device: torch.device, max_sequence_length: int):
-            return pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=max_sequence_length)
+        def encode(prompts: list[str], device: torch.device, max_sequence_length: int) -> dict[str, torch.Tensor]:
+            embeds, mask = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=max_sequence_length)
+            mask = (torch.ones(embeds.shape[:2], dtype=torch.int64, device=embeds.device) if mask is None
+                    else mask.to(torch.int64))
+            return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
         encode.template = pipe.prompt_template_encode
         encode.template_start_idx = pipe.prompt_template_encode_start_idx
@@ -396,23 +402,35 @@ class QwenImageAdapter:
                 "init_noise_latent_shape or height/width")
         return pack_latents(x_t)
 
-    def pad_text(self, embeds, masks):
-        """Per-prompt conditioning -> one zero-padded batch with its mask (module function pad_text)."""
-        return pad_text(embeds, masks)
+    def batch_conditions(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per-candidate {"prompt_embeds": [T_i, D], "prompt_embeds_mask": [T_i]} -> one zero-padded
+        batch with its mask [B, T_max] int64 (module function pad_text)."""
+        embeds, mask = pad_text([r["prompt_embeds"] for r in rows], [r.get("prompt_embeds_mask") for r in rows])
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
-    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
+                       vae_scale_factor: int) -> list[float]:
+        """QwenImagePipeline's sigmas: linspace(1, 1/N, N) passed to the scheduler, shifted by its
+        resolution-dependent mu (sampling.sigma_schedule at the image's token count)."""
+        from trainer.sampling import image_seq_len, sigma_schedule
+
+        return sigma_schedule(scheduler_config, num_inference_steps, image_seq_len(height, width, vae_scale_factor))
+
+    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
                  height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
         """The DiT's velocity for packed latents x [B, L, C] at timesteps t [B] (dit_velocity, the
         call replay makes too)."""
-        return dit_velocity(transformer, x, t, embeds, mask,
+        return dit_velocity(transformer, x, t, conditions["prompt_embeds"], conditions.get("prompt_embeds_mask"),
                             img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor))
 
-    def guided_velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
-                        negative_embeds: torch.Tensor, negative_mask: torch.Tensor, height: int, width: int,
-                        vae_scale_factor: int, guidance_scale: float, renorm: bool) -> torch.Tensor:
+    def guided_velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
+                        height: int, width: int, vae_scale_factor: int, guidance_scale: float,
+                        renorm: bool) -> torch.Tensor:
         """True-CFG velocity (module function guided_velocity: both rows in one forward), the call
-        replay makes too."""
-        return guided_velocity(transformer, x, t, embeds, mask, negative_embeds, negative_mask,
+        replay makes too; the unconditional rows' conditioning is conditions["negative_prompt_embeds"]
+        and its mask."""
+        return guided_velocity(transformer, x, t, conditions["prompt_embeds"], conditions.get("prompt_embeds_mask"),
+                               conditions["negative_prompt_embeds"], conditions.get("negative_prompt_embeds_mask"),
                                img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor), guidance_scale,
                                renorm)
 
