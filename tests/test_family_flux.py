@@ -5,6 +5,7 @@ update, every trainable parameter trained, sync parity, export round trip)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 from tools.tiny_flux import FLUX_DEV_SCHEDULER_CONFIG, TINY_FLUX_TRANSFORMER_CONFIG, build_tiny_flux_pipeline
 from trainer.models import flux as fx
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +157,168 @@ def test_decode_is_flux_pipelines(pipe):
     torch.testing.assert_close(ours, want, rtol=0, atol=1e-6)
     assert fx.vae_scale_factor_from_config(pipe.vae.config) == 4
     assert TINY_FLUX_TRANSFORMER_CONFIG["in_channels"] == 4 * pipe.vae.config.latent_channels
+
+
+# ------------------------------------------------------------------------- engine, replay, update
+
+SAMPLING = {"height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 3.5, "eta": 1.0,
+            "sde_type": "sde", "sde_indices": [1, 2]}
+PROMPTS = ["a red ball", "a considerably longer prompt about a green cube on a table"]
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    return fx.FluxAdapter()
+
+
+@pytest.fixture(scope="module")
+def sampling():
+    from trainer.sampling import parse_sampling_config
+
+    return parse_sampling_config(SAMPLING)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_flux_dir, adapter):
+    from trainer.engine.native import NativeEngine
+
+    return NativeEngine(str(tiny_flux_dir), device="cpu", dtype=torch.float32, adapter=adapter,
+                        max_sequence_length=32)
+
+
+def make_requests(adapter, engine, sampling, prompts=PROMPTS, group_size=2, seed=7):
+    sigmas = engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps)
+    return [adapter.build_rollout_request(p, group_index=g, slot=s, sample_id=f"p{g}:s{s}", sampling=sampling,
+                                          sde_indices=list(sampling.sde_indices), sigmas=sigmas, generation_seed=seed)
+            for g, p in enumerate(prompts) for s in range(group_size)]
+
+
+@pytest.fixture(scope="module")
+def batch(engine, adapter, sampling):
+    return engine.generate(make_requests(adapter, engine, sampling))
+
+
+def test_the_flux_adapter_implements_the_whole_protocol(adapter):
+    from trainer.models.base import GenerativeModelAdapter
+
+    members = [m for m in vars(GenerativeModelAdapter) if not m.startswith("_")]
+    members += list(GenerativeModelAdapter.__annotations__)
+    assert [m for m in members if not hasattr(adapter, m)] == []
+    assert adapter.never_trained_param_names(torch.nn.Linear(2, 2)) == []
+
+
+def test_rollout_records_flux_conditions_and_the_embedded_guidance(engine, adapter, batch):
+    adapter.validate_trajectory(batch)
+    assert len(batch) == 4 and batch.images.shape == (4, 3, 32, 32)
+    # 32 px / VAE factor 4 / 2 x 2 packing -> 4 x 4 tokens of 4 x 4 channels
+    assert batch.latents.shape == (4, 2, 16, 16)
+    c = batch.conditions
+    assert set(c) == {"prompt_embeds", "pooled_prompt_embeds", "guidance"}
+    assert c["prompt_embeds"].shape == (4, 32, 32) and c["pooled_prompt_embeds"].shape == (4, 32)
+    assert c["guidance"].dtype == torch.float32 and c["guidance"].tolist() == [3.5] * 4
+    # no true CFG: one conditional row per candidate, whatever the embedded guidance
+    assert not batch.guided and batch.guidance_scale == 1.0 and batch.negative_prompt is None
+    assert torch.equal(c["pooled_prompt_embeds"][0], c["pooled_prompt_embeds"][1])
+    assert not torch.equal(c["pooled_prompt_embeds"][0], c["pooled_prompt_embeds"][2])
+    assert engine.sigma_schedule(32, 32, 4) == adapter.sigma_schedule(FLUX_DEV_SCHEDULER_CONFIG, 4, 32, 32, 4)
+    assert not torch.equal(batch.images[0], batch.images[1])
+
+
+def test_conditions_are_flux_pipelines_encode_prompt(engine, pipe):
+    ours = engine.encode_prompt("a blue cup")
+    with torch.no_grad():  # the engine encodes without grad, like the pipeline's __call__
+        embeds, pooled, text_ids = pipe.encode_prompt("a blue cup", prompt_2=None, max_sequence_length=32)
+    assert torch.equal(ours["prompt_embeds"], embeds[0]) and torch.equal(ours["pooled_prompt_embeds"], pooled[0])
+    assert text_ids.shape == (32, 3) and not text_ids.any()
+
+
+def test_replay_reproduces_the_sampler_logprob_fp32(engine, adapter, sampling, batch, tiny_flux_dir):
+    """Replay through a separately loaded actor transformer at the same weights == the sampler's
+    log-prob, all columns in one forward, per column, and in uneven micro-batches."""
+    from trainer.loop import make_replay_fn
+
+    actor = adapter.load_train_model(str(tiny_flux_dir), dtype=torch.float32)
+    assert adapter.vae_scale_factor == 4
+    with torch.no_grad():
+        one = adapter.replay_transitions(actor, batch, sampling)
+        torch.testing.assert_close(one, batch.log_probs, atol=1e-5, rtol=0)
+        for col in range(batch.num_steps):
+            parts = [adapter.replay_transition(actor, batch[idx], col, sampling) for idx in ([0], [1, 2], slice(3, 4))]
+            torch.testing.assert_close(torch.cat(parts), batch.log_probs[:, col], atol=1e-5, rtol=0)
+        torch.testing.assert_close(make_replay_fn(adapter, sampling)(actor, batch), batch.log_probs, atol=1e-5, rtol=0)
+        # the recorded guidance is what the replay feeds the DiT: another value gives another log-prob
+        other = dict(batch.conditions, guidance=torch.full((4,), 1.0))
+        moved = adapter.replay_transitions(actor, dataclasses.replace(batch, conditions=other), sampling)
+        assert (moved - batch.log_probs).abs().max() > 1e-4
+
+
+def test_sidecar_round_trip_keeps_the_flux_conditions(batch, adapter, sampling, tiny_flux_dir, tmp_path):
+    from trainer import artifacts
+
+    rows = batch.rows_of_group(1)
+    path = artifacts.write_group_sidecar(tmp_path / "g.safetensors", batch[rows], task="t2i", rollout_id=0,
+                                         sampling=sampling)
+    back = artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(path))
+    for k, v in batch[rows].conditions.items():
+        assert torch.equal(back.conditions[k], v), k
+    adapter.validate_trajectory(back)
+    actor = adapter.load_train_model(str(tiny_flux_dir), dtype=torch.float32)
+    with torch.no_grad():  # what the actor replays from the sidecar is what it replays from the rollout
+        torch.testing.assert_close(adapter.replay_transitions(actor, back, sampling), batch.log_probs[rows],
+                                   atol=1e-5, rtol=0)
+
+
+def test_first_update_is_ratio_one_and_trains_every_parameter(tiny_flux_dir, adapter, batch, sampling):
+    """The actor's FlowGRPO update on a FLUX rollout (full fine-tune, one rank): the first
+    update's ratio is exactly 1, every parameter changes (so FLUX has no never-trained one), and
+    LoRA trains exactly its adapter tensors."""
+    from tests.dist.tiny import full_params, make_cfg, one_rank_mesh
+    from trainer.actor import Actor
+    from trainer.core.names import model_name
+    from trainer.loop import make_replay_fn
+
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        for mode in ("full", "lora"):
+            over = {"optim__lr": 1e-2, "fsdp__fsdp_master_dtype": "fp32"} if mode == "lora" else {"optim__lr": 1e-3}
+            actor = Actor.from_adapter(adapter, str(tiny_flux_dir), mesh, make_cfg(mode, **over),
+                                       device=torch.device("cpu"))
+            assert actor.never_trained == []
+            before = full_params(actor.model)
+            m = actor.train_step(batch.without_images(), torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                                 make_replay_fn(adapter, sampling))
+            after = full_params(actor.model)
+            first = actor.last_update_stats[0]
+            assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+            assert m["train/optimizer_steps"] >= 1 and torch.isfinite(torch.tensor(m["train/loss"]))
+            trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+            unchanged = sorted(n for n in trainable if torch.equal(before[n], after[n]))
+            assert trainable and unchanged == [], unchanged
+            assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+            if mode == "full":
+                assert trainable == set(before)
+            else:
+                assert trainable and all(".lora_" in n for n in trainable)
+                # every attention projection of both block kinds carries LoRA
+                assert any(n.startswith("single_transformer_blocks.1.attn.to_v.lora_B") for n in trainable)
+                assert any(n.startswith("transformer_blocks.1.attn.to_add_out.lora_B") for n in trainable)
+    finally:
+        next(gen, None)
+
+
+def test_true_cfg_and_bad_requests_are_refused(engine, adapter, sampling):
+    from trainer.sampling import parse_sampling_config
+
+    with pytest.raises(ValueError, match="embedded guidance .* not true CFG"):
+        adapter.guided_velocity(None, None, None, {}, 32, 32, 4, 3.0, True)
+    with pytest.raises(ValueError, match="guidance_scale is 0.5"):
+        adapter.build_rollout_request("p", group_index=0, slot=0, sample_id="x",
+                                      sampling=parse_sampling_config({**SAMPLING, "sde_indices": [1]}).__class__(
+                                          **{**parse_sampling_config(SAMPLING).__dict__, "guidance_scale": 0.5}),
+                                      sde_indices=[1], sigmas=[1, 0.5, 0.3, 0.1, 0], generation_seed=0)
+    with pytest.raises(ValueError, match="step 0 under sde_type 'sde'"):
+        adapter.build_rollout_request("p", group_index=0, slot=0, sample_id="x", sampling=sampling, sde_indices=[0],
+                                      sigmas=[1, 0.5, 0.3, 0.1, 0], generation_seed=0)
+    req = make_requests(adapter, engine, sampling, prompts=["p"], group_size=1)[0]
+    assert req.guidance_scale == 1.0 and req.embedded_guidance == 3.5

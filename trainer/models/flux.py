@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from trainer.engine.base import EMBEDDED_GUIDANCE, RolloutRequest
+
 #: the attention projections of every block, as diffusers names them: a double-stream block has
 #: the image stream's to_q / to_k / to_v / to_out.0 and the text stream's add_*_proj / to_add_out;
 #: a single-stream block's attention has to_q / to_k / to_v (suffix "attn.to_q" matches both kinds)
@@ -364,7 +366,7 @@ class FluxAdapter:
         (flux_velocity, the call replay makes too); the guidance input is conditions["guidance"]
         when the DiT has a guidance embedding."""
         rows, cols = packed_grid(height, width, vae_scale_factor)
-        guidance = conditions.get("guidance") if has_guidance_embedding(transformer) else None
+        guidance = conditions.get(EMBEDDED_GUIDANCE) if has_guidance_embedding(transformer) else None
         if guidance is None and has_guidance_embedding(transformer):
             raise ValueError("this FLUX DiT has a guidance embedding but the conditions carry no 'guidance'; "
                              "the rollout request must set the embedded guidance (--sampling-config guidance_scale)")
@@ -389,7 +391,6 @@ class FluxAdapter:
         embedded_guidance and its true-CFG scale stays 1.0 (`_GUIDANCE_MEANING`). Raises
         ValueError for a guidance below 1, an empty / out-of-range trained-step set, a trained
         step 0 under sde_type "sde", and a sigma list that is not num_inference_steps + 1 long."""
-        from trainer.engine.base import RolloutRequest
         from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
                                       trained_steps_problem)
 
@@ -427,7 +428,7 @@ class FluxAdapter:
             raise ValueError(f"trajectory of {who}: latents hold {int(traj.latents.shape[2])} tokens but height x "
                              f"width = {traj.height} x {traj.width} with vae_scale_factor {traj.vae_scale_factor} "
                              f"gives {rows} x {cols}; the engine's geometry is wrong")
-        for name in ("pooled_prompt_embeds", "guidance"):
+        for name in ("pooled_prompt_embeds", EMBEDDED_GUIDANCE):
             if name not in traj.conditions:
                 raise ValueError(f"trajectory of {who}: conditions lack {name!r}; a FLUX replay needs the CLIP pooled "
                                  "embedding and the embedded guidance the candidate was sampled with")
