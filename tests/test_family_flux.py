@@ -322,3 +322,24 @@ def test_true_cfg_and_bad_requests_are_refused(engine, adapter, sampling):
                                       sigmas=[1, 0.5, 0.3, 0.1, 0], generation_seed=0)
     req = make_requests(adapter, engine, sampling, prompts=["p"], group_size=1)[0]
     assert req.guidance_scale == 1.0 and req.embedded_guidance == 3.5
+
+
+# ------------------------------------------------------------------------- preflight and tools
+
+
+def test_preflight_refuses_the_sglang_engine_for_flux_naming_the_family(tiny_flux_dir, tmp_path):
+    from trainer.config import load_config
+    from trainer.preflight import PreflightError, validate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a red ball", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
+    argv = ["--model-path", str(tiny_flux_dir), "--model-adapter-path", "trainer.models.flux.FluxAdapter",
+            "--prompt-data", str(prompts), "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "1",
+            "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size", "1",
+            "--sampling-config", json.dumps(SAMPLING), "--generation-task", "t2i", "--num-rollout", "1",
+            "--reward-scorer-path", "color", "--reward-runtime", "cpu", "--artifact-root", str(tmp_path / "a")]
+    validate(load_config(argv + ["--rollout-engine-class-path", "native"]), 1)  # raises on any problem
+    with pytest.raises(PreflightError) as e:
+        validate(load_config(argv + ["--rollout-engine-class-path", "sglang"]), 1)
+    assert "(family 'flux'): the SGLang engine bridges SGLang's Qwen-Image pipeline only; use " \
+           "--rollout-engine-class-path native" in str(e.value)

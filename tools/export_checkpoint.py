@@ -70,6 +70,9 @@ COMPONENT_MODES = ("copy", "hardlink", "symlink")
 #: the key prefix PeftModel.save_pretrained puts in front of every module name of the wrapped model
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: the pipeline-level LoRA file of --form adapter (diffusers' save_lora_weights name), for pipe.load_lora_weights
+PIPELINE_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+PIPELINE_LORA_PREFIX = "transformer."
 EXPORT_INFO = "export_info.json"
 #: safetensors header key diffusers' load_lora_adapter reads the LoraConfig kwargs from
 DIFFUSERS_LORA_METADATA_KEY = "lora_adapter_metadata"
@@ -617,6 +620,15 @@ def write_adapter(ckpt: Checkpoint, out: Path, lora: LoraSettings, *, dtype: tor
     meta = {PEFT_PREFIX + k: v for k, v in kwargs.items()}
     _save_safetensors(state, out / ADAPTER_WEIGHTS,
                       {"format": "pt", DIFFUSERS_LORA_METADATA_KEY: json.dumps(meta, sort_keys=True, default=str)})
+    # the same tensors as a diffusers pipeline-level LoRA file ("transformer.<module>..." names and
+    # metadata, what a pipeline's save_lora_weights writes), which pipe.load_lora_weights(DIR)
+    # loads by its default file name: FluxPipeline's loader takes any "base_model" key for another
+    # format and cannot read adapter_model.safetensors
+    pipeline_state = {PIPELINE_LORA_PREFIX + k[len(PEFT_PREFIX):]: v for k, v in state.items()}
+    pipeline_meta = {PIPELINE_LORA_PREFIX + k: v for k, v in kwargs.items()}
+    _save_safetensors(pipeline_state, out / PIPELINE_LORA_WEIGHTS,
+                      {"format": "pt",
+                       DIFFUSERS_LORA_METADATA_KEY: json.dumps(pipeline_meta, sort_keys=True, default=str)})
     return {"modules": len(modules), "tensors": len(state),
             "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
@@ -795,6 +807,17 @@ def load_model_adapter(dotpath: str):
     return cls()
 
 
+def recorded_adapter_path(save_dir, task: str, iteration: int | None) -> str | None:
+    """The --model-adapter-path the run trained with, as the iteration's adapter_contract.json
+    records it (None when absent or unreadable: the caller falls back to the default family and
+    load_checkpoint reports a damaged checkpoint itself)."""
+    try:
+        path, _ = find_checkpoint(save_dir, task, iteration)
+        return json.loads((path / CONTRACT).read_text()).get("model_adapter_path") or None
+    except (ExportError, OSError, ValueError, AttributeError):
+        return None
+
+
 def recorded_base_path(ckpt: Checkpoint) -> str | None:
     """The base model directory the run trained on, as its trainer_state.json records it
     (checkpoints of older runs may have it in adapter_contract.json instead)."""
@@ -812,7 +835,7 @@ def _check_output_dir(output_dir: Path) -> None:
 
 
 def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, output_dir: str | os.PathLike,
-                      *, form: str, model_adapter_path: str = DEFAULT_ADAPTER,
+                      *, form: str, model_adapter_path: str | None = None,
                       base_model_path: str | os.PathLike | None = None, verify: bool = False,
                       dtype: str | None = None, components: str = "copy", ema: bool = False) -> dict[str, Any]:
     """Export one committed iteration (see the module docstring). Returns the export_info dict,
@@ -826,6 +849,8 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
     out = Path(output_dir)
     _check_output_dir(out)
     tdtype = _resolve_dtype(dtype)
+    if model_adapter_path is None:  # the family the run trained, as its checkpoint records it
+        model_adapter_path = recorded_adapter_path(save_dir, task, iteration) or DEFAULT_ADAPTER
     adapter = load_model_adapter(model_adapter_path)
     name_map = getattr(adapter, "weight_name_map", None)
     ckpt = load_checkpoint(save_dir, task, iteration, name_map=name_map, ema=ema)
@@ -917,7 +942,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", required=True, help="where to write the export; must not exist or be empty")
     p.add_argument("--form", choices=FORMS, default="merged",
                    help="merged: a diffusers pipeline directory; adapter: a HF-PEFT adapter (LoRA checkpoints only)")
-    p.add_argument("--model-adapter-path", default=DEFAULT_ADAPTER, help="dotted path of the model adapter class")
+    p.add_argument("--model-adapter-path", default=None,
+                   help="dotted path of the model adapter class (unset: the one the checkpoint's adapter_contract.json "
+                        f"records, else {DEFAULT_ADAPTER})")
     p.add_argument("--base-model-path", default=None, type=existing_dir,
                    help="the local base pipeline directory the run trained on; required for --form merged of a "
                         "LoRA checkpoint (unset for a full fine-tune: the path the run recorded in trainer_state.json)")

@@ -217,11 +217,28 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                     f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: the "
                     "SGLang engine samples without CFG (its bridge runs one conditional row per candidate); use "
                     "--rollout-engine-class-path native for true CFG, or guidance_scale 1.0")
+            family = _adapter_family(cfg.model.model_adapter_path)
+            if family not in (None, "qwen_image"):
+                errors.append(
+                    f"--rollout-engine-class-path {engine} with --model-adapter-path {cfg.model.model_adapter_path} "
+                    f"(family {family!r}): the SGLang engine bridges SGLang's Qwen-Image pipeline only; use "
+                    "--rollout-engine-class-path native for this family")
             sde_type = (r.sampling_config or {}).get("sde_type") if isinstance(r.sampling_config, dict) else None
             if sde_type == "cps":
                 errors.append(
                     f"--rollout-engine-class-path {engine} with --sampling-config sde_type 'cps': the SGLang engine's "
                     "bridge is checked for 'sde' and 'dance' only; use --rollout-engine-class-path native for 'cps'")
+
+
+def _adapter_family(dotpath: str | None) -> str | None:
+    """The `family` of the adapter class at `dotpath`, None when it cannot be imported (its own
+    check reports that) or names none."""
+    from trainer.dotpath import import_dotpath
+
+    try:
+        return getattr(import_dotpath(dotpath, "--model-adapter-path"), "family", None) if dotpath else None
+    except (ValueError, ImportError):
+        return None
 
 
 def _sglang_importable() -> bool:
