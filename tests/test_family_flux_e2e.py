@@ -156,7 +156,7 @@ def test_tiny_flux_learns_the_colour_reward(tiny_flux_dir, tmp_path):
     from trainer.metrics import read_scalars
 
     model = build_tiny_flux_pipeline(tmp_path / "model", seed=0, vae_output_gain=8.0)
-    train = _write_prompts(tmp_path / "train.jsonl", ["a red ball", "a blue ball"], "t")
+    train = _write_prompts(tmp_path / "train.jsonl", ["a red ball"], "t")
     recipe = tmp_path / "learn.toml"
     recipe.write_text(f"""
 actor-num-nodes = 1
@@ -165,8 +165,8 @@ generation-task = "t2i"
 model-path = "{model}"
 model-adapter-path = "trainer.models.flux.FluxAdapter"
 prompt-data = "{train}"
-rollout-batch-size = 2
-n-samples-per-prompt = 8
+rollout-batch-size = 1
+n-samples-per-prompt = 16
 micro-batch-size = 4
 num-updates-per-batch = 2
 fsdp-trainable-mode = "full"
@@ -174,15 +174,15 @@ fsdp-param-dtype = "fp32"
 fsdp-reduce-dtype = "fp32"
 weight-sync-wire-dtype = "fp32"
 eps-clip = 0.2
-lr = 5e-3
+lr = 2e-2
 weight-decay = 0.0
-clip-grad = 1.0
+clip-grad = 10.0
 reward-runtime = "cpu"
 reward-scorer-path = "color"
 save-interval = 100
 {FLUX_SAMPLING.replace('sde_type = "sde"', 'sde_type = "dance"').replace('sde_indices = [1, 2]', 'sde_indices = [0, 1, 2, 3]')}""")
-    _train(recipe, tmp_path / "run", "--num-rollout", "12", timeout=600)
+    _train(recipe, tmp_path / "run", "--num-rollout", "10", timeout=600)
     rewards = [v for _, v in read_scalars(tmp_path / "run" / "tb")["reward/color_mean"]]
-    assert len(rewards) == 12
+    assert len(rewards) == 10
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.01, rewards
