@@ -343,3 +343,55 @@ def test_preflight_refuses_the_sglang_engine_for_flux_naming_the_family(tiny_flu
         validate(load_config(argv + ["--rollout-engine-class-path", "sglang"]), 1)
     assert "(family 'flux'): the SGLang engine bridges SGLang's Qwen-Image pipeline only; use " \
            "--rollout-engine-class-path native" in str(e.value)
+
+
+# ------------------------------------------------------------------------- the bench
+
+
+@pytest.mark.parametrize("shape", ["tiny", "real"])
+def test_flux_bench_parameter_split_is_the_modules(shape):
+    """The FLOP model's parameter split sums to the module's own count (the real FLUX.1-dev DiT,
+    11.90 B, built on the meta device); --shape real is FLUX.1-dev's published config."""
+    from diffusers import FluxTransformer2DModel
+
+    from tools.bench_flux import flux_forward_flops, flux_param_counts, flux_shape_configs
+
+    cfg = flux_shape_configs(shape)[0]
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**cfg)
+    counts = flux_param_counts(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    if shape == "real":
+        assert (cfg["num_layers"], cfg["num_single_layers"], cfg["num_attention_heads"], cfg["attention_head_dim"],
+                cfg["joint_attention_dim"], cfg["pooled_projection_dim"], cfg["guidance_embeds"]) == \
+            (19, 38, 24, 128, 4096, 768, True)
+        assert counts["total"] == pytest.approx(11.90e9, rel=1e-3)
+        # 512x512 (1024 image tokens) with FLUX.1-dev's 512 text tokens
+        assert flux_forward_flops(cfg, 1024, 512) == pytest.approx(2.150e13, rel=1e-3)
+
+
+def test_flux_bench_tiny_run_writes_finite_figures(tmp_path):
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from tests.workers.launch import ROOT
+
+    out = tmp_path / "figures.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--family", "flux", "--shape", "tiny", "--device", "cpu",
+           "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
+           "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2", "--dit-batches", "2",
+           "--iters", "1", "--text-tokens", "8", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    figures = {line["figure"]: line for line in lines}
+    assert all(isinstance(l["value"], float) and math.isfinite(l["value"]) for l in lines)
+    assert {"rollout_images_per_s", "replay_transitions_per_s_lora", "replay_mfu_lora", "rollout_mfu", "dit_mfu",
+            "merged_sync_s", "adapter_sync_s", "update_s_lora", "step_s"} <= set(figures)
+    assert figures["step_s"]["geometry"]["family"] == "flux" and figures["step_s"]["geometry"]["text_tokens"] == 8
+    assert figures["replay_logp_max_abs_err_lora"]["value"] < 1e-4

@@ -69,6 +69,8 @@ TINY_VISION_CONFIG = dict(depth=2, hidden_size=16, intermediate_size=32, num_hea
                           fullatt_block_indexes=[1])
 
 SHAPES = ("real", "tiny")
+#: --family: the DiT families the bench builds
+FAMILIES = ("qwen_image", "flux")
 #: phases --skip can leave out
 SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step")
 #: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
@@ -138,7 +140,7 @@ def dit_forward_flops(cfg: dict, image_tokens: int, text_tokens: int, batch: int
 
 
 def replay_flops(cfg: dict, image_tokens: int, text_tokens: int, transitions: int = 1,
-                 checkpointing: bool | float = True) -> tuple[float, float]:
+                 checkpointing: bool | float = True, forward: Callable[..., float] | None = None) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of replaying `transitions` transitions with a backward.
 
     Model FLOPs = 3 F (forward + a backward counted as 2 forwards); hardware FLOPs add the
@@ -146,7 +148,7 @@ def replay_flops(cfg: dict, image_tokens: int, text_tokens: int, transitions: in
     checkpointed: 3 F + fraction * F). LoRA's backward skips the frozen base weights' gradients,
     so for LoRA this convention over-counts the true work by ~F.
     """
-    f = dit_forward_flops(cfg, image_tokens, text_tokens, transitions)
+    f = (forward or dit_forward_flops)(cfg, image_tokens, text_tokens, transitions)
     return 3.0 * f, (3.0 + float(checkpointing)) * f
 
 
@@ -509,6 +511,10 @@ class Ctx:
     image_tokens: int
     text_tokens: int
     peak_tflops: float
+    #: the family's FLOP model (cfg, image_tokens, text_tokens, batch) -> FLOPs and actor builder
+    #: (build_actor's signature); None: Qwen-Image's (tools/bench_flux.py sets FLUX's)
+    forward_flops: Callable[..., float] | None = None
+    build_actor: Callable[..., Any] | None = None
 
 
 def phase_dit_forward(c: Ctx) -> None:
@@ -564,7 +570,7 @@ def phase_rollout(c: Ctx) -> Any:
     n = len(traj)
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"))
     c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n)
-    dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
+    dit = (c.forward_flops or dit_forward_flops)(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops)
     c.rep.phase_memory("rollout")
     return traj
@@ -619,7 +625,8 @@ def phase_replay(c: Ctx, actor, batch: Any, replay_fn, mode: str, *, checkpointi
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
     sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
     transitions = a.micro_batch * len(c.sde_indices)
-    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(a), checkpointing)
+    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(a), checkpointing,
+                                 forward=c.forward_flops or dit_forward_flops)
     c.rep.emit(f"replay_transitions_per_s_{mode}", transitions / sec, "transitions/s", op="min", mode=mode,
                micro_batch=a.micro_batch, seconds=sec, **extra)
     c.rep.emit(f"replay_mfu_{mode}", model_f / sec / 1e12 / c.peak_tflops, "fraction", op="min", mode=mode,
@@ -740,7 +747,7 @@ def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
         fraction = math.ceil(n_blocks / every) / n_blocks if ac_on else 0.0
 
         def build(reshard=reshard, ac_on=ac_on, every=every):
-            return build_actor(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
+            return (c.build_actor or build_actor)(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
                                activation_checkpointing=ac_on, activation_checkpointing_every=every)
 
         replay_variant(c, name, build, batch, replay_fn, fraction, reshard_after_forward=reshard,
@@ -838,7 +845,7 @@ def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:
 
     Runs before any LoRA is installed in the engine (a full sync refuses a LoRA engine)."""
     a = c.args
-    actor = build_actor(a, "full", c.mesh, c.device, c.dtype)
+    actor = (c.build_actor or build_actor)(a, "full", c.mesh, c.device, c.dtype)
     c.rep.phase_memory("build_actor_full")
     phase_sync(c, actor, "full", verify=True)
     phase_sync(c, actor, "full", verify=False, label="full_sync_noverify_s")
@@ -977,6 +984,8 @@ def bench_scorers(args: argparse.Namespace) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = tool_parser("bench", __doc__)
     p.add_argument("--shape", choices=SHAPES, default="real", help="real: Qwen-Image 20.4 B; tiny: the test model")
+    p.add_argument("--family", choices=FAMILIES, default="qwen_image",
+                   help="model family: qwen_image, or flux (FLUX.1-dev 11.9 B at --shape real; tools/bench_flux.py)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="unset: cuda when available")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="unset: bf16 on cuda, fp32 on cpu")
     p.add_argument("--output", "--out", dest="out", type=Path, default=None,
@@ -1045,6 +1054,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     args = parse_args(argv)
+    if args.family == "flux":  # its own shapes, FLOP model and build; the phases below are shared
+        from tools.bench_flux import main_flux
+
+        return main_flux(args)
     if args.num_layers and args.shape == "real":
         REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
     if args.scorers:

@@ -170,6 +170,9 @@ def build_flux_engine(shape: str, device: torch.device, dtype: torch.dtype, max_
     vae = materialise(lambda: AutoencoderKL(**vae_cfg), device, dtype, seed + 1, f"{shape} FLUX VAE")
     clip = materialise(lambda: CLIPTextModel(CLIPTextConfig(**clip_cfg, **clip_ids)), device, dtype, seed + 2,
                        f"{shape} CLIP text model")
+    # CLIP keeps its position ids as a non-persistent buffer, which to_empty leaves uninitialised
+    ids = next(b for n, b in clip.named_buffers() if n.endswith("embeddings.position_ids"))
+    ids.copy_(torch.arange(ids.shape[-1], device=ids.device).expand_as(ids))
     t5 = materialise(lambda: T5EncoderModel(T5Config(**t5_cfg, is_encoder_decoder=False, use_cache=False,
                                                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)),
                      device, dtype, seed + 3, f"{shape} T5 encoder")
