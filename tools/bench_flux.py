@@ -60,7 +60,7 @@ def flux_shape_configs(shape: str) -> tuple[dict, dict, dict, dict]:
 
 
 # ----------------------------------------------------------------------------------------------
-# the FLOP model (pure; docs/PERFORMANCE.md, "FLUX.1-dev")
+# the FLOP model (pure; written down here: flux_param_counts and flux_forward_flops)
 
 def flux_param_counts(cfg: dict) -> dict[str, int]:
     """Parameters of a FluxTransformer2DModel config, split by what each one multiplies.
