@@ -23,3 +23,12 @@ def tiny_sd3_model_dir(tmp_path_factory):
     from tools.tiny_sd3 import build_tiny_sd3_pipeline
 
     return build_tiny_sd3_pipeline(tmp_path_factory.mktemp("tiny_sd3") / "model", seed=0, vae_output_gain=8.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory):
+    """A tiny random-weight FLUX.1 pipeline directory (diffusers format, ~1 MB), built offline
+    once per test session by tools/tiny_flux.py. Treat it as read-only."""
+    from tools.tiny_flux import build_tiny_flux_pipeline
+
+    return build_tiny_flux_pipeline(tmp_path_factory.mktemp("tiny_flux") / "model", seed=0)

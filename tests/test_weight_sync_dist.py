@@ -1,5 +1,7 @@
 """The flat and per-tensor gather paths of trainer/weight_sync.py on 2 ranks (CPU, gloo): one
-torchrun launch of tests/dist/weight_sync_worker.py; every named check must hold on every rank."""
+torchrun launch of tests/dist/weight_sync_worker.py; every named check must hold on every rank.
+The same launch syncs a sharded FLUX.1 actor (full and adapter) into the native engine, and the
+FLUX checks run once more on a one-rank group in this process."""
 
 from __future__ import annotations
 
@@ -24,12 +26,19 @@ EXPECTED = (
        for m in ("auto", "auto_split", "flat", "per_tensor")}
     | {f"full_sync_{m}_engine_bit_identical" for m in MODES}
 )
+#: the sync of the tiny FLUX.1 actor into the native engine: engine == gathered actor, bit for bit
+FLUX_EXPECTED = (
+    {"flux_full_engine_differs_before_sync", "flux_adapter_engine_without_lora_before_sync",
+     "flux_adapter_lora_on_both_block_kinds"}
+    | {f"flux_{k}_engine_{c}" for k in ("full", "adapter")
+       for c in ("names_are_actor_names", "equals_gathered_actor", "version_committed")}
+)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, tiny_flux_dir):
     out = tmp_path_factory.mktemp("weight_sync_dist")
-    torchrun("tests/dist/weight_sync_worker.py", nproc=2, args=[str(out)], timeout=300)
+    torchrun("tests/dist/weight_sync_worker.py", nproc=2, args=[str(out), str(tiny_flux_dir)], timeout=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -37,7 +46,7 @@ def test_every_gather_check_holds_on_every_rank(results):
     for r in results:
         assert "error" not in r, r["error"]
         assert r["world_size"] == 2
-        assert set(r["checks"]) == EXPECTED, set(r["checks"]) ^ EXPECTED
+        assert set(r["checks"]) == EXPECTED | FLUX_EXPECTED, set(r["checks"]) ^ (EXPECTED | FLUX_EXPECTED)
         failed = sorted(k for k, v in r["checks"].items() if v is not True)
         assert not failed, f"rank {r['rank']} failed: {failed}"
 
@@ -48,3 +57,20 @@ def test_flat_path_uses_fewer_gathers_than_per_tensor(results):
     for plan in PLANS:
         assert calls[f"{plan}_flat"] < calls[f"{plan}_auto_split"] < calls[f"{plan}_per_tensor"] == 8
     assert calls["bf16_flat"] == 1  # one dtype: a single all-gather for all eight tensors
+
+
+def test_flux_sync_on_one_rank_leaves_the_engine_equal_to_the_actor(tiny_flux_dir):
+    """World size 1: the actor is sharded over one rank, the gather is local; the same checks."""
+    from tests.dist.tiny import one_rank_mesh
+    from tests.dist.weight_sync_worker import flux_sync_checks
+
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        checks: dict = {}
+        flux_sync_checks(0, mesh, str(tiny_flux_dir), checks)
+    finally:
+        next(gen, None)
+    assert set(checks) == FLUX_EXPECTED, set(checks) ^ FLUX_EXPECTED
+    failed = sorted(k for k, v in checks.items() if v is not True)
+    assert not failed, failed

@@ -79,6 +79,8 @@ TINY_VISION_CONFIG = dict(depth=2, hidden_size=16, intermediate_size=32, num_hea
 SHAPES = ("real", "tiny")
 #: --compare: other code timed on the engine's own modules
 COMPARE_PATHS = ("diffusers", "flowgrpo")
+#: --family: the DiT families the bench builds
+FAMILIES = ("qwen_image", "sd3", "flux")
 #: phases --skip can leave out
 SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step")
 #: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
@@ -548,6 +550,8 @@ class Ctx:
     peak_tflops: float
     #: the family's FLOPs of one DiT forward (cfg, image_tokens, text_tokens, batch)
     forward_flops: Callable[..., float] = None
+    #: the family's actor builder (build_actor's signature); None: build_actor (tools/bench_flux.py sets FLUX's)
+    build_actor: Callable[..., Any] | None = None
     #: rollout_images_per_s by variant ("eager", "compile", ...), for the in-process ratios
     images_per_s: dict[str, float] = field(default_factory=dict)
 
@@ -900,7 +904,7 @@ def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
         fraction = math.ceil(n_blocks / every) / n_blocks if ac_on else 0.0
 
         def build(reshard=reshard, ac_on=ac_on, every=every):
-            return build_actor(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
+            return (c.build_actor or build_actor)(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
                                activation_checkpointing=ac_on, activation_checkpointing_every=every)
 
         replay_variant(c, name, build, batch, replay_fn, fraction, reshard_after_forward=reshard,
@@ -1014,7 +1018,7 @@ def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:
 
     Runs before any LoRA is installed in the engine (a full sync refuses a LoRA engine)."""
     a = c.args
-    actor = build_actor(a, "full", c.mesh, c.device, c.dtype)
+    actor = (c.build_actor or build_actor)(a, "full", c.mesh, c.device, c.dtype)
     c.rep.phase_memory("build_actor_full")
     phase_sync(c, actor, "full", verify=True)
     phase_sync(c, actor, "full", verify=False, label="full_sync_noverify_s")
@@ -1152,10 +1156,11 @@ def bench_scorers(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = tool_parser("bench", __doc__)
-    p.add_argument("--family", choices=("qwen_image", "sd3"), default="qwen_image",
-                   help="model family: qwen_image (Qwen-Image) or sd3 (Stable Diffusion 3.5 Medium)")
+    p.add_argument("--family", choices=FAMILIES, default="qwen_image",
+                   help="model family: qwen_image (Qwen-Image), sd3 (Stable Diffusion 3.5 Medium) or flux "
+                        "(FLUX.1-dev, tools/bench_flux.py)")
     p.add_argument("--shape", choices=SHAPES, default="real",
-                   help="real: Qwen-Image 20.4 B / SD3.5-Medium 2.24 B; tiny: the family's test model")
+                   help="real: Qwen-Image 20.4 B / SD3.5-Medium 2.24 B / FLUX.1-dev 11.9 B; tiny: the family's test model")
     p.add_argument("--flowgrpo-path", type=Path, default=None, metavar="DIR",
                    help="a local FlowGRPO checkout, imported at run time and timed on the same modules (nothing "
                         "is copied): --family sd3 times its SD3 rollout function (flow_grpo/diffusers_patch/"
@@ -1232,6 +1237,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.flowgrpo_path is not None and args.family != "sd3" and "flowgrpo" not in args.compare:
         p.error("--flowgrpo-path is read by --family sd3 (FlowGRPO's SD3 rollout function) or by --compare flowgrpo "
                 "(its Qwen-Image one): add one of them")
+    if args.family == "flux" and (args.rollout_compile or args.rollout_precision != "default" or args.fsdp_compile):
+        p.error("--rollout-compile / --rollout-precision / --fsdp-compile are not wired into --family flux's bench "
+                "(tools/bench_flux.py) yet")
     if args.compare and args.family != "qwen_image":
         p.error(f"--compare times Qwen-Image pipelines; with --family {args.family} use --flowgrpo-path (sd3)")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
@@ -1248,6 +1256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     args = parse_args(argv)
+    if args.family == "flux":  # its own shapes, FLOP model and build; the phases below are shared
+        from tools.bench_flux import main_flux
+
+        return main_flux(args)
     fam = family_parts(args.family)
     if args.num_layers and args.shape == "real":
         REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)

@@ -5,7 +5,7 @@ model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/; sd3
 tools/tiny_sd3.py) so that every consumer loads it through the same code path as the real
 model. It is what the tests and the demo run on.
 
-    python tools/make_tiny_model.py --output-dir tiny [--family qwen_image|sd3] [--seed 0]
+    python tools/make_tiny_model.py --output-dir tiny [--family qwen_image|sd3|flux] [--seed 0]
 
 The Qwen-Image builder is this file's; each other family's lives in tools/tiny_<family>.py.
 
@@ -208,6 +208,7 @@ def build_tiny_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0)
 BUILDERS = {
     "qwen_image": ("tools.make_tiny_model", "build_tiny_pipeline", "Qwen-Image"),
     "sd3": ("tools.tiny_sd3", "build_tiny_sd3_pipeline", "Stable Diffusion 3.5"),
+    "flux": ("tools.tiny_flux", "build_tiny_flux_pipeline", "FLUX.1"),
 }
 
 
@@ -227,7 +228,8 @@ def main(argv=None) -> int:
                         help="directory to write the pipeline to (created)")
     parser.add_argument("--family", default="qwen_image", choices=sorted(BUILDERS),
                         help="model family of the pipeline (qwen_image: QwenImagePipeline; sd3: "
-                             "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT)")
+                             "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT; flux: "
+                             "FluxPipeline with FLUX.1-dev's layout)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's output convolution (1: plain random init); "

@@ -10,8 +10,9 @@ produces. Prompt lines are the training schema:
 {"prompt": "...", "metadata": {"task": "t2i", "sample_id": "..."}}.
 
 The sampling config must name trained SDE steps (the sidecar records them); without
---sampling-config the validated recipe's geometry is used: 384x384, 12 steps, eta 0.7,
-sde_indices [1, 3, 5].
+--sampling-config the family's recipe geometry is used: for Qwen-Image 384x384, 12 steps, eta
+0.7, sde_indices [1, 3, 5]; for FLUX.1 (--model-adapter-path trainer.models.flux.FluxAdapter)
+512x512, 6 steps, embedded guidance 3.5, eta 0.9, sde_indices [1, 2, 3, 4].
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="artifact root; files go to OUTPUT_DIR/<task>/rollout_<id>/")
     p.add_argument("--n-samples-per-prompt", type=int, default=1, help="candidates per prompt (>= 1)")
     p.add_argument("--sampling-config", default=None,
-                   help="JSON object of --sampling-config keys (must name trained SDE steps); "
-                        f"unset: {json.dumps(DEFAULT_SAMPLING)}".replace("%", "%%"))
+                   help="JSON object of --sampling-config keys (must name trained SDE steps); unset: the "
+                        "family's recipe geometry (FLUX.1: 512x512, 6 steps, guidance 3.5), for Qwen-Image "
+                        f"{json.dumps(DEFAULT_SAMPLING)}".replace("%", "%%"))
     p.add_argument("--lora", default=None, type=existing_dir,
                    help="PEFT adapter directory to sample with (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--generation-seed", type=int, default=1234, help="base seed of every candidate's noise")
@@ -94,8 +96,12 @@ def _sample(args: argparse.Namespace) -> int:
     from trainer.sampling import parse_sampling_config
 
     try:
+        adapter = import_dotpath(args.model_adapter_path or DEFAULT_MODEL_ADAPTER, "--model-adapter-path")()
+    except ValueError as e:  # the message names the flag and the dotpath
+        raise ToolError(str(e)) from None
+    try:  # unset: the family's own recipe geometry (an adapter's sampling_defaults), else DEFAULT_SAMPLING
         sampling = parse_sampling_config(args.sampling_config if args.sampling_config is not None
-                                         else DEFAULT_SAMPLING)
+                                         else getattr(adapter, "sampling_defaults", DEFAULT_SAMPLING))
     except ValueError as e:  # the message names --sampling-config and the key
         raise ToolError(str(e)) from None
     prompts = read_prompts(args.prompt_data, args.task)

@@ -69,6 +69,7 @@ DEFAULT_MODEL_ADAPTER = "trainer.models.qwen_image.QwenImageAdapter"
 PIPELINE_ADAPTERS = {
     "QwenImagePipeline": "trainer.models.qwen_image.QwenImageAdapter",
     "StableDiffusion3Pipeline": "trainer.models.sd3.SD3Adapter",
+    "FluxPipeline": "trainer.models.flux.FluxAdapter",
 }
 
 

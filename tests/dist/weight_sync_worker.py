@@ -1,9 +1,11 @@
 """torchrun worker (2 ranks, CPU, gloo) for tests/test_weight_sync_dist.py: the gather paths of
 trainer/weight_sync.py (flat, per-tensor, and "auto" on both sides of its size split) against the
-per-parameter DTensor.full_tensor() reference, bit for bit.
+per-parameter DTensor.full_tensor() reference, bit for bit; with a FLUX.1 model directory, also
+the full and the adapter sync of a sharded FLUX actor into the native engine (flux_sync_checks,
+which tests/test_weight_sync_dist.py also calls on a one-rank group).
 
 Writes <out_dir>/rank<r>.json: {"checks": {name: bool}, "figures": {...}} or {"error": traceback}.
-Usage: python -m torch.distributed.run --nproc-per-node 2 tests/dist/weight_sync_worker.py OUT_DIR
+Usage: python -m torch.distributed.run --nproc-per-node 2 tests/dist/weight_sync_worker.py OUT_DIR [FLUX_DIR]
 """
 
 from __future__ import annotations
@@ -180,6 +182,63 @@ def model_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
             torch.equal(ref[k], got[k]) for k in ref)
 
 
+def _perturb(model, rank: int, lora_only: bool) -> None:
+    """Move every (LoRA) shard off the loaded values, differently on each rank, so the engine (loaded
+    from the same directory) differs from the actor until the sync."""
+    g = torch.Generator().manual_seed(200 + rank)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if lora_only and ".lora_" not in n:
+                continue
+            local = p._local_tensor
+            local.add_(0.01 * torch.randn(local.shape, generator=g).to(local.dtype) + (0.01 if ".lora_B" in n else 0))
+
+
+def flux_sync_checks(rank: int, mesh, model_dir: str, checks: dict) -> None:
+    """The loop's sync (WeightSyncer with the adapter's name map) of a sharded FLUX.1 actor into the
+    native engine, full fine-tune ("full") and LoRA ("adapter"): afterwards every engine parameter
+    equals the gathered actor parameter of its name, bit for bit (fp32 wire), and it did not before."""
+    from tests.dist.tiny import full_params
+    from trainer.core.names import model_name
+    from trainer.engine.native import NativeEngine
+    from trainer.models.flux import FluxAdapter
+
+    adapter = FluxAdapter()
+    cpu = torch.device("cpu")
+    for mode, kind in (("full", "full"), ("lora", "adapter")):
+        over = {"fsdp__fsdp_master_dtype": "fp32"} if mode == "lora" else {}
+        actor = Actor.from_adapter(adapter, model_dir, mesh, make_cfg(mode, **over), device=cpu)
+        _perturb(actor.model, rank, lora_only=mode == "lora")
+        reshard_all(actor.model)
+        want = {adapter.weight_name_map(n).replace(".default", ""): t for n, t in full_params(actor.model).items()}
+        engine = NativeEngine(model_dir, device=cpu, dtype=torch.float32, adapter=adapter)
+
+        def engine_params() -> dict:  # the names the actor's gather uses (LoRA's base_layer / default dropped)
+            return {adapter.weight_name_map(model_name(n)).replace(".default", ""): p.detach().clone()
+                    for n, p in engine.transformer.named_parameters()}
+
+        before = engine_params()
+        syncer = ws.WeightSyncer(kind, wire_dtype="fp32", bucket_size_mb=0.05, name_map=adapter.weight_name_map,
+                                 lora_config=actor.lora_config)
+        syncer.sync(actor.model, engine)
+        got = engine_params()
+        moved = [n for n in want if n in before and not torch.equal(before[n], want[n])]
+        if mode == "full":
+            checks["flux_full_engine_differs_before_sync"] = len(moved) == len(want)
+        else:  # the engine starts without LoRA layers, its base equal to the actor's frozen base
+            checks["flux_adapter_engine_without_lora_before_sync"] = (
+                not moved and not any(".lora_" in n for n in before))
+        checks[f"flux_{kind}_engine_names_are_actor_names"] = set(got) == set(want)
+        checks[f"flux_{kind}_engine_equals_gathered_actor"] = set(got) == set(want) and all(
+            got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]) for n in want)
+        checks[f"flux_{kind}_engine_version_committed"] = engine.policy_version == syncer.policy_version == 1
+        if mode == "lora":
+            lora = [n for n in want if ".lora_" in n]
+            checks["flux_adapter_lora_on_both_block_kinds"] = (
+                any(n.startswith("single_transformer_blocks.") for n in lora)
+                and any(n.startswith("transformer_blocks.") for n in lora))
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     info = init_distributed("cpu")
@@ -189,6 +248,8 @@ def main() -> None:
         mesh = build_mesh("cpu")
         direct_checks(mesh, result["checks"], result["figures"])
         model_checks(info.rank, mesh, result["checks"], result["figures"])
+        if len(sys.argv) > 2:
+            flux_sync_checks(info.rank, mesh, sys.argv[2], result["checks"])
     except Exception:
         result["error"] = traceback.format_exc()
         code = 1

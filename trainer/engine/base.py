@@ -44,6 +44,10 @@ class RolloutRequest:
     guidance_scale: float = 1.0
     negative_prompt: str = " "
     cfg_renorm: bool = True
+    #: the guidance a guidance-distilled DiT takes as an INPUT (FLUX.1-dev's `guidance`), not
+    #: true CFG; None for a family without one. The engine records it as the condition
+    #: EMBEDDED_GUIDANCE, so the replay feeds the DiT the value the candidate was sampled at
+    embedded_guidance: float | None = None
     generation_seed: int = 1234
     metadata: dict[str, Any] = field(default_factory=dict)
     #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
@@ -94,6 +98,19 @@ class RolloutEngine(Protocol):
 
 
 
+#: the condition name of a request's embedded_guidance: [B] fp32, one value per candidate
+EMBEDDED_GUIDANCE = "guidance"
+
+
+def embedded_guidance_condition(r: RolloutRequest, batch_size: int, device: Any = None) -> dict[str, torch.Tensor]:
+    """{EMBEDDED_GUIDANCE: [B] fp32 filled with r.embedded_guidance} for a request that sets one,
+    else {} (the entry a guidance-distilled family's velocity reads)."""
+    if r.embedded_guidance is None:
+        return {}
+    return {EMBEDDED_GUIDANCE: torch.full((int(batch_size),), float(r.embedded_guidance), dtype=torch.float32,
+                                          device=device)}
+
+
 def geometry_key(r: RolloutRequest) -> tuple:
     """Candidates with equal keys can share a DiT forward and one Trajectory (same grid, schedule,
     trained steps and SDE settings)."""
@@ -101,7 +118,8 @@ def geometry_key(r: RolloutRequest) -> tuple:
     return (r.height, r.width, r.num_inference_steps, tuple(float(s) for s in r.sigmas), tuple(r.sde_indices),
             float(r.eta), r.sde_type, float(r.sigma_max),
             None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape),
-            float(r.guidance_scale), r.negative_prompt if guided else None, bool(r.cfg_renorm) if guided else None)
+            float(r.guidance_scale), r.negative_prompt if guided else None, bool(r.cfg_renorm) if guided else None,
+            None if r.embedded_guidance is None else float(r.embedded_guidance))
 
 
 def check_one_geometry(requests: list[RolloutRequest]) -> None:

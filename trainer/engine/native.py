@@ -52,7 +52,7 @@ from trainer.host_arena import HostArena, typed_view
 from trainer.models.base import with_negative
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  Trajectory, check_names_shapes, check_one_geometry, check_request,
-                                 rollout_trajectory)
+                                 embedded_guidance_condition, rollout_trajectory)
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +259,7 @@ class NativeEngine(EngineMemoryState):
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
         x = self.adapter.initial_latents(x_t, self.transformer, *geom).to(device=self.device, dtype=self.dtype)
         conditions = self.adapter.batch_conditions([conds[r.prompt] for r in reqs])
+        conditions.update(embedded_guidance_condition(r0, b, self.device))  # a guidance-distilled DiT's input
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
         trained = set(int(i) for i in r0.sde_indices)

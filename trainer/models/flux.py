@@ -1,0 +1,508 @@
+"""The FLUX.1 adapter: everything FLUX.1-dev specific the trainer needs.
+
+FLUX.1-dev is a guidance-distilled flow-matching DiT (FluxTransformer2DModel: 19 double-stream
+and 38 single-stream blocks, 24 heads x 128). Compared with Qwen-Image:
+
+- text: two encoders. CLIP-L's pooled output [B, 768] feeds the timestep embedding
+  (`pooled_projections`); T5's hidden states [B, T, 4096], padded to max_sequence_length by the
+  tokenizer, are the token sequence. FluxPipeline passes no attention mask, so the padding
+  tokens are real inputs of the DiT and are kept.
+- guidance: no classifier-free guidance by default; the distilled model takes the guidance
+  scale as an input (`guidance`, FluxPipeline's guidance_scale, 3.5 for FLUX.1-dev) and the
+  transformer embeds guidance * 1000 next to the timestep * 1000.
+- positions: 3-channel RoPE ids, (0, row, col) per packed image token (`latent_image_ids`) and
+  zeros per text token (`text_ids`), passed 2-D (no batch dim) as diffusers 0.42 wants them.
+- latents: the VAE's 16 channels 2 x 2-packed into 64 per token (`pack_latents`); decode
+  un-normalises with latents / scaling_factor + shift_factor (0.3611 / 0.1159 for the real VAE).
+- schedule: sigmas = linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens) with the
+  scheduler's (256, 4096, 0.5, 1.15): trainer.sampling.sigma_schedule with FLUX's
+  scheduler_config.json is FluxPipeline's schedule exactly (tests/test_family_flux.py).
+
+Rollout and replay share one DiT call (`flux_velocity`), so the velocity the actor recomputes
+comes from exactly the inputs the engine sampled with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.engine.base import EMBEDDED_GUIDANCE, RolloutRequest
+
+#: the attention projections of every block, as diffusers names them: a double-stream block has
+#: the image stream's to_q / to_k / to_v / to_out.0 and the text stream's add_*_proj / to_add_out;
+#: a single-stream block's attention has to_q / to_k / to_v (suffix "attn.to_q" matches both kinds)
+FLUX_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+#: FluxPipeline's default guidance_scale: the embedded guidance FLUX.1-dev was distilled around
+FLUX_DEV_GUIDANCE = 3.5
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def packed_grid(height: int, width: int, vae_scale_factor: int) -> tuple[int, int]:
+    """(rows, cols) of 2 x 2-packed latent patches for height x width pixels:
+    (H // (2 * vsf), W // (2 * vsf)), FluxPipeline's prepare_latents grid halved."""
+    f = 2 * int(vae_scale_factor)
+    return int(height) // f, int(width) // f
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] latents -> [B, (h/2) * (w/2), 4C], as FluxPipeline._pack_latents: token
+    (i, j) holds channels c-major of the 2 x 2 patch at rows 2i..2i+1, cols 2j..2j+1."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of pack_latents: [B, rows * cols, 4C] -> [B, C, 2 * rows, 2 * cols]
+    (FluxPipeline._unpack_latents). Raises ValueError when the token count is not rows x cols."""
+    b, n, c4 = latents.shape
+    if n != rows * cols:
+        raise ValueError(f"packed latents hold {n} tokens, expected {rows} x {cols} = {rows * cols}")
+    x = latents.view(b, rows, cols, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, rows * 2, cols * 2)
+
+
+def latent_image_ids(rows: int, cols: int, device: Any = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """RoPE ids of the packed image tokens, [rows * cols, 3]: (0, i, j) for token i * cols + j
+    (FluxPipeline._prepare_latent_image_ids, row-major like pack_latents). 2-D: diffusers 0.42
+    takes ids without a batch dim (every row of a batch shares them)."""
+    ids = torch.zeros(rows, cols, 3)
+    ids[..., 1] = torch.arange(rows)[:, None]
+    ids[..., 2] = torch.arange(cols)[None, :]
+    return ids.reshape(rows * cols, 3).to(device=device, dtype=dtype)
+
+
+def text_ids(num_tokens: int, device: Any = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """RoPE ids of the text tokens, [T, 3] zeros (FluxPipeline.encode_prompt): the text stream
+    carries no position in RoPE; T5's own relative attention already saw the order."""
+    return torch.zeros(int(num_tokens), 3, device=device, dtype=dtype)
+
+
+def vae_scale_factor_from_config(vae_config: Any) -> int:
+    """Spatial compression of an AutoencoderKL: 2 ** (len(block_out_channels) - 1), the rule
+    FluxPipeline uses (8 for FLUX.1-dev's VAE, 4 for the tiny one)."""
+    blocks = vae_config["block_out_channels"] if isinstance(vae_config, dict) else vae_config.block_out_channels
+    return 2 ** (len(blocks) - 1)
+
+
+def decode_latents(vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+    """Packed final latents [B, L, 4C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
+    FluxPipeline decodes: unpack, z / scaling_factor + shift_factor, vae.decode, x / 2 + 0.5."""
+    rows, cols = packed_grid(height, width, vae_scale_factor)
+    z = unpack_latents(packed, rows, cols).to(vae.dtype)
+    z = z / vae.config.scaling_factor + vae.config.shift_factor
+    image = vae.decode(z, return_dict=False)[0]
+    return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+# ----------------------------------------------------------------------------- the DiT call
+
+
+def guidance_tensor(guidance_scale: float, batch_size: int) -> torch.Tensor:
+    """The `guidance` input of a guidance-distilled FLUX, [B] fp32 filled with guidance_scale
+    (FluxPipeline: torch.full([1], guidance_scale, dtype=float32).expand(B)); the transformer
+    casts it to its dtype and multiplies by 1000 itself."""
+    return torch.full((int(batch_size),), float(guidance_scale), dtype=torch.float32)
+
+
+def flux_velocity(
+    transformer,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    pooled_prompt_embeds: torch.Tensor,
+    guidance: torch.Tensor | None,
+    rows: int,
+    cols: int,
+    *,
+    rollout_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Velocity [B, L, 4C] of the FLUX DiT, called exactly as FluxPipeline calls it.
+
+    latents [B, L, 4C] in the dtype the module computes in; timesteps [B] fp32 scheduler
+    timesteps (sigma * 1000), rounded through `rollout_dtype` (default: the latents' dtype) and
+    divided by 1000 (sampling.transformer_timestep; the transformer multiplies by 1000 again), so
+    a replay in another dtype sees the timestep the sampler saw; prompt_embeds [B, T, D] T5 states
+    and pooled_prompt_embeds [B, P] CLIP pooled output (both cast to the latents' dtype);
+    guidance [B] fp32 (None for a model without guidance_embeds); text ids zeros [T, 3] and
+    image ids latent_image_ids(rows, cols), 2-D. No attention mask, as in FluxPipeline. A plain
+    forward call: works for the bare module, a peft-injected one and an FSDP2-sharded one.
+    """
+    from trainer.sampling import transformer_timestep
+
+    dev, dt = latents.device, latents.dtype
+    t = transformer_timestep(timesteps, dtype=rollout_dtype or dt).to(dev, dt)
+    out = transformer(
+        hidden_states=latents,
+        timestep=t,
+        guidance=None if guidance is None else guidance.to(dev),
+        pooled_projections=pooled_prompt_embeds.to(device=dev, dtype=dt),
+        encoder_hidden_states=prompt_embeds.to(device=dev, dtype=dt),
+        txt_ids=text_ids(int(prompt_embeds.shape[1]), dev, dt),
+        img_ids=latent_image_ids(rows, cols, dev, dt),
+        return_dict=False,
+    )
+    return out[0] if isinstance(out, (tuple, list)) else out.sample
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+#: the model directory's subfolders the engine loads (FLUX.1-dev's diffusers layout)
+FLUX_SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+
+
+def check_model_dir(model_path, subfolders=("transformer",)):
+    """The model directory as a Path, after checking it is a local diffusers FLUX.1 directory
+    holding `subfolders`. Raises FileNotFoundError naming --model-path."""
+    from pathlib import Path
+
+    path = Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--model-path {str(model_path)!r} is not a directory; point it at a local diffusers FLUX.1 directory "
+            "(nothing is downloaded; tools/make_tiny_model.py --family flux builds a tiny one)")
+    missing = [s for s in subfolders if not (path / s).is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
+            f"FLUX.1 pipeline directory (expected model_index.json, {', '.join(s + '/' for s in FLUX_SUBFOLDERS)})")
+    return path
+
+
+def load_flux_transformer(model_path, *, dtype: torch.dtype | None = None):
+    """FluxTransformer2DModel from `<model_path>/transformer`, local files only, eval mode;
+    `dtype` None keeps the stored dtype. Weights the files lack, have extra or shape differently
+    raise ModelFilesError naming the config (diffusers would leave them on meta and only warn)."""
+    from diffusers import FluxTransformer2DModel
+
+    from trainer.models.base import ModelFilesError
+
+    path = check_model_dir(model_path, ("transformer",))
+    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model, info = FluxTransformer2DModel.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
+        ("missing_keys", "weights the config needs are absent from the files"),
+        ("unexpected_keys", "weights in the files have no place in the config"),
+        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
+    if problems:
+        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
+                              f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
+                              "saved with these weights (or the weights of this config)")
+    return model.eval()
+
+
+def has_guidance_embedding(transformer) -> bool:
+    """Whether the DiT takes the embedded guidance (FLUX.1-dev: yes; FLUX.1-schnell: no), read
+    from its config through any peft / FSDP2 wrapping (both keep the diffusers class)."""
+    inner = getattr(transformer, "base_model", None)
+    inner = getattr(inner, "model", transformer) if inner is not None else transformer
+    cfg = getattr(inner, "config", None) or getattr(transformer, "config", None)
+    return bool(getattr(cfg, "guidance_embeds", False))
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+
+#: what guidance_scale means for this family, in the words errors and docs use
+_GUIDANCE_MEANING = ("for FLUX.1 --sampling-config guidance_scale is the embedded guidance (the guidance-distilled "
+                     "DiT's `guidance` input, FluxPipeline's guidance_scale; 3.5 for FLUX.1-dev), not true CFG: a "
+                     "FLUX rollout always runs one conditional row per candidate")
+
+
+class FluxAdapter:
+    """GenerativeModelAdapter for FLUX.1 text-to-image (see trainer/models/base.py).
+
+    Conditions (a Trajectory's `conditions`): "prompt_embeds" [B, T, D] T5 states (T =
+    max_sequence_length: the tokenizer pads every prompt to it, so no mask and no re-padding),
+    "pooled_prompt_embeds" [B, P] CLIP's pooled output and "guidance" [B] fp32, the embedded
+    guidance the candidate was sampled at (recorded, so the replay feeds the DiT the same
+    value). Latents are packed [B, S, L, 4C]. There is no true CFG: guidance_scale is the
+    embedded guidance (`_GUIDANCE_MEANING`).
+    """
+
+    family = "flux"
+    supported_tasks = ("t2i",)
+    lora_target_modules = FLUX_LORA_TARGETS
+    #: FluxPipeline's default T5 window (and its maximum); every prompt is padded to it
+    max_sequence_length = 512
+    #: the recipe geometry tools/sample.py uses without --sampling-config (configs/flux1dev_t2i_lora_pickscore.toml)
+    sampling_defaults = {"height": 512, "width": 512, "num_inference_steps": 6, "guidance_scale": FLUX_DEV_GUIDANCE,
+                         "eta": 0.9, "sde_type": "sde", "sde_indices": [1, 2, 3, 4]}
+    #: the model directory's subfolders the engine loads
+    rollout_subfolders = FLUX_SUBFOLDERS
+
+    def __init__(self, vae_scale_factor: int | None = None):
+        #: set from the model directory by load_train_model
+        self.vae_scale_factor = vae_scale_factor
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None):
+        """Only the trainable FluxTransformer2DModel (the text encoders and the VAE belong to the
+        engine). `revision` only labels the run: loading is always from the local directory."""
+        import json
+
+        model = load_flux_transformer(model_path, dtype=dtype)
+        cfg_path = check_model_dir(model_path, ("vae",)) / "vae" / "config.json"
+        try:
+            self.vae_scale_factor = vae_scale_factor_from_config(json.loads(cfg_path.read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            raise FileNotFoundError(f"cannot read block_out_channels from {cfg_path} ({e}); is --model-path a "
+                                    "FLUX.1 directory?") from None
+        return model
+
+    def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
+        """[]: no FLUX parameter's output is discarded. The double-stream blocks' text outputs feed
+        the single-stream blocks; a single-stream block runs ONE set of weights over the joined
+        text + image sequence, so although the last block's text outputs are dropped, each of its
+        weights also shapes image tokens (tests/test_family_flux.py trains every parameter)."""
+        return []
+
+    # -- the engine's side -----------------------------------------------------------------
+
+    def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+        """transformer, vae, text_encoder (an nn.ModuleDict: "clip" CLIPTextModel, "t5"
+        T5EncoderModel), tokenizer ({"clip", "t5"}) and scheduler_config from a local diffusers
+        FLUX.1 directory, each module moved to `device` as soon as it is loaded."""
+        from diffusers import AutoencoderKL
+        from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
+
+        from trainer.sampling import load_scheduler_config
+
+        path = check_model_dir(model_path, self.rollout_subfolders)
+        encoders = torch.nn.ModuleDict({
+            "clip": CLIPTextModel.from_pretrained(str(path / "text_encoder"), dtype=dtype,
+                                                  local_files_only=True).to(device),
+            "t5": T5EncoderModel.from_pretrained(str(path / "text_encoder_2"), dtype=dtype,
+                                                 local_files_only=True).to(device)})
+        return {
+            "scheduler_config": load_scheduler_config(str(path)),
+            "transformer": load_flux_transformer(path, dtype=dtype).to(device),
+            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
+                                                 local_files_only=True).to(device),
+            "text_encoder": encoders,
+            "tokenizer": {"clip": CLIPTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
+                          "t5": AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)},
+            "path": path,
+        }
+
+    def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
+        """encode(prompts, device, max_sequence_length) -> {"prompt_embeds": [B, T, D] (T5, padded
+        to max_sequence_length), "pooled_prompt_embeds": [B, P] (CLIP pooled)}, as
+        FluxPipeline.encode_prompt does it (a pipeline object over the same modules lends it).
+        The callable carries `tokenizer` (T5's; tools/bench.py sizes prompts with it)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(scheduler_config), vae=vae,
+                            text_encoder=text_encoder["clip"], tokenizer=tokenizer["clip"],
+                            text_encoder_2=text_encoder["t5"], tokenizer_2=tokenizer["t5"], transformer=transformer)
+
+        def encode(prompts: list[str], device: torch.device, max_sequence_length: int) -> dict[str, torch.Tensor]:
+            embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device,
+                                                   max_sequence_length=max_sequence_length)
+            return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+        encode.tokenizer = tokenizer["t5"]
+        return encode
+
+    def batch_conditions(self, rows) -> dict[str, torch.Tensor]:
+        """Per-candidate {"prompt_embeds": [T, D], "pooled_prompt_embeds": [P]} -> stacked
+        [B, T, D] / [B, P]. Every prompt is padded to the same T by the T5 tokenizer, so nothing is
+        re-padded (and there is no mask: FluxPipeline passes none); unequal lengths raise."""
+        lengths = sorted({int(r["prompt_embeds"].shape[0]) for r in rows})
+        if len(lengths) > 1:
+            raise ValueError(f"FLUX prompt conditionings of one batch have lengths {lengths}; the T5 tokenizer pads "
+                             "every prompt to max_sequence_length, so they must be equal")
+        return {"prompt_embeds": torch.stack([r["prompt_embeds"] for r in rows]),
+                "pooled_prompt_embeds": torch.stack([r["pooled_prompt_embeds"] for r in rows])}
+
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
+                       vae_scale_factor: int) -> list[float]:
+        """FluxPipeline's sigmas: linspace(1, 1/N, N) passed to the scheduler with mu =
+        calculate_shift(packed image tokens, the scheduler's base/max seq len and shifts)
+        (sampling.sigma_schedule; bit-exact, tests/test_family_flux.py)."""
+        from trainer.sampling import image_seq_len, sigma_schedule
+
+        return sigma_schedule(scheduler_config, num_inference_steps, image_seq_len(height, width, vae_scale_factor))
+
+    def latent_geometry(self, vae) -> tuple[int, int]:
+        """(vae_scale_factor, latent channels) of the engine's AutoencoderKL."""
+        return vae_scale_factor_from_config(vae.config), int(vae.config.latent_channels)
+
+    def initial_latents(self, x_t: torch.Tensor, transformer, height: int, width: int,
+                        vae_scale_factor: int) -> torch.Tensor:
+        """Unpacked x_T [B, C, h, w] -> the DiT's packed input [B, L, 4C], after checking the shape
+        fits height x width on this transformer (a wrong init_noise_latent_shape names itself)."""
+        rows, cols = packed_grid(height, width, vae_scale_factor)
+        shape = list(x_t.shape[1:])
+        in_ch = int(transformer.config.in_channels)
+        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != in_ch:
+            raise ValueError(f"x_T shape {shape} does not fit {height}x{width} on this model (expected "
+                             f"[{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
+                             "init_noise_latent_shape or height/width")
+        return pack_latents(x_t)
+
+    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
+                 height: int, width: int, vae_scale_factor: int, *,
+                 rollout_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The DiT's velocity for packed latents x [B, L, 4C] at scheduler timesteps t [B]
+        (flux_velocity, the call replay makes too); the guidance input is conditions["guidance"]
+        when the DiT has a guidance embedding."""
+        rows, cols = packed_grid(height, width, vae_scale_factor)
+        guidance = conditions.get(EMBEDDED_GUIDANCE) if has_guidance_embedding(transformer) else None
+        if guidance is None and has_guidance_embedding(transformer):
+            raise ValueError("this FLUX DiT has a guidance embedding but the conditions carry no 'guidance'; "
+                             "the rollout request must set the embedded guidance (--sampling-config guidance_scale)")
+        return flux_velocity(transformer, x, t, conditions["prompt_embeds"], conditions["pooled_prompt_embeds"],
+                             guidance, rows, cols, rollout_dtype=rollout_dtype)
+
+    def guided_velocity(self, transformer, x, t, conditions, height, width, vae_scale_factor, guidance_scale,
+                        renorm):
+        """Refused: FLUX.1 has no true CFG here (`_GUIDANCE_MEANING`)."""
+        raise ValueError(f"true CFG was asked of the FLUX adapter, but {_GUIDANCE_MEANING}")
+
+    def decode(self, vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+        """Packed final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU (decode_latents)."""
+        return decode_latents(vae, packed, height, width, vae_scale_factor)
+
+    # -- rollout --------------------------------------------------------------------------
+
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
+                              sde_indices: list[int], sigmas: list[float], generation_seed: int,
+                              metadata: dict | None = None):
+        """One candidate as an engine RolloutRequest: guidance_scale becomes the request's
+        embedded_guidance and its true-CFG scale stays 1.0 (`_GUIDANCE_MEANING`). Raises
+        ValueError for a guidance below 1, an empty / out-of-range trained-step set, a trained
+        step 0 under sde_type "sde", and a sigma list that is not num_inference_steps + 1 long."""
+        from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
+                                      trained_steps_problem)
+
+        guidance = float(getattr(sampling, "guidance_scale", FLUX_DEV_GUIDANCE))
+        n = int(sampling.num_inference_steps)
+        steps = sorted({int(i) for i in sde_indices})
+        sde_type = getattr(sampling, "sde_type", "sde")
+        for where, problem in (
+            (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
+            (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
+            (f"trained SDE steps {steps}:", step_zero_problem(steps, sde_type)),
+            ("sigmas:", sigma_count_problem(sigmas, n)),
+        ):
+            if problem:
+                raise ValueError(f"{where} {problem}")
+        shape = getattr(sampling, "init_noise_latent_shape", None)
+        return RolloutRequest(
+            prompt=prompt, group_index=int(group_index), slot=int(slot), sample_id=str(sample_id),
+            height=int(sampling.height), width=int(sampling.width), num_inference_steps=n,
+            sigmas=[float(s) for s in sigmas], sde_indices=steps, eta=float(sampling.eta), sde_type=sde_type,
+            sigma_max=float(getattr(sampling, "sigma_max", 0.99)), guidance_scale=1.0,
+            embedded_guidance=guidance, generation_seed=int(generation_seed), metadata=dict(metadata or {}),
+            init_noise_latent_shape=None if shape is None else [int(v) for v in shape])
+
+    def validate_trajectory(self, traj) -> None:
+        """Raise ValueError when a trajectory does not fit this family: packed latents [B, S, L, C]
+        whose L tokens are the height x width grid, the T5 / CLIP conditioning and the embedded
+        guidance, and no true CFG."""
+        traj.validate()
+        who = traj.sample_ids[0]
+        if traj.latents.dim() != 4:
+            raise ValueError(f"trajectory of {who}: latents {tuple(traj.latents.shape)} must be packed [B, S, L, C]")
+        rows, cols = packed_grid(traj.height, traj.width, traj.vae_scale_factor)
+        if int(traj.latents.shape[2]) != rows * cols:
+            raise ValueError(f"trajectory of {who}: latents hold {int(traj.latents.shape[2])} tokens but height x "
+                             f"width = {traj.height} x {traj.width} with vae_scale_factor {traj.vae_scale_factor} "
+                             f"gives {rows} x {cols}; the engine's geometry is wrong")
+        for name in ("pooled_prompt_embeds", EMBEDDED_GUIDANCE):
+            if name not in traj.conditions:
+                raise ValueError(f"trajectory of {who}: conditions lack {name!r}; a FLUX replay needs the CLIP pooled "
+                                 "embedding and the embedded guidance the candidate was sampled with")
+        if traj.guided:
+            raise ValueError(f"trajectory of {who}: guidance_scale {traj.guidance_scale} (true CFG), but "
+                             f"{_GUIDANCE_MEANING}")
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def replay_transition(self, transformer: Any, batch, step: int, sampling: Any) -> torch.Tensor:
+        """Log-prob [B] (fp32) of trained-step column `step` of `batch` (replay_transitions of
+        that one column)."""
+        return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
+
+    def replay_transitions(self, transformer: Any, batch, sampling: Any, *, moments: bool = False) -> Any:
+        """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch` in one DiT forward over
+        B * S rows (row k * B + i = candidate i at column k), through the sampler's velocity call
+        (`velocity`) and math (flow_grpo.replay_transition_logp).
+
+        The DiT input is the recorded latents cast to the module's parameter dtype (FSDP2 mixed
+        precision then casts to its compute dtype); the timestep is rounded through the rollout's
+        dtype, as the sampler did; the conditioning, embedded guidance included, is the recorded
+        one. moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32)
+        of the same forward (the KL to a reference policy)."""
+        from trainer.flow_grpo import flow_sde_transition_moments, replay_transition_logp, transition_log_prob
+
+        device, compute_dtype = _module_device_dtype(transformer)
+        lat = batch.latents
+        b, s = int(lat.shape[0]), int(lat.shape[1])
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [S * B, ...], column-major
+            return t.transpose(0, 1).reshape(s * b, *t.shape[2:])
+
+        def tiled(t: torch.Tensor) -> torch.Tensor:  # [B, ...] -> [S * B, ...], column-major
+            return t.repeat(s, *([1] * (t.dim() - 1)))
+
+        # contiguous like the sampler's own latents (a strided input takes another GEMM path)
+        recorded = rows(lat).to(device).contiguous()
+        next_latents = rows(batch.next_latents).to(device)
+        x = recorded.to(compute_dtype or recorded.dtype)
+        conditions = {k: tiled(v) for k, v in batch.conditions.items()}
+        velocity = self.velocity(transformer, x, rows(batch.timesteps), conditions, batch.height, batch.width,
+                                 batch.vae_scale_factor, rollout_dtype=recorded.dtype)
+        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
+                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
+        if not moments:
+            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
+        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
+        logp = transition_log_prob(next_latents, mean, std, step[3])
+
+        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
+            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
+
+        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
+        return cols(logp), cols(mean), cols(std)
+
+    # -- misc -----------------------------------------------------------------------------
+
+    def artifact_tracks(self) -> tuple[str, ...]:
+        return ("image",)
+
+    def weight_name_map(self, name: str) -> str:
+        """Training-side parameter name -> engine name: diffusers names once wrapper segments are
+        stripped (core.names.strip_wrapper_segments; idempotent)."""
+        from trainer.core.names import strip_wrapper_segments
+
+        return strip_wrapper_segments(name)
+
+
+def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:
+    """(device, dtype) of the first floating parameter; a DTensor's local shard under FSDP2.
+    CPU / None if none."""
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point():
+            return local.device, local.dtype
+    return torch.device("cpu"), None
