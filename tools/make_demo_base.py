@@ -1,0 +1,371 @@
+"""Train the demo's base model: a tiny Qwen-Image pipeline that draws the shape its prompt names.
+
+    python tools/make_demo_base.py --output runs/demo/demo-base [--seed 0]
+
+The demo needs a base model that already draws something, so that a person can see what RL
+post-training changes. This tool makes one offline, in a few minutes on 2 CPU cores:
+
+1. a synthetic image set: one shape (circle, square, triangle) of one of six saturated colours on
+   a black background, at a jittered position and size, captioned "a <colour> <shape>" where the
+   colour word is drawn independently of the colour painted. The base therefore learns the prompt
+   format and the shape, and learns that the colour word carries no information: it paints any of
+   the six colours whatever the prompt says. That is the task RL then gets (trainer/rewards/color.py,
+   component "object_color"): paint the shape the colour the prompt names.
+2. the VAE (AutoencoderKLQwenImage, a narrower version of tools/make_tiny_model.py's) trained for
+   reconstruction (MSE + a small KL term); its latents_mean / latents_std are then set to the
+   data's per-channel statistics, so the DiT sees unit-variance latents as in the real model;
+3. the DiT (QwenImageTransformer2DModel) trained with the flow-matching objective on the encoded
+   set: x_s = (1 - s) x_0 + s e, target velocity e - x_0, s drawn through the same
+   resolution-dependent shift the sampler uses, conditioned on the captions through the frozen
+   random text encoder and exactly the engine's prompt encoding and DiT call.
+
+The result is a complete diffusers directory (model_index.json, transformer/, vae/,
+text_encoder/, tokenizer/, scheduler/) that loads through the same code as the real model, plus
+DEMO_BASE.json recording the settings and the final losses. A second call with the same settings
+finds DEMO_BASE.json and returns at once (the cache); other settings, or a directory without it,
+are refused rather than overwritten unless --rebuild is given. The directory is written under a
+temporary name and renamed when complete, so an interrupted build is never taken for a cached one.
+Deterministic in --seed for a given torch build and thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+log = logging.getLogger("make_demo_base")
+
+#: the colours the demo paints and asks for (names from trainer.rewards.color's palette)
+DEMO_COLORS = ("red", "green", "blue", "yellow", "cyan", "magenta")
+DEMO_SHAPES = ("circle", "square", "triangle")
+MARKER = "DEMO_BASE.json"
+
+#: narrower than tools/make_tiny_model.py's VAE (base_dim 24): training that one costs ~3 s a
+#: step on 2 CPU cores, this one ~0.4 s, and flat-coloured shapes need no more
+DEMO_VAE_OVERRIDES = dict(base_dim=8)
+#: a DiT wide enough to draw three shapes at 32x32 (4 heads x 16 = 64 channels, 3 blocks),
+#: still ~1M parameters so the 2-process FSDP update stays quick
+DEMO_TRANSFORMER_OVERRIDES = dict(num_layers=3, num_attention_heads=4)
+
+
+@dataclass(frozen=True)
+class BaseSettings:
+    """What the cache is keyed on: a cached base is reused only when all of these match."""
+    seed: int = 0
+    image_size: int = 32
+    num_images: int = 1536
+    vae_warmup_steps: int = 300
+    vae_warmup_lr: float = 3e-3
+    vae_steps: int = 80
+    vae_batch: int = 16
+    vae_lr: float = 1e-3
+    dit_steps: int = 800
+    dit_batch: int = 64
+    dit_lr: float = 2e-3
+    version: int = 1  # bump when the recipe above changes meaning
+
+
+# ----------------------------------------------------------------------------- the image set
+
+
+def draw_shape(shape: str, rgb: tuple[float, float, float], size: int, cx: float, cy: float,
+               radius: float) -> torch.Tensor:
+    """[3, size, size] fp32 in [0, 1]: `shape` of colour `rgb`, centred at (cx, cy) pixels with
+    half-extent `radius`, on black. Pixel centres sit at integer + 0.5."""
+    if shape not in DEMO_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; one of {DEMO_SHAPES}")
+    c = torch.arange(size, dtype=torch.float32) + 0.5
+    y, x = torch.meshgrid(c - cy, c - cx, indexing="ij")
+    if shape == "circle":
+        inside = x * x + y * y <= radius * radius
+    elif shape == "square":
+        inside = (x.abs() <= 0.8 * radius) & (y.abs() <= 0.8 * radius)
+    else:  # an upright triangle: apex above the centre, base below it
+        top, bottom = -radius, 0.75 * radius
+        half = radius * (y - top) / (bottom - top)
+        inside = (y >= top) & (y <= bottom) & (x.abs() <= half)
+    return inside.float().unsqueeze(0) * torch.tensor(rgb, dtype=torch.float32).view(3, 1, 1)
+
+
+def synthetic_set(num_images: int, size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+    """(images [N, 3, size, size] in [0, 1], captions): shapes and painted colours cycle evenly,
+    position, size and the caption's colour word are drawn from a generator seeded by `seed`."""
+    from trainer.rewards.color import color_palette
+
+    palette = color_palette()
+    g = torch.Generator().manual_seed(seed)
+    images, captions = [], []
+    for i in range(num_images):
+        shape = DEMO_SHAPES[i % len(DEMO_SHAPES)]
+        painted = DEMO_COLORS[(i // len(DEMO_SHAPES)) % len(DEMO_COLORS)]
+        u = torch.rand(4, generator=g).tolist()
+        radius = size * (0.28 + 0.1 * u[0])
+        cx, cy = size * (0.5 + 0.12 * (u[1] - 0.5)), size * (0.5 + 0.12 * (u[2] - 0.5))
+        word = DEMO_COLORS[int(u[3] * len(DEMO_COLORS)) % len(DEMO_COLORS)]
+        images.append(draw_shape(shape, palette[painted], size, cx, cy, radius))
+        captions.append(f"a {word} {shape}")
+    return torch.stack(images), captions
+
+
+def demo_prompts() -> tuple[list[str], list[str]]:
+    """(train, eval) prompts "a <colour> <shape>" for the RL run. Every colour and every shape
+    is in both, but no pair is: colour i is held out on shape i mod 3, so eval asks for
+    combinations the policy was never trained on (6 eval, 12 train)."""
+    train, held_out = [], []
+    for i, color in enumerate(DEMO_COLORS):
+        for j, shape in enumerate(DEMO_SHAPES):
+            (held_out if j == i % len(DEMO_SHAPES) else train).append(f"a {color} {shape}")
+    return train, held_out
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _cosine_lr(opt: torch.optim.Optimizer, base_lr: float, step: int, total: int, warmup: int = 20) -> None:
+    lr = base_lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def _decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """AutoencoderKLQwenImage's one-frame decode without its final clamp to [-1, 1]: the clamp
+    has no gradient outside the range, and a black background sits on its edge, so training
+    through it can push every pixel below -1 and stall on an all-black image."""
+    vae.clear_cache()
+    out = vae.decoder(vae.post_quant_conv(z), feat_cache=vae._feat_map, feat_idx=[0])
+    vae.clear_cache()
+    return out
+
+
+def train_vae(vae, images: torch.Tensor, steps: int, lr: float, s: BaseSettings, chroma_weight: float = 3.0,
+              l2_weight: float = 1e-4) -> float:
+    """Reconstruction training of `vae` on images [N, 3, H, W] in [0, 1] for `steps` steps of
+    s.vae_batch at peak learning rate `lr`; returns the mean MSE (on [-1, 1]) of the last 20.
+
+    Two things make it converge within the budget. The error's chroma (the error minus its mean
+    over RGB) is weighted `chroma_weight` extra: with plain MSE the tiny VAE sits for hundreds
+    of steps on a plateau where it reconstructs every shape in grey (brightness only).
+
+    And the decoder reads the posterior mean, not a sample: at initialisation the posterior's std is
+    ~1, and decoding samples buries the colour in noise for hundreds of steps (the MSE stalls at
+    the brightness alone), more than a few-minute budget affords. The DiT is trained on the means
+    too, so nothing downstream needs the sampled latents; a small L2 term on the means (the KL's
+    mean part) keeps their scale bounded."""
+    g = torch.Generator().manual_seed(s.seed + 10)
+    opt = torch.optim.Adam(vae.parameters(), lr=lr)
+    vae.train()
+    recent: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        idx = torch.randint(len(images), (s.vae_batch,), generator=g)
+        x = (images[idx] * 2 - 1).unsqueeze(2)  # [B, 3, 1, H, W]: one video frame
+        post = vae.encode(x).latent_dist
+        err = _decode_unclamped(vae, post.mean) - x
+        mse = err.pow(2).mean()
+        chroma = (err - err.mean(dim=1, keepdim=True)).pow(2).mean()
+        l2 = post.mean.pow(2).mean()
+        _cosine_lr(opt, lr, step, steps)
+        opt.zero_grad(set_to_none=True)
+        (mse + chroma_weight * chroma + l2_weight * l2).backward()
+        opt.step()
+        recent = (recent + [mse.item()])[-20:]
+        if step % 50 == 0 or step == steps - 1:
+            log.info("vae %dx%d step %d/%d: mse %.4f latent rms %.3f (%.0f s)", images.shape[-2], images.shape[-1],
+                     step + 1, steps, mse.item(), l2.sqrt().item(),
+                     time.perf_counter() - t0)
+    vae.eval()
+    return sum(recent) / len(recent)
+
+
+@torch.no_grad()
+def encode_set(vae, images: torch.Tensor, batch: int = 128) -> torch.Tensor:
+    """Posterior means [N, z, h, w] of images [N, 3, H, W] in [0, 1] (not yet normalised)."""
+    out = [vae.encode((images[i:i + batch] * 2 - 1).unsqueeze(2)).latent_dist.mean[:, :, 0]
+           for i in range(0, len(images), batch)]
+    return torch.cat(out)
+
+
+def train_dit(transformer, latents: torch.Tensor, cond_index: torch.Tensor, embeds: torch.Tensor,
+              mask: torch.Tensor, scheduler_config: dict, vae_scale_factor: int, s: BaseSettings) -> float:
+    """Flow-matching training of `transformer` on normalised latents [N, z, h, w]; sample i is
+    conditioned on caption cond_index[i] of the padded text conditioning embeds [C, T, D] /
+    mask [C, T]. Returns the mean loss of the last 50 steps."""
+    from trainer.models.qwen_image import dit_velocity, img_shapes_for, pack_latents
+    from trainer.sampling import calculate_shift, image_seq_len
+
+    cfg = scheduler_config
+    mu = calculate_shift(image_seq_len(s.image_size, s.image_size, vae_scale_factor),
+                         cfg["base_image_seq_len"], cfg["max_image_seq_len"], cfg["base_shift"], cfg["max_shift"])
+    g = torch.Generator().manual_seed(s.seed + 20)
+    opt = torch.optim.AdamW(transformer.parameters(), lr=s.dit_lr, weight_decay=0.0)
+    img_shapes = img_shapes_for(s.dit_batch, s.image_size, s.image_size, vae_scale_factor)
+    transformer.train()
+    recent: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(s.dit_steps):
+        idx = torch.randint(len(latents), (s.dit_batch,), generator=g)
+        x0 = pack_latents(latents[idx])
+        noise = torch.randn(x0.shape, generator=g)
+        # the sampler's own time shift, so training spends its steps where sampling does
+        u = torch.rand(s.dit_batch, generator=g).clamp(1e-3, 1 - 1e-3)
+        sigma = math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+        x_s = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
+        c = cond_index[idx]
+        v = dit_velocity(transformer, x_s, sigma * 1000.0, embeds[c], mask[c], img_shapes)
+        loss = (v - (noise - x0)).pow(2).mean()
+        _cosine_lr(opt, s.dit_lr, step, s.dit_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        recent = (recent + [loss.item()])[-50:]
+        if step % 250 == 0 or step == s.dit_steps - 1:
+            log.info("dit step %d/%d: loss %.4f (%.0f s)", step + 1, s.dit_steps, loss.item(), time.perf_counter() - t0)
+    transformer.eval()
+    return sum(recent) / len(recent)
+
+
+# ----------------------------------------------------------------------------- the build
+
+
+def cached(output: Path, s: BaseSettings) -> bool:
+    """True when `output` holds a complete base built with settings `s`."""
+    marker = output / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("settings") == asdict(s)
+    except ValueError:
+        return False
+
+
+def build_demo_base(output, settings: BaseSettings = BaseSettings(), *, rebuild: bool = False) -> Path:
+    """Train the base (module docstring) into `output` and return its path; a cached build with
+    the same settings is returned as is. Refuses to replace anything else unless `rebuild`."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    from tools.make_tiny_model import (
+        QWEN_IMAGE_SCHEDULER_CONFIG,
+        TINY_TRANSFORMER_CONFIG,
+        TINY_VAE_CONFIG,
+        build_text_encoder,
+        build_tokenizer,
+    )
+    from trainer.engine.native import NativeEngine
+    from trainer.models.qwen_image import pad_text
+
+    out, s = Path(output), settings
+    if cached(out, s):
+        log.info("base model cached in %s", out)
+        return out
+    if out.exists() and not rebuild:
+        why = "was built with other settings" if (out / MARKER).is_file() else f"has no {MARKER}"
+        raise FileExistsError(f"{out} exists and {why}; pass --rebuild to replace it, or choose another --output")
+    if s.image_size % 16:
+        raise ValueError(f"--image-size {s.image_size} must be a multiple of 16 (VAE factor 4 x patch 2, "
+                         "and the VAE's first stage trains at half the size)")
+
+    t0 = time.perf_counter()
+    torch.manual_seed(s.seed)
+    images, captions = synthetic_set(s.num_images, s.image_size, s.seed)
+
+    vae = AutoencoderKLQwenImage(**{**TINY_VAE_CONFIG, **DEMO_VAE_OVERRIDES})
+    # first at half the side, 4x cheaper a step, where the colours separate (the chroma plateau
+    # breaks) within the budget; then briefly at full size, which a half-size VAE does not yet
+    # reconstruct (its mid-block attention has seen only the smaller grid)
+    if s.vae_warmup_steps:
+        small, _ = synthetic_set(s.num_images, s.image_size // 2, s.seed + 3)
+        train_vae(vae, small, s.vae_warmup_steps, s.vae_warmup_lr, s)
+    vae_mse = train_vae(vae, images, s.vae_steps, s.vae_lr, s)
+    z = encode_set(vae, images)
+    mean, std = z.mean(dim=(0, 2, 3)), z.std(dim=(0, 2, 3))
+    vae.register_to_config(latents_mean=[round(float(v), 6) for v in mean],
+                           latents_std=[round(float(v), 6) for v in std])
+    cfg = vae.config
+    latents = (z - torch.tensor(cfg.latents_mean).view(1, -1, 1, 1)) / torch.tensor(cfg.latents_std).view(1, -1, 1, 1)
+
+    torch.manual_seed(s.seed + 1)
+    transformer = QwenImageTransformer2DModel(**{**TINY_TRANSFORMER_CONFIG, **DEMO_TRANSFORMER_OVERRIDES})
+    tokenizer = build_tokenizer()
+    torch.manual_seed(s.seed + 2)
+    text_encoder = build_text_encoder(tokenizer)
+    # the engine lends its prompt encoding, so the base is trained on exactly the conditioning
+    # the rollouts will feed it; it freezes the modules it holds, the DiT is unfrozen below
+    engine = NativeEngine.from_modules(transformer, vae, text_encoder, tokenizer, QWEN_IMAGE_SCHEDULER_CONFIG,
+                                       device="cpu", dtype=torch.float32)
+    unique = sorted(set(captions))
+    conds = [engine.encode_prompt(c) for c in unique]
+    embeds, mask = pad_text([e for e, _ in conds], [m for _, m in conds])
+    cond_index = torch.tensor([unique.index(c) for c in captions])
+    transformer.requires_grad_(True)
+    dit_loss = train_dit(transformer, latents, cond_index, embeds, mask, QWEN_IMAGE_SCHEDULER_CONFIG,
+                         engine.vae_scale_factor, s)
+    transformer.requires_grad_(False)
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae,
+                             text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    seconds = time.perf_counter() - t0
+    (tmp / MARKER).write_text(json.dumps({
+        "settings": asdict(s), "vae_mse": round(vae_mse, 5), "dit_loss": round(dit_loss, 5),
+        "build_seconds": round(seconds, 1), "colors": list(DEMO_COLORS), "shapes": list(DEMO_SHAPES),
+    }, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log.info("base model written to %s in %.0f s (vae mse %.4f, dit loss %.4f)", out, seconds, vae_mse, dit_loss)
+    return out
+
+
+def main(argv=None) -> int:
+    d = BaseSettings()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", required=True, help="directory of the base model (created; reused when cached)")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the data, weights and training (default {d.seed})")
+    p.add_argument("--image-size", type=int, default=d.image_size,
+                   help=f"image side in pixels, a multiple of 16 (default {d.image_size})")
+    p.add_argument("--num-images", type=int, default=d.num_images, help=f"synthetic images (default {d.num_images})")
+    p.add_argument("--vae-warmup-steps", type=int, default=d.vae_warmup_steps,
+                   help=f"VAE training steps at half the image size, >= 0 (default {d.vae_warmup_steps})")
+    p.add_argument("--vae-steps", type=int, default=d.vae_steps,
+                   help=f"VAE training steps at the full size (default {d.vae_steps})")
+    p.add_argument("--dit-steps", type=int, default=d.dit_steps, help=f"DiT training steps (default {d.dit_steps})")
+    p.add_argument("--rebuild", action="store_true", help="replace an existing --output built with other settings")
+    args = p.parse_args(argv)
+    for flag in ("num_images", "vae_steps", "dit_steps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="[demo-base] %(message)s")
+    if args.vae_warmup_steps < 0:
+        p.error("--vae-warmup-steps must be >= 0")
+    s = BaseSettings(seed=args.seed, image_size=args.image_size, num_images=args.num_images,
+                     vae_warmup_steps=args.vae_warmup_steps, vae_steps=args.vae_steps, dit_steps=args.dit_steps)
+    try:
+        build_demo_base(args.output, s, rebuild=args.rebuild)
+    except (FileExistsError, ValueError) as e:
+        print(f"make_demo_base: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
