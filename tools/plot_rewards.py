@@ -25,8 +25,9 @@ def _running_mean(values: list[float], window: int) -> list[float]:
 
 
 def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, window: int = 5,
-         size: tuple[int, int] = (900, 480)) -> Path:
-    """series: {label: [(step, value), ...]}; the first is the main curve (plus its running mean)."""
+         size: tuple[int, int] = (900, 480), y_range: tuple[float, float] | None = None) -> Path:
+    """series: {label: [(step, value), ...]}; the first is the main curve (plus its running mean).
+    y_range: the y-axis limits (default: the data's range, padded 5%)."""
     w, h = size
     left, right, top, bottom = 70, 20, 40, 50
     img = Image.new("RGB", size, "white")
@@ -39,7 +40,7 @@ def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, w
     ys = [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     pad = (max(ys) - min(ys)) * 0.05 or 0.01
-    y0, y1 = min(ys) - pad, max(ys) + pad
+    y0, y1 = (min(ys) - pad, max(ys) + pad) if y_range is None else y_range
 
     def px(x: float, y: float) -> tuple[float, float]:
         return (left + (x - x0) / (x1 - x0) * (w - left - right), top + (y1 - y) / (y1 - y0) * (h - top - bottom))
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--series", default=None, help="main series (default: the first reward/<c>_mean found)")
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--title", default=None)
+    ap.add_argument("--y-range", type=float, nargs=2, metavar=("LO", "HI"), default=None,
+                    help="y-axis limits, e.g. 0 1 for a reward on a 0-1 scale (default: the data's range)")
     args = ap.parse_args(argv)
     from trainer.metrics import read_scalars
 
@@ -105,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in sorted(scalars):
         if k.startswith("eval/") and k.endswith(f"/{component}_mean"):
             series[k] = scalars[k]
-    plot(series, Path(args.output), args.title or f"{main_series} per rollout", window=args.window)
+    if args.y_range is not None and args.y_range[0] >= args.y_range[1]:
+        print(f"plot_rewards: --y-range {args.y_range[0]} {args.y_range[1]}: LO must be below HI", file=sys.stderr)
+        return 2
+    plot(series, Path(args.output), args.title or f"{main_series} per rollout", window=args.window,
+         y_range=None if args.y_range is None else tuple(args.y_range))
     print(f"wrote {args.output}")
     return 0
 
