@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The offline demo: a tiny random-weight Qwen-Image-shaped pipeline learns a prompt-dependent
-# colour reward with FlowGRPO on 2 CPU processes (gloo). Run through `bash run.sh demo`.
+# The offline demo: a tiny Qwen-Image pipeline that draws shapes in random colours learns, with
+# FlowGRPO on 2 CPU processes (gloo), to paint them the colour its prompt names. Run through
+# `bash run.sh demo`.
 #
 #   bash run.sh demo                      fresh run under runs/demo (EXP_DIR overrides)
 #   bash run.sh demo --num-rollout 20     any training flag overrides the recipe
 #   bash run.sh demo --resume             continue the last run from its newest checkpoint
 #
-# Steps: build the tiny model (tools/make_tiny_model.py), build the prompt set with the data
-# tools (prepare_data.py -> inspect_data.py), train (configs/tiny_cpu_demo.toml),
-# then print where everything is and the reward's first-vs-last figures, and draw the curve.
+# Steps: train the base model once (tools/make_demo_base.py, cached in $EXP_DIR/demo-base),
+# build the prompt set with the data tools (prepare_data.py -> inspect_data.py), post-train
+# (configs/tiny_cpu_demo.toml), then print where everything is and the reward's first-vs-last
+# figures, draw the reward curve and the before/after grid of the held-out prompts.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PY:-.venv/bin/python}
@@ -23,23 +25,21 @@ for a in "$@"; do
 done
 
 mkdir -p "$EXP_DIR"
-if [[ ! -f $EXP_DIR/tiny-qwen-image/model_index.json ]]; then
-  echo "[demo] building the tiny model in $EXP_DIR/tiny-qwen-image"
-  "$PY" tools/make_tiny_model.py --output "$EXP_DIR/tiny-qwen-image" --seed 0 --vae-output-gain 8 >/dev/null
-fi
+t_all=$(date +%s)
+# The base trains single-process before torchrun starts, so it may use both cores.
+OMP_NUM_THREADS=${BASE_THREADS:-2} "$PY" tools/make_demo_base.py --output "$EXP_DIR/demo-base" --seed 0 --rebuild \
+  2> >(grep --line-buffered -E "^\[demo-base\]|Error|error" >&2)
 if [[ ! -f $EXP_DIR/data/demo_train.jsonl ]]; then
   echo "[demo] building the prompt set in $EXP_DIR/data"
   mkdir -p "$EXP_DIR/data"
-  # Train on every palette colour once ("a red ball", ...), so each rollout sees the same mix of
-  # colours and the mean reward is comparable across rollouts; evaluate on the same colours on
-  # another subject ("a red cube", ...): does the policy generalise from the colour word?
+  # Train on each colour on two of the three shapes, evaluate on the six pairs left out: the
+  # policy must learn the colour word, not a shape-colour pairing.
   "$PY" - "$EXP_DIR/data" <<'PY'
 import sys
-from trainer.rewards.color import color_palette, color_prompts
-n = len(color_palette())
-prompts = color_prompts(2 * n)
-open(f"{sys.argv[1]}/train.txt", "w").write("\n".join(prompts[:n]) + "\n")
-open(f"{sys.argv[1]}/eval.txt", "w").write("\n".join(prompts[n:]) + "\n")
+from tools.make_demo_base import demo_prompts
+train, held_out = demo_prompts()
+open(f"{sys.argv[1]}/train.txt", "w").write("\n".join(train) + "\n")
+open(f"{sys.argv[1]}/eval.txt", "w").write("\n".join(held_out) + "\n")
 PY
   "$PY" tools/prepare_data.py --source prompts --input "$EXP_DIR/data/train.txt" --task t2i \
     --output "$EXP_DIR/data/demo_train.jsonl" --id-prefix demo_train
@@ -63,18 +63,21 @@ status=${PIPESTATUS[0]}
 set -e
 [[ $status == 0 ]] || { echo "[demo] training failed (exit $status); the full log is $EXP_DIR/train.log" >&2; exit "$status"; }
 
-"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/reward_curve.png" >/dev/null
-"$PY" - "$EXP_DIR" "$(( $(date +%s) - start ))" <<'PY'
+"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/reward_curve.png" \
+  --y-range 0 1 >/dev/null
+"$PY" tools/demo_grid.py --config configs/tiny_cpu_demo.toml --output "$EXP_DIR/before_after.png" 2>/dev/null \
+  | sed 's/^demo_grid:/[demo] before\/after/'
+"$PY" - "$EXP_DIR" "$(( $(date +%s) - start ))" "$(( $(date +%s) - t_all ))" <<'PY'
 import json, sys
 from pathlib import Path
-exp, seconds = Path(sys.argv[1]), int(sys.argv[2])
+exp, seconds, total = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 summary = None
 for line in (exp / "train.log").read_text().splitlines():
     if line.startswith('{"summary"'):
         summary = json.loads(line)
 if summary is None:
     sys.exit("[demo] no summary line in the training log")
-print(f"\n[demo] done in {seconds} s")
+print(f"\n[demo] done in {total} s (post-training {seconds} s)")
 for comp, s in summary["summary"].items():
     w = min(5, s["rollouts"])
     print(f"[demo] reward/{comp}_mean: first {w} rollouts {s['first_mean']:.4f} -> last {w} rollouts "
@@ -84,4 +87,5 @@ print(f"[demo] TensorBoard:  tensorboard --logdir {summary['tensorboard_dir']}")
 print(f"[demo] images:       {summary['artifact_root']}/t2i/rollout_*/ (eval: {summary['artifact_root']}/eval/t2i/)")
 print(f"[demo] checkpoints:  {summary['save']}  (continue with: bash run.sh demo --resume --num-rollout N)")
 print(f"[demo] reward curve: {exp / 'reward_curve.png'}")
+print(f"[demo] before/after: {exp / 'before_after.png'}  (held-out prompts, base model above, trained below)")
 PY
