@@ -19,7 +19,7 @@ from tools.make_demo_base import (
     draw_shape,
     synthetic_set,
 )
-from trainer.rewards.color import ObjectColorScorer, color_palette, object_color_reward
+from trainer.rewards.color import ObjectColorScorer, color_palette, object_color_match, object_color_reward
 
 PALETTE = color_palette()
 
@@ -69,8 +69,25 @@ def test_object_color_scorer_names_the_prompt_colour():
 
     imgs = [draw_shape("square", PALETTE["green"], 16, 8, 8, 5)] * 3
     out = ObjectColorScorer().score(ImageBatch.from_any(imgs), ["a green square", "a red square", "a square"],
-                                    [{}, {}, {}])["object_color"]
-    assert out[0] == pytest.approx(1.0) and out[1] < 0.15 and torch.isnan(out[2])
+                                    [{}, {}, {}])
+    assert out["object_color"][0] == pytest.approx(1.0) and out["object_color"][1] < 0.15
+    assert out["color_match"].tolist()[:2] == [1.0, 0.0]
+    assert torch.isnan(out["object_color"][2]) and torch.isnan(out["color_match"][2])
+
+
+def test_color_match_is_the_named_colour_covering_most_of_the_object():
+    red_circle = draw_shape("circle", PALETTE["red"], 32, 16, 16, 10)
+    assert object_color_match(red_circle, "red") == 1.0 and object_color_match(red_circle, "magenta") == 0.0
+    # a washed-out pinkish red (as a small VAE decodes it) is still red, though as near purple
+    pale = red_circle * torch.tensor([0.8, 0.0, 0.0]).view(3, 1, 1)
+    pale[1:] += (red_circle[0:1] > 0) * torch.tensor([0.1, 0.3]).view(2, 1, 1)
+    assert object_color_match(pale, "red") == 1.0 and object_color_match(pale, "magenta") == 0.0
+    # a third red is not a red shape; nor is a red speck, nor an empty image
+    third = draw_shape("circle", PALETTE["blue"], 32, 16, 16, 10)
+    third[:, :, :13] = red_circle[:, :, :13]
+    assert object_color_match(third, "red") == 0.0 and object_color_match(third, "blue") == 1.0
+    assert object_color_match(draw_shape("square", PALETTE["red"], 32, 16, 16, 2), "red") == 0.0
+    assert object_color_match(torch.zeros(3, 32, 32), "red") == 0.0
 
 
 TINY = BaseSettings(image_size=16, num_images=24, vae_warmup_steps=1, vae_steps=2, vae_batch=4, dit_steps=3,

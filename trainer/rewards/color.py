@@ -26,6 +26,16 @@ c covering at least a tenth of the image, and close to 0 for an object of anothe
 floor on the area keeps a policy from scoring by shrinking the object to a few right pixels; an
 empty image scores 0.
 
+It also reports "color_match", the yes/no a person gives looking at the picture: 1 when more
+than half of the object (of max(|F|, OBJECT_MIN_AREA * H * W) pixels) is nearer to c than to any
+other of HUES, the six saturated corners of the RGB cube (plus c itself if it is not one), else
+0. The comparison is among hues only because a small model's colours are washed out: its red is
+pinkish and would be lost to a nearer off-palette anchor (purple, orange, white), though a person
+calls it red. Its batch mean is the fraction of images whose shape is the named colour: for a
+model that paints one of the six at random whatever the prompt says, 1/6. Being
+a step function it gives no gradient of closeness, so it is for reading (give it no
+--reward-component-weights entry and it is logged but not trained on).
+
 No weights; runs on the CPU tensors of the batch.
 """
 
@@ -58,6 +68,9 @@ _PALETTE: dict[str, tuple[float, float, float]] = {
     "white": (1.0, 1.0, 1.0),
     "black": (0.0, 0.0, 0.0),
 }
+
+#: the six saturated corners of the RGB cube, the anchors of color_match (module docstring)
+HUES = ("red", "green", "blue", "yellow", "cyan", "magenta")
 
 _COLOR_RE = re.compile(r"\b(" + "|".join(_PALETTE) + r")\b", re.IGNORECASE)
 
@@ -118,6 +131,18 @@ def object_color_reward(image: torch.Tensor, rgb: tuple[float, float, float], si
     return float(_kernel(image, rgb, sigma)[mask].sum() / max(float(mask.sum()), floor))
 
 
+def object_color_match(image: torch.Tensor, name: str, threshold: float = OBJECT_THRESHOLD,
+                       min_area: float = OBJECT_MIN_AREA) -> float:
+    """1.0 when more than half of the object (area floored at min_area * H * W) has palette
+    colour `name` as its nearest of HUES (and `name`), else 0.0 (module docstring)."""
+    mask = object_mask(image, threshold)
+    names = [name] + [h for h in HUES if h != name]
+    anchors = torch.tensor([_PALETTE[n] for n in names], dtype=torch.float32)  # [K, 3], `name` first
+    pixels = image.float().permute(1, 2, 0)[mask]  # [|F|, 3]
+    hits = float((torch.cdist(pixels, anchors).argmin(dim=1) == 0).sum())
+    return float(hits > 0.5 * max(float(mask.sum()), min_area * mask.numel()))
+
+
 class ColorScorer:
     """Component "color": the prompt-named colour's share of the image (module docstring)."""
 
@@ -142,17 +167,19 @@ class ObjectColorScorer:
     object on a plain background (module docstring). Short name: none; use the dotpath
     trainer.rewards.color.ObjectColorScorer."""
 
-    components = ("object_color",)
+    components = ("object_color", "color_match")
     required_tracks = ("image",)
 
     def __init__(self, model_path: str | None = None, device: str = "cpu"):
         del model_path, device  # no weights
 
     def score(self, images: ImageBatch, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
-        out = []
+        closeness, match = [], []
         for img, prompt, md in zip(images.float_tensors, prompts, metadata):
             name = target_color(prompt, md)
-            out.append(math.nan if name is None else object_color_reward(img, _PALETTE[name]))
-        return {"object_color": torch.tensor(out, dtype=torch.float32)}
+            closeness.append(math.nan if name is None else object_color_reward(img, _PALETTE[name]))
+            match.append(math.nan if name is None else object_color_match(img, name))
+        return {"object_color": torch.tensor(closeness, dtype=torch.float32),
+                "color_match": torch.tensor(match, dtype=torch.float32)}
 
     __call__ = score
