@@ -8,7 +8,8 @@ sampling config, --generation-seed and --n-samples-per-eval-prompt), so each ima
 initial noise and SDE noise as its "after" counterpart; the PNGs go to
 <artifact-root>/eval_base/. "After" is the newest evaluation the run wrote,
 <artifact-root>/eval/<task>/rollout_<k>/. One column per (prompt, sample), the base's row above
-the trained row, each image labelled with its score; the mean score of each row is printed.
+the trained row, each image labelled with its score on the trained component (the first of
+--reward-component-weights); the mean of every component of each row is printed.
 Reads the first eval set of the recipe; the recipe's reward must be an offline scorer.
 """
 
@@ -114,12 +115,14 @@ def main(argv=None) -> int:
     metadata = [rec.to_dict()["metadata"] for rec in records for _ in range(n)]
     rows = {"base": before, f"rollout {last_k}": after}
     scores: dict[str, list[float]] = {}
+    # tiles show the component the run trained on (the first weighted one), the printout all
+    weighted = list(cfg.reward.reward_component_weights or {})
     for label, images in rows.items():
         comps = manager.score(images, prompts, metadata).components
-        comp = sorted(comps)[0]
+        comp = weighted[0] if weighted else sorted(comps)[0]
         scores[label] = [float(v) for v in comps[comp]]
-        print(f"demo_grid: {label:>12}: {comp} mean {sum(scores[label]) / len(scores[label]):.4f} "
-              f"over {len(images)} eval images")
+        means = ", ".join(f"{c} mean {float(v.float().mean()):.4f}" for c, v in sorted(comps.items()))
+        print(f"demo_grid: {label:>12}: {means} over {len(images)} eval images")
     captions = [f"{rec.prompt}\nseed {s}" for rec in records for s in range(n)]
     draw_grid(rows, scores, captions, Path(args.output), scale=args.scale)
     print(f"demo_grid: wrote {args.output}")
