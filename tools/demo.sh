@@ -63,8 +63,11 @@ status=${PIPESTATUS[0]}
 set -e
 [[ $status == 0 ]] || { echo "[demo] training failed (exit $status); the full log is $EXP_DIR/train.log" >&2; exit "$status"; }
 
+# the trained reward and the share of shapes in the named colour (1/6 by chance), both on 0-1
 "$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/reward_curve.png" \
-  --y-range 0 1 >/dev/null
+  --series reward/object_color_mean --y-range 0 1 >/dev/null
+"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/color_match_curve.png" \
+  --series reward/color_match_mean --y-range 0 1 >/dev/null
 "$PY" tools/demo_grid.py --config configs/tiny_cpu_demo.toml --output "$EXP_DIR/before_after.png" 2>/dev/null \
   | sed 's/^demo_grid:/[demo] before\/after/'
 "$PY" - "$EXP_DIR" "$(( $(date +%s) - start ))" "$(( $(date +%s) - t_all ))" <<'PY'
@@ -86,6 +89,6 @@ for comp, s in summary["summary"].items():
 print(f"[demo] TensorBoard:  tensorboard --logdir {summary['tensorboard_dir']}")
 print(f"[demo] images:       {summary['artifact_root']}/t2i/rollout_*/ (eval: {summary['artifact_root']}/eval/t2i/)")
 print(f"[demo] checkpoints:  {summary['save']}  (continue with: bash run.sh demo --resume --num-rollout N)")
-print(f"[demo] reward curve: {exp / 'reward_curve.png'}")
+print(f"[demo] reward curve: {exp / 'reward_curve.png'}, {exp / 'color_match_curve.png'}")
 print(f"[demo] before/after: {exp / 'before_after.png'}  (held-out prompts, base model above, trained below)")
 PY
