@@ -4,7 +4,7 @@
 #   bash run.sh test [pytest args]         run the whole test suite (no args: also tests/sglang_engine)
 #   bash run.sh setup-sglang               create .venv-sglang, the SGLang engine's CPU test venv
 #   bash run.sh test-sglang [pytest args]  run tests/sglang_engine in .venv-sglang
-#   bash run.sh train RECIPE.toml [--flag value ...]
+#   bash run.sh train RECIPE.toml [--flag value ...]   (USE_CURRENT_ENV=1: the python on PATH, no .venv)
 #   bash run.sh demo                       tiny offline model, CPU, learns in minutes
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -95,9 +95,16 @@ case $cmd in
     exec "$SGL_PY" -m pytest tests/sglang_engine "$@" ;;
   train)
     [[ $# -ge 1 ]] || { echo "usage: bash run.sh train RECIPE.toml [--flag value ...]" >&2; exit 2; }
-    setup
     recipe=$1; shift
     NPROC=${NPROC:-$(nproc_default)}
+    if [[ ${USE_CURRENT_ENV:-0} == 1 ]]; then
+      # a cluster image or a checkout shared by several nodes: never pip-install at launch
+      py=${PYTHON:-python3}
+      "$py" -c 'import torch, diffusers, transformers, peft' 2>/dev/null || {
+        echo "USE_CURRENT_ENV=1: $py cannot import torch, diffusers, transformers and peft; install the project there (pip install -e .) or unset USE_CURRENT_ENV to use .venv" >&2; exit 2; }
+      exec "$py" -m torch.distributed.run --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} -m trainer.train --config "$recipe" "$@"
+    fi
+    setup
     exec "$VENV/bin/torchrun" --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} -m trainer.train --config "$recipe" "$@" ;;
   demo)
     setup

@@ -13,14 +13,15 @@ import math
 import pytest
 import torch
 
-from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state, one_rank_mesh,
+from tests.dist.tiny import (ADAPTER, LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state, one_rank_mesh,
                              replay, tiny_transformer)
-from trainer.actor import (Actor, OffloadError, _assert_trainable_boundary, model_name, never_trained_param_names,
-                           plan_updates, slice_batch)
-from trainer.engine.base import WeightManifest, WeightSyncError
+from trainer.actor import Actor, OffloadError, _assert_trainable_boundary, plan_updates, slice_batch
+from trainer.core.checksum import weights_checksum
+from trainer.core.manifest import WeightManifest, WeightSyncError, build_manifest, name_shape_hash, verify_manifest
+from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.lr_schedule import lr_at_step
-from trainer.weight_sync import (WeightSyncer, build_manifest, name_shape_hash, strip_wrapper_segments,
-                                 verify_manifest, weights_checksum)
+from trainer.models.qwen_image import never_trained_param_names
+from trainer.weight_sync import WeightSyncer
 
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5])
 LIGHT = {"grpo__num_updates_per_batch": 1}  # one optimizer step: enough where only "weights moved" matters
@@ -35,7 +36,7 @@ def mesh():
 
 def build(mesh, mode="full", **over):
     return Actor(tiny_transformer(), mesh, make_cfg(mode, **over), device=torch.device("cpu"),
-                 default_lora_targets=LORA_TARGETS)
+                 adapter=ADAPTER)
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -98,7 +99,7 @@ def _bits_changed(t: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def test_checksum_reads_bits_and_catches_single_changes_and_swaps():
-    from trainer.weight_sync import CHECKSUM_PERIOD, WeightsChecksum, column_sums, tensor_words
+    from trainer.core.checksum import CHECKSUM_PERIOD, WeightsChecksum, column_sums, tensor_words
 
     g = torch.Generator().manual_seed(0)
     # column sums are the exact int64 sums modulo 2^32, whatever the reduction order
@@ -218,6 +219,27 @@ def test_offload_onload_bit_exact_and_frees_storage(mesh):
             assert torch.equal(state[id(p)][k], v)
     with pytest.raises(OffloadError):
         actor.onload()
+
+
+def test_offload_host_copies_use_one_exact_reused_buffer(mesh):
+    """The host side of an offload is one buffer of the storages' own bytes (plus alignment), not
+    one allocation per storage, and a second offload reuses it."""
+    from trainer.host_arena import layout
+
+    actor = build(mesh, "full")
+    actor.train_step(make_batch(4), ADV, replay)
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in actor._param_tensors()}
+    m = actor.offload()
+    want = layout([n for n in sizes.values() if n])[1]
+    assert actor._params_off.host_bytes == want
+    assert m["perf/actor_offload_host_gb"] * 1e9 == pytest.approx(want + actor._optim_off.host_bytes)
+    first = {host.data_ptr() for _, _, host in actor._params_off._saved}
+    buf = actor._params_off._arena._chunks[0].data_ptr()
+    assert all(buf <= ptr < buf + want for ptr in first)
+    actor.onload()
+    actor.offload()
+    assert {host.data_ptr() for _, _, host in actor._params_off._saved} == first
+    actor.onload()
     m = actor.train_step(make_batch(4, seed=1), ADV, replay)  # still trains after the round trip
     assert m["train/optimizer_steps"] == 2 and math.isfinite(m["train/loss"])
 
@@ -330,7 +352,7 @@ def test_lora_adapter_and_merge_sync(mesh):
 def test_bf16_master_fp32_and_wire_dtype(mesh):
     actor = Actor(tiny_transformer(dtype=torch.bfloat16), mesh,
                   make_cfg("full", fsdp__fsdp_param_dtype="bf16", fsdp__fsdp_master_dtype="fp32"),
-                  device=torch.device("cpu"))
+                  device=torch.device("cpu"), adapter=ADAPTER)
     dtypes = {p.requires_grad: p.dtype for p in actor.model.parameters()}
     assert dtypes == {True: torch.float32, False: torch.bfloat16}
     m = actor.train_step(make_batch(4), ADV, replay)
@@ -363,7 +385,7 @@ def test_fsdp_cpu_offload_full_and_rejected_with_lora(mesh):
 
 
 def test_colocate_handover_order(mesh):
-    from trainer.actor import begin_update, end_update, sync_engine
+    from trainer.colocation import begin_update, end_update, sync_engine
 
     actor = build(mesh, "full", **LIGHT)
     engine = ReceiverEngine(tiny_transformer(seed=1))

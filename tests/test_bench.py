@@ -296,3 +296,19 @@ def test_replay_variant_out_of_memory_is_a_null_figure(tmp_path):
 
     with pytest.raises(RuntimeError, match="not a memory problem"):
         replay_variant(c, "ac_every2", other_error, batch={}, replay_fn=None, checkpointing=0.5)
+
+
+def test_scorers_mode_times_every_scorer_at_tiny_shape(tmp_path):
+    """--scorers builds each scorer's architecture in memory at random weights and times score()."""
+    out = tmp_path / "scorers.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--scorers", "--shape", "tiny", "--device", "cpu",
+           "--height", "48", "--width", "40", "--score-images", "4", "--iters", "1", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")] == lines
+    assert sorted(line["scorer"] for line in lines) == ["aesthetic", "clipscore", "hpsv21", "pickscore"]
+    for line in lines:
+        assert line["figure"] == "score_images_s" and line["images"] == 4 and line["device"].startswith("cpu")
+        assert math.isfinite(line["value"]) and line["value"] > 0 and 0 < line["params"] < 10_000_000

@@ -95,7 +95,9 @@ def test_rotation_keeps_n(tmp_path):
 
 def test_distributed_save_crash_resume_rotation(tmp_path):
     """2 ranks: a rank failing mid-save leaves no COMMITTED and resume takes the previous
-    iteration; the load restores weights, optimizer and RNG exactly; rotation keeps N."""
+    iteration; the load restores weights, optimizer and RNG exactly; rotation keeps N committed
+    ones, also through a failed write with N = 1; a committed iteration is never overwritten and
+    a read-only checkpoint directory is a failure returned on every rank, not a crash."""
     save, results = tmp_path / "save", tmp_path / "results"
     results.mkdir()
     torchrun("tests/workers/checkpoint_worker.py", nproc=2, env={"SAVE_DIR": str(save), "RESULT_DIR": str(results)})
@@ -108,5 +110,8 @@ def test_distributed_save_crash_resume_rotation(tmp_path):
         assert out["after_rotation"] == [4, 5]
         assert out["dirs_after_rotation"] == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
         assert "lora_rank: checkpoint has 0, this run has 8" in out["mismatch_error"]
-        assert "refusing to overwrite" in out["overwrite_error"]
+        assert out["overwrite_ok"] is False and out["iter5_state"]["rollout_id"] == 5
+        assert out["keep1_failed_ok"] is False and out["after_keep1_failure"] == [4, 5]
+        assert out["keep1_ok"] is True and out["after_keep1"] == [6]
+        assert out["read_only_ok"] is False and out["after_read_only"] == [6]
     assert not (save / "t2i" / "iter_0000002").exists()

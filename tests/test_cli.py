@@ -29,7 +29,7 @@ def recipe_env(tmp_path, monkeypatch):
     (models / "PickScore_v1").mkdir()
     data.mkdir(parents=True)
     for name in ("pickapic_train", "pickapic_eval256"):
-        (data / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup"}\n')
+        (data / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
     env = {"MODEL_DIR": str(models), "DATA_DIR": str(tmp_path / "data"), "EXP_DIR": str(tmp_path / "exp")}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -101,6 +101,7 @@ def test_a_present_loop_gets_the_config(recipe_env, monkeypatch):
     fake.__spec__ = importlib.machinery.ModuleSpec("trainer.loop", None)
     fake.run = lambda cfg, recipe=None: seen.append(cfg) or recipes.append(recipe) or 0
     monkeypatch.setitem(sys.modules, "trainer.loop", fake)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # as torchrun would start the 8-GPU recipe
     assert train.main(["--config", str(LORA), "--lr", "1e-4"]) == 0
     assert len(seen) == 1 and seen[0].optim.lr == 1e-4
     assert recipes == [str(LORA)]

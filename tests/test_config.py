@@ -316,10 +316,10 @@ def recipe_env(tmp_path):
     for d in (models / "Qwen-Image", models / "PickScore_v1", data / "processed" / "t2i", exp / "demo-base"):
         d.mkdir(parents=True)
     for name in ("pickapic_train", "pickapic_eval256", "pickapic_eval64"):
-        (data / "processed" / "t2i" / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup"}\n')
+        (data / "processed" / "t2i" / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
     (exp / "data").mkdir()
     for name in ("demo_train", "demo_eval"):
-        (exp / "data" / f"{name}.jsonl").write_text('{"prompt": "a red square"}\n')
+        (exp / "data" / f"{name}.jsonl").write_text('{"prompt": "a red square", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
     return {"MODEL_DIR": str(models), "DATA_DIR": str(data), "EXP_DIR": str(exp)}
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.workers.launch import ROOT, free_port
+from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
 
 # The reference's Monitoring series (those that exist on CPU: no perf/mem_* without CUDA).
 EXPECTED_SERIES = [
@@ -30,6 +31,9 @@ EXPECTED_SERIES = [
     "perf/train_transitions_per_s", "perf/train_samples_per_s",
     "perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time", "perf/step_time",
     "eval/demo/color_mean", "eval/other/color_mean",
+    # the reward-hacking watch, and a held-out scorer computed only at eval
+    "reward/stat_dark_fraction", "reward/stat_group_diversity", "reward/stat_jpeg_bytes_per_pixel",
+    "reward/hacking_suspect", "reward/watch_trained_rise", "eval/demo/jpeg_compressibility_mean",
 ]
 
 PROMPTS = ["a red ball", "a green cube", "a blue cup", "a yellow hat", "a purple box", "a cyan kite"]
@@ -58,14 +62,10 @@ prompt-data = "{train}"
 eval-prompt-data = ["demo", "{evalf}", "other", "{evalg}"]
 eval-interval = 2
 n-samples-per-eval-prompt = 2
-rollout-batch-size = 2
-n-samples-per-prompt = 4
-micro-batch-size = 2
-num-updates-per-batch = 2
+eval-reward-scorers = ["jpeg_compressibility"]
+hacking-baseline-rollouts = 1
+{TINY_GEOMETRY}
 fsdp-trainable-mode = "{mode}"
-fsdp-param-dtype = "fp32"
-fsdp-reduce-dtype = "fp32"
-weight-sync-wire-dtype = "fp32"
 {'lora-rank = 4' if lora else ''}
 {'lora-alpha = 8' if lora else ''}
 {'lora-adapter-mode = true' if lora else ''}
@@ -80,14 +80,7 @@ reward-scorer-path = "color"
 save-interval = 1
 artifact-retention-rollouts = 2
 
-[sampling-config]
-height = 32
-width = 32
-num_inference_steps = 4
-eta = 1.0
-sde_type = "sde"
-sde_indices = [1, 2]
-"""
+{TINY_SAMPLING}"""
     path = tmp / f"{mode}.toml"
     path.write_text(text)
     return path
@@ -118,7 +111,7 @@ def _state(ckpt: Path, iteration: int) -> dict:
 def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     recipe = _recipe(tmp_path, tiny_model_dir, mode)
     a, b = tmp_path / "a", tmp_path / "b"
-    _train(recipe, a, "--num-rollout", "4")
+    log_a = _train(recipe, a, "--num-rollout", "4")
     _train(recipe, b, "--num-rollout", "2")
     log = _train(recipe, b, "--num-rollout", "4", "--load", str(b / "ckpt"))
     assert "continuing at rollout 2" in log
@@ -171,6 +164,20 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     # the first update of every rollout starts at ratio 1: ratio_min <= 1 <= ratio_max
     for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
         assert lo <= 1.0 <= hi
+    # TensorBoard beyond scalars: the run is named after the recipe (full.toml), rollout grids
+    # every rollout, each eval prompt under one tag at every eval (rollouts 1 and 3); rank 0
+    # logs the eval prompts whose candidates it generated (the first of each set here)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert [p.name for p in (a / "tb").iterdir()] == ["full"]
+    acc = EventAccumulator(str(a / "tb" / "full"), size_guidance={"images": 0, "tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("rollout/candidates")] == [0, 1, 2, 3]
+    for tag in ("eval/demo/prompt_000", "eval/other/prompt_000"):
+        assert [e.step for e in acc.Images(tag)] == [1, 3], tag
+    assert "full" in acc.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
+    # the progress bars stay out of a log file: no carriage-return frames in the captured output
+    assert "\r" not in log_a
 
 
 def test_two_nodes_on_loopback(tmp_path, tiny_model_dir):

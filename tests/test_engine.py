@@ -9,7 +9,8 @@ from trainer.engine.base import RolloutEngine, WeightSyncError
 from trainer.engine.native import NativeEngine
 from trainer.models.qwen_image import QwenImageAdapter, dit_velocity, img_shapes_for, select_candidates
 from trainer.sampling import parse_sampling_config
-from trainer.weight_sync import build_manifest, weights_checksum
+from trainer.core.checksum import weights_checksum
+from trainer.core.manifest import build_manifest
 
 SAMPLING = {"height": 64, "width": 64, "num_inference_steps": 6, "eta": 0.7, "sde_type": "sde",
             "sde_indices": [1, 2, 4]}
@@ -129,7 +130,7 @@ def test_replay_through_peft_wrapped_transformer(engine, adapter, sampling, tiny
     torch.testing.assert_close(logp.detach(), batch["log_probs"][:, 1], atol=1e-5, rtol=0)
     logp.sum().backward()  # differentiable through the adapter
     # lora_B gets a gradient everywhere except the last block's text queries and text output
-    # projection, whose text-stream outputs Qwen-Image discards (NOTES.md)
+    # projection, whose text-stream outputs Qwen-Image discards
     grads = {n: p.grad for n, p in actor.named_parameters() if "lora_B" in n}
     unused = {n for n in grads if n.startswith(("transformer_blocks.1.attn.to_add_out.",
                                                 "transformer_blocks.1.attn.add_q_proj."))}
@@ -419,3 +420,13 @@ def test_weight_index_is_kept_while_the_dit_structure_holds(tiny_model_dir, adap
     assert other.holds_lora()
     with pytest.raises(WeightSyncError, match="holds LoRA layers"):
         other.update_weights_from_tensors(base, build_manifest("full", base, 2))
+
+
+def test_the_qwen_image_adapter_implements_the_whole_protocol():
+    """The engine, the actor and the loop call the adapter only through the protocol: every member
+    it declares must exist on the shipped adapter."""
+    from trainer.models.base import GenerativeModelAdapter
+
+    members = [m for m in vars(GenerativeModelAdapter) if not m.startswith("_")]
+    members += list(GenerativeModelAdapter.__annotations__)
+    assert [m for m in members if not hasattr(QwenImageAdapter(), m)] == []

@@ -26,8 +26,8 @@ def base(tmp_path):
     pick.mkdir()
     train = tmp_path / "train.jsonl"
     evalf = tmp_path / "eval.jsonl"
-    train.write_text('{"prompt": "a red panda in a teacup"}\n')
-    evalf.write_text('{"prompt": "a lighthouse at dusk"}\n')
+    train.write_text('{"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
+    evalf.write_text('{"prompt": "a lighthouse at dusk", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
     return [
         "--generation-task", "t2i",
         "--model-path", str(model),
@@ -313,3 +313,36 @@ def test_a_shipped_but_absent_implementation_is_named_as_such(base, monkeypatch)
     monkeypatch.setattr(pf, "_SHIPPED_DOTPATHS", pf._SHIPPED_DOTPATHS | {path})
     got = problems(base + ["--model-adapter-path", path])
     assert len(got) == 1 and "is not in this build" in got[0] and "spelling" not in got[0], got
+
+
+def test_judge_eval_scorer_and_watch_flags_are_checked_before_anything_loads(base, tmp_path):
+    aesthetic = tmp_path / "models" / "aesthetic"
+    bad = [
+        "--reward-judge-score-min", "5", "--reward-judge-score-max", "5",
+        "--reward-judge-max-concurrency", "0",
+        "--reward-judge-timeout-s", "-1",
+        "--reward-judge-score-regex", r"\d+",
+        "--hacking-stat-threshold", "0",
+        "--hacking-patience", "0",
+        "--eval-reward-scorers", json.dumps(["aesthetic", f"clipscore={aesthetic}", "trainer.rewards.nosuch.Scorer"]),
+    ]
+    found = problems(base + bad)
+    for needle in ("--reward-judge-score-max (5.0) must exceed", "--reward-judge-max-concurrency",
+                   "--reward-judge-timeout-s must be a number > 0", "--reward-judge-score-regex",
+                   "--hacking-stat-threshold must be a number > 0", "--hacking-patience",
+                   "entry 'aesthetic' needs its model directory", "entry 'clipscore'",
+                   "entry 'trainer.rewards.nosuch.Scorer'"):
+        assert any(needle in p for p in found), (needle, found)
+    aesthetic.mkdir()
+    assert problems(base + ["--eval-reward-scorers", json.dumps([f"aesthetic={aesthetic}", "jpeg_compressibility"])]) == []
+    no_eval = _without(_without(base, "--eval-prompt-data", 2), "--eval-interval", 1)
+    assert any("needs --eval-prompt-data" in p for p in problems(no_eval + ["--eval-reward-scorers",
+                                                                         '["jpeg_compressibility"]']))
+
+
+def _without(argv: list[str], flag: str, nvalues: int) -> list[str]:
+    """argv less `flag` and the `nvalues` values after it."""
+    if flag not in argv:
+        return list(argv)
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 1 + nvalues:]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.tiny import (LATENT_HW, LORA_TARGETS, TEXT_LEN, full_params, make_batch, make_cfg, one_rank_mesh, replay,
+from tests.dist.tiny import (ADAPTER, LATENT_HW, LORA_TARGETS, TEXT_LEN, full_params, make_batch, make_cfg, one_rank_mesh, replay,
                              tiny_transformer)
 from trainer.actor import Actor
 from trainer.models.qwen_image import dit_velocity, text_conditioning
@@ -43,7 +43,7 @@ class CountingReplay:
 
 def run_update(mesh, fused: bool, adv: torch.Tensor, *, mode: str = "full", valid=None, **over):
     actor = Actor(tiny_transformer(), mesh, make_cfg(mode, **over), device=torch.device("cpu"),
-                  default_lora_targets=LORA_TARGETS)
+                  adapter=ADAPTER)
     actor.anchor_from_first_update = fused
     fn = CountingReplay()
     metrics = actor.train_step(make_batch(int(adv.shape[0])), adv, fn, valid=valid)
@@ -178,7 +178,7 @@ def test_progress_ticks_once_per_replayed_micro_batch(mesh):
     """The loop's update progress bar: one tick per replay, anchor passes included."""
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     actor = Actor(tiny_transformer(), mesh, make_cfg("full"), device=torch.device("cpu"),
-                  default_lora_targets=LORA_TARGETS)
+                  adapter=ADAPTER)
     fn, ticks = CountingReplay(), []
     actor.train_step(make_batch(4), adv, fn, progress=lambda: ticks.append(1))
     assert len(ticks) == fn.grad + fn.no_grad == 4 + actor.last_anchor_passes

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -168,6 +169,17 @@ def run_score(argv):
     return [json.loads(line) for line in buf.getvalue().splitlines()]
 
 
+def score_fails(argv, match):
+    """The tool's bad-input path: exit 2 and one `score: error:` line on stderr matching `match`."""
+    from tools import score
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert score.main(argv) == 2
+    line = err.getvalue().strip()
+    assert line.startswith("score: error: ") and "\n" not in line and re.search(match, line), line
+
+
 def test_score_tool_matches_artifact_names_and_order(tmp_path):
     pal = color_palette()
     prompt_file = tmp_path / "prompts.jsonl"
@@ -199,9 +211,8 @@ def test_score_tool_matches_artifact_names_and_order(tmp_path):
     assert [r["image"] for r in rows] == ["a.png", "b.png", "c.png"]  # sorted, paired with lines in order
     assert rows[1]["scores"]["color"] == pytest.approx(math.exp(-4))  # red vs "green": exp(-2 / 0.5)
     (plain / "d.png").write_bytes((plain / "a.png").read_bytes())
-    with pytest.raises(ValueError, match="4 images .* 3 prompts"):
-        run_score(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(plain),
-                   "--prompt-data", str(prompt_file)])
+    score_fails(["--reward-scorer-path", "trainer.rewards.color.ColorScorer", "--images", str(plain),
+                 "--prompt-data", str(prompt_file)], "4 images .* 3 prompts")
 
 
 def test_score_tool_takes_a_groups_prompt_from_its_sidecar(tmp_path):
@@ -209,7 +220,6 @@ def test_score_tool_takes_a_groups_prompt_from_its_sidecar(tmp_path):
     the sidecar beside the images names the prompt; a group without one falls back to the line."""
     from tests.test_artifacts import SAMPLING, fake_group
     from trainer import artifacts
-    from trainer.artifacts import ArtifactError
 
     pal = color_palette()
     prompt_file = tmp_path / "prompts.jsonl"
@@ -226,8 +236,7 @@ def test_score_tool_takes_a_groups_prompt_from_its_sidecar(tmp_path):
     rows = run_score(["--reward-scorer-path", "color", "--images", str(art), "--prompt-data", str(prompt_file)])
     assert [(r["group"], r["prompt"]) for r in rows] == [(0, "a blue ball"), (1, "a green ball")]
     assert rows[0]["scores"]["color"] == pytest.approx(1.0)  # blue image, the blue prompt it was sampled for
-    with pytest.raises(ValueError, match="group_00000001.safetensors.*--prompt-data"):
-        run_score(["--reward-scorer-path", "color", "--images", str(art)])
+    score_fails(["--reward-scorer-path", "color", "--images", str(art)], "group_00000001.safetensors.*--prompt-data")
     (art / "group_00000001.safetensors").write_bytes(b"")
-    with pytest.raises(ArtifactError, match="group_00000001.safetensors is corrupt"):
-        run_score(["--reward-scorer-path", "color", "--images", str(art), "--prompt-data", str(prompt_file)])
+    score_fails(["--reward-scorer-path", "color", "--images", str(art), "--prompt-data", str(prompt_file)],
+                "group_00000001.safetensors is corrupt")

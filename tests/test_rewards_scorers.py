@@ -148,53 +148,13 @@ def test_ocr_scorer_reads_rendered_text():
 
 # --- PickScore -------------------------------------------------------------------------------------
 
-def _bytes_to_unicode() -> list[str]:
-    # GPT-2 / CLIP byte-to-symbol table: printable bytes map to themselves, the rest above 255
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
 @pytest.fixture(scope="module")
 def tiny_clip_dir(tmp_path_factory):
     """A random CLIP (2 layers, width 32) plus a byte-level CLIP tokenizer and image processor,
     saved with save_pretrained: the on-disk layout of a PickScore_v1 directory."""
-    from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from tests.tiny_rewards import write_tiny_clip_dir
 
-    try:
-        from transformers import CLIPImageProcessorPil as ImageProcessor
-    except ImportError:  # older transformers: the PIL processor is the default one
-        from transformers import CLIPImageProcessor as ImageProcessor
-
-    symbols = _bytes_to_unicode()
-    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols])}
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    tok = CLIPTokenizer(vocab=vocab, merges=[])
-    proc = CLIPProcessor(
-        image_processor=ImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-        tokenizer=tok,
-    )
-    cfg = CLIPConfig(
-        text_config=dict(
-            vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"],
-            eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"],
-        ),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("pickscore")
-    CLIPModel(cfg).save_pretrained(d)
-    proc.save_pretrained(d)
-    return str(d)
+    return write_tiny_clip_dir(tmp_path_factory.mktemp("pickscore"))
 
 
 def test_pickscore_loads_tiny_clip_and_depends_on_prompt(tiny_clip_dir):

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
-from trainer.engine.base import WeightSyncError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = json.dumps({"height": 64, "width": 64, "num_inference_steps": 4, "eta": 0.7, "sde_indices": [1, 2]})
@@ -87,32 +86,41 @@ def test_lora_changes_the_samples_and_output_is_never_overwritten(tmp_path, tiny
     a = np.asarray(Image.open(tmp_path / "plain" / name), dtype=np.int16)
     b = np.asarray(Image.open(tmp_path / "lora_out" / name), dtype=np.int16)
     assert np.abs(a - b).max() > 0
-    with pytest.raises(SystemExit, match="already holds artifacts"):
-        main(base + ["--output", str(tmp_path / "plain")])
+    assert main(base + ["--output", str(tmp_path / "plain")]) == 2
+    assert "already holds artifacts" in capsys.readouterr().err
     assert main(base + ["--output", str(tmp_path / "plain"), "--overwrite"]) == 0
 
 
-def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir):
+def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir, capsys):
+    """Each bad input: exit 2 and one line `sample: error: ...` naming the flag or file."""
     from tools.sample import main
+
+    def fails(argv: list[str], match: str) -> None:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own checks exit from parse_args
+            code = e.code
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]  # model loading may print progress before it
+        assert code == 2 and last.startswith("sample: error: ") and "Traceback" not in err, err
+        assert re.search(match, last), last
 
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     base = ["--model-path", str(tiny_model_dir), "--prompt-data", str(prompts), "--output", str(tmp_path / "o")]
-    with pytest.raises(ValueError, match="guidance_scale"):
-        main(base + ["--sampling-config", json.dumps({"guidance_scale": 4.0, "sde_indices": [1]})])
-    with pytest.raises(FileNotFoundError, match="--lora"):
-        main(base + ["--sampling-config", SMALL, "--lora", str(tmp_path / "missing")])
+    fails(base + ["--sampling-config", json.dumps({"guidance_scale": 4.0, "sde_indices": [1]})], "guidance_scale")
+    fails(base + ["--sampling-config", SMALL, "--lora", str(tmp_path / "missing")], "argument --lora: .*missing")
     # an adapter directory whose files are damaged: the error names the file
     broken = tmp_path / "broken_lora"
     broken.mkdir()
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(WeightSyncError, match=r"adapter_config.json has no r / lora_alpha"):
-        main(base + ["--sampling-config", SMALL, "--lora", str(broken)])
+    fails(base + ["--sampling-config", SMALL, "--lora", str(broken)], r"adapter_config.json has no r / lora_alpha")
     (broken / "adapter_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"adapter_config.json is not valid JSON"):
-        main(base + ["--sampling-config", SMALL, "--lora", str(broken)])
+    fails(base + ["--sampling-config", SMALL, "--lora", str(broken)], r"adapter_config.json is not valid JSON")
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
-    with pytest.raises(ValueError, match=r"adapter_model.safetensors is not a readable safetensors file"):
-        main(base + ["--sampling-config", SMALL, "--lora", str(broken)])
-    with pytest.raises(SystemExit, match="--rollout-id must be >= 0"):
-        main(base + ["--sampling-config", SMALL, "--rollout-id", "-1"])
+    fails(base + ["--sampling-config", SMALL, "--lora", str(broken)],
+          r"adapter_model.safetensors is not a readable safetensors file")
+    fails(base + ["--sampling-config", SMALL, "--rollout-id", "-1"], "--rollout-id must be >= 0")
+    # a missing model directory, or one that is not a pipeline, fails before anything loads
+    fails(["--model-path", str(tmp_path / "nomodel")] + base[2:], "argument --model-path: .*nomodel does not exist")
+    fails(["--model-path", str(tmp_path)] + base[2:], "--model-path .* has no model_index.json")

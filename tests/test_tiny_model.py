@@ -27,7 +27,7 @@ def test_loads_with_diffusers_pipeline_offline(tiny_model_dir, monkeypatch):
     """The stock QwenImagePipeline loads the directory with local_files_only and generates."""
     from diffusers import QwenImagePipeline
 
-    from trainer.engine.native import prompt_template_start_idx
+    from trainer.models.qwen_image import prompt_template_start_idx
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pipe = QwenImagePipeline.from_pretrained(str(tiny_model_dir), local_files_only=True, dtype=torch.float32)

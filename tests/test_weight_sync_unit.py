@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import trainer.weight_sync as ws
-from trainer.weight_sync import (CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD, FLAT_GATHER_MAX_BYTES, WeightSyncer, column_sums,
-                                 column_sums_wide, gather_full_tensors, takes_flat_path, tensor_words, weights_checksum)
+from trainer.core.checksum import (CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD, column_sums, column_sums_wide, tensor_words,
+                                   weights_checksum)
+from trainer.weight_sync import FLAT_GATHER_MAX_BYTES, WeightSyncer, gather_full_tensors, takes_flat_path
 
 P, K = CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD
 
@@ -72,10 +73,12 @@ import hashlib  # noqa: E402
 
 import torch.nn as nn  # noqa: E402
 
-from tests.dist.tiny import LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, one_rank_mesh, replay, tiny_transformer  # noqa: E402,E501
+from tests.dist.tiny import ADAPTER, LORA_TARGETS, ReceiverEngine, make_batch, make_cfg, one_rank_mesh, replay, tiny_transformer  # noqa: E402,E501
 from trainer.actor import Actor  # noqa: E402
 from trainer.engine.base import WeightSyncError  # noqa: E402
-from trainer.weight_sync import ModuleTreeSnapshot, iter_sync_buckets, name_shape_hash, plan_sync  # noqa: E402
+from trainer.core.manifest import name_shape_hash  # noqa: E402
+from trainer.core.modules import ModuleTreeSnapshot  # noqa: E402
+from trainer.weight_sync import iter_sync_buckets, plan_sync  # noqa: E402
 
 ADV = torch.tensor([1.0, -1.0])
 
@@ -87,7 +90,7 @@ def mesh():
 
 def _actor(mesh, mode, **over):
     return Actor(tiny_transformer(), mesh, make_cfg(mode, **over), device=torch.device("cpu"),
-                 default_lora_targets=LORA_TARGETS)
+                 adapter=ADAPTER)
 
 
 def _flat(buckets):

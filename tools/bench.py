@@ -1,7 +1,7 @@
 """Time the project's own engine, actor and weight sync at Qwen-Image shape, with random weights.
 
-    torchrun --nproc-per-node 1 tools/bench.py --shape real --out bench/results/h200x1.jsonl
-    torchrun --nproc-per-node 2 tools/bench.py --shape real --full --out bench/results/h200x2.jsonl
+    torchrun --nproc-per-node 1 tools/bench.py --shape real --output bench/results/h200x1.jsonl
+    torchrun --nproc-per-node 2 tools/bench.py --shape real --full --output bench/results/h200x2.jsonl
     python tools/bench.py --shape tiny --device cpu --height 64 --width 64 ...   (smoke test)
 
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
@@ -14,7 +14,7 @@ project's: `NativeEngine` (trainer/engine/native.py) generates, `Actor` (trainer
 replays and updates through the adapter's `replay_transition`, `WeightSyncer`
 (trainer/weight_sync.py) hands weights over, `ColorScorer` + `compute_advantages` score.
 
-Every figure is one JSON line, printed by rank 0 and appended to --out:
+Every figure is one JSON line, printed by rank 0 and appended to --output:
 
     {"figure": name, "value": v, "unit": u, "device": ..., "world_size": n, "geometry": {...}, ...}
 
@@ -37,10 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-if __package__ in (None, ""):  # run as a script (torchrun tools/bench.py): make `trainer` importable
+if __package__ in (None, ""):  # run as a script (torchrun tools/bench.py): this checkout's trainer and tools
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
+import torch  # noqa: E402
+
+from trainer.cli import tool_parser  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # shapes
@@ -448,7 +450,7 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
     reshard_after_forward / activation_checkpointing (None: as the args say) /
     activation_checkpointing_every: the replay variants (--replay-variants)."""
     from trainer.actor import Actor, build_train_model
-    from trainer.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
+    from trainer.models.qwen_image import QwenImageAdapter
 
     cfg = actor_cfg(args, mode)
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
@@ -456,7 +458,7 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
     model = build_transformer(args.shape, device, dtype, seed=args.seed)
     model, lora_config, never_trained = build_train_model(
-        model, mesh, cfg.fsdp, cfg.lora, default_lora_targets=QWEN_IMAGE_LORA_TARGETS,
+        model, mesh, cfg.fsdp, cfg.lora, adapter=QwenImageAdapter(),
         activation_checkpointing_every=activation_checkpointing_every)
     return Actor(model, mesh, cfg, device=device, built=True, lora_config=lora_config, never_trained=never_trained)
 
@@ -660,7 +662,7 @@ def phase_checksum(c: Ctx) -> None:
     """checksum_s: weights_checksum over the engine DiT's parameters (what a verified full / merged
     sync computes on each side), by itself; checksum_alt_s: the same with column_sums_wide, whose
     digest must be equal (same_digest says whether it is, on this device)."""
-    from trainer.weight_sync import column_sums, column_sums_wide, weights_checksum
+    from trainer.core.checksum import column_sums, column_sums_wide, weights_checksum
 
     params = list(c.engine.transformer.named_parameters())
     gb = sum(p.numel() * p.element_size() for _, p in params) / 1e9
@@ -845,40 +847,151 @@ def _update_fits(c: Ctx, actor) -> bool:
 # ----------------------------------------------------------------------------------------------
 # main
 
+# ----------------------------------------------------------------------------------------------
+# --scorers: each real-architecture reward model at random weights, on its own
+
+#: CLIP towers (transformers CLIPConfig fields) of the scorers' published models
+_CLIP_SHAPES = {
+    # laion/CLIP-ViT-H-14 (PickScore_v1, HPSv2.1): 0.99 B parameters
+    "vit_h_14": dict(text=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
+                     vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                                 patch_size=14, image_size=224, hidden_act="gelu"),
+                     projection_dim=1024, text_act="gelu"),
+    # openai/clip-vit-large-patch14 (CLIPScore, the aesthetic predictor): 0.43 B parameters
+    "vit_l_14": dict(text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+                     vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                                 patch_size=14, image_size=224, hidden_act="quick_gelu"),
+                     projection_dim=768, text_act="quick_gelu"),
+    "tiny": dict(text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+                 vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             patch_size=8, image_size=32),
+                 projection_dim=16, text_act="quick_gelu"),
+}
+
+
+def _random_clip(tower: str, tokenizer, seed: int):
+    from transformers import CLIPConfig, CLIPModel
+
+    shape = _CLIP_SHAPES[tower]
+    cfg = CLIPConfig(
+        text_config=dict(**shape["text"], vocab_size=49408, max_position_embeddings=77, hidden_act=shape["text_act"],
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=shape["vision"], projection_dim=shape["projection_dim"])
+    torch.manual_seed(seed)
+    return CLIPModel(cfg)
+
+
+def bench_scorers(args: argparse.Namespace) -> int:
+    """Time each real-architecture scorer on --score-images random images at random weights
+    (built in memory: no weights are read), through the scorer's own score(). One JSON line per
+    scorer: the mean of --iters timed calls after a warm-up."""
+    import numpy as np
+
+    from tools.tiny_clip import tiny_clip_processor
+    from trainer.rewards.aesthetic import AestheticHead, AestheticScorer
+    from trainer.rewards.base import ImageBatch
+    from trainer.rewards.clipscore import ClipScoreScorer
+    from trainer.rewards.hpsv2 import Hpsv21Scorer
+    from trainer.rewards.pickscore import PickScoreScorer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    real = args.shape == "real"
+    proc = tiny_clip_processor(224 if real else 32)
+    tok = proc.tokenizer
+    big, large = ("vit_h_14", "vit_l_14") if real else ("tiny", "tiny")
+    rng = np.random.default_rng(args.seed)
+    batch = ImageBatch([rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8)
+                        for _ in range(args.score_images)])
+    prompts = [f"prompt {i // 8}: a photo of a red panda in a teacup" for i in range(args.score_images)]
+
+    def aesthetic():
+        from transformers import CLIPVisionModelWithProjection
+
+        clip = _random_clip(large, tok, args.seed)
+        vcfg = clip.config.vision_config
+        vcfg.projection_dim = clip.config.projection_dim
+        vision = CLIPVisionModelWithProjection(vcfg)
+        return AestheticScorer.from_modules(vision, AestheticHead(clip.config.projection_dim), proc.image_processor,
+                                            device, dtype)
+
+    builders = {
+        "pickscore": lambda: PickScoreScorer.from_modules(_random_clip(big, tok, args.seed), proc, device, dtype),
+        "hpsv21": lambda: Hpsv21Scorer.from_modules(_random_clip(big, tok, args.seed), tok, device, dtype),
+        "clipscore": lambda: ClipScoreScorer.from_modules(_random_clip(large, tok, args.seed), proc, device, dtype),
+        "aesthetic": aesthetic,
+    }
+    for name, build in builders.items():
+        scorer = build()
+        params = sum(p.numel() for p in (scorer.clip.model if hasattr(scorer, "clip") else scorer.vision).parameters())
+        out = scorer.score(batch, prompts, [{}] * len(batch))  # warm-up (kernels, allocator)
+        assert torch.isfinite(out[name]).all(), f"{name}: non-finite scores at random weights"
+        times = []
+        for _ in range(args.iters):
+            _sync(device)
+            t0 = time.perf_counter()
+            scorer.score(batch, prompts, [{}] * len(batch))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        line = {"figure": "score_images_s", "scorer": name, "value": float(sum(times) / len(times)), "unit": "s",
+                "images": len(batch), "height": args.height, "width": args.width, "params": int(params),
+                "device": device_name(device), "dtype": str(dtype).replace("torch.", ""), "shape": args.shape}
+        print(json.dumps(line), flush=True)
+        if args.out is not None:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        del scorer
+        _free(device)
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("bench", __doc__)
     p.add_argument("--shape", choices=SHAPES, default="real", help="real: Qwen-Image 20.4 B; tiny: the test model")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--out", type=Path, default=None, help="JSON-lines file the figures are appended to")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="unset: cuda when available")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="unset: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--output", "--out", dest="out", type=Path, default=None,
+                   help="JSON-lines file the figures are appended to")
     p.add_argument("--height", type=int, default=384, help="image height; a multiple of 16 (real) / 8 (tiny)")
-    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--width", type=int, default=384, help="image width")
     p.add_argument("--steps", type=int, default=12, help="denoising steps per image")
     p.add_argument("--trained-steps", type=int, default=3, help="SDE steps drawn from --sde-pool per rollout")
-    p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    p.add_argument("--eta", type=float, default=0.7)
+    p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="SDE step pool")
+    p.add_argument("--eta", type=float, default=0.7, help="SDE noise level")
     p.add_argument("--prompts", type=int, default=4, help="prompts per GPU")
     p.add_argument("--group-size", type=int, default=8, help="candidates per prompt (prompts x group = per GPU)")
     p.add_argument("--text-tokens", type=int, default=128, help="text conditioning length of every prompt")
-    p.add_argument("--max-batch", type=int, default=0, help="engine candidates per DiT forward; 0 = all")
-    p.add_argument("--micro-batch", type=int, default=8, help="replay micro-batch; must divide each update's share")
-    p.add_argument("--num-updates", type=int, default=2, help="--num-updates-per-batch of the recipe")
-    p.add_argument("--lora-rank", type=int, default=64)
-    p.add_argument("--lora-alpha", type=int, default=128)
+    p.add_argument("--engine-batch-size", "--max-batch", dest="max_batch", type=int, default=0,
+                   help="engine candidates per DiT forward; 0 = all")
+    p.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=8,
+                   help="replay micro-batch; must divide each update's share")
+    p.add_argument("--num-updates-per-batch", "--num-updates", dest="num_updates", type=int, default=2,
+                   help="optimizer steps per rollout, as in training")
+    p.add_argument("--lora-rank", type=int, default=64, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=int, default=128, help="LoRA alpha")
     p.add_argument("--no-activation-checkpointing", action="store_true")
-    p.add_argument("--bucket-mb", type=float, default=2048, help="--weight-sync-bucket-size-mb")
+    p.add_argument("--weight-sync-bucket-size-mb", "--bucket-mb", dest="bucket_mb", type=float, default=2048,
+                   help="weight sync bucket size, as in training")
     p.add_argument("--sync-kind", choices=("adapter", "merged"), default="adapter", help="LoRA sync of the step")
     p.add_argument("--full", action="store_true", help="also time full fine-tune replay / update and the full sync")
     p.add_argument("--offload", action="store_true", help="the step offloads actor / engine around each stage")
     p.add_argument("--skip", nargs="+", default=[], choices=SKIPPABLE, metavar="PHASE",
                    help=f"phases to leave out, of {SKIPPABLE} (e.g. offload when host RAM is short); the rollout "
                         "always runs, it feeds the others")
-    p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32],
+                   help="batch sizes of the DiT forward timing")
     p.add_argument("--iters", type=int, default=2, help="timed repetitions after the warm-up")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="MFU denominator; default: the measured dense GEMM throughput")
+                   help="MFU denominator; unset: the measured dense GEMM throughput")
     p.add_argument("--gemm-size", type=int, default=8192, help="size of the GEMM that measures the peak")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="DiT blocks of --shape real, at full width (default 60: the whole model); compares "
+                        "with a product-path run on a model directory of that depth")
+    p.add_argument("--scorers", action="store_true",
+                   help="only time the reward scorers (PickScore, HPSv2.1, CLIPScore, aesthetic) at random weights")
+    p.add_argument("--score-images", type=int, default=32, help="images per scorer call with --scorers")
     p.add_argument("--replay-variants", action="store_true",
                    help=f"also time LoRA replay with each of {tuple(REPLAY_VARIANTS)} (an actor built per variant; "
                         "out of memory gives a null figure with oom: true)")
@@ -888,8 +1001,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.iters < 1:
         p.error(f"--iters must be >= 1, got {args.iters}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
-        p.error(f"--micro-batch {args.micro_batch} x --num-updates {args.num_updates} must divide the "
-                f"{args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
+        p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
+                f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
     return args
 
 
@@ -902,6 +1015,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     args = parse_args(argv)
+    if args.num_layers and args.shape == "real":
+        REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
+    if args.scorers:
+        return bench_scorers(args)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
     dtype = _DTYPES[args.dtype]
@@ -921,9 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
             "sde_pool": list(args.sde_pool)})
         sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
-        pipe = engine._pipe
-        prompts = make_prompts(args.prompts, engine.tokenizer, pipe.prompt_template_encode,
-                               pipe.prompt_template_encode_start_idx, args.text_tokens)
+        encoder = engine.prompt_encoder
+        prompts = make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
+                               args.text_tokens)
         text_tokens = int(engine.encode_prompt(prompts[0])[0].shape[0])
         dit_cfg = dict(engine.transformer.config)
         image_tokens = image_tokens_for(args.height, args.width, engine.vae_scale_factor,
@@ -932,6 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "trained_steps": len(sde_indices), "sde_indices": sde_indices, "eta": args.eta,
                     "prompts": args.prompts, "group_size": args.group_size,
                     "candidates": args.prompts * args.group_size, "image_tokens": image_tokens,
+                    "dit_layers": int(dit_cfg["num_layers"]),
                     "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
                     "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
                     "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype}

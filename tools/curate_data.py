@@ -1,6 +1,6 @@
 """Dedup, filter and split a prompt JSONL into train / eval files.
 
-    python tools/curate_data.py --input data/raw/t2i/pickapic.jsonl --out-dir data/processed/t2i \\
+    python tools/curate_data.py --input data/raw/t2i/pickapic.jsonl --output-dir data/processed/t2i \\
         --prefix pickapic_ --min-prompt-words 6 --eval-size 2048 --eval-subset-sizes 64 256 \\
         --no-check-media
 
@@ -24,7 +24,7 @@ Every step is deterministic, never RNG:
    inside eval.
 
 Files keep input order and are canonical JSON lines, so a rerun writes identical bytes.
-Relative media paths are rewritten to stay valid relative to --out-dir.
+Relative media paths are rewritten to stay valid relative to --output-dir.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from trainer.cli import existing_file, run_tool, tool_parser  # noqa: E402
 from trainer.data import (DataError, PromptRecord, count_words, iter_jsonl_lines, parse_record,
                           record_content_hash, resolve_media_path, split_unit, where, write_jsonl)
 
@@ -162,7 +163,7 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
     out_paths = [os.path.join(out_dir, n) for n in (train_name, eval_name, *subset_names)]
     src = os.path.abspath(input_path)
     if any(os.path.abspath(p) == src for p in out_paths):
-        raise DataError(f"--input {input_path} would be overwritten by an output; use another --out-dir or --prefix")
+        raise DataError(f"--input {input_path} would be overwritten by an output; use another --output-dir or --prefix")
 
     report = CurateReport()
     records = load_records(input_path)
@@ -212,11 +213,11 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="the prompt JSONL to curate (e.g. prepare_data.py's output)")
-    p.add_argument("--out-dir", required=True, help="directory for <prefix>train.jsonl, <prefix>eval.jsonl, ...")
-    p.add_argument("--prefix", default="", help="file name prefix, e.g. 'pickapic_' (default: none)")
+    p = tool_parser("curate_data", __doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, type=existing_file, help="the prompt JSONL to curate (e.g. prepare_data.py's output)")
+    p.add_argument("--output-dir", "--out-dir", dest="output_dir", required=True,
+                   help="directory for <prefix>train.jsonl, <prefix>eval.jsonl, ...")
+    p.add_argument("--prefix", default="", help="file name prefix, e.g. 'pickapic_' (unset: none)")
     p.add_argument("--min-prompt-words", type=int, default=0,
                    help="drop prompts with fewer words (media placeholders not counted); the Pick-a-Pic "
                         "preset is 6: one- and two-word captions give almost no intra-group reward variance")
@@ -226,20 +227,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write <prefix>eval<A>.jsonl for each A: nested subsets of eval (each <= eval size)")
     p.add_argument("--eval-fraction", type=float, default=None,
                    help=f"without --eval-size: eval = records whose sample-id hash is below F "
-                        f"(default {DEFAULT_EVAL_FRACTION}); must be in (0, 1)")
+                        f"(unset: {DEFAULT_EVAL_FRACTION}); must be in (0, 1)")
     p.add_argument("--no-check-media", action="store_true",
-                   help="keep records whose media files do not exist (default: drop them)")
+                   help="keep records whose media files do not exist (unset: drop them)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        report = curate(args.input, args.out_dir, args.prefix, args.min_prompt_words, args.eval_size,
-                        args.eval_subset_sizes, args.eval_fraction, not args.no_check_media)
-    except DataError as e:
-        print(f"curate_data: error: {e}", file=sys.stderr)
-        return 2
+    return run_tool("curate_data", lambda: _curate(args), (DataError,))
+
+
+def _curate(args: argparse.Namespace) -> int:
+    report = curate(args.input, args.output_dir, args.prefix, args.min_prompt_words, args.eval_size,
+                    args.eval_subset_sizes, args.eval_fraction, not args.no_check_media)
     print(f"curate_data: read {report.read} record(s) from {args.input}")
     for reason, lines in report.dropped.items():
         examples = ", ".join(str(n) for n in lines[:EXAMPLES_PER_REASON])

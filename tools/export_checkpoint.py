@@ -51,9 +51,12 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `trainer` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer.cli import existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
-from trainer.actor import DTYPES, is_lora_name, never_trained_param_names  # noqa: E402
-from trainer.weight_sync import merge_lora, strip_wrapper_segments  # noqa: E402
+from trainer.core.dtypes import DTYPES  # noqa: E402
+from trainer.core.names import is_lora_name, strip_wrapper_segments  # noqa: E402
+from trainer.models.qwen_image import never_trained_param_names  # noqa: E402
+from trainer.weight_sync import merge_lora  # noqa: E402
 
 log = logging.getLogger("export_checkpoint")
 
@@ -413,7 +416,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
 
 def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str]) -> list[str]:
     """Base transformer weights a full fine-tune checkpoint lacks, checked to be exactly ones the
-    trainer freezes as never trained (trainer.actor.never_trained_param_names on the base's
+    trainer freezes as never trained (trainer.models.qwen_image.never_trained_param_names on the base's
     architecture): those equal the base. Any other gap means a damaged checkpoint or the wrong base."""
     missing = sorted(n for n in located if n not in ckpt.tensors)
     if not missing:
@@ -425,6 +428,32 @@ def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str
                           f"{base}, e.g. {unexplained[:3]}: the checkpoint is incomplete or --base-model-path is "
                           "not the model this run trained")
     return missing
+
+
+class Progress:
+    """One log line per finished unit of a long phase (a 40 GB export takes minutes): how far,
+    how fast, how long still. Sizes are the files' bytes on disk."""
+
+    def __init__(self, phase: str, sizes: list[int]):
+        import time
+
+        self.phase, self.total, self.n = phase, max(sum(sizes), 1), len(sizes)
+        self.done, self.count, self._clock, self.t0 = 0, 0, time.perf_counter, time.perf_counter()
+
+    def step(self, what: str, size: int) -> None:
+        self.done += size
+        self.count += 1
+        elapsed = self._clock() - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        log.info("%s %d/%d %s: %.2f / %.2f GB (%.0f%%), %.0f MB/s, about %.0f s left", self.phase, self.count, self.n,
+                 what, self.done / 1e9, self.total / 1e9, 100.0 * self.done / self.total, rate / 1e6, eta)
+
+
+def _size_on_disk(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size if path.exists() else 0
 
 
 def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lora: LoraSettings | None,
@@ -449,6 +478,7 @@ def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lo
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name != index:
             shutil.copy2(extra, out_tdir / extra.name)
     total = 0
+    progress = Progress("transformer shard", [_size_on_disk(tdir / f) for f in files])
     for fname in files:
         out: dict[str, torch.Tensor] = {}
         with safe_open(str(tdir / fname), "pt") as f:
@@ -472,6 +502,7 @@ def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lo
                 total += out[key].numel() * out[key].element_size()
         _save_safetensors(out, out_tdir / fname)
         del out, trained
+        progress.step(fname, _size_on_disk(tdir / fname))
     if index:
         idx = _read_json(tdir / index, _not_a_pipeline(base))
         idx["metadata"] = {**idx.get("metadata", {}), "total_size": total}
@@ -494,9 +525,10 @@ def place_components(base: Path, out: Path, how: str) -> list[str]:
         raise ExportError(f"--base-model-path {str(base)!r} has no model_index.json: not a diffusers pipeline "
                           "directory")
     names = []
-    for entry in sorted(base.iterdir()):
-        if entry.name == "transformer":
-            continue
+    entries = [e for e in sorted(base.iterdir()) if e.name != "transformer"]
+    # links cost no bytes: count entries then, not gigabytes
+    progress = Progress(f"component ({how})", [1 if how != "copy" else _size_on_disk(e) for e in entries])
+    for entry in entries:
         dest = out / entry.name
         try:
             if how == "symlink":
@@ -511,6 +543,7 @@ def place_components(base: Path, out: Path, how: str) -> list[str]:
             hint = " (hard links need the same filesystem: use --components copy)" if how == "hardlink" else ""
             raise ExportError(f"placing {entry} into {out} by {how} failed: {e}{hint}") from None
         names.append(entry.name)
+        progress.step(entry.name, 1 if how != "copy" else _size_on_disk(entry))
     return names
 
 
@@ -624,7 +657,10 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
     changed = 0
     shape_bad: list[str] = sorted(set(expected_shapes) - set(written_located))
-    for fname in sorted(set(written_located.values())):
+    written_files = sorted(set(written_located.values()))
+    progress = Progress("--verify shard", [_size_on_disk(out / "transformer" / f) for f in written_files])
+    for fname in written_files:
+        progress_size = _size_on_disk(out / "transformer" / fname)
         with contextlib.ExitStack() as files:
             fw = files.enter_context(safe_open(str(out / "transformer" / fname), "pt"))
             base_files: dict[str, Any] = {}  # each base shard opened once, not once per tensor
@@ -660,6 +696,7 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
                             problems.append(f"{name}: equals the base although B @ A != 0 (not folded in)")
                 elif w.shape != base_w.shape or not torch.equal(w, base_w.to(w.dtype)):
                     problems.append(f"{name}: not adapted, but differs from the base")
+        progress.step(fname, progress_size)
     if shape_bad:
         problems.append(f"{len(shape_bad)} tensors do not fit the transformer class built from the written "
                         f"config, e.g. {shape_bad[:3]}")
@@ -735,10 +772,13 @@ def load_model_adapter(dotpath: str):
     return cls()
 
 
-def _contract_base_path(contract: dict[str, Any]) -> str | None:
-    for key in ("base_model_path", "model_path"):
-        if contract.get(key):
-            return str(contract[key])
+def recorded_base_path(ckpt: Checkpoint) -> str | None:
+    """The base model directory the run trained on, as its trainer_state.json records it
+    (checkpoints of older runs may have it in adapter_contract.json instead)."""
+    for record in (ckpt.trainer_state, ckpt.contract):
+        for key in ("base_model_path", "model_path"):
+            if record.get(key):
+                return str(record[key])
     return None
 
 
@@ -776,19 +816,23 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
                 "only the adapter (lora_A/lora_B), so without the base weights there is nothing to fold it into, "
                 "and the 'transformer' written would be made of adapter tensors. Pass the base model directory "
                 "the run trained on (its --model-path), or use --form adapter.")
-        recorded = _contract_base_path(ckpt.contract)
+        recorded = recorded_base_path(ckpt)
         if recorded is None:
             raise ExportError(f"--form merged needs --base-model-path (the pipeline's other components and the "
-                              f"transformer config come from it), and {ckpt.path / CONTRACT} records no base path")
+                              f"transformer config come from it), and {ckpt.path / TRAINER_STATE} records no "
+                              "base_model_path: pass the run's --model-path")
+        if not Path(recorded).is_dir():
+            raise ExportError(f"{ckpt.path / TRAINER_STATE} records the base model {recorded}, which is not a "
+                              "directory (moved?): pass --base-model-path")
         base = Path(recorded)
-        log.info("using the base model recorded in %s: %s", ckpt.path / CONTRACT, base)
+        log.info("using the base model recorded in %s: %s", ckpt.path / TRAINER_STATE, base)
     if form == "adapter" and ckpt.mode != "lora":
         raise ExportError(f"--form adapter needs a LoRA checkpoint, but {ckpt.path} is a full fine-tune: "
                           "use --form merged")
     if base is not None and not base.is_dir():
         raise ExportError(f"--base-model-path {str(base)!r} is not a directory")
-    if form == "adapter" and base is None and _contract_base_path(ckpt.contract):
-        recorded = Path(_contract_base_path(ckpt.contract))
+    if form == "adapter" and base is None and recorded_base_path(ckpt):
+        recorded = Path(recorded_base_path(ckpt))
         base = recorded if recorded.is_dir() else None
 
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -837,41 +881,40 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--save-dir", required=True, help="the run's --save directory (holds <task>/iter_*/)")
-    p.add_argument("--task", default="t2i", help="generation task subdirectory (default t2i)")
+    p = tool_parser("export_checkpoint", __doc__)
+    p.add_argument("--save-dir", "--save", dest="save_dir", required=True, type=existing_dir,
+                   help="the run's --save directory (holds <task>/iter_*/)")
+    p.add_argument("--task", "--generation-task", dest="task", default="t2i", help="generation task subdirectory")
     p.add_argument("--iteration", type=int, default=None,
-                   help="iteration to export; must be COMMITTED (default: the newest committed one)")
+                   help="iteration to export; must be COMMITTED (unset: the newest committed one)")
     p.add_argument("--output-dir", required=True, help="where to write the export; must not exist or be empty")
     p.add_argument("--form", choices=FORMS, default="merged",
                    help="merged: a diffusers pipeline directory; adapter: a HF-PEFT adapter (LoRA checkpoints only)")
-    p.add_argument("--model-adapter-path", default=DEFAULT_ADAPTER,
-                   help=f"dotted path of the model adapter class (default {DEFAULT_ADAPTER})")
-    p.add_argument("--base-model-path", default=None,
+    p.add_argument("--model-adapter-path", default=DEFAULT_ADAPTER, help="dotted path of the model adapter class")
+    p.add_argument("--base-model-path", default=None, type=existing_dir,
                    help="the local base pipeline directory the run trained on; required for --form merged of a "
-                        "LoRA checkpoint (default for full fine-tune: the path recorded in adapter_contract.json)")
+                        "LoRA checkpoint (unset for a full fine-tune: the path the run recorded in trainer_state.json)")
     p.add_argument("--verify", action="store_true",
                    help="reload what was written and check names, shapes and values against the checkpoint")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="dtype of the written weights (default: the base's per tensor for merged, the "
+                   help="dtype of the written weights (unset: the base's per tensor for merged, the "
                         "checkpoint's for adapter)")
     p.add_argument("--components", choices=COMPONENT_MODES, default="copy",
-                   help="how --form merged places the base's non-transformer components: copy (default, "
-                        "self-contained), hardlink (same filesystem, no extra space), symlink (breaks if the "
-                        "base moves)")
+                   help="how --form merged places the base's non-transformer components: copy (self-contained), "
+                        "hardlink (same filesystem, no extra space), symlink (breaks if the base moves)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    try:
-        info = export_checkpoint(args.save_dir, args.task, args.iteration, args.output_dir, form=args.form,
-                                 model_adapter_path=args.model_adapter_path, base_model_path=args.base_model_path,
-                                 verify=args.verify, dtype=args.dtype, components=args.components)
-    except ExportError as e:
-        print(f"export_checkpoint: error: {e}", file=sys.stderr)
-        return 2
+    return run_tool("export_checkpoint", lambda: _export(args), (ExportError,))
+
+
+def _export(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    info = export_checkpoint(args.save_dir, args.task, args.iteration, args.output_dir, form=args.form,
+                             model_adapter_path=args.model_adapter_path, base_model_path=args.base_model_path,
+                             verify=args.verify, dtype=args.dtype, components=args.components)
     checked = " (verified)" if "verify" in info else ""
     print(f"exported {info['source']} ({info['mode']}) as {info['form']} to {args.output_dir}{checked}")
     return 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from trainer.cli import existing_file, tool_parser  # noqa: E402
 from trainer.data import (PromptRecord, find_leakage, iter_jsonl_lines, parse_record, record_content_hash,
                           record_problems, resolve_media_path, where)
 
@@ -139,10 +140,9 @@ def inspect(train_path: str, eval_paths: list[str], decode_media: bool = False) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train", required=True, help="the training prompt JSONL")
-    p.add_argument("--eval", required=True, nargs="+", help="eval prompt JSONL file(s), checked for leakage against --train")
+    p = tool_parser("inspect_data", __doc__.split("\n\n")[0])
+    p.add_argument("--train", required=True, type=existing_file, help="the training prompt JSONL")
+    p.add_argument("--eval", required=True, nargs="+", type=existing_file, help="eval prompt JSONL file(s), checked for leakage against --train")
     p.add_argument("--decode-media", action="store_true", help="also decode every referenced media file")
     p.add_argument("--max-report", type=int, default=DEFAULT_MAX_REPORT,
                    help="print at most this many errors and warnings each (the counts are always complete)")

@@ -4,7 +4,7 @@ The directory has the same layout as a real Qwen-Image checkout (model_index.jso
 transformer/, vae/, text_encoder/, tokenizer/, scheduler/) so that every consumer loads
 it through the same code path as the real model. It is what the tests and the demo run on.
 
-    python tools/make_tiny_model.py --output tiny [--seed 0]
+    python tools/make_tiny_model.py --output-dir tiny [--seed 0]
 
 Sizes follow diffusers' own Qwen-Image unit tests: a 2-block DiT (3 heads x 16), a
 4-channel VAE with spatial factor 4, and a 2-layer Qwen2.5-VL text encoder of width 16.
@@ -15,9 +15,14 @@ The scheduler config carries the real Qwen-Image values (dynamic exponential shi
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: this checkout's trainer, not an installed one
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.cli import tool_parser  # noqa: E402
 
 #: the real Qwen-Image scheduler/scheduler_config.json values (FlowMatchEulerDiscreteScheduler
 #: with resolution-dependent exponential shift and a 0.02 terminal stretch)
@@ -196,14 +201,15 @@ def build_tiny_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", required=True, help="directory to write the pipeline to (created)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser = tool_parser("make_tiny_model", __doc__)
+    parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
+                        help="directory to write the pipeline to (created)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
-                        help="scale of the VAE decoder's output convolution (default 1: plain random init); "
+                        help="scale of the VAE decoder's output convolution (1: plain random init); "
                              "the demo uses 8 so that image colours depend visibly on the latents")
     args = parser.parse_args(argv)
-    path = build_tiny_pipeline(args.output, seed=args.seed, vae_output_gain=args.vae_output_gain)
+    path = build_tiny_pipeline(args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
     print(f"wrote tiny Qwen-Image pipeline to {path}")
     return 0
 

@@ -3,8 +3,10 @@
     python tools/plot_rewards.py --tensorboard-dir runs/demo/tensorboard --output docs/demo_curve.png \
         [--series reward/color_mean] [--band reward/color_std]
 
-Plots the per-rollout series, its running mean over --window rollouts, and (when an eval series
-exists) eval/<name>/<component>_mean as points.
+Plots the per-rollout series, its running mean over --window rollouts, the series +- a second
+one as a shaded band (--band, e.g. the per-rollout std of the same reward), and (when an eval
+series exists) eval/<name>/<component>_mean as points. --tensorboard-dir is the run's event
+directory or the directory above it when that holds a single run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+if __package__ in (None, ""):  # run as a script: this checkout's trainer, not an installed one
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.cli import ToolError, existing_dir, run_tool, tool_parser  # noqa: E402
+
 
 def _running_mean(values: list[float], window: int) -> list[float]:
     out = []
@@ -24,10 +31,19 @@ def _running_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _band_edges(main: list[tuple[int, float]], band: list[tuple[int, float]]) -> tuple[list, list]:
+    """(main - band, main + band) at the steps both series have, in step order."""
+    width = dict(band)
+    both = [(x, y, width[x]) for x, y in sorted(main) if x in width]
+    return [(x, y - b) for x, y, b in both], [(x, y + b) for x, y, b in both]
+
+
 def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, window: int = 5,
-         size: tuple[int, int] = (900, 480), y_range: tuple[float, float] | None = None) -> Path:
+         size: tuple[int, int] = (900, 480), band: tuple[str, list[tuple[int, float]]] | None = None,
+         y_range: tuple[float, float] | None = None) -> Path:
     """series: {label: [(step, value), ...]}; the first is the main curve (plus its running mean).
-    y_range: the y-axis limits (default: the data's range, padded 5%)."""
+    band: (label, [(step, half width)]) shaded around the main curve.
+    y_range: the y-axis limits (unset: the data's range, padded 5%)."""
     w, h = size
     left, right, top, bottom = 70, 20, 40, 50
     img = Image.new("RGB", size, "white")
@@ -36,6 +52,8 @@ def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, w
     points = [v for s in series.values() for v in s]
     if not points:
         raise ValueError("nothing to plot: the series are empty")
+    lower, upper = _band_edges(next(iter(series.values())), band[1]) if band else ([], [])
+    points += lower + upper
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
@@ -60,6 +78,10 @@ def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, w
     d.text((left, 12), title, fill="black", font=font)
     colors = ["#9ecae1", "#e6550d", "#31a354", "#756bb1"]
     legend_y = top + 6
+    if len(lower) > 1:
+        d.polygon([px(x, y) for x, y in lower] + [px(x, y) for x, y in reversed(upper)], fill="#deebf7")
+        d.text((w - right - 260, legend_y), f"+- {band[0]} (band)", fill="#6baed6", font=font)
+        legend_y += 14
     for i, (label, s) in enumerate(series.items()):
         s = sorted(s)
         color = colors[i % len(colors)]
@@ -84,15 +106,22 @@ def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, w
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tensorboard-dir", required=True)
-    ap.add_argument("--output", required=True)
-    ap.add_argument("--series", default=None, help="main series (default: the first reward/<c>_mean found)")
-    ap.add_argument("--window", type=int, default=5)
-    ap.add_argument("--title", default=None)
+    ap = tool_parser("plot_rewards", __doc__)
+    ap.add_argument("--tensorboard-dir", required=True, type=existing_dir,
+                    help="the run's --tensorboard-dir (or the run directory inside it)")
+    ap.add_argument("--output", required=True, help="the PNG file to write")
+    ap.add_argument("--series", default=None, help="main series (unset: the first reward/<c>_mean found)")
+    ap.add_argument("--band", default=None,
+                    help="series drawn as a band of +- its value around the main one, e.g. reward/color_std")
+    ap.add_argument("--window", type=int, default=5, help="rollouts in the running mean")
+    ap.add_argument("--title", default=None, help="plot title (unset: '<series> per rollout')")
     ap.add_argument("--y-range", type=float, nargs=2, metavar=("LO", "HI"), default=None,
-                    help="y-axis limits, e.g. 0 1 for a reward on a 0-1 scale (default: the data's range)")
+                    help="y-axis limits, LO below HI, e.g. 0 1 for a reward on a 0-1 scale (unset: the data's range)")
     args = ap.parse_args(argv)
+    return run_tool("plot_rewards", lambda: _plot(args), (ValueError,))
+
+
+def _plot(args) -> int:
     from trainer.metrics import read_scalars
 
     scalars = read_scalars(args.tensorboard_dir)
@@ -100,18 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         (k for k in sorted(scalars) if k.startswith("reward/") and k.endswith("_mean")
          and "advantage" not in k and "group_std" not in k), None)
     if main_series is None or main_series not in scalars:
-        print(f"plot_rewards: no series {main_series!r} in {args.tensorboard_dir}; have {sorted(scalars)}",
-              file=sys.stderr)
-        return 2
+        raise ToolError(f"--series: no series {main_series!r} in {args.tensorboard_dir}; it has {sorted(scalars)}")
+    if args.band is not None and args.band not in scalars:
+        raise ToolError(f"--band: no series {args.band!r} in {args.tensorboard_dir}; it has {sorted(scalars)}")
     component = main_series[len("reward/"):-len("_mean")]
     series = {main_series: scalars[main_series]}
     for k in sorted(scalars):
         if k.startswith("eval/") and k.endswith(f"/{component}_mean"):
             series[k] = scalars[k]
     if args.y_range is not None and args.y_range[0] >= args.y_range[1]:
-        print(f"plot_rewards: --y-range {args.y_range[0]} {args.y_range[1]}: LO must be below HI", file=sys.stderr)
-        return 2
-    plot(series, Path(args.output), args.title or f"{main_series} per rollout", window=args.window,
+        raise ToolError(f"--y-range {args.y_range[0]} {args.y_range[1]}: LO must be below HI")
+    band = (args.band, scalars[args.band]) if args.band else None
+    plot(series, Path(args.output), args.title or f"{main_series} per rollout", window=args.window, band=band,
          y_range=None if args.y_range is None else tuple(args.y_range))
     print(f"wrote {args.output}")
     return 0

@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from trainer.data import (DataError, content_hash, normalize_prompt, read_jsonl, stable_sample_id, where,
                           write_jsonl)
+from trainer.cli import existing_path, run_tool, tool_parser  # noqa: E402
 from trainer.models.base import GENERATION_TASKS
 
 #: rows per pyarrow record batch: bounds memory whatever the file size
@@ -161,30 +162,30 @@ def prepare(source: str, input_path: str, task: str, output: str, column: str | 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("prepare_data", __doc__.split("\n\n")[0])
     p.add_argument("--source", required=True, choices=sorted(CONVERTERS),
                    help="converter: pickapic (parquet caption column) or prompts (parquet / JSONL / text)")
-    p.add_argument("--input", required=True,
+    p.add_argument("--input", required=True, type=existing_path,
                    help="pickapic: a parquet file or a directory of them; prompts: one file "
                         "(.parquet, .jsonl, or text with one prompt per line)")
-    p.add_argument("--task", required=True, help=f"metadata.task of every record; one of {list(GENERATION_TASKS)}")
+    p.add_argument("--task", "--generation-task", dest="task", default="t2i",
+                   help=f"metadata.task of every record; one of {list(GENERATION_TASKS)}")
     p.add_argument("--output", required=True, help="the JSONL file to write (replaced atomically)")
     p.add_argument("--column", default=None,
-                   help="parquet column / JSONL field holding the prompt (default: pickapic 'caption'; "
+                   help="parquet column / JSONL field holding the prompt (unset: pickapic 'caption'; "
                         "prompts parquet the first of prompt/caption/text, prompts JSONL 'prompt')")
     p.add_argument("--id-prefix", default=None,
-                   help="sample ids are '<id-prefix>_<content hash>' (default: the --source name)")
+                   help="sample ids are '<id-prefix>_<content hash>' (unset: the --source name)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix)
-    except DataError as e:
-        print(f"prepare_data: error: {e}", file=sys.stderr)
-        return 2
+    return run_tool("prepare_data", lambda: _prepare(args), (DataError,))
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix)
     print(f"prepare_data: read {counts['read']} prompt(s) from {args.input}; wrote {counts['written']} "
           f"record(s) to {args.output}")
     print(f"prepare_data: skipped {counts['empty']} empty prompt(s), {counts['duplicate']} duplicate(s) "

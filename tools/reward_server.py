@@ -22,9 +22,15 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from trainer.rewards.base import build_scorer, check_scores
-from trainer.rewards.manager import cuda_hidden
-from trainer.rewards.remote import PROTOCOL_VERSION, decode_request, encode_response
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: this checkout's trainer, not an installed one
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.cli import ToolError, existing_dir, run_tool, tool_parser  # noqa: E402
+from trainer.rewards.base import SHIPPED_SCORERS, build_scorer, check_scores  # noqa: E402
+from trainer.rewards.manager import cuda_hidden  # noqa: E402
+from trainer.rewards.remote import PROTOCOL_VERSION, decode_request, encode_response  # noqa: E402
 
 log = logging.getLogger("reward_server")
 
@@ -89,12 +95,14 @@ def make_server(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = tool_parser("reward_server", __doc__.split("\n\n")[0])
     p.add_argument(
         "--reward-scorer-path", required=True,
-        help="dotpath of a GenerativeRewardScorer, or a shipped short name (pickscore, ocr, color, ...)",
+        help="dotpath of a GenerativeRewardScorer, or a shipped short name "
+             f"({', '.join(sorted(SHIPPED_SCORERS))})",
     )
-    p.add_argument("--reward-model-path", default=None, help="local model directory for scorers that need weights")
+    p.add_argument("--reward-model-path", default=None, type=existing_dir,
+                   help="local model directory for scorers that need weights")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
     p.add_argument(
@@ -106,19 +114,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return run_tool("reward_server", lambda: _serve(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.device == "cpu":
-        with cuda_hidden():
-            scorer = build_scorer(args.reward_scorer_path, args.reward_model_path, "cpu")
-        inner = scorer.score
-
-        def score_on_cpu(*a, **kw):
-            with cuda_hidden():
-                return inner(*a, **kw)
-
-        scorer.score = score_on_cpu
-    else:
-        scorer = build_scorer(args.reward_scorer_path, args.reward_model_path, args.device)
+    try:
+        scorer = _build(args)
+    except (ValueError, TypeError) as e:  # an unknown scorer name or class: the message names the flag
+        raise ToolError(str(e)) from None
     server = make_server(scorer, args.host, args.port, args.reward_scorer_path, args.max_request_mb)
     host, port = server.server_address[:2]
     print(f"listening on http://{host}:{port}/score", flush=True)
@@ -130,6 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _build(args: argparse.Namespace):
+    """The scorer; with --device cpu, built and run with CUDA hidden from it."""
+    if args.device != "cpu":
+        return build_scorer(args.reward_scorer_path, args.reward_model_path, args.device)
+    with cuda_hidden():
+        scorer = build_scorer(args.reward_scorer_path, args.reward_model_path, "cpu")
+    inner = scorer.score
+
+    def score_on_cpu(*a, **kw):
+        with cuda_hidden():
+            return inner(*a, **kw)
+
+    scorer.score = score_on_cpu
+    return scorer
 
 
 if __name__ == "__main__":

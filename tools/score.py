@@ -26,6 +26,11 @@ import re
 import sys
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: this checkout's trainer, not an installed one
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.cli import ToolError, existing_dir, existing_file, run_tool, tool_parser  # noqa: E402
+
 ARTIFACT_RE = re.compile(r"^group_(\d{8})_sample_(\d{4})\.png$")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -102,33 +107,57 @@ def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]] | None) 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from trainer.rewards.base import SHIPPED_SCORERS
+
+    p = tool_parser("score", __doc__.split("\n\n")[0])
     p.add_argument(
         "--reward-scorer-path", default=None,
-        help="dotpath of a GenerativeRewardScorer, or a shipped short name (pickscore, ocr, color, ...)",
+        help="dotpath of a GenerativeRewardScorer, or a shipped short name "
+             f"({', '.join(sorted(SHIPPED_SCORERS))}); required unless --reward-runtime remote",
     )
-    p.add_argument("--reward-model-path", default=None, help="local model directory for scorers that need weights")
-    p.add_argument("--reward-runtime", default="cpu", choices=("cpu", "colocate", "remote"))
+    p.add_argument("--reward-model-path", default=None, type=existing_dir,
+                   help="local model directory for scorers that need weights")
+    p.add_argument("--reward-runtime", default="cpu", choices=("cpu", "colocate", "remote"),
+                   help="where the scorer runs, as in training")
     p.add_argument("--reward-endpoint", default=None, help="URL of a reward server (with --reward-runtime remote)")
     p.add_argument("--device", default="cpu", help="device for --reward-runtime colocate, e.g. cuda:0")
-    p.add_argument("--images", required=True, help="folder of images")
-    p.add_argument("--prompt-data", default=None,
+    p.add_argument("--images", required=True, type=existing_dir, help="folder of images")
+    p.add_argument("--prompt-data", default=None, type=existing_file,
                    help="JSONL prompt file; needed unless every image's group sidecar is in --images")
-    p.add_argument("--batch-size", type=int, default=16, help="images per scorer call")
-    return p.parse_args(argv)
+    p.add_argument("--reward-batch-size", "--batch-size", dest="batch_size", type=int, default=16,
+                   help="images per scorer call")
+    args = p.parse_args(argv)
+    if args.reward_runtime == "remote" and not args.reward_endpoint:
+        p.error("--reward-runtime remote needs --reward-endpoint (e.g. http://host:8000/score)")
+    if args.reward_runtime != "remote" and not args.reward_scorer_path:
+        p.error(f"--reward-runtime {args.reward_runtime} needs --reward-scorer-path: a shipped short name "
+                f"({', '.join(sorted(SHIPPED_SCORERS))}) or the dotpath of a scorer class")
+    if args.batch_size < 1:
+        p.error(f"--reward-batch-size must be >= 1, got {args.batch_size}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from trainer.artifacts import ArtifactError
+    from trainer.rewards.base import RewardError
+
+    return run_tool("score", lambda: _score(args), (ArtifactError, RewardError))
+
+
+def _score(args: argparse.Namespace) -> int:
     from PIL import Image
 
     from trainer.rewards.manager import RewardManager
 
-    rows = match_images(args.images, read_prompt_file(args.prompt_data) if args.prompt_data else None)
-    manager = RewardManager(
-        args.reward_runtime, args.reward_scorer_path, args.reward_model_path, args.device, args.reward_endpoint,
-        batch_size=args.batch_size,
-    )
+    try:
+        rows = match_images(args.images, read_prompt_file(args.prompt_data) if args.prompt_data else None)
+        manager = RewardManager(
+            args.reward_runtime, args.reward_scorer_path, args.reward_model_path, args.device, args.reward_endpoint,
+            batch_size=args.batch_size,
+        )
+    except (ValueError, TypeError) as e:  # the messages name the file, the flag or the scorer
+        raise ToolError(str(e)) from None
     for start in range(0, len(rows), args.batch_size):
         chunk = rows[start:start + args.batch_size]
         images = []

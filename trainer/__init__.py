@@ -1,0 +1,3 @@
+"""FlowGRPO post-training for text-to-image flow-matching models (torchrun + FSDP2)."""
+
+__version__ = "0.1.0"

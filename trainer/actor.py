@@ -3,7 +3,7 @@ the colocate offload.
 
 Build order (`parallelize`), each step before the next:
   1. LoRA (peft) injected on the target modules, base frozen        (--fsdp-trainable-mode lora)
-  2. parameters that can never receive a gradient frozen            (see never_trained_param_names)
+  2. parameters that can never receive a gradient frozen            (the adapter's never_trained_param_names)
   3. trainable parameters cast to the master dtype                  (--fsdp-master-dtype)
   4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing)
   5. fully_shard per block, then the root, on the job's mesh        (MixedPrecisionPolicy from
@@ -26,21 +26,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from trainer.core.dtypes import resolve_dtype
+from trainer.core.names import is_lora_name, model_name
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
 from trainer.flow_grpo import grpo_clip_loss
+from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: |advantage| at or below this everywhere (all ranks) makes an update degenerate: skipped and counted
 ZERO_ADVANTAGE = 1e-8
-#: wrapper segments that never belong to a parameter's model name (checkpointing, FSDP, compile)
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
-
-#: parameter-path prefixes, inside the last dual-stream block, that only produce discarded text outputs
-_DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
-
 ReplayFn = Callable[[nn.Module, dict], torch.Tensor]
 
 
@@ -54,20 +50,6 @@ class MicroBatchMismatchError(RuntimeError):
 
 # ----------------------------------------------------------------------------------------------
 # small helpers
-
-def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """'bf16' | 'fp16' | 'fp32' | torch.dtype | None -> torch.dtype | None."""
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
-def model_name(name: str) -> str:
-    """A parameter name without checkpoint/FSDP/compile wrapper segments."""
-    return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
-
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
     """The ModuleList of repeated transformer blocks (diffusers: `transformer_blocks`, whose class
@@ -83,46 +65,6 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
         return blocks
     raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: expected a ModuleList "
                      "`transformer_blocks` or one whose class is listed in _no_split_modules")
-
-
-def never_trained_param_names(model: nn.Module) -> list[str]:
-    """Parameters (model names) whose output is discarded, so they can never receive a gradient.
-
-    Qwen-Image style dual-stream DiTs drop the text stream after the LAST block, so in that block
-    everything that only shapes text-token OUTPUTS feeds nothing: the text queries
-    (`attn.add_q_proj`, `attn.norm_added_q`; text keys/values still reach the image tokens), the
-    text-output projection `attn.to_add_out` and the text MLP `txt_mlp`. Left trainable,
-    AdamW keeps no state for them (grad is None), which breaks a plain DCP load of model+optimizer
-    ("Missing key ... to_add_out.weight.step") and misreports what is trained. We freeze them
-    deliberately; _assert_trainable_boundary checks exactly this set is frozen (LoRA tensors on
-    these modules included). A model without that structure returns [].
-    """
-    blocks = find_blocks(model)
-    last_idx = len(blocks) - 1
-    last = blocks[last_idx]
-    inner = getattr(last, "_checkpoint_wrapped_module", last)
-    if not (hasattr(inner, "txt_mlp") and hasattr(getattr(inner, "attn", None), "to_add_out")):
-        return []
-    prefix = None
-    for name, module in model.named_modules():
-        if module is last:
-            prefix = model_name(name)
-            break
-    assert prefix is not None
-    dead = []
-    for name, _ in model.named_parameters():
-        mname = model_name(name)
-        if mname.startswith(prefix + "."):
-            rest = mname[len(prefix) + 1:]
-            if rest.startswith(_DEAD_IN_LAST_BLOCK):
-                dead.append(mname)
-    return dead
-
-
-def is_lora_name(name: str) -> bool:
-    """Whether a parameter name is a LoRA A/B tensor (peft: "....lora_A.default.weight")."""
-    parts = name.split(".")
-    return "lora_A" in parts or "lora_B" in parts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,11 +169,14 @@ def _assert_trainable_boundary(model: nn.Module, mode: str, never_trained: Itera
 
 
 def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None = None, *,
-                      default_lora_targets: Sequence[str] = (),
+                      adapter: Any | None = None,
                       activation_checkpointing_every: int = 1) -> tuple[nn.Module, dict | None, list[str]]:
     """Steps 1-6 of the module docstring. Returns (sharded model, lora_config or None, never-trained names).
 
     fsdp / lora: the cfg.fsdp / cfg.lora sections (duck-typed).
+    adapter: the model family's adapter (models/base.py): its lora_target_modules are the LoRA
+    targets when --lora-target-modules is unset, and its never_trained_param_names(model) are the
+    parameters frozen in step 2. None: no default targets, nothing family-specific frozen.
     activation_checkpointing_every: see parallelize (not a trainer flag; tools/bench.py times it).
     """
     mode = fsdp.fsdp_trainable_mode
@@ -240,14 +185,14 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None =
         if fsdp.fsdp_cpu_offload:
             raise ValueError("--fsdp-cpu-offload is rejected with --fsdp-trainable-mode lora: gradient clipping "
                              "over CPU-offloaded adapter DTensors has no collective backend")
-        targets = lora.lora_target_modules or list(default_lora_targets)
+        targets = lora.lora_target_modules or list(getattr(adapter, "lora_target_modules", ()))
         lora_config = apply_lora(model, targets, lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
     elif mode == "full":
         for p in model.parameters():
             p.requires_grad_(True)
     else:
         raise ValueError(f"--fsdp-trainable-mode must be 'full' or 'lora', got {mode!r}")
-    dead = never_trained_param_names(model)
+    dead = list(adapter.never_trained_param_names(model)) if adapter is not None else []
     dead_set = set(dead)  # module-prefix based: covers base_layer and LoRA tensors of those modules
     for name, p in model.named_parameters():
         if model_name(name) in dead_set:
@@ -266,22 +211,31 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None =
     return model, lora_config, dead
 
 
-def load_in_waves(load: Callable[[], nn.Module], wave_size: int) -> nn.Module:
+def load_in_waves(load: Callable[[], nn.Module], wave_size: int,
+                  timings: list[float] | None = None) -> nn.Module:
     """Call `load()` on at most `wave_size` ranks at a time (0: all at once), barrier between waves.
 
     Bounds host RAM and model-directory contention at launch (every rank materialises the full base
-    before sharding). Every rank must call it.
+    before sharding). Every rank must call it. `timings`, when given, receives each wave's wall
+    time in seconds (one entry when all ranks load at once), the same on every rank.
     """
     if wave_size < 0:
         raise ValueError(f"--fsdp-load-wave-size must be >= 0, got {wave_size}")
     if not dist.is_initialized() or wave_size == 0 or wave_size >= dist.get_world_size():
-        return load()
+        t0 = time.perf_counter()
+        model = load()
+        if timings is not None:
+            timings.append(time.perf_counter() - t0)
+        return model
     rank, world = dist.get_rank(), dist.get_world_size()
     model = None
     for wave in range(math.ceil(world / wave_size)):
+        t0 = time.perf_counter()
         if rank // wave_size == wave:
             model = load()
         barrier()
+        if timings is not None:
+            timings.append(time.perf_counter() - t0)
     assert model is not None
     return model
 
@@ -357,26 +311,33 @@ class _StorageOffload:
 
     def __init__(self) -> None:
         self._saved: list[tuple[torch.UntypedStorage, int, torch.Tensor]] = []
+        #: the host copies live in one exactly-sized buffer, kept across offloads (trainer.host_arena)
+        self._arena: HostArena | None = None
 
     @property
     def active(self) -> bool:
         return bool(self._saved)
 
+    @property
+    def host_bytes(self) -> int:
+        return self._arena.nbytes if self._arena is not None else 0
+
     def release(self, tensors: Iterable[torch.Tensor], pin: bool) -> int:
         if self._saved:
             raise OffloadError("release called twice without resume")
-        seen: set[int] = set()
+        storages: dict[int, tuple[torch.UntypedStorage, torch.device]] = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in storages:
+                storages[st.data_ptr()] = (st, t.device)
+        if self._arena is None or self._arena.pin != pin:
+            self._arena = HostArena(pin)
         freed = 0
         try:
-            for t in tensors:
-                st = t.untyped_storage()
-                key = st.data_ptr()
+            hosts = self._arena.slices([st.nbytes() for st, _ in storages.values()])
+            for (st, device), host in zip(storages.values(), hosts):
                 nbytes = st.nbytes()
-                if nbytes == 0 or key in seen:
-                    continue
-                seen.add(key)
-                view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                view = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
                 host.copy_(view, non_blocking=False)
                 st.resize_(0)
                 self._saved.append((st, nbytes, host))
@@ -417,11 +378,13 @@ class Actor:
 
     model: the sharded module (already built by build_train_model, or built here from `model`).
     cfg: needs sections fsdp, lora, optim, grpo (duck-typed).
+    adapter: the model family's adapter, asked for LoRA targets and never-trained parameters
+      (build_train_model).
     total_optimizer_steps: the decay length when --lr-decay-iters is unset.
     """
 
     def __init__(self, model: nn.Module, mesh: Any, cfg: Any, *, device: torch.device,
-                 default_lora_targets: Sequence[str] = (), total_optimizer_steps: int | None = None,
+                 adapter: Any | None = None, total_optimizer_steps: int | None = None,
                  built: bool = False, lora_config: dict | None = None, never_trained: Sequence[str] = ()) -> None:
         self.cfg = cfg
         self.fsdp, self.lora, self.optim, self.grpo = (_sec(cfg, n) for n in ("fsdp", "lora", "optim", "grpo"))
@@ -431,7 +394,7 @@ class Actor:
             self.model, self.lora_config, self.never_trained = model, lora_config, list(never_trained)
         else:
             self.model, self.lora_config, self.never_trained = build_train_model(
-                model, mesh, self.fsdp, self.lora, default_lora_targets=default_lora_targets)
+                model, mesh, self.fsdp, self.lora, adapter=adapter)
         self.mode = self.fsdp.fsdp_trainable_mode
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         o = self.optim
@@ -454,16 +417,18 @@ class Actor:
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
     def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: Any, *, device: torch.device,
-                     total_optimizer_steps: int | None = None, revision: str | None = None) -> "Actor":
+                     total_optimizer_steps: int | None = None, revision: str | None = None,
+                     load_timings: list[float] | None = None) -> "Actor":
         """Load the adapter's train model in --fsdp-param-dtype (in waves), build and shard it.
 
         The adapter returns the trainable module itself (--fsdp-trainable-attr names it in the
-        model bundle; the frozen text encoder / VAE are the engine's)."""
+        model bundle; the frozen text encoder / VAE are the engine's). `load_timings` receives
+        the load's per-wave wall times (load_in_waves)."""
         fsdp = _sec(cfg, "fsdp")
         load_dtype = resolve_dtype(fsdp.fsdp_param_dtype)
         model = load_in_waves(lambda: adapter.load_train_model(model_path, dtype=load_dtype, revision=revision),
-                              int(fsdp.fsdp_load_wave_size or 0))
-        return cls(model, mesh, cfg, device=device, default_lora_targets=tuple(adapter.lora_target_modules),
+                              int(fsdp.fsdp_load_wave_size or 0), load_timings)
+        return cls(model, mesh, cfg, device=device, adapter=adapter,
                    total_optimizer_steps=total_optimizer_steps)
 
     # -- learning rate ------------------------------------------------------------------------
@@ -727,7 +692,8 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        return {"perf/actor_offload_gb": freed / 1e9, "perf/actor_offload_time": time.perf_counter() - t0}
+        return {"perf/actor_offload_gb": freed / 1e9, "perf/actor_offload_time": time.perf_counter() - t0,
+                "perf/actor_offload_host_gb": (self._params_off.host_bytes + self._optim_off.host_bytes) / 1e9}
 
     def onload(self) -> dict[str, float]:
         """Bring back what offload() released, bit-exactly. Fatal on failure (OffloadError)."""
@@ -738,40 +704,3 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"perf/actor_onload_gb": restored / 1e9, "perf/actor_onload_time": time.perf_counter() - t0}
-
-
-# ----------------------------------------------------------------------------------------------
-# colocate hand-over between the engine (rollout) and the actor (update)
-
-def begin_update(actor: Actor, engine: Any, *, offload_train: bool, offload_rollout: bool) -> dict[str, float]:
-    """Rollout -> update: the engine's modules leave the device (--offload-rollout), then the actor's
-    storage comes back (--offload-train). Failures propagate (fatal)."""
-    metrics: dict[str, float] = {}
-    if offload_rollout:
-        engine.release_memory()
-    if offload_train and actor.offloaded:
-        metrics.update(actor.onload())
-    return metrics
-
-
-def sync_engine(actor: Actor, syncer: Any, engine: Any, *, offload_rollout: bool) -> dict[str, float]:
-    """Update -> sync: onload only the engine's transformer (tags=("weights",)), then hand the new
-    weights to it (weight_sync.WeightSyncer). A sync failure leaves the policy version uncommitted
-    and propagates (fatal)."""
-    if offload_rollout:
-        engine.resume_memory(("weights",))
-    return syncer.sync(actor.model, engine)
-
-
-def end_update(actor: Actor, engine: Any, *, offload_train: bool, offload_rollout: bool) -> dict[str, float]:
-    """Sync -> next rollout: release the actor (--offload-train), then bring the rest of the engine
-    back. Separate from sync_engine because a due checkpoint is written between the two (DCP reads
-    the actor's resident storage). Failures propagate (fatal).
-
-    Before the first rollout, with --offload-train, call actor.offload() once."""
-    metrics: dict[str, float] = {}
-    if offload_train:
-        metrics.update(actor.offload())
-    if offload_rollout:
-        engine.resume_memory()
-    return metrics

@@ -12,7 +12,7 @@ Layout (one directory per iteration, i.e. per rollout id):
     <save>/latest_checkpointed_iteration.txt
     <save>/<task>/latest_checkpointed_iteration.txt
 
-The write order is fixed (shards -> RNG -> JSON sidecars -> COMMITTED -> markers) and COMMITTED
+The write order is fixed (shards -> RNG -> JSON sidecars -> COMMITTED -> markers -> rotation) and COMMITTED
 is written only after a MIN all-reduce confirms every rank wrote its part, so a crash at any
 point leaves either a complete checkpoint or one that resume ignores.
 """
@@ -32,11 +32,17 @@ import torch
 import torch.distributed as dist
 
 from trainer.artifacts import atomic_write_bytes
+from trainer.checkpoint_index import (  # noqa: F401 - re-exported: the checkpoint API in one module
+    COMMITTED,
+    LATEST,
+    committed_iterations,
+    iteration_dir,
+    iteration_dirs,
+    latest_committed_iteration,
+)
 
 logger = logging.getLogger(__name__)
 
-COMMITTED = "COMMITTED"
-LATEST = "latest_checkpointed_iteration.txt"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "weight_sync_manifest.json"
 CONTRACT = "adapter_contract.json"
@@ -44,10 +50,6 @@ CONTRACT = "adapter_contract.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be trusted or does not match this run; the message names the file."""
-
-
-def iteration_dir(save_root: str | os.PathLike, task: str, iteration: int) -> Path:
-    return Path(save_root) / task / f"iter_{iteration:07d}"
 
 
 def _rank() -> int:
@@ -77,44 +79,25 @@ def _broadcast_outcome(message: str | None) -> str | None:
     return box[0]
 
 
-def committed_iterations(save_root: str | os.PathLike, task: str) -> list[int]:
-    """Iterations under <save>/<task>/ that carry a COMMITTED marker, ascending."""
-    task_dir = Path(save_root) / task
-    if not task_dir.is_dir():
-        return []
-    out = []
-    for d in task_dir.iterdir():
-        if d.is_dir() and d.name.startswith("iter_") and (d / COMMITTED).is_file():
-            try:
-                out.append(int(d.name[len("iter_"):]))
-            except ValueError:
-                continue
-    return sorted(out)
-
-
 def rotate_checkpoints(save_root: str | os.PathLike, task: str, keep: int) -> list[int]:
-    """Delete the oldest committed checkpoints so that, with the one about to be written,
-    at most `keep` remain; also delete uncommitted leftovers of crashed saves. Returns the
-    removed iterations. keep <= 0 keeps everything."""
+    """Delete the oldest committed checkpoints so that `keep` committed ones remain, and the
+    uncommitted leftovers of crashed saves older than the newest committed one. Returns the
+    removed committed iterations. keep <= 0 keeps everything.
+
+    Called only after a new checkpoint is COMMITTED: a kill or a failed write at any moment
+    then still leaves `keep` committed checkpoints (deleting first would leave none with keep 1).
+    """
     removed: list[int] = []
-    task_dir = Path(save_root) / task
-    if not task_dir.is_dir():
+    found = iteration_dirs(save_root, task)
+    committed = sorted(it for it, ok in found.items() if ok)
+    if not committed:
         return removed
-    committed = committed_iterations(save_root, task)
-    latest = committed[-1] if committed else -1
-    for d in task_dir.iterdir():
-        # A directory without COMMITTED older than the newest committed one is a crashed save:
-        # resume never trusts it, so it only costs disk.
-        if d.is_dir() and d.name.startswith("iter_") and not (d / COMMITTED).exists():
-            try:
-                it = int(d.name[len("iter_"):])
-            except ValueError:
-                continue
-            if it < latest:
-                shutil.rmtree(d)
+    for it, ok in sorted(found.items()):
+        # resume never trusts an uncommitted directory; one older than the newest commit is dead
+        if not ok and it < committed[-1]:
+            shutil.rmtree(iteration_dir(save_root, task, it))
     if keep > 0:
-        while len(committed) > keep - 1:
-            it = committed.pop(0)
+        for it in committed[:-keep]:
             shutil.rmtree(iteration_dir(save_root, task, it))
             removed.append(it)
     return removed
@@ -161,6 +144,18 @@ def optimizer_stateless_params(model: torch.nn.Module, optimizer: torch.optim.Op
     return sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stateful)
 
 
+#: fault injection for the chaos tests: "<point>:<iteration>:<rank>" SIGKILLs that rank at that
+#: point of that save (points: shards, sidecars, committed), as a power cut would
+KILL_AT_ENV = "TRAINER_TEST_KILL_AT"
+
+
+def _kill_point(point: str, iteration: int) -> None:
+    if os.environ.get(KILL_AT_ENV) == f"{point}:{iteration}:{_rank()}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _failing_writer_cls():
     import torch.distributed.checkpoint as dcp
 
@@ -188,10 +183,11 @@ def save_checkpoint(
 ) -> bool:
     """Write one checkpoint on every rank (collective). Returns True when it was committed.
 
-    A rotation failure raises on every rank (rank 0 broadcasts its outcome). A failed shard
-    write is logged loudly and returns False without COMMITTED: the caller counts it in
-    train/checkpoint_failures and carries on. `fail_rank` makes that rank's shard write fail,
-    for testing the crash path.
+    Every failure is logged loudly and returns False on every rank (the caller counts it in
+    train/checkpoint_failures and carries on): a failed preparation on rank 0 (a read-only or
+    vanished --save), a failed shard or sidecar write. Committed iterations are never
+    overwritten and rotation (`max_to_keep`, when `rotate`) runs only after the new checkpoint
+    is committed. `fail_rank` makes that rank's shard write fail, for testing the crash path.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -202,22 +198,21 @@ def save_checkpoint(
     if rank == 0:
         try:
             if (out / COMMITTED).exists():
+                # preflight refuses runs that could get here; this guards a changed directory
                 raise CheckpointError(
                     f"{out} is already a committed checkpoint; refusing to overwrite it. Resume with "
                     f"--load {save_root} (continues after the latest iteration) or choose another --save."
                 )
             if out.exists():  # leftovers of a crashed save of this same iteration
                 shutil.rmtree(out)
-            if rotate:
-                removed = rotate_checkpoints(save_root, task, max_to_keep)
-                if removed:
-                    logger.info("checkpoint rotation removed iterations %s", removed)
             (out / "fsdp").mkdir(parents=True, exist_ok=True)
-        except BaseException as e:  # noqa: BLE001 - every rank must learn of it, then raise
-            error = f"checkpoint rotation / preparation failed under {Path(save_root) / task}: {e!r}"
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of it
+            error = f"preparing {out} failed: {e!r}"
     error = _broadcast_outcome(error)
     if error is not None:
-        raise CheckpointError(error)
+        if rank == 0:
+            logger.error("CHECKPOINT WRITE FAILED: %s; iteration %d was NOT saved", error, iteration)
+        return False
 
     ok = True
     try:
@@ -229,6 +224,7 @@ def save_checkpoint(
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
         dcp.save(state, storage_writer=writer_cls(str(out / "fsdp")))
+        _kill_point("shards", iteration)
         torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
     except BaseException as e:  # CheckpointException derives from BaseException
         if isinstance(e, KeyboardInterrupt):
@@ -250,31 +246,30 @@ def save_checkpoint(
             logger.error("CHECKPOINT WRITE FAILED on rank 0 (sidecars) for %s: %r", out, e)
             ok = False
 
+    _kill_point("sidecars", iteration)
     committed = _all_ranks_ok(ok)
     if committed and rank == 0:
-        atomic_write_bytes(out / COMMITTED, f"{iteration}\n".encode())
-        for marker_dir in (Path(save_root), Path(save_root) / task):
-            atomic_write_bytes(marker_dir / LATEST, f"{iteration}\n".encode(), overwrite=True)
+        try:
+            atomic_write_bytes(out / COMMITTED, f"{iteration}\n".encode())
+            _kill_point("committed", iteration)
+            for marker_dir in (Path(save_root), Path(save_root) / task):
+                atomic_write_bytes(marker_dir / LATEST, f"{iteration}\n".encode(), overwrite=True)
+        except BaseException as e:  # noqa: BLE001 - a missing marker is still "not committed"
+            logger.error("CHECKPOINT WRITE FAILED on rank 0 (commit marker) for %s: %r", out, e)
+            committed = (out / COMMITTED).is_file()
     if not committed and rank == 0:
         logger.error("checkpoint iteration %d was NOT committed (a rank failed); resume ignores %s", iteration, out)
+    if committed and rank == 0 and rotate and max_to_keep:
+        try:
+            removed = rotate_checkpoints(save_root, task, max_to_keep)
+            if removed:
+                logger.info("checkpoint rotation removed iterations %s", removed)
+        except OSError as e:  # the new checkpoint is safe; an old one merely stays on disk
+            logger.error("checkpoint rotation under %s failed (older iterations kept): %r", Path(save_root) / task, e)
+    committed = _broadcast_outcome("ok" if committed else None) is not None
     if dist.is_initialized():
         dist.barrier()
     return committed
-
-
-def latest_committed_iteration(load_root: str | os.PathLike, task: str) -> int | None:
-    """The iteration resume continues from: the newest COMMITTED directory. The marker files
-    are written after COMMITTED, so they can only lag behind it (a crash between the two),
-    never lead; a marker naming an uncommitted iteration is reported and ignored.
-    None when there is nothing to resume."""
-    committed = committed_iterations(load_root, task)
-    marker = Path(load_root) / task / LATEST
-    if marker.is_file():
-        text = marker.read_text().strip()
-        if not text.isdigit() or int(text) not in committed:
-            logger.warning("%s names %r, which is not a committed iteration; using the newest committed one (%s)",
-                           marker, text, committed[-1] if committed else None)
-    return committed[-1] if committed else None
 
 
 def assert_resumable(saved: dict[str, Any], expected: dict[str, Any], path: str | os.PathLike) -> None:
@@ -336,7 +331,8 @@ def load_checkpoint(
 
     reader = FileSystemReader(str(d / "fsdp"))
     try:
-        saved_keys = set(reader.read_metadata().state_dict_metadata.keys())
+        metadata = reader.read_metadata()
+        saved_keys = set(metadata.state_dict_metadata.keys())
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{d / 'fsdp'}: cannot read the DCP metadata ({e!r}); the checkpoint is damaged") from None
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -350,6 +346,7 @@ def load_checkpoint(
             f"{d / 'fsdp'} lacks {len(bad)} entries this run needs, e.g. {bad[:3]}; the checkpoint was written "
             f"by a different model / trainable set. Use a matching --load or start fresh."
         )
+    _check_shard_files(d / "fsdp", metadata)
     try:
         dcp.load(state, checkpoint_id=str(d / "fsdp"), planner=DefaultLoadPlanner(allow_partial_load=bool(missing)))
     except BaseException as e:  # CheckpointException derives from BaseException
@@ -366,10 +363,32 @@ def load_checkpoint(
 
     rng_file = d / f"rng_rank{_rank()}.pt"
     if trainer_state.get("world_size") == _world() and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            rng = torch.load(rng_file, weights_only=False)
+        except Exception as e:  # noqa: BLE001 - a truncated file raises a raw zip error
+            raise CheckpointError(f"{rng_file} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+                                  f"damaged: resume an earlier iteration with --ckpt-step N") from None
+        _set_rng_state(rng)
     else:
         logger.warning("RNG state not restored from %s (world size %s -> %s)", d, trainer_state.get("world_size"), _world())
     return trainer_state
+
+
+def _check_shard_files(fsdp_dir: Path, metadata: Any) -> None:
+    """Every shard file the DCP metadata points into exists and is long enough, so a truncated
+    or missing shard is named by its file instead of surfacing as a read error deep in DCP."""
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(need.items()):
+        f = fsdp_dir / rel
+        have = f.stat().st_size if f.is_file() else None
+        if have is None or have < size:
+            state = "is missing" if have is None else f"has {have} bytes, the metadata needs {size}"
+            raise CheckpointError(f"{f} {state}: the checkpoint is damaged; resume an earlier iteration "
+                                  f"with --ckpt-step N or start fresh")
 
 
 def _param_of_optim_key(key: str) -> str:

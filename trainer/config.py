@@ -63,10 +63,19 @@ SCORER_SHORT_NAMES = {
     "jpeg_compressibility": "trainer.rewards.jpeg.JpegCompressibilityScorer",
     "jpeg_incompressibility": "trainer.rewards.jpeg.JpegIncompressibilityScorer",
     "color": "trainer.rewards.color.ColorScorer",
+    "clipscore": "trainer.rewards.clipscore.ClipScoreScorer",
+    "aesthetic": "trainer.rewards.aesthetic.AestheticScorer",
+    "hpsv21": "trainer.rewards.hpsv2.Hpsv21Scorer",
+    "vlm_judge": "trainer.rewards.vlm_judge.VlmJudgeScorer",
 }
 
 #: scorers that load a model from --reward-model-path (the others need no weights)
-SCORERS_NEEDING_MODEL = frozenset({"trainer.rewards.pickscore.PickScoreScorer"})
+SCORERS_NEEDING_MODEL = frozenset({
+    "trainer.rewards.pickscore.PickScoreScorer",
+    "trainer.rewards.clipscore.ClipScoreScorer",
+    "trainer.rewards.aesthetic.AestheticScorer",
+    "trainer.rewards.hpsv2.Hpsv21Scorer",
+})
 
 
 def resolve_engine_path(name: str) -> str:
@@ -356,13 +365,14 @@ class RewardConfig:
     )
     reward_scorer_path: str | None = _flag(
         None,
-        "Scorer short name (pickscore, ocr, jpeg_compressibility, jpeg_incompressibility, "
-        "color) or module.Class dotpath; required unless --reward-runtime remote.",
+        "Scorer short name (pickscore, clipscore, aesthetic, hpsv21, vlm_judge, ocr, "
+        "jpeg_compressibility, jpeg_incompressibility, color) or module.Class dotpath; required "
+        "unless --reward-runtime remote.",
     )
     reward_model_path: str | None = _flag(
         None,
         "Local model directory of the scorer (e.g. ${MODEL_DIR}/PickScore_v1); required and "
-        "must exist for scorers that load weights (pickscore).",
+        "must exist for scorers that load weights (pickscore, clipscore, aesthetic, hpsv21).",
     )
     reward_required_components: list[str] | None = _flag(
         None,
@@ -375,7 +385,69 @@ class RewardConfig:
         "components into one advantage; weights must be finite numbers.",
     )
     reward_endpoint: str | None = _flag(
-        None, "HTTP endpoint of a remote scorer; required when --reward-runtime remote."
+        None,
+        "HTTP endpoint of a remote scorer; required when --reward-runtime remote. Probed once "
+        "at start-up, before the model loads.",
+    )
+    reward_max_failed_rollouts: int = _flag(
+        3,
+        "Stop the run (exit 1) after this many consecutive rollouts in which every group "
+        "failed to score, so no update happened; must be >= 0, 0 = never stop.",
+    )
+    # the VLM judge (--reward-scorer-path vlm_judge): an OpenAI-compatible chat endpoint
+    reward_judge_endpoint: str = _flag(
+        "http://127.0.0.1:8000/v1/chat/completions",
+        "Chat-completions URL of the VLM judge (vLLM / SGLang serving e.g. Qwen2.5-VL or UnifiedReward).",
+    )
+    reward_judge_model: str | None = _flag(
+        None, "Served model name sent to the judge; unset: omitted (the server's only model)."
+    )
+    reward_judge_prompt_template: str = _flag(
+        "You are judging an image generated from the prompt: \"{prompt}\". Rate how well the image "
+        "matches the prompt and how good it looks, from 0 (worst) to 10 (best). Answer with the number only.",
+        "Text sent with each image; {prompt} is replaced by the prompt (the only placeholder).",
+    )
+    reward_judge_score_regex: str = _flag(
+        r"(-?\d+(?:\.\d+)?)", "Regex whose first match (its first group) in the answer is the score."
+    )
+    reward_judge_score_min: float = _flag(0.0, "Lowest score the judge gives; maps to 0. An answer below it fails.")
+    reward_judge_score_max: float = _flag(10.0, "Highest score the judge gives; maps to 1. Must exceed the min.")
+    reward_judge_max_concurrency: int = _flag(8, "Judge requests in flight at once (>= 1).")
+    reward_judge_timeout_s: float = _flag(60.0, "Seconds one judge request may take before it is retried.")
+    reward_judge_max_retries: int = _flag(
+        2, "Retries of a judge request after a timeout, connection error, 429 or 5xx; then the candidate fails."
+    )
+    reward_judge_max_tokens: int = _flag(64, "max_tokens of the judge's answer (>= 1).")
+    # held-out scorers and the reward-hacking watch (docs/rewards.md, "Watching for reward hacking")
+    eval_reward_scorers: list[str] | None = _flag(
+        None,
+        "Held-out scorers computed only at eval, never trained on (JSON list of 'name' or "
+        "'name=/local/model/dir', e.g. [\"aesthetic=/models/aesthetic\", \"jpeg_compressibility\"]); "
+        "needs --eval-prompt-data. Each appears as eval/<set>/<component>_mean.",
+    )
+    no_hacking_watch: bool = _flag(
+        False, "Skip the per-rollout image statistics and the reward/hacking_suspect rule."
+    )
+    hacking_baseline_rollouts: int = _flag(
+        5, "Rollouts (and, for held-out scores, the first eval) that form the watch's baseline; >= 1."
+    )
+    hacking_reward_rise: float = _flag(
+        0.5, "The trained reward counts as rising once its recent mean exceeds its baseline mean by this many "
+        "baseline within-group stds (> 0)."
+    )
+    hacking_stat_threshold: float = _flag(
+        3.0, "An image statistic is suspect once its mean moves this many baseline per-image stds from its "
+        "baseline, either way (> 0)."
+    )
+    hacking_heldout_drop: float = _flag(
+        1.0, "A held-out eval score is suspect once its mean falls this many baseline per-image stds below "
+        "its baseline (> 0)."
+    )
+    hacking_patience: int = _flag(
+        2, "Consecutive rollouts the rule must hold before reward/hacking_suspect is set (>= 1)."
+    )
+    stop_on_hacking: bool = _flag(
+        False, "When reward/hacking_suspect is set: checkpoint (if --save) and stop with a message naming the signal."
     )
 
 
@@ -451,8 +523,15 @@ class CheckpointConfig:
     )
     load: str | None = _flag(
         None,
-        "Resume from this checkpoint directory (usually the same as --save); must exist. "
-        "Unset = start at rollout 0.",
+        "Resume from this checkpoint directory (usually the same as --save); must hold a "
+        "committed checkpoint of --generation-task. Unset = start at rollout 0, which needs a "
+        "--save (and TensorBoard directory) without an earlier run in it.",
+    )
+    ckpt_step: int | None = _flag(
+        None,
+        "Resume from this committed iteration of --load instead of the newest; needs --load. "
+        "When --save is --load and holds newer iterations, pass a new --save (nothing is "
+        "overwritten).",
     )
     save_interval: int | None = _flag(
         None, "Save every N rollouts; must be >= 1 and needs --save."
@@ -463,7 +542,9 @@ class CheckpointConfig:
         "set, which this flag then requires.",
     )
     max_actor_ckpt_to_keep: int | None = _flag(
-        None, "Keep only the newest N committed checkpoints; must be >= 1. Unset = keep all."
+        None,
+        "Keep the newest N committed checkpoints (older ones are removed only after a new one "
+        "is committed); must be >= 1. Unset = keep all.",
     )
     async_save: bool = _flag(
         False, "Has no effect: the checkpoint write is synchronous (warned when set)."

@@ -41,6 +41,11 @@ MEDIA_PLACEHOLDERS = {"images": "<image>", "videos": "<video>"}
 TOP_LEVEL_KEYS = ("prompt", "metadata", *MEDIA_PLACEHOLDERS)
 REQUIRED_METADATA_KEYS = ("task", "sample_id")
 
+#: longest prompt accepted, in characters. The text encoder keeps 512 tokens (a few thousand
+#: characters): anything far beyond is a broken line (a pasted document, a binary blob), and
+#: would otherwise cost host memory and tokenizer time on every rollout, then be cut off silently.
+MAX_PROMPT_CHARS = 10_000
+
 # A sample id names a record in logs, artifact metadata and the split hash: one token, no spaces.
 _SAMPLE_ID_RE = re.compile(r"^[^\s]+$")
 
@@ -171,8 +176,9 @@ class PromptRecord:
 def record_problems(obj: Any, tasks: Iterable[str] = GENERATION_TASKS) -> list[str]:
     """Every schema violation of one parsed line (empty list: valid).
 
-    Checks: a JSON object with only known top-level keys; ``prompt`` a non-empty string;
-    ``metadata`` an object with ``task`` in ``tasks`` and a one-token string ``sample_id``;
+    Checks: a JSON object with only known top-level keys; ``prompt`` a non-empty string of at
+    most MAX_PROMPT_CHARS; ``metadata`` an object with ``task`` in ``tasks`` and a one-token
+    string ``sample_id``;
     ``images`` / ``videos`` lists of non-empty strings whose lengths equal the prompt's
     ``<image>`` / ``<video>`` placeholder counts.
     """
@@ -190,6 +196,9 @@ def record_problems(obj: Any, tasks: Iterable[str] = GENERATION_TASKS) -> list[s
     elif not isinstance(prompt, str) or not prompt.strip():
         problems.append(f"'prompt' must be a non-empty string, got {prompt!r}")
         prompt = None
+    elif len(prompt) > MAX_PROMPT_CHARS:
+        problems.append(f"'prompt' is {len(prompt)} characters, more than the {MAX_PROMPT_CHARS} accepted (the text "
+                        "encoder reads 512 tokens); shorten it or drop the line")
     meta = obj.get("metadata")
     if "metadata" not in obj:
         problems.append("missing required key 'metadata' (an object with 'task' and 'sample_id')")

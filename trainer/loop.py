@@ -97,34 +97,67 @@ def package_versions() -> dict[str, str]:
 
 @dataclass
 class Timer:
-    """Wall time of one stage, host-synchronised on CUDA so the figure is the stage's own."""
+    """Wall time of one stage, host-synchronised on CUDA so the figure is the stage's own, and
+    the stage's memory: the device's allocation peak within it (CUDA) and the process's resident
+    host memory at its end (where /proc is)."""
 
     device: torch.device
     start: float = 0.0
+    peak_device_gb: float | None = None
+    host_rss_gb: float | None = None
 
     def __enter__(self) -> "Timer":
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.peak_device_gb = torch.cuda.max_memory_allocated(self.device) / 1e9
         self.elapsed = time.perf_counter() - self.start
+        self.host_rss_gb = host_memory_gb().get("rss")
+
+    def memory(self, stage: str) -> dict[str, float]:
+        """perf/mem_peak_gb/<stage> (device) and perf/host_rss_gb/<stage>, where known."""
+        out = {}
+        if self.peak_device_gb is not None:
+            out[f"perf/mem_peak_gb/{stage}"] = self.peak_device_gb
+        if self.host_rss_gb is not None:
+            out[f"perf/host_rss_gb/{stage}"] = self.host_rss_gb
+        return out
+
+
+def host_memory_gb() -> dict[str, float]:
+    """This process's resident host memory now ("rss") and its high-water mark ("hwm"), in GB,
+    from /proc/self/status; {} where there is no /proc. Pinned offload buffers count: they are
+    resident by construction."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    keys = {"VmRSS:": "rss", "VmHWM:": "hwm"}
+    out = {}
+    for line in lines:
+        head, *rest = line.split()
+        if head in keys and rest:
+            out[keys[head]] = int(rest[0]) * 1024 / 1e9  # the kernel reports kB
+    return out
 
 
 def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
     """replay_fn(model, rows) -> logp [b, S]: every trained-step column of `rows` replayed
     through `model` with the adapter's own replay (the same math the sampler used).
 
-    one_forward: all S columns in one forward of b * S rows when the adapter offers
-    `replay_transitions` (fewer kernel launches; see there), else one forward per column."""
-    batched = getattr(adapter, "replay_transitions", None) if one_forward else None
+    one_forward: all S columns in one forward of b * S rows (the adapter's `replay_transitions`:
+    fewer kernel launches), else one forward per column (`replay_transition`, the reference the
+    tests compare it with)."""
 
     def replay(model: torch.nn.Module, rows: dict[str, Any]) -> torch.Tensor:
-        if batched is not None:
-            return batched(model, rows, sampling)
+        if one_forward:
+            return adapter.replay_transitions(model, rows, sampling)
         num_steps = int(rows["latents"].shape[1])
         return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(num_steps)], dim=1)
 
@@ -143,14 +176,52 @@ def weights_fingerprint(model: torch.nn.Module) -> float:
     return float(all_reduce_sum(total.reshape(1))[0])
 
 
+class RunError(RuntimeError):
+    """The run cannot go on for a reason the message fully states (a scorer that cannot be
+    built, nothing to resume, a scorer that never answers): printed as one line, no traceback."""
+
+
+def build_reward_manager(reward: Any, device: Any, held_out: tuple[str, str | None] | None = None) -> Any:
+    """The configured scorer, built (or, for --reward-runtime remote, probed with a GET) now; with
+    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead.
+
+    Generic over scorers: whatever --reward-scorer-path names is constructed, and a failure
+    becomes a RunError naming the flag, the scorer and the constructor's own message (which
+    names the missing file)."""
+    from trainer.rewards.manager import reward_manager_from_config
+
+    remote = reward.reward_runtime == "remote" and held_out is None
+    if held_out is not None:
+        where = f"--eval-reward-scorers entry {held_out[0]}" + (f"={held_out[1]}" if held_out[1] else "")
+    elif remote:
+        where = f"--reward-endpoint {reward.reward_endpoint}"
+    else:
+        where = f"--reward-scorer-path {reward.reward_scorer_path} (--reward-model-path {reward.reward_model_path})"
+    try:
+        if held_out is None:
+            manager = reward_manager_from_config(reward, device)
+        else:
+            manager = reward_manager_from_config(reward, device, scorer_path=held_out[0], model_path=held_out[1])
+        if remote:
+            manager.components  # noqa: B018 - the GET that proves the endpoint answers
+    except Exception as e:  # noqa: BLE001 - any constructor's failure, reported in one line
+        detail = " ".join(str(e).split())
+        raise RunError(f"the reward scorer could not be set up from {where}: {type(e).__name__}: {detail}") from None
+    return manager
+
+
 # ----------------------------------------------------------------------------------------------
 # the trainer
+
+#: eval prompts per set whose images go to TensorBoard at each eval (each a row of its candidates)
+EVAL_IMAGE_PROMPTS = 16
 
 class Trainer:
     """Everything one rank holds: the actor, the engine, the scorer, the data order."""
 
-    def __init__(self, cfg: Any, info: Any) -> None:
-        from trainer.actor import Actor, load_in_waves, resolve_dtype
+    def __init__(self, cfg: Any, info: Any, recipe_name: str = "run") -> None:
+        from trainer.actor import Actor, load_in_waves
+        from trainer.core.dtypes import resolve_dtype
         from trainer.data import PromptDataset, load_eval_sets
         from trainer.distributed import build_mesh
         from trainer.metrics import MetricsLogger
@@ -158,6 +229,8 @@ class Trainer:
         from trainer.weight_sync import WeightSyncer
 
         self.cfg, self.info = cfg, info
+        #: the recipe file's name: names the recipe record and the TensorBoard run
+        self.recipe_name = recipe_name
         self.rank, self.world, self.device = info.rank, info.world_size, info.device
         self.task = cfg.model.generation_task
         self.group_size = int(cfg.rollout.n_samples_per_prompt)
@@ -170,22 +243,40 @@ class Trainer:
         self.order = self.dataset.order(self.num_groups, int(cfg.rollout.rollout_seed))
         self.eval_sets = load_eval_sets(cfg.eval.eval_prompt_data, task=self.task) if cfg.eval.eval_prompt_data else {}
 
+        # the scorer before the policy: a scorer directory missing files or a dead endpoint must
+        # cost seconds, not a 57 GB pipeline load and a rollout
+        self.reward_manager = build_reward_manager(cfg.reward, self.device)
+        from trainer.rewards.watch import HackingWatch, WatchSettings, parse_eval_scorers
+
+        #: the held-out scorers of --eval-reward-scorers, built now for the same reason
+        self.eval_reward_managers = [build_reward_manager(cfg.reward, self.device, held_out=entry)
+                                     for entry in parse_eval_scorers(cfg.reward.eval_reward_scorers)]
+
         # the engine samples in the dtype the actor replays in: a bf16 rollout replayed in fp32
         # differs by ~3e-4 per element, which the 1e-4 clip range would see as policy drift
         compute_dtype = resolve_dtype(cfg.fsdp.fsdp_param_dtype) or torch.float32
         engine_cls = import_dotpath(cfg.rollout.rollout_engine_class_path, "--rollout-engine-class-path")
         # every rank reads the whole pipeline from disk through host memory (~57 GB for the real
         # model): --fsdp-load-wave-size gates the engine's load like the actor's
-        self.engine = load_in_waves(
-            lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
-                               max_batch_size=int(cfg.rollout.engine_batch_size or 0),
-                               revision=cfg.model.model_revision),
-            int(cfg.fsdp.fsdp_load_wave_size or 0))
+        #: start-up figures (load times per wave, memory after each load), logged with rollout 0's
+        self.load_metrics: dict[str, float] = {}
+        engine_waves: list[float] = []
+        with Timer(self.device) as t:
+            self.engine = load_in_waves(
+                lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
+                                   max_batch_size=int(cfg.rollout.engine_batch_size or 0),
+                                   revision=cfg.model.model_revision, adapter=self.adapter),
+                int(cfg.fsdp.fsdp_load_wave_size or 0), engine_waves)
+        self._record_load("engine", t, engine_waves)
 
         self.mesh = build_mesh(self.device.type)
         num_rollout = int(cfg.rollout.num_rollout)
-        self.actor = Actor.from_adapter(self.adapter, cfg.model.model_path, self.mesh, cfg, device=self.device,
-                                        total_optimizer_steps=num_rollout * int(cfg.grpo.num_updates_per_batch))
+        actor_waves: list[float] = []
+        with Timer(self.device) as t:
+            self.actor = Actor.from_adapter(self.adapter, cfg.model.model_path, self.mesh, cfg, device=self.device,
+                                            total_optimizer_steps=num_rollout * int(cfg.grpo.num_updates_per_batch),
+                                            load_timings=actor_waves)
+        self._record_load("actor", t, actor_waves)
         self.replay_fn = make_replay_fn(self.adapter, self.sampling)
         lora_targets = (self.actor.lora_config or {}).get("target_modules")
         self.contract = adapter_contract(cfg, list(lora_targets) if lora_targets else None)
@@ -194,13 +285,30 @@ class Trainer:
                                    name_map=self.adapter.weight_name_map, lora_config=self.actor.lora_config)
 
         tb_dir = cfg.logging.tensorboard_dir or (str(Path(cfg.checkpoint.save) / "tensorboard") if cfg.checkpoint.save else None)
-        self.metrics = MetricsLogger(tb_dir, self.rank)
+        self.metrics = MetricsLogger(tb_dir, self.rank, run_name=recipe_name)
         self.checkpoint_failures = 0
+        #: rollouts in a row in which every group failed to score (no update happened)
+        self.failed_rollouts_in_a_row = 0
         self.start_rollout = 0
         #: reward component names, as the scorer returned them on the latest rollout
         self.components: list[str] = []
+        self.watch = None if cfg.reward.no_hacking_watch else HackingWatch(WatchSettings.from_config(cfg.reward))
+        self.stop_reason: str | None = None
 
     # -- start-up ------------------------------------------------------------------------------
+    def _record_load(self, what: str, t: Timer, waves: list[float]) -> None:
+        """perf/load_<what>_time (the whole build: read, cast, shard), its per-wave read times and
+        the memory it left; logged once, with the first rollout's figures."""
+        m = self.load_metrics
+        m[f"perf/load_{what}_time"] = t.elapsed
+        for i, w in enumerate(waves):
+            m[f"perf/load_{what}_wave{i}_time"] = w
+        memory = t.memory(f"load_{what}")
+        m.update(memory)
+        if self.rank == 0:
+            log.info("loaded the %s in %.1f s (waves: %s)%s", what, t.elapsed, ", ".join(f"{w:.1f} s" for w in waves),
+                     "".join(f"; {k.split('/')[1]} {v:.1f} GB" for k, v in memory.items()))
+
     def write_recipe_record(self) -> Path | None:
         """<artifact_root>/recipes/<name>-<time>.json: what this run was started with."""
         if self.rank != 0 or not self.cfg.artifacts.artifact_root:
@@ -208,7 +316,7 @@ class Trainer:
         from trainer.artifacts import atomic_write_bytes
 
         cfg = self.cfg
-        name = getattr(self, "recipe_name", "run")
+        name = self.recipe_name
         record = {
             "prompt_data": cfg.rollout.prompt_data,
             "eval_prompt_data": [list(p) for p in cfg.eval.eval_prompt_data or []],
@@ -237,10 +345,10 @@ class Trainer:
         if not load:
             return
         state = load_checkpoint(load, self.task, model=self.actor.model, optimizer=self.actor.optimizer,
-                                adapter_contract=self.contract, trainable_only=self.actor.mode == "lora")
-        if state is None:
-            log.warning("--load %s holds no committed checkpoint for task %s: starting from rollout 0", load, self.task)
-            return
+                                adapter_contract=self.contract, trainable_only=self.actor.mode == "lora",
+                                iteration=self.cfg.checkpoint.ckpt_step)
+        if state is None:  # preflight refuses this; the directory changed since
+            raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
         self.checkpoint_failures = int(state.get("checkpoint_failures", 0))
         # The engine was loaded from --model-path: give it the restored policy under the
@@ -255,8 +363,7 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------
     def step(self, k: int) -> dict[str, float]:
         from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
-        from trainer.rewards.manager import reward_manager_from_config
-        from trainer.actor import begin_update, end_update, sync_engine
+        from trainer.colocation import begin_update, end_update, sync_engine
         from trainer.rollout import generate_rollout
         from trainer.sampling import rollout_generation_seed
 
@@ -276,11 +383,12 @@ class Trainer:
                 task=self.task, retention=int(cfg.artifacts.artifact_retention_rollouts),
                 weight_manifest_hash=self._manifest_hash())
         m["perf/rollout_time"] = t.elapsed
+        m.update(t.memory("rollout"))
         m.update({k_: v for k_, v in out.stats.items() if k_ != "perf/rollout_time"})
 
         # 3. reward: score locally, all-gather the small vectors, same advantages on every rank
         with Timer(self.device) as t:
-            manager = reward_manager_from_config(cfg.reward, self.device)
+            manager = self.reward_manager
             local_idx = [g * self.group_size + s for g, s in out.candidates]
             scored = manager.score([r["image"] for r in out.responses], [r["prompt"] for r in out.responses],
                                    [r.get("metadata") or {} for r in out.responses])
@@ -292,8 +400,19 @@ class Trainer:
                                         component_weights=cfg.reward.reward_component_weights,
                                         std_mode=std_mode, score_time=scored.score_time)
         m["perf/reward_time"] = t.elapsed
+        m.update(t.memory("reward"))
         m.update(reward.metrics)
+        m.update(scored.failure_metrics())
         self.components = sorted(reward.components)
+        self._watch_failed_rollout(k, len(reward.failed_groups))
+        if self.watch is not None:  # collective: image statistics gathered like the scores
+            from trainer.rewards.watch import rollout_watch_metrics
+
+            m.update(rollout_watch_metrics(self.watch, [r["image"] for r in out.responses], local_idx,
+                                           self.num_groups * self.group_size, self.group_size, reward))
+            if self.watch.suspect:
+                log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
+                self.stop_reason = self.watch.message() if cfg.reward.stop_on_hacking else None
 
         # 4. update: the actor owns the device
         with Timer(self.device) as t:
@@ -306,7 +425,7 @@ class Trainer:
             idx = torch.tensor(local_idx, dtype=torch.long)
             from tqdm import tqdm
 
-            with tqdm(desc=f"update {k}", unit="micro-batch", leave=False, disable=self.rank != 0,
+            with tqdm(desc=f"update {k}", unit="micro-batch", leave=False, disable=not self._progress_bars,
                       dynamic_ncols=True) as bar:
                 m.update(self.actor.train_step(out.batch, reward.advantages[idx], self.replay_fn,
                                                reward.valid[idx], progress=bar.update))
@@ -317,17 +436,20 @@ class Trainer:
                     log.info("[fingerprint] rollout %d: trainable abs-sum %.9g -> %.9g (delta %.3g)",
                              k, before, after, after - before)
         m["perf/train_time"] = t.elapsed
+        m.update(t.memory("train"))
 
         # 5. sync: the new weights into this rank's engine, verified, then committed
         with Timer(self.device) as t:
             m.update(sync_engine(self.actor, self.syncer, self.engine, offload_rollout=colo.offload_rollout))
         m["perf/sync_time"] = t.elapsed
+        m.update(t.memory("sync"))
 
         # 6. checkpoint (the actor is still resident, which DCP needs)
-        if self._due(k, cfg.checkpoint.save_interval) and cfg.checkpoint.save:
+        if (self._due(k, cfg.checkpoint.save_interval) or self.stop_reason) and cfg.checkpoint.save:
             with Timer(self.device) as t:
                 self.save(k)
             m["perf/checkpoint_time"] = t.elapsed
+            m.update(t.memory("checkpoint"))
 
         # the device goes back to the engine for the next rollout
         m.update(end_update(self.actor, self.engine, offload_train=colo.offload_train,
@@ -338,11 +460,40 @@ class Trainer:
             with Timer(self.device) as t:
                 m.update(self.evaluate(k))
             m["perf/eval_time"] = t.elapsed
+            m.update(t.memory("eval"))
 
         m["perf/step_time"] = time.perf_counter() - t_step
+        if "hwm" in (host := host_memory_gb()):
+            m["perf/host_peak_gb"] = host["hwm"]
         m["train/checkpoint_failures"] = float(self.checkpoint_failures)
         self._log_images(k, out, reward)
         return m
+
+    @property
+    def _progress_bars(self) -> bool:
+        """Bars on rank 0 at a terminal only: in a file (train.log, a job's output) every
+        redraw would be one more carriage-return frame; the per-rollout line is the progress."""
+        return self.rank == 0 and sys.stderr.isatty()
+
+    def _watch_failed_rollout(self, k: int, failed: int) -> None:
+        """A rollout whose every group failed to score trains nothing: say so loudly, and stop
+        after --reward-max-failed-rollouts of them in a row (every rank computes the same
+        gathered rewards, so all ranks stop together)."""
+        if failed < self.num_groups:
+            self.failed_rollouts_in_a_row = 0
+            return
+        self.failed_rollouts_in_a_row += 1
+        limit = int(self.cfg.reward.reward_max_failed_rollouts)
+        if self.rank == 0:
+            log.error("rollout %d: all %d groups failed to score (no finite reward), so no update happens; %d such "
+                      "rollout(s) in a row%s. Check the scorer (--reward-scorer-path / --reward-endpoint)", k,
+                      failed, self.failed_rollouts_in_a_row, f", the run stops at {limit}" if limit else "")
+        if limit and self.failed_rollouts_in_a_row >= limit:
+            raise RunError(
+                f"{self.failed_rollouts_in_a_row} consecutive rollouts (up to rollout {k}) in which every group failed "
+                f"to score: the scorer returns no finite reward (--reward-scorer-path {self.cfg.reward.reward_scorer_path}"
+                f", --reward-endpoint {self.cfg.reward.reward_endpoint}); fix it and resume with --load, or raise "
+                f"--reward-max-failed-rollouts (0 = never stop)")
 
     def _due(self, k: int, interval: int | None) -> bool:
         last = k == int(self.cfg.rollout.num_rollout) - 1
@@ -372,7 +523,7 @@ class Trainer:
         for r in shown:
             pos = r["group_index"] * self.group_size + r["slot"]
             scores = ", ".join(f"{c}={float(v[pos]):.4f}" for c, v in sorted(reward.components.items()))
-            captions.append(f"g{r['group_index']} s{r['slot']} [{scores}] {r['prompt']}")
+            captions.append(f"g{r['group_index']} s{r['slot']} {scores} | {r['prompt']}")
         self.metrics.log_image_grid(k, "rollout/candidates", [r["image"] for r in shown], captions)
 
     # -- eval and checkpoints --------------------------------------------------------------------
@@ -380,13 +531,12 @@ class Trainer:
     def evaluate(self, k: int) -> dict[str, float]:
         """Each eval set with the deterministic sde_indices (no per-rollout redraw), so the
         figure is comparable across steps; eval/<name>/<component>_mean."""
-        from trainer.rewards.manager import reward_manager_from_config
         from trainer.rewards.post_process import gather_scores
         from trainer.rollout import generate_rollout
 
         cfg = self.cfg
         n = int(cfg.eval.n_samples_per_eval_prompt)
-        manager = reward_manager_from_config(cfg.reward, self.device)
+        manager = self.reward_manager
         out_m: dict[str, float] = {}
         for name, ds in self.eval_sets.items():
             records = [ds[i] for i in range(len(ds))]
@@ -402,10 +552,43 @@ class Trainer:
                                    [r.get("metadata") or {} for r in out.responses])
             idx = [g * n + s for g, s in out.candidates]
             comps = gather_scores(scored.components, idx, len(records) * n)
+            images = [r["image"] for r in out.responses]
+            for held in self.eval_reward_managers:  # held out: scored here, never trained on
+                part = held.score(images, [r["prompt"] for r in out.responses],
+                                  [r.get("metadata") or {} for r in out.responses])
+                held_comps = gather_scores(part.components, idx, len(records) * n)
+                means = {f"{name}/{c}": float(v[torch.isfinite(v)].mean()) for c, v in held_comps.items()}
+                stds = {f"{name}/{c}": float(v[torch.isfinite(v)].std(unbiased=False)) for c, v in held_comps.items()}
+                if self.watch is not None:
+                    self.watch.observe_eval(means, stds)
+                comps.update({c: v for c, v in held_comps.items() if c not in comps})
             for c, v in comps.items():
                 finite = v[torch.isfinite(v)]
                 out_m[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
+            self._log_eval_images(k, name, out.responses, comps, n)
         return out_m
+
+    def _log_eval_images(self, k: int, set_name: str, responses: list[dict], comps: dict[str, torch.Tensor],
+                         n: int) -> None:
+        """One image per eval prompt, its n candidates side by side with their scores, under the
+        tag eval/<set>/prompt_<index>: the prompt and its seeds are the same at every eval, so
+        TensorBoard's slider on that tag shows the same candidates changing over training. Rank 0
+        logs the prompts whose candidates it generated (the first 1/world of the set, contiguous),
+        at most EVAL_IMAGE_PROMPTS of them."""
+        if self.rank != 0:
+            return
+        by_group: dict[int, list[dict]] = {}
+        for r in responses:
+            by_group.setdefault(int(r["group_index"]), []).append(r)
+        for g in sorted(by_group)[:EVAL_IMAGE_PROMPTS]:
+            shown = sorted(by_group[g], key=lambda r: r["slot"])
+            captions = []
+            for r in shown:
+                pos = g * n + r["slot"]
+                scores = ", ".join(f"{c}={float(v[pos]):.4f}" for c, v in sorted(comps.items()))
+                captions.append(f"s{r['slot']} {scores} | {r['prompt']}")
+            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}", [r["image"] for r in shown], captions,
+                                        cols=len(shown))
 
     def save(self, k: int) -> None:
         """One checkpoint of rollout k; a failed write is counted, never fatal."""
@@ -416,6 +599,8 @@ class Trainer:
             "rollout_id": k,
             "task": self.task,
             "model_adapter_path": cfg.model.model_adapter_path,
+            # what tools/export_checkpoint.py takes as the base when --base-model-path is not given
+            "base_model_path": str(Path(cfg.model.model_path).resolve()),
             "sampling_fingerprint": self.sampling.fingerprint(),
             "checkpoint_failures": self.checkpoint_failures,
             **self.actor.state_dict(),
@@ -440,17 +625,34 @@ class Trainer:
         if self.cfg.colocate.offload_train and not self.actor.offloaded:
             # the engine owns the device from the first rollout on (after any resume sync)
             self.actor.offload()
-        bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=self.rank != 0,
+        bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=not self._progress_bars,
                    dynamic_ncols=True, leave=True)
         history = []
         for k in bar:
             metrics = self.step(k)
+            if k == self.start_rollout:
+                metrics = {**self.load_metrics, **metrics}
             self.metrics.log(k, metrics)
             history.append(metrics)
             if self.rank == 0:
                 bar.write(self.metrics.console_line(k, metrics, self.components))
+            if self.stop_reason:  # every rank fed the watch the same gathered figures: all stop here
+                log.error("stopping after rollout %d (--stop-on-hacking): %s", k, self.stop_reason)
+                break
         self.metrics.close()
-        return {"history": history, "components": self.components}
+        return {"history": history, "components": self.components, "stopped": self.stop_reason}
+
+
+def silence_known_harmless_warnings() -> None:
+    """FSDP2 warns once per forward that the sharded root transformer "returned a view tensor"
+    (its last linear projection reshapes), because an in-place op on that output would skip the
+    pre-backward all-gather. Here the output is the velocity, which every consumer (dit_velocity,
+    the flow_grpo transition math, CFG) only reads out of place, so for the root transformer
+    classes the warning is noise; for any other module it still shows."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w*Transformer2DModel\) returned a view "
+                            r"tensor", category=UserWarning)
 
 
 def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
@@ -480,10 +682,14 @@ def run(cfg: Any, recipe: str | None = None) -> int:
     A rank that fails prints its traceback and exits non-zero at once; torchrun then stops the
     other ranks instead of leaving them waiting in a collective.
     """
+    from trainer.checkpoint import CheckpointError
+    from trainer.data import DataError
     from trainer.distributed import init_distributed, shutdown_and_exit
+    from trainer.models.base import ModelFilesError
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    silence_known_harmless_warnings()
     code = 0
     info = None
     try:
@@ -491,21 +697,28 @@ def run(cfg: Any, recipe: str | None = None) -> int:
         if info.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         torch.manual_seed(int(cfg.rollout.rollout_seed) + info.rank)
-        trainer = Trainer(cfg, info)
-        trainer.recipe_name = Path(recipe).stem if recipe else "run"
+        trainer = Trainer(cfg, info, recipe_name=Path(recipe).stem if recipe else "run")
         trainer.maybe_resume()
         record = trainer.write_recipe_record()
+        trainer.metrics.log_run(trainer.start_rollout, trainer.recipe_name, cfg.to_dict())
         result = trainer.fit()
         if info.rank == 0:
             summary = summarize(result["history"], result["components"])
-            print(json.dumps({"summary": summary, "recipe_record": str(record) if record else None,
+            print(json.dumps({"summary": summary, "stopped_on_hacking": result["stopped"],
+                              "recipe_record": str(record) if record else None,
                               "tensorboard_dir": str(trainer.metrics.log_dir) if trainer.metrics.log_dir else None,
                               "artifact_root": cfg.artifacts.artifact_root, "save": cfg.checkpoint.save}), flush=True)
+        if result["stopped"]:
+            code = 3  # the requested rollouts were not all run: let a scheduler see it
+    except (RunError, CheckpointError, DataError, ModelFilesError) as e:  # the message says it all
+        rank = info.rank if info is not None else os.environ.get("RANK", "?")
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        code = 1
     except BaseException:  # noqa: BLE001 - report, then take the whole job down
         rank = info.rank if info is not None else os.environ.get("RANK", "?")
         print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         code = 1
-    if code != 0:
+    if code not in (0, 3):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # no collective teardown: the other ranks may be inside one

@@ -1,12 +1,16 @@
 """Metrics: TensorBoard scalars and images, a one-line console summary per rollout.
 
 Every series shares one x-axis, the rollout id. Only rank 0 writes; the other ranks hold a
-logger that does nothing, so call sites need no rank checks.
+logger that does nothing, so call sites need no rank checks. The events of a run go to
+<tensorboard_dir>/<run name> (the recipe's file name), so `tensorboard --logdir` over several
+runs lists each under its recipe, and a resumed run continues its own curves.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -27,19 +31,22 @@ _CONSOLE = (
 
 
 class MetricsLogger:
-    """TensorBoard under `log_dir` on rank 0; a no-op elsewhere."""
+    """TensorBoard under `log_dir`/`run_name` on rank 0; a no-op elsewhere."""
 
-    def __init__(self, log_dir: str | Path | None, rank: int = 0, console_keys: Sequence[tuple[str, str]] = _CONSOLE):
+    def __init__(self, log_dir: str | Path | None, rank: int = 0, console_keys: Sequence[tuple[str, str]] = _CONSOLE,
+                 run_name: str | None = None):
         self.enabled = rank == 0 and log_dir is not None
         self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.run_name = run_name
+        self.run_dir = self.log_dir / run_name if self.log_dir is not None and run_name else self.log_dir
         self.console_keys = console_keys
         self.history: list[dict[str, float]] = []
         self._writer = None
         if self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(str(self.log_dir))
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(str(self.run_dir))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -50,12 +57,22 @@ class MetricsLogger:
             self._writer.add_scalar(name, value, step)
         self._writer.flush()
 
-    def log_image_grid(self, step: int, tag: str, images: Sequence[Any], captions: Sequence[str]) -> None:
-        """A grid of candidate images ([3, H, W] floats in [0, 1]) with their captions as text."""
+    def log_run(self, step: int, name: str, config: dict[str, Any]) -> None:
+        """The run's name and its resolved config, as the `run` text of TensorBoard's Text tab."""
+        if not self.enabled:
+            return
+        body = json.dumps(config, indent=2, sort_keys=True, default=str)
+        # four-space indent: TensorBoard renders text as markdown, this keeps the JSON verbatim
+        self._writer.add_text("run", f"**{name}**\n\n" + textwrap.indent(body, "    "), step)
+        self._writer.flush()
+
+    def log_image_grid(self, step: int, tag: str, images: Sequence[Any], captions: Sequence[str],
+                       cols: int | None = None) -> None:
+        """A grid of images ([3, H, W] floats in [0, 1]), each tile with its caption drawn
+        under it; the captions also go to the Text tab as `<tag>/captions`."""
         if not self.enabled or not images:
             return
-        grid = image_grid(images)
-        self._writer.add_image(tag, grid, step, dataformats="HWC")
+        self._writer.add_image(tag, captioned_grid(images, captions, cols=cols), step, dataformats="HWC")
         self._writer.add_text(tag + "/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self._writer.flush()
 
@@ -66,6 +83,11 @@ class MetricsLogger:
             if key in metrics and _is_number(metrics[key]):
                 v = float(metrics[key])
                 parts.append(f"{short}={v:.4g}")
+        failed = metrics.get("reward/failed_groups")
+        if _is_number(failed) and float(failed) > 0:
+            # a failed group trains nothing: the line must not look like a healthy step
+            total = float(failed) + float(metrics.get("reward/num_groups", 0) or 0)
+            parts.insert(1, f"FAILED groups={int(failed)}/{int(total)}")
         return " | ".join(parts)
 
     def close(self) -> None:
@@ -82,12 +104,14 @@ def _is_number(v: Any) -> bool:
     return True
 
 
+def _to_uint8_hwc(im: Any) -> np.ndarray:
+    a = im.detach().float().cpu().numpy() if hasattr(im, "detach") else np.asarray(im, dtype=np.float32)
+    return np.clip(a.transpose(1, 2, 0) * 255.0 + 0.5, 0, 255).astype(np.uint8)
+
+
 def image_grid(images: Sequence[Any], cols: int | None = None) -> np.ndarray:
     """Tile [3, H, W] float images (torch or numpy, values in [0, 1]) into one HWC uint8 array."""
-    arrs = []
-    for im in images:
-        a = im.detach().float().cpu().numpy() if hasattr(im, "detach") else np.asarray(im, dtype=np.float32)
-        arrs.append(np.clip(a.transpose(1, 2, 0) * 255.0 + 0.5, 0, 255).astype(np.uint8))
+    arrs = [_to_uint8_hwc(im) for im in images]
     h = max(a.shape[0] for a in arrs)
     w = max(a.shape[1] for a in arrs)
     cols = cols or min(len(arrs), 4)
@@ -99,11 +123,72 @@ def image_grid(images: Sequence[Any], cols: int | None = None) -> np.ndarray:
     return out
 
 
+#: a tile's long side is brought into this range: small images are enlarged so a caption fits
+#: under them, large ones shrunk so a grid per rollout keeps the event file small
+TILE_SIDE = (160, 256)
+CAPTION_LINES = 3
+
+
+def captioned_grid(images: Sequence[Any], captions: Sequence[str], cols: int | None = None,
+                   tile_side: tuple[int, int] = TILE_SIDE, caption_lines: int = CAPTION_LINES) -> np.ndarray:
+    """Tile [3, H, W] float images in [0, 1] into one HWC uint8 array with each caption
+    written (wrapped, at most `caption_lines` lines) on a white strip under its tile."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    if len(captions) != len(images):
+        raise ValueError(f"{len(images)} images but {len(captions)} captions")
+    arrs = [_to_uint8_hwc(im) for im in images]
+    h = max(a.shape[0] for a in arrs)
+    w = max(a.shape[1] for a in arrs)
+    scale = min(max(tile_side[0] / max(h, w), 1.0), tile_side[1] / max(h, w))
+    tw, th = max(1, round(w * scale)), max(1, round(h * scale))
+    font = ImageFont.load_default()
+    line_h = font.getbbox("Ag")[3] + 3
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 "
+    chars = max(4, int((tw - 4) * len(alphabet) // max(font.getlength(alphabet), 1.0)))
+    gap = 4
+    cell_w, cell_h = tw + gap, th + caption_lines * line_h + 4
+    cols = cols or min(len(arrs), 4)
+    rows = (len(arrs) + cols - 1) // cols
+    canvas = Image.new("RGB", (cols * cell_w - gap, rows * cell_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (a, caption) in enumerate(zip(arrs, captions)):
+        r, c = divmod(i, cols)
+        x, y = c * cell_w, r * cell_h
+        tile = Image.fromarray(a)
+        if tile.size != (tw, th):
+            # nearest when enlarging: the pixels of a tiny image stay visible as they are
+            tile = tile.resize((tw, th), Image.NEAREST if scale > 1 else Image.BILINEAR)
+        canvas.paste(tile, (x, y))
+        lines = textwrap.wrap(str(caption), chars) or [""]
+        if len(lines) > caption_lines:
+            lines = lines[:caption_lines]
+            lines[-1] = lines[-1][: max(chars - 3, 1)] + "..."
+        for j, line in enumerate(lines):
+            draw.text((x + 2, y + th + 2 + j * line_h), line, fill="black", font=font)
+    return np.asarray(canvas)
+
+
+def event_run_dir(log_dir: str | Path) -> Path:
+    """The directory holding a run's event files: `log_dir` itself, or its one run below it."""
+    root = Path(log_dir)
+    if any(root.glob("events.out.tfevents.*")):
+        return root
+    runs = sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        raise ValueError(f"{root}: no TensorBoard event files in it or below it")
+    raise ValueError(f"{root} holds {len(runs)} runs ({', '.join(str(r.relative_to(root)) for r in runs)}); "
+                     "pass one run's directory")
+
+
 def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """All scalar series of a TensorBoard directory: {tag: [(step, value), ...]}."""
+    """All scalar series of a run's TensorBoard directory (see event_run_dir):
+    {tag: [(step, value), ...]}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(event_run_dir(log_dir)), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 

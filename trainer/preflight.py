@@ -13,6 +13,7 @@ torch-free sampling-config parser.
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from trainer.config import (
     resolve_engine_path,
     resolve_scorer_path,
 )
+from trainer import checkpoint_index as ci
 from trainer.models.base import GENERATION_TASKS
 from trainer.sampling import SamplingConfigError, parse_sampling_config, trainable_step_zero_routes
 
@@ -57,16 +59,17 @@ class PreflightError(ValueError):
         super().__init__(HEADER + "".join(f"\n  - {p}" for p in self.problems))
 
 
-def validate(cfg: RunConfig, world_size: int | None = None) -> list[str]:
+def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = True) -> list[str]:
     """Check `cfg` for a run on `world_size` ranks; return warnings, raise PreflightError.
 
-    world_size: torchrun's WORLD_SIZE, or None outside torchrun, in which case the
-    recipe's --actor-num-nodes x --actor-num-gpus-per-node is used; when neither is
-    known the per-rank checks are skipped with a warning.
+    world_size: the ranks the job really has (torchrun's WORLD_SIZE; 1 for a process started
+    without torchrun, `torchrun=False`), or None to check the recipe on its own (its
+    --actor-num-nodes x --actor-num-gpus-per-node; when neither is known the per-rank checks
+    are skipped with a warning).
     """
     errors: list[str] = []
     warnings: list[str] = []
-    world = _check_world(cfg, world_size, errors, warnings)
+    world = _check_world(cfg, world_size, errors, warnings, torchrun=torchrun)
     _check_task_and_model(cfg, errors)
     _check_hooks(cfg, errors)
     _check_trainable(cfg, errors, warnings)
@@ -137,7 +140,8 @@ def _need_existing(flag: str, value: str | None, kind: str, errors: list[str], *
 # groups of rules
 
 
-def _check_world(cfg: RunConfig, world_size: int | None, errors: list[str], warnings: list[str]) -> int | None:
+def _check_world(cfg: RunConfig, world_size: int | None, errors: list[str], warnings: list[str], *,
+                 torchrun: bool = True) -> int | None:
     recipe_world = recipe_world_size(cfg)
     c = cfg.colocate
     for flag, v in (("--actor-num-nodes", c.actor_num_nodes), ("--actor-num-gpus-per-node", c.actor_num_gpus_per_node)):
@@ -148,7 +152,14 @@ def _check_world(cfg: RunConfig, world_size: int | None, errors: list[str], warn
         if world_size < 1:
             errors.append(f"world size must be >= 1, got {world_size}")
             return None
-        if recipe_world is not None and recipe_world != world_size:
+        if recipe_world is not None and recipe_world != world_size and not torchrun:
+            errors.append(
+                f"--actor-num-nodes x --actor-num-gpus-per-node = {recipe_world} but this process was not "
+                f"started by torchrun, so it would run alone with all {recipe_world} ranks' candidates; launch "
+                f"with `torchrun --nproc-per-node {recipe_world} -m trainer.train ...` (or `bash run.sh train "
+                f"RECIPE`), or set --actor-num-gpus-per-node 1 --actor-num-nodes 1 for one process"
+            )
+        elif recipe_world is not None and recipe_world != world_size:
             errors.append(
                 f"--actor-num-nodes x --actor-num-gpus-per-node = {recipe_world} but torchrun started "
                 f"{world_size} ranks (WORLD_SIZE); launch with --nproc-per-node {recipe_world} (NPROC="
@@ -516,6 +527,8 @@ def _check_reward(cfg: RunConfig, errors: list[str]) -> None:
         _need_existing("--reward-model-path", rw.reward_model_path, "dir", errors, required=True)
     elif rw.reward_model_path:
         _need_existing("--reward-model-path", rw.reward_model_path, "dir", errors, required=False)
+    if rw.reward_max_failed_rollouts < 0:
+        errors.append(f"--reward-max-failed-rollouts must be >= 0 (0 = never stop), got {rw.reward_max_failed_rollouts}")
     weights = rw.reward_component_weights or {}
     for name, w in weights.items():
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
@@ -526,6 +539,58 @@ def _check_reward(cfg: RunConfig, errors: list[str]) -> None:
                 f"--reward-required-components {comp!r} has no --reward-component-weights entry; add "
                 f'{{"{comp}": 1.0}}'
             )
+    _check_judge_and_watch(cfg, errors)
+
+
+def _check_judge_and_watch(cfg: RunConfig, errors: list[str]) -> None:
+    """The VLM judge's limits, the held-out eval scorers and the reward-hacking watch's thresholds:
+    all knowable before anything loads."""
+    import re
+
+    rw = cfg.reward
+    if rw.reward_judge_score_max <= rw.reward_judge_score_min:
+        errors.append(f"--reward-judge-score-max ({rw.reward_judge_score_max}) must exceed --reward-judge-score-min "
+                      f"({rw.reward_judge_score_min})")
+    for flag, value in (("--reward-judge-max-concurrency", rw.reward_judge_max_concurrency),
+                        ("--reward-judge-max-tokens", rw.reward_judge_max_tokens),
+                        ("--hacking-baseline-rollouts", rw.hacking_baseline_rollouts),
+                        ("--hacking-patience", rw.hacking_patience)):
+        _positive_int(flag, value, errors)
+    _positive_int("--reward-judge-max-retries", rw.reward_judge_max_retries, errors, minimum=0)
+    for flag, value in (("--reward-judge-timeout-s", rw.reward_judge_timeout_s),
+                        ("--hacking-reward-rise", rw.hacking_reward_rise),
+                        ("--hacking-stat-threshold", rw.hacking_stat_threshold),
+                        ("--hacking-heldout-drop", rw.hacking_heldout_drop)):
+        if not (math.isfinite(value) and value > 0):
+            errors.append(f"{flag} must be a number > 0, got {value}")
+    try:
+        if re.compile(rw.reward_judge_score_regex).groups < 1:
+            errors.append(f"--reward-judge-score-regex {rw.reward_judge_score_regex!r} needs a group: its first group "
+                          f"is the score, e.g. '(-?\\d+(?:\\.\\d+)?)'")
+    except re.error as e:
+        errors.append(f"--reward-judge-score-regex {rw.reward_judge_score_regex!r} is not a regular expression: {e}")
+    if "{prompt}" not in rw.reward_judge_prompt_template and resolve_scorer_path(rw.reward_scorer_path) == \
+            resolve_scorer_path("vlm_judge"):
+        errors.append("--reward-judge-prompt-template has no {prompt} placeholder: the judge would never see the "
+                      "prompt it grades")
+    if not rw.eval_reward_scorers:
+        return
+    if not cfg.eval.eval_prompt_data:
+        errors.append("--eval-reward-scorers scores the eval sets only: it needs --eval-prompt-data NAME FILE")
+    from trainer.rewards.watch import parse_eval_scorers
+
+    try:
+        entries = parse_eval_scorers(rw.eval_reward_scorers)
+    except ValueError as e:
+        errors.append(str(e))
+        return
+    for name, model_path in entries:
+        scorer = resolve_scorer_path(name)
+        _check_dotpath(f"--eval-reward-scorers entry {name!r}", scorer, errors)
+        if scorer in SCORERS_NEEDING_MODEL and not model_path:
+            errors.append(f"--eval-reward-scorers entry {name!r} needs its model directory: '{name}=/local/model/dir'")
+        if model_path:
+            _need_existing(f"--eval-reward-scorers entry {name!r}", model_path, "dir", errors, required=True)
 
 
 def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
@@ -560,14 +625,115 @@ def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list
         errors.append("--rotate-ckpt needs --max-actor-ckpt-to-keep N (how many checkpoints to keep)")
     if ck.load:
         _need_existing("--load", ck.load, "dir", errors, required=True)
+    if ck.ckpt_step is not None and ck.ckpt_step < 0:
+        errors.append(f"--ckpt-step must be >= 0 (an iteration number), got {ck.ckpt_step}")
     if ck.save and Path(ck.save).exists() and not Path(ck.save).is_dir():
         errors.append(f"--save {ck.save} exists and is not a directory")
+    if cfg.model.generation_task in GENERATION_TASKS:
+        _check_resume(cfg, errors)
+    _check_output_paths(cfg, errors)
+    _check_data_contents(cfg, errors)
     if ck.async_save:
         warnings.append("--async-save has no effect: the checkpoint write is synchronous")
     if ck.save_hf:
         errors.append(
             "--save-hf is rejected: export a committed checkpoint offline with tools/export_checkpoint.py"
         )
+
+
+def tensorboard_dir(cfg: RunConfig) -> str | None:
+    """Where the run's TensorBoard events go: --tensorboard-dir, else <save>/tensorboard."""
+    lg, ck = cfg.logging, cfg.checkpoint
+    return lg.tensorboard_dir or (str(Path(ck.save) / "tensorboard") if ck.save else None)
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
+    """--load must hold what it promises, and no run writes over an earlier run's outputs:
+    a fresh start (no --load) needs an unused --save and TensorBoard directory, a resume may
+    only continue in its own --load directory or in an unused one."""
+    ck, task = cfg.checkpoint, cfg.model.generation_task
+    if ck.ckpt_step is not None and not ck.load:
+        errors.append(f"--ckpt-step {ck.ckpt_step} needs --load DIR (the checkpoint directory to resume from)")
+    loadable = bool(ck.load) and Path(ck.load).is_dir()
+    committed = ci.committed_iterations(ck.load, task) if loadable else []
+    if loadable and not committed:
+        errors.append(f"--load {ck.load} holds no committed {task} checkpoint: found {ci.describe_load_dir(ck.load, task)}; "
+                      "point --load at the --save directory of the run to resume, or drop --load to start fresh")
+    if loadable and committed and ck.ckpt_step is not None and ck.ckpt_step not in committed:
+        errors.append(f"--ckpt-step {ck.ckpt_step} is not a committed iteration of --load {ck.load}; "
+                      f"committed: {committed}")
+    save_dir = ck.save if ck.save and Path(ck.save).is_dir() else None
+    # uncommitted directories alone are a crashed first save: nothing to resume or to keep
+    earlier = ci.committed_iterations(save_dir, task) if save_dir else []
+    start_over = "or choose a new --save, or delete the earlier run's directories to start over"
+    if save_dir and not ck.load and earlier:
+        errors.append(f"--save {ck.save} already holds checkpoints of an earlier run (iterations {earlier}) and "
+                      f"--load is not set: resume it with --load {ck.save} {start_over}; nothing is overwritten")
+    elif save_dir and ck.load and earlier and not _same_dir(save_dir, ck.load):
+        errors.append(f"--save {ck.save} holds checkpoints of another run (iterations {sorted(earlier)}) while resuming "
+                      f"from --load {ck.load}: pass --save {ck.load} to continue in place, or an empty --save to branch off")
+    elif save_dir and committed and ck.ckpt_step is not None and _same_dir(save_dir, ck.load):
+        newer = [it for it in committed if it > ck.ckpt_step]
+        if newer:
+            errors.append(f"--ckpt-step {ck.ckpt_step} resumes before committed iterations {newer} of --save {ck.save}, "
+                          "which the resumed run would write again: pass a new, empty --save to branch off from "
+                          f"iteration {ck.ckpt_step} (nothing is overwritten)")
+    tb = tensorboard_dir(cfg)
+    if tb and not ck.load and Path(tb).is_dir() and any(Path(tb).glob("events.out.tfevents*")):
+        resume = f"resume with --load {ck.save}, or" if earlier else "its run left no committed checkpoint:"
+        errors.append(f"TensorBoard directory {tb} already holds an earlier run's events and --load is not set: {resume} "
+                      f"pass another --tensorboard-dir (or delete {tb}) to start over")
+
+
+def _check_output_paths(cfg: RunConfig, errors: list[str]) -> None:
+    """Output directories can be created and written now, not only at the first save."""
+    a, ck = cfg.artifacts, cfg.checkpoint
+    for flag, value in (("--save", ck.save), ("--artifact-root", a.artifact_root),
+                        ("--tensorboard-dir", tensorboard_dir(cfg))):
+        if value:
+            problem = writable_dir_problem(value)
+            if problem:
+                errors.append(f"{flag} {value}: {problem}")
+
+
+def writable_dir_problem(path: str) -> str | None:
+    """Why `path` cannot be used as an output directory (None when it can): probed by creating
+    a file in it or in its nearest existing ancestor, since permission bits do not tell the
+    whole story (read-only mounts, immutable directories, root)."""
+    import tempfile
+
+    p = Path(path).absolute()
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a regular file, so the directory cannot be created under it; choose another path"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".preflight-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write in {existing} ({e.strerror or e}); choose a writable directory"
+    return None
+
+
+def _check_data_contents(cfg: RunConfig, errors: list[str]) -> None:
+    """Every prompt file parses (the error names file:line), before any model loads."""
+    from trainer.data import DataError, PromptDataset
+
+    task = cfg.model.generation_task if cfg.model.generation_task in GENERATION_TASKS else None
+    files = [("--prompt-data", cfg.rollout.prompt_data)]
+    files += [(f"--eval-prompt-data {name}", path) for name, path in cfg.eval.eval_prompt_data]
+    for flag, path in files:
+        if path and Path(path).is_file():
+            try:
+                PromptDataset.from_jsonl(path, task=task)
+            except DataError as e:
+                errors.append(f"{flag}: {e}")
 
 
 def _check_unsupported(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:

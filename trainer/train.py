@@ -23,10 +23,37 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def die_with_launcher() -> None:
+    """Under torchrun: have the kernel SIGKILL this rank when its launcher dies.
+
+    torchrun starts each rank in a session of its own, so a kill -9 of torchrun (or of its
+    process group) would otherwise leave the ranks running on, reparented, training and even
+    committing checkpoints that nobody asked for. Linux only (prctl PR_SET_PDEATHSIG); a no-op
+    elsewhere and outside torchrun.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    # the launcher may have died before the request was in place: then nobody would signal us
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    die_with_launcher()
     if any(a in ("-h", "--help") for a in argv):
         print(format_help())
+        return 0
+    if "--version" in argv:
+        from trainer.cli import version
+
+        print(version())
         return 0
     preflight_only = "--preflight-only" in argv
     argv = [a for a in argv if a != "--preflight-only"]
@@ -38,10 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    # A process not started by torchrun runs alone (init_distributed makes a group of one), so
+    # the recipe is checked against 1, not against the world it names; --preflight-only
+    # checks the recipe on its own world.
+    torchrun = world is not None
+    if world is None and not preflight_only:
+        world = 1
     if preflight_only and rank0:
         print(json.dumps(cfg.to_dict(), indent=2))
     try:
-        warnings = validate(cfg, world)
+        warnings = validate(cfg, world, torchrun=torchrun)
     except PreflightError as exc:
         if rank0:
             print(str(exc), file=sys.stderr)

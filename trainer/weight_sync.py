@@ -28,240 +28,22 @@ and counts train/weight_sync_failures.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import itertools
 import logging
 import math
-import operator
 import time
-import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-from trainer.actor import DTYPES, is_lora_name, reshard_all
-from trainer.actor import WRAPPER_SEGMENTS as MODEL_WRAPPER_SEGMENTS
-from trainer.engine.base import WeightManifest, WeightSyncError
+from trainer.actor import reshard_all
+from trainer.core.checksum import WeightsChecksum
+from trainer.core.dtypes import DTYPES
+from trainer.core.manifest import SYNC_KINDS, WeightManifest, WeightSyncError, build_manifest, name_shape_hash
+from trainer.core.modules import ModuleTreeSnapshot, lora_modules, model_has_lora
+from trainer.core.names import is_lora_name, strip_wrapper_segments
 
 log = logging.getLogger(__name__)
-
-#: module-path segments inserted by wrappers, removed before a name leaves the actor: those
-#: actor.model_name drops, plus peft's base_layer (the engine's module holds the base weight itself)
-WRAPPER_SEGMENTS = MODEL_WRAPPER_SEGMENTS + ("base_layer",)
-#: prefixes inserted by peft's PeftModel
-WRAPPER_PREFIXES = ("base_model.model.",)
-
-SYNC_KINDS = ("full", "merged", "adapter")
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def strip_wrapper_segments(name: str, adapter_name: str = "default") -> str:
-    """Remove wrapper segments from a parameter name.
-
-    "transformer_blocks.0._checkpoint_wrapped_module.attn.to_q.base_layer.weight"
-        -> "transformer_blocks.0.attn.to_q.weight"
-    "transformer_blocks.0.attn.to_q.lora_A.default.weight"
-        -> "transformer_blocks.0.attn.to_q.lora_A.weight"   (peft's adapter-name segment)
-    """
-    for prefix in WRAPPER_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    parts = name.split(".")
-    out: list[str] = []
-    for i, part in enumerate(parts):
-        if part in WRAPPER_SEGMENTS:
-            continue
-        if part == adapter_name and i > 0 and parts[i - 1] in ("lora_A", "lora_B", "lora_embedding_A",
-                                                                 "lora_embedding_B", "lora_magnitude_vector"):
-            continue
-        out.append(part)
-    return ".".join(out)
-
-
-def name_shape_hash(names_shapes: Iterable[tuple[str, Iterable[int]]]) -> str:
-    """sha256 hex over the ordered lines "name:d0,d1,...\\n" (a scalar has an empty shape).
-
-    Order matters: it is the order the tensors are sent in.
-    """
-    # one update over the joined lines: the same digest as line by line, without a call per line
-    lines = [f"{name}:{','.join(map(str, map(int, shape)))}\n" for name, shape in names_shapes]
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
-
-
-def build_manifest(kind: str, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> WeightManifest:
-    """Manifest of exactly these tensors: count, total bytes (their dtype), ordered name/shape hash."""
-    if kind not in SYNC_KINDS:
-        raise ValueError(f"sync kind must be one of {SYNC_KINDS}, got {kind!r}")
-    return WeightManifest(
-        kind=kind,
-        tensor_count=len(named_tensors),
-        total_bytes=sum(t.numel() * t.element_size() for _, t in named_tensors),
-        name_shape_hash=name_shape_hash((n, t.shape) for n, t in named_tensors),
-        version=version,
-    )
-
-
-def verify_manifest(named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
-    """Raise WeightSyncError unless the tensors match the manifest (count, bytes, name/shape hash).
-
-    Receivers call this on what they got; the sender calls it on what it built.
-    """
-    got = build_manifest(manifest.kind, named_tensors, manifest.version)
-    problems = []
-    if got.tensor_count != manifest.tensor_count:
-        problems.append(f"tensor count {got.tensor_count} != manifest {manifest.tensor_count}")
-    if got.total_bytes != manifest.total_bytes:
-        problems.append(f"bytes {got.total_bytes} != manifest {manifest.total_bytes}")
-    if got.name_shape_hash != manifest.name_shape_hash:
-        problems.append("ordered name/shape hash differs from the manifest")
-    if problems:
-        raise WeightSyncError(f"weight sync ({manifest.kind}, version {manifest.version}) does not match "
-                              f"its manifest: {'; '.join(problems)}")
-
-
-#: the checksum folds a tensor's 32-bit words into this many column sums (position mod CHECKSUM_PERIOD);
-#: a prime, so no power-of-two row length of a weight lines up with it
-CHECKSUM_PERIOD = 1021
-
-
-def _mix_weights(device: torch.device) -> torch.Tensor:
-    """int64 [2, CHECKSUM_PERIOD]: row 0 = 1..P (position), row 1 = fixed pseudo-random values in [1, 2^20).
-
-    Small enough that sum_j colsum_j * w_j (|colsum_j| < 2^31) stays below 2^62: no overflow."""
-    p = CHECKSUM_PERIOD
-    pseudo = [(j * 2654435761 + 97) % ((1 << 20) - 3) + 1 for j in range(p)]
-    return torch.tensor([list(range(1, p + 1)), pseudo], dtype=torch.int64, device=device)
-
-
-def tensor_words(tensor: torch.Tensor) -> torch.Tensor:
-    """The raw bits of `tensor` as a flat int32 tensor (a view when possible, no copy).
-
-    A byte count divisible by 4 is read as int32 words (a bf16 pair is one word); otherwise the
-    16-bit (or 8-bit) words are widened to int32 (a copy; only odd-sized small tensors). A tensor
-    whose storage offset does not allow the int32 view is copied first: the words depend only on
-    (dtype, shape, bits), never on where the tensor lives.
-    """
-    flat = tensor.detach().reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    if nbytes == 0:
-        return torch.zeros(0, dtype=torch.int32, device=flat.device)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    if nbytes % 4 == 0:
-        try:
-            return flat.view(torch.int32)
-        except RuntimeError:  # a 1- or 2-byte dtype whose storage offset is not 4-byte aligned
-            return flat.clone().view(torch.int32)
-    if nbytes % 2 == 0 and flat.element_size() <= 2:
-        try:
-            return flat.view(torch.int16).to(torch.int32)
-        except RuntimeError:
-            return flat.clone().view(torch.int16).to(torch.int32)
-    return flat.view(torch.uint8).to(torch.int32)
-
-
-def column_sums(words: torch.Tensor) -> torch.Tensor:
-    """int32 [CHECKSUM_PERIOD]: cs[j] = sum of words[i] over i % P == j, modulo 2^32 (wrapping).
-
-    One read of the words (a reduction over a [n // P, P] view) plus the < P tail; exact and
-    reduction-order independent, since integer addition modulo 2^32 is associative."""
-    p = CHECKSUM_PERIOD
-    n = words.numel()
-    m = n - n % p
-    if m == 0:
-        return torch.nn.functional.pad(words, (0, p - n))
-    cs = words[:m].view(-1, p).sum(0, dtype=torch.int32)
-    if n > m:
-        cs[: n - m] += words[m:]
-    return cs
-
-
-#: column_sums_wide's row length in periods: rows of CHECKSUM_WIDE_FOLD * CHECKSUM_PERIOD words
-CHECKSUM_WIDE_FOLD = 64
-
-
-def column_sums_wide(words: torch.Tensor) -> torch.Tensor:
-    """column_sums(words), bit for bit, by another reduction order (tools/bench.py times both).
-
-    The words as a [n // (P * K), P * K] view reduced over dim 0 (K = CHECKSUM_WIDE_FOLD: 65,344
-    independent column sums for a device reduction to spread over, where column_sums has 1,021),
-    those K * P partial sums folded into P ([K, P] reduced over dim 0), then the < P * K remaining
-    words by column_sums (they start at a multiple of P, so their residues line up). Integer
-    addition modulo 2^32 is associative and commutative: the order cannot change the result."""
-    p, k = CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD
-    n = words.numel()
-    m = n - n % (p * k)
-    if m == 0:
-        return column_sums(words)
-    cs = words[:m].view(-1, p * k).sum(0, dtype=torch.int32).view(k, p).sum(0, dtype=torch.int32)
-    if n > m:
-        cs += column_sums(words[m:])
-    return cs
-
-
-class WeightsChecksum:
-    """Order-independent checksum of named tensors' BITS (dtype, shape and every bit of every value).
-
-    Per tensor, on its own device: the raw bits are read once as int32 words and folded into
-    CHECKSUM_PERIOD column sums (column_sums); no float conversion, no position tensor. hexdigest()
-    stacks the column sums of all tensors, mixes each row into three int64 values (sum; sum
-    weighted by position 1..P; sum weighted by fixed pseudo-random values), moves them to the host
-    in one transfer per device, and hashes the lines "name:dtype:shape:<three ints>" sorted by name
-    with sha256.
-
-    What it catches: any single changed element (it changes one column sum by a non-zero amount
-    modulo 2^32, hence the plain sum), a swapped pair of named tensors (the values move to other
-    names), any permutation inside a tensor that moves an element to a position of another residue
-    mod P, a dtype or shape change. What it cannot see: a permutation moving elements only by
-    multiples of P words, or changes whose effects cancel in all three mixes (adversarial).
-    Engines compute get_weights_checksum() with this same class over their parameters, so equal
-    bits in equal dtypes give equal checksums: the sender checksums what the engine will store
-    (see `update`'s as_dtype).
-    """
-
-    def __init__(self, column_sums_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        #: column_sums or an implementation with the same output bits (column_sums_wide)
-        self._column_sums = column_sums_fn or column_sums
-        self._names: list[tuple[str, str, tuple[int, ...]]] = []
-        self._sums: list[torch.Tensor] = []
-
-    def update(self, name: str, tensor: torch.Tensor, as_dtype: torch.dtype | None = None) -> None:
-        """Add one tensor. as_dtype: checksum the tensor as the receiver stores it (a cast copy,
-        only when it differs from the tensor's dtype)."""
-        t = tensor.detach()
-        if as_dtype is not None and t.dtype != as_dtype:
-            t = t.to(as_dtype)
-        self._names.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
-        self._sums.append(self._column_sums(tensor_words(t)))
-
-    def hexdigest(self) -> str:
-        by_device: dict[torch.device, list[int]] = {}
-        for i, s in enumerate(self._sums):
-            by_device.setdefault(s.device, []).append(i)
-        values: list[list[int]] = [[] for _ in self._sums]
-        for device, idx in by_device.items():  # one host transfer per device
-            cs = torch.stack([self._sums[i] for i in idx]).to(torch.int64)        # [N, P]
-            # no integer matmul on CUDA: broadcast multiply [N, 1, P] * [2, P], then reduce
-            mixed = torch.cat([cs.sum(1, keepdim=True), (cs[:, None, :] * _mix_weights(device)).sum(2)], 1)  # [N, 3]
-            for i, row in zip(idx, mixed.cpu().tolist()):
-                values[i] = row
-        rows = sorted(zip(self._names, values), key=lambda r: r[0][0])
-        h = hashlib.sha256()
-        for (name, dtype, shape), stats in rows:
-            h.update(f"{name}:{dtype}:{','.join(map(str, shape))}:{':'.join(map(str, stats))}\n".encode())
-        return h.hexdigest()
-
-
-def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                     column_sums_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> str:
-    """WeightsChecksum over `named_tensors` (see the class); column_sums_fn: as the class takes it."""
-    acc = WeightsChecksum(column_sums_fn)
-    with torch.no_grad():  # autograd bookkeeping would double the per-tensor host cost
-        for name, tensor in named_tensors:
-            acc.update(name, tensor)
-        return acc.hexdigest()
 
 
 def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
@@ -280,69 +62,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
     t = t.detach()
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """name -> peft LoraLayer for every LoRA-wrapped module of `model` (empty when none)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # peft missing: then there cannot be LoRA layers either
-        return {}
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-
-
-def model_has_lora(model: nn.Module) -> bool:
-    return bool(lora_modules(model))
-
-
-_MODULES_OF, _PARAMETERS_OF = operator.attrgetter("_modules"), operator.attrgetter("_parameters")
-
-
-class ModuleTreeSnapshot:
-    """Which module and parameter objects make up a module tree, recorded once, so that
-    `unchanged(root)` can tell whether the tree still is what it was without a named walk.
-
-    It records the tree's modules (each once, modules() order) and, over them, their classes, the
-    sizes, keys and object ids of their _modules and _parameters dicts. `unchanged` re-reads exactly
-    that from the recorded modules in a few C-level passes (no recursion, no name strings, no
-    isinstance): any module or parameter added, removed, renamed or replaced anywhere below the root
-    changes some recorded module's dicts, whatever route did it (setattr, register_parameter, a
-    direct dict write as FSDP2 does, peft's LoRA injection, fully_shard, which also swaps classes,
-    load_state_dict(assign=True)). What it does not see, by design: new values in the same objects
-    (optimizer steps, `param.data = ...`, the actor's offload / onload, the engine's release /
-    resume), which a plan reads at sync time anyway. The recorded objects are kept alive by the
-    snapshot, so their ids cannot be taken by new objects while it exists (the cost: a replaced
-    model's parameters live until the plan holding the snapshot is rebuilt or dropped).
-    Cost of a check: about as much as one bare modules() walk (~3 ms on the test CPU at 7,100
-    modules, the real DiT's module count with LoRA), a third to a half of a named_parameters walk,
-    and none of the per-name work that came with the walks it replaces.
-    """
-
-    __slots__ = ("_root", "_modules", "_token", "_keep")
-
-    def __init__(self, root: nn.Module) -> None:
-        self._root = weakref.ref(root)
-        self._modules = list(root.modules())
-        self._token = self._read()
-        self._keep = [list(d.values()) for d in map(_MODULES_OF, self._modules)] + \
-                     [list(d.values()) for d in map(_PARAMETERS_OF, self._modules)]
-
-    def _read(self) -> tuple:
-        ms = self._modules
-        mods, params = list(map(_MODULES_OF, ms)), list(map(_PARAMETERS_OF, ms))
-        flat = itertools.chain.from_iterable
-        return (list(map(type, ms)), list(map(len, mods)), list(map(len, params)),
-                list(flat(map(dict.keys, mods))), list(map(id, flat(map(dict.values, mods)))),
-                list(flat(map(dict.keys, params))), list(map(id, flat(map(dict.values, params)))))
-
-    def unchanged(self, root: nn.Module) -> bool:
-        return self._root() is root and self._read() == self._token
-
-    def modules(self) -> list[nn.Module]:
-        return list(self._modules)
-
-    def __len__(self) -> int:
-        return len(self._modules)
 
 
 class SyncPlan:
@@ -547,7 +266,7 @@ DEFAULT_GATHER_MODE = "auto"
 #: (<= 1.6 MB; 1,090 tensors, 13.5 MB) goes flat.
 FLAT_GATHER_MAX_BYTES = 16 << 20
 #: the pack / unpack copies use one multi-tensor copy for tensors up to this many elements and a
-#: plain copy above (a multi-tensor copy of large tensors was ~10x slower than plain copies, NOTES.md)
+#: plain copy above (a multi-tensor copy of large tensors was ~10x slower than plain copies, measured on an H200)
 _FOREACH_COPY_MAX_NUMEL = 1 << 20
 
 

@@ -20,9 +20,10 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module.*returned a view
 
 import torch  # noqa: E402
 
-from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state,  # noqa: E402
+from tests.dist.tiny import (ADAPTER, LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state,  # noqa: E402
                              replay, tiny_transformer)
-from trainer.actor import Actor, MicroBatchMismatchError, apply_lora, model_name, reshard_all  # noqa: E402
+from trainer.actor import Actor, MicroBatchMismatchError, apply_lora, reshard_all  # noqa: E402
+from trainer.core.names import model_name  # noqa: E402
 from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit  # noqa: E402
 from trainer.engine.base import WeightManifest, WeightSyncError  # noqa: E402
 from trainer.weight_sync import WeightSyncer  # noqa: E402
@@ -45,7 +46,7 @@ class BadManifest(ReceiverEngine):
 
 def full_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     cfg = make_cfg("full", fsdp__fsdp_activation_checkpointing=True)
-    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"))
+    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
     before = full_params(actor.model)
     batch = make_batch(4, seed=10 + rank)
     m = actor.train_step(batch, ADV[rank], replay)
@@ -105,7 +106,7 @@ def full_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
 
 def lora_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     cfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32", fsdp__no_fsdp_reshard_after_forward=True)
-    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), default_lora_targets=LORA_TARGETS)
+    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
     before = full_params(actor.model)
     m = actor.train_step(make_batch(4, seed=20 + rank), ADV[rank], replay)
     after = full_params(actor.model)
@@ -171,7 +172,7 @@ def bucket_checks(lora_model, plain: ReceiverEngine, mesh, checks: dict) -> None
     from trainer.weight_sync import gather_full_tensors, iter_sync_buckets
 
     full_model = Actor(tiny_transformer(seed=3), mesh, make_cfg("full"),
-                       device=torch.device("cpu")).model
+                       device=torch.device("cpu"), adapter=ADAPTER).model
     from trainer.weight_sync import _shard0_rows
 
     reshard_all(lora_model)

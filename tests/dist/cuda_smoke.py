@@ -24,9 +24,10 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module.*returned a view
 
 import torch  # noqa: E402
 
-from tests.dist.tiny import (LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, replay,  # noqa: E402
+from tests.dist.tiny import (ADAPTER, LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, replay,  # noqa: E402
                              tiny_transformer)
-from trainer.actor import Actor, model_name  # noqa: E402
+from trainer.actor import Actor  # noqa: E402
+from trainer.core.names import model_name  # noqa: E402
 from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit  # noqa: E402
 from trainer.weight_sync import WeightSyncer  # noqa: E402
 
@@ -40,7 +41,7 @@ def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: di
 
     cfg = make_cfg("full", fsdp__fsdp_param_dtype="bf16", fsdp__fsdp_master_dtype="fp32",
                    fsdp__fsdp_activation_checkpointing=True, grpo__micro_batch_size=n // 2)
-    actor = Actor(tiny_transformer(dtype=bf16).to(device), mesh, cfg, device=device)
+    actor = Actor(tiny_transformer(dtype=bf16).to(device), mesh, cfg, device=device, adapter=ADAPTER)
     before = full_params(actor.model)
     m = actor.train_step(batch, adv, replay)  # includes warm-up effects
     first = actor.last_update_stats[0]
@@ -66,7 +67,7 @@ def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: di
     lcfg = make_cfg("lora", fsdp__fsdp_param_dtype="bf16", fsdp__fsdp_master_dtype="fp32",
                     fsdp__fsdp_activation_checkpointing=True, grpo__micro_batch_size=n // 2, optim__lr=1e-3)
     lactor = Actor(tiny_transformer(dtype=bf16).to(device), mesh, lcfg, device=device,
-                   default_lora_targets=LORA_TARGETS)
+                   adapter=ADAPTER)
     figures["lora_train"] = lactor.train_step(batch, adv, replay)
     leng = ReceiverEngine(tiny_transformer(dtype=bf16).to(device))
     figures["adapter_sync"] = WeightSyncer("adapter", wire_dtype="bf16", lora_config=lactor.lora_config,

@@ -15,14 +15,20 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from trainer.actor import model_name
-from trainer.engine.base import WeightManifest, WeightSyncError
+from trainer.core.checksum import weights_checksum
+from trainer.core.manifest import WeightManifest, WeightSyncError, verify_manifest
+from trainer.core.modules import model_has_lora
+from trainer.core.names import model_name
 from trainer.flow_grpo import replay_transition_logp
-from trainer.weight_sync import model_has_lora, verify_manifest, weights_checksum
+from trainer.models.qwen_image import QwenImageAdapter
 
 #: the 8 attention projections LoRA targets on Qwen-Image
 LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                 "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+
+#: the family the tiny transformer belongs to: the actor asks it for LoRA targets and the
+#: parameters it must freeze
+ADAPTER = QwenImageAdapter()
 
 LATENT_HW = 4      # packed latent grid (4 x 4 tokens of 2x2 patches of a 8x8x4 latent)
 TEXT_LEN = 6
@@ -59,7 +65,7 @@ def one_rank_mesh() -> Iterator[Any]:
 
 
 def tiny_transformer(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The diffusers test config of QwenImageTransformer2DModel (NOTES.md), random weights."""
+    """The diffusers test config of QwenImageTransformer2DModel (diffusers' own unit tests use it), random weights."""
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import trainer.weight_sync as ws  # noqa: E402
-from tests.dist.tiny import LORA_TARGETS, ReceiverEngine, make_cfg, tiny_transformer  # noqa: E402
+from tests.dist.tiny import ADAPTER, LORA_TARGETS, ReceiverEngine, make_cfg, tiny_transformer  # noqa: E402
 from trainer.actor import Actor, reshard_all  # noqa: E402
 from trainer.distributed import build_mesh, init_distributed, shutdown_and_exit  # noqa: E402
 
@@ -144,10 +144,11 @@ def _randomise_lora(model, rank: int) -> None:
 def model_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     """iter_sync_buckets for every kind, wire dtype and gather mode equals the per-parameter
     reference; the merged path gathers a bf16 base with fp32 LoRA masters in one bucket."""
-    full_model = Actor(tiny_transformer(seed=3), mesh, make_cfg("full"), device=torch.device("cpu")).model
+    full_model = Actor(tiny_transformer(seed=3), mesh, make_cfg("full"), device=torch.device("cpu"),
+                       adapter=ADAPTER).model
     lcfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32", fsdp__fsdp_param_dtype="bf16")
     lora_model = Actor(tiny_transformer(seed=4, dtype=torch.bfloat16), mesh, lcfg, device=torch.device("cpu"),
-                       default_lora_targets=LORA_TARGETS).model
+                       adapter=ADAPTER).model
     _randomise_lora(lora_model, rank)
     reshard_all(lora_model)
     dtypes = {p.dtype for p in lora_model.parameters()}

@@ -20,7 +20,7 @@ from trainer.engine.native import NativeEngine, _normalize_lora_config
 from trainer.engine.sglang_engine import SGLangEngine
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
-from trainer.weight_sync import build_manifest
+from trainer.core.manifest import build_manifest
 
 TOL = 1e-5
 REPLAY_TOL = 1e-5

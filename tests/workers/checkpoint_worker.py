@@ -3,6 +3,7 @@
 Writes one JSON result per rank to $RESULT_DIR/rank<r>.json; the test asserts on them.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from tests.workers.fs_faults import read_only
 from trainer import checkpoint as ck
 
 
@@ -96,13 +98,27 @@ def main():
     except ck.CheckpointError as e:
         out["mismatch_error"] = str(e)
 
-    # overwriting a committed iteration is refused on every rank
-    try:
-        ck.save_checkpoint(save, "t2i", 5, model=model, optimizer=opt, trainer_state={}, weight_sync_manifest={},
-                           adapter_contract=contract, trainable_only=True)
-        out["overwrite_error"] = None
-    except ck.CheckpointError as e:
-        out["overwrite_error"] = str(e)
+    def save_it(it, **kw):
+        return ck.save_checkpoint(save, "t2i", it, model=model, optimizer=opt, trainer_state={"rollout_id": it},
+                                  weight_sync_manifest={}, adapter_contract=contract, trainable_only=True, **kw)
+
+    # overwriting a committed iteration is refused on every rank, as a counted failure
+    out["overwrite_ok"] = save_it(5)
+    out["iter5_state"] = json.load(open(os.path.join(save, "t2i", "iter_0000005", "trainer_state.json")))
+
+    # keep 1 with a failing write: the committed checkpoints stay, rotation waits for a commit
+    out["keep1_failed_ok"] = save_it(6, max_to_keep=1, fail_rank=1)
+    out["after_keep1_failure"] = ck.committed_iterations(save, "t2i")
+    out["keep1_ok"] = save_it(6, max_to_keep=1)
+    out["after_keep1"] = ck.committed_iterations(save, "t2i")
+
+    # a checkpoint directory that turned read-only mid-run: a failure on every rank, not a crash
+    dist.barrier()
+    with read_only(os.path.join(save, "t2i")) if rank == 0 else contextlib.nullcontext():
+        dist.barrier()
+        out["read_only_ok"] = save_it(7, max_to_keep=1)
+        dist.barrier()
+    out["after_read_only"] = ck.committed_iterations(save, "t2i")
 
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -13,25 +13,8 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
-
-class WeightSyncError(RuntimeError):
-    """A weight handoff to an engine failed; the policy version was not committed."""
-
-
-@dataclass
-class WeightManifest:
-    """What a sync promises to deliver, checked by the receiver.
-
-    tensor_count / total_bytes: over all tensors of the sync (wire dtype bytes).
-    name_shape_hash: sha256 over the ordered "name:shape" lines (see weight_sync).
-    kind: "full" (whole transformer), "merged" (base with LoRA folded in) or "adapter".
-    """
-
-    kind: str
-    tensor_count: int
-    total_bytes: int
-    name_shape_hash: str
-    version: int
+# the manifest and its error are part of this protocol's surface; they live in the bottom layer
+from trainer.core.manifest import WeightManifest, WeightSyncError  # noqa: F401
 
 
 @dataclass
@@ -170,7 +153,7 @@ def check_names_shapes(named_tensors: list[tuple[str, Any]], known: dict[str, An
     unknown = [n for n, _ in named_tensors if n not in known]
     if unknown:
         raise WeightSyncError(f"{kind} sync: {len(unknown)} tensor name(s) the engine's transformer does not have, "
-                              f"e.g. {unknown[:3]}; strip wrapper segments (weight_sync.strip_wrapper_segments) "
+                              f"e.g. {unknown[:3]}; strip wrapper segments (core.names.strip_wrapper_segments) "
                               "and map names with the adapter's weight_name_map")
     bad = [(n, tuple(t.shape), tuple(known[n].shape)) for n, t in named_tensors
            if tuple(t.shape) != tuple(known[n].shape)]

@@ -1,13 +1,14 @@
-"""The native rollout engine: an in-process Qwen-Image pipeline built on diffusers components
-plus our own SDE sampler (trainer/flow_grpo.py).
+"""The native rollout engine: an in-process pipeline built on diffusers components plus our own
+SDE sampler (trainer/flow_grpo.py). The family's parts (modules, prompt encoding, latent layout,
+velocity call, decode) come from the model adapter it is given; Qwen-Image's by default.
 
 What one `generate` call does:
 
 1. encodes every distinct prompt once (alone, so a prompt's conditioning never depends on
-   which other prompts share the rollout), with diffusers' QwenImagePipeline.encode_prompt;
+   which other prompts share the rollout), with the adapter's prompt encoder;
 2. groups the candidates by sampling geometry (size, schedule, trained steps, SDE settings)
    and runs the DiT on up to `max_batch_size` candidates of several prompts per forward, the
-   text conditioning zero-padded to the chunk's longest prompt with its mask (dit_velocity
+   text conditioning zero-padded to the chunk's longest prompt with its mask (the adapter's velocity call
    trims padding shared by every row and passes no all-ones mask, so SDPA can use flash);
 3. per candidate, draws x_T and each trained step's noise on CPU from its seed recipe
    (trainer/sampling.py), so the randomness of a candidate is bit-identical in any batch, on
@@ -40,40 +41,26 @@ from typing import Any, Iterable
 
 import torch
 
+from trainer.core.checksum import weights_checksum
+from trainer.core.dtypes import engine_dtype
+from trainer.core.manifest import build_manifest, verify_manifest
+from trainer.core.modules import ModuleTreeSnapshot, model_has_lora
+from trainer.core.names import strip_wrapper_segments
+from trainer.host_arena import HostArena, typed_view
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  check_names_shapes, check_request, rollout_response)
-from trainer.models.qwen_image import (
-    QWEN_IMAGE_LORA_TARGETS,
-    check_model_dir,
-    dit_velocity,
-    img_shapes_for,
-    load_qwen_image_transformer,
-    pack_latents,
-    packed_grid,
-    pad_text,
-    unpack_latents,
-    vae_scale_factor_from_config,
-)
 
 log = logging.getLogger(__name__)
 
-#: tags of release_memory / resume_memory -> engine modules ("weights" is the DiT, as in SGLang)
+def _default_adapter(adapter: Any) -> Any:
+    """The adapter given, or an instance of the default family's (by its dotpath, so this module
+    names no family)."""
+    if adapter is not None:
+        return adapter
+    from trainer.config import DEFAULT_MODEL_ADAPTER
+    from trainer.dotpath import import_dotpath
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """A torch dtype from a dtype, a name ("bf16", "fp32", ...) or None (fp32 on CPU, where bf16
-    is ~2x slower; bf16 on CUDA)."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unknown engine dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+    return import_dotpath(DEFAULT_MODEL_ADAPTER, "the default model adapter")()
 
 
 def _resolve_device(device) -> torch.device:
@@ -81,20 +68,6 @@ def _resolve_device(device) -> torch.device:
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def prompt_template_start_idx(tokenizer, template: str) -> int:
-    """Number of tokens of the prompt template's prefix (the system turn), which encode_prompt
-    drops from the text encoder's output. Computed from the tokenizer because it depends on it
-    (34 for the real Qwen-Image tokenizer; longer for the tiny byte-level one) and
-    save_pretrained does not store it."""
-    prefix = template.split("{}")[0]
-    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    probe = tokenizer(template.format("a photo"), add_special_tokens=False)["input_ids"]
-    if probe[:len(ids)] != ids:
-        raise ValueError("the tokenizer merges the prompt template's prefix with the prompt, so the prefix "
-                         "cannot be dropped by position; the tokenizer/ of --model-path is not a Qwen2 one")
-    return len(ids)
 
 
 def _geometry_key(r: RolloutRequest) -> tuple:
@@ -105,9 +78,13 @@ def _geometry_key(r: RolloutRequest) -> tuple:
 
 
 class NativeEngine(EngineMemoryState):
-    """In-process Qwen-Image rollout engine (implements trainer.engine.base.RolloutEngine).
+    """In-process rollout engine (implements trainer.engine.base.RolloutEngine), generic over
+    model families: what is the family's (its modules, prompt encoding, latent layout, velocity
+    call, decode, LoRA targets) comes from the model adapter; the sampling loop is this file's.
 
-    model_path: local diffusers Qwen-Image directory (nothing is downloaded).
+    model_path: local diffusers directory of the adapter's family (nothing is downloaded).
+    adapter: the model adapter (trainer/models/base.py); None: the default family's
+      (config.DEFAULT_MODEL_ADAPTER, Qwen-Image).
     device: where the pipeline runs (default: cuda if available, else cpu); under torchrun pass
       the rank's own device.
     dtype: compute dtype of every module (default bf16 on CUDA, fp32 on CPU).
@@ -117,40 +94,31 @@ class NativeEngine(EngineMemoryState):
     """
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
-                 max_sequence_length: int = 512, revision: str | None = None):
-        from diffusers import AutoencoderKLQwenImage
-        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-
-        from trainer.sampling import load_scheduler_config
-
-        path = check_model_dir(model_path, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
+                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None):
+        self.adapter = _default_adapter(adapter)
         dev = _resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        scheduler_config = load_scheduler_config(str(path))
-        # each module goes to the device as soon as it is loaded: host memory holds one at a time
-        transformer = load_qwen_image_transformer(path, dtype=dt).to(dev)
-        vae = AutoencoderKLQwenImage.from_pretrained(str(path), subfolder="vae", dtype=dt,
-                                                     local_files_only=True).to(dev)
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            str(path / "text_encoder"), dtype=dt, local_files_only=True).to(dev)
-        tokenizer = Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
-        self._set_up(transformer, vae, text_encoder, tokenizer, scheduler_config, device=dev, dtype=dt,
-                     max_batch_size=max_batch_size, max_sequence_length=max_sequence_length, cast=False)
-        self.model_path = str(path)
+        dt = engine_dtype(dtype, dev)
+        m = self.adapter.load_rollout_modules(model_path, dtype=dt, device=dev)
+        self._set_up(m["transformer"], m["vae"], m["text_encoder"], m["tokenizer"], m["scheduler_config"],
+                     device=dev, dtype=dt, max_batch_size=max_batch_size, max_sequence_length=max_sequence_length,
+                     cast=False)
+        self.model_path = str(m.get("path", model_path))
         self.revision = revision
 
     @classmethod
     def from_modules(cls, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device=None,
-                     dtype=None, max_batch_size: int = 0, max_sequence_length: int = 512) -> "NativeEngine":
+                     dtype=None, max_batch_size: int = 0, max_sequence_length: int = 512,
+                     adapter: Any = None) -> "NativeEngine":
         """An engine over modules already in memory (nothing is read from disk): a Qwen-Image DiT
         (QwenImageTransformer2DModel), its VAE (AutoencoderKLQwenImage), text encoder
         (Qwen2_5_VLForConditionalGeneration), Qwen2 tokenizer and the scheduler config dict. The
         modules are moved to `device` and cast to `dtype` in place (the engine owns them from then
         on); defaults as in __init__."""
         engine = cls.__new__(cls)
+        engine.adapter = _default_adapter(adapter)
         dev = _resolve_device(device)
         engine._set_up(transformer, vae, text_encoder, tokenizer, dict(scheduler_config), device=dev,
-                       dtype=resolve_dtype(dtype, dev), max_batch_size=max_batch_size,
+                       dtype=engine_dtype(dtype, dev), max_batch_size=max_batch_size,
                        max_sequence_length=max_sequence_length, cast=True)
         engine.model_path = "<in-memory modules>"
         engine.revision = None
@@ -160,8 +128,6 @@ class NativeEngine(EngineMemoryState):
                 dtype: torch.dtype, max_batch_size: int, max_sequence_length: int, cast: bool) -> None:
         """Everything after loading: placement, frozen eval modules, the prompt-encoding pipeline,
         derived constants, state. cast: also cast the modules to `dtype` (loaders already did)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-
         self.device = device
         self.dtype = dtype
         self.max_batch_size = int(max_batch_size)
@@ -174,19 +140,15 @@ class NativeEngine(EngineMemoryState):
         for module in (self.transformer, self.vae, self.text_encoder):
             module.requires_grad_(False)
 
-        # The pipeline object only lends its prompt encoding (template, drop, 512 window); the
-        # sampling loop is ours. It shares the modules, so nothing is loaded twice.
-        self._pipe = QwenImagePipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config),
-            vae=self.vae, text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
-        self._pipe.prompt_template_encode_start_idx = prompt_template_start_idx(
-            self.tokenizer, self._pipe.prompt_template_encode)
-
-        self.vae_scale_factor = vae_scale_factor_from_config(self.vae.config)
-        self.latent_channels = int(self.vae.config.z_dim)
+        #: the family's encode(prompts, device, max_sequence_length) (the adapter's prompt_encoder)
+        self.prompt_encoder = self.adapter.prompt_encoder(self.transformer, self.vae, self.text_encoder, self.tokenizer,
+                                                         self.scheduler_config)
+        self.vae_scale_factor, self.latent_channels = self.adapter.latent_geometry(self.vae)
         self.num_train_timesteps = int(self.scheduler_config.get("num_train_timesteps", 1000))
         self.policy_version = 0
         self._resident = {name: True for name in ENGINE_MODULES}
+        #: module name -> the host buffer its tensors go to when released (trainer.host_arena)
+        self._host_arenas: dict[str, HostArena] = {}
         self._lora_config: dict[str, Any] | None = None
         self.last_stats: dict[str, float] = {}
         #: the DiT's name -> parameter index, see _weight_index
@@ -204,8 +166,7 @@ class NativeEngine(EngineMemoryState):
     @torch.no_grad()
     def encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt_embeds [T, D] in the engine dtype, mask [T] int64) of one prompt, on the device."""
-        embeds, mask = self._pipe.encode_prompt(prompt=[prompt], device=self.device,
-                                                max_sequence_length=self.max_sequence_length)
+        embeds, mask = self.prompt_encoder([prompt], self.device, self.max_sequence_length)
         embeds = embeds[0].to(self.dtype)
         mask = torch.ones(embeds.shape[0], dtype=torch.int64, device=self.device) if mask is None \
             else mask[0].to(torch.int64)
@@ -259,24 +220,18 @@ class NativeEngine(EngineMemoryState):
 
         r0 = reqs[0]
         b = len(reqs)
-        rows, cols = packed_grid(r0.height, r0.width, self.vae_scale_factor)
+        geom = (r0.height, r0.width, self.vae_scale_factor)
         shape = self._init_shape(r0)
-        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != self.transformer.config.in_channels:
-            raise ValueError(
-                f"x_T shape {shape} does not fit {r0.height}x{r0.width} on this model (expected "
-                f"[{self.transformer.config.in_channels // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
-                "init_noise_latent_shape or height/width")
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
-        x = pack_latents(x_t).to(device=self.device, dtype=self.dtype)
-        embeds, mask = pad_text([conds[r.prompt][0] for r in reqs], [conds[r.prompt][1] for r in reqs])
-        img_shapes = img_shapes_for(b, r0.height, r0.width, self.vae_scale_factor)
+        x = self.adapter.initial_latents(x_t, self.transformer, *geom).to(device=self.device, dtype=self.dtype)
+        embeds, mask = self.adapter.pad_text([conds[r.prompt][0] for r in reqs], [conds[r.prompt][1] for r in reqs])
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
         trained = set(int(i) for i in r0.sde_indices)
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
-            v = dit_velocity(self.transformer, x, t, embeds, mask, img_shapes)
+            v = self.adapter.velocity(self.transformer, x, t, embeds, mask, *geom)
             if i in trained:
                 noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
                 s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
@@ -289,7 +244,7 @@ class NativeEngine(EngineMemoryState):
                 x = x_next
             else:
                 x = ode_step(x, v, sigmas[i], sigmas[i + 1]).to(self.dtype)
-        images = self._decode(x, rows, cols)
+        images = self.adapter.decode(self.vae, x, *geom)
 
         steps = sorted(trained)
         sig = torch.tensor([sigmas[i] for i in steps], dtype=torch.float32)
@@ -305,16 +260,6 @@ class NativeEngine(EngineMemoryState):
                 sde_indices=steps, prompt_embeds=e.cpu(), prompt_embeds_mask=m.cpu(),
                 vae_scale_factor=self.vae_scale_factor, policy_version=self.policy_version, dtype=self.dtype))
         return responses, r0.num_inference_steps
-
-    def _decode(self, packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
-        QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
-        z = unpack_latents(packed, rows, cols).unsqueeze(2).to(self.vae.dtype)
-        cfg = self.vae.config
-        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
-        std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
-        image = self.vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
-        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
 
     # ------------------------------------------------------------------ weights
 
@@ -349,8 +294,6 @@ class NativeEngine(EngineMemoryState):
         name is known and every shape matches. Raises WeightSyncError naming the problem. The
         copy is one multi-tensor copy (dtype/device conversion included); the sent tensors are
         only read."""
-        from trainer.weight_sync import verify_manifest
-
         self._require_resident(("transformer",), "update_weights_from_tensors", WeightSyncError)
         index = self._weight_index(manifest.version)
         params = index.params
@@ -371,11 +314,9 @@ class NativeEngine(EngineMemoryState):
         ("transformer_blocks.0.attn.to_q.lora_A.weight"); every LoRA tensor of the engine must be
         sent, with matching shapes. lora_config: rank (or r), alpha (or lora_alpha),
         target_modules (default: the adapter's eight attention projections)."""
-        from trainer.weight_sync import verify_manifest
-
         self._require_resident(("transformer",), "set_lora_tensors", WeightSyncError)
         verify_manifest(named_tensors, manifest)
-        cfg = _normalize_lora_config(lora_config)
+        cfg = _normalize_lora_config(lora_config, self.adapter.lora_target_modules)
         if self._lora_config is None:
             if self.holds_lora():
                 raise WeightSyncError("the engine's transformer already holds LoRA layers it did not install")
@@ -420,8 +361,6 @@ class NativeEngine(EngineMemoryState):
         the LoRA config used."""
         from safetensors.torch import load_file
 
-        from trainer.weight_sync import build_manifest, strip_wrapper_segments
-
         d = Path(path)
         cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
         if not cfg_file.is_file() or not weights.is_file():
@@ -446,12 +385,10 @@ class NativeEngine(EngineMemoryState):
         return dict(self._lora_config)  # normalised, as installed
 
     def get_weights_checksum(self) -> str:
-        """weight_sync.weights_checksum over the DiT's parameters (diffusers names, wrapper
+        """core.checksum.weights_checksum over the DiT's parameters (diffusers names, wrapper
         segments stripped): the weights the engine samples with. Reads each parameter's bits once
         on the device; one host transfer. The parameter index is re-checked against the DiT's
         structure first (_weight_index)."""
-        from trainer.weight_sync import weights_checksum
-
         self._require_resident(("transformer",), "get_weights_checksum")
         return weights_checksum(self._weight_index(None).params.items())
 
@@ -466,7 +403,8 @@ class NativeEngine(EngineMemoryState):
                 continue
             module = getattr(self, name)
             if self.device.type != "cpu":
-                _move_module_storage(module, torch.device("cpu"), pin=True)
+                arena = self._host_arenas.setdefault(name, HostArena(pin=self.device.type == "cuda"))
+                move_module_to_host(module, arena)
             self._verify_placement(name, torch.device("cpu"))
             self._resident[name] = False
         if self.device.type == "cuda":
@@ -481,7 +419,7 @@ class NativeEngine(EngineMemoryState):
                 continue
             module = getattr(self, name)
             if self.device.type != "cpu":
-                _move_module_storage(module, self.device, pin=False)
+                move_module_to_device(module, self.device)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             self._verify_placement(name, self.device)
@@ -497,8 +435,6 @@ class _WeightIndex:
     __slots__ = ("structure", "params", "holds_lora", "lora_params", "lora_names_checked", "version")
 
     def __init__(self, transformer: torch.nn.Module) -> None:
-        from trainer.weight_sync import ModuleTreeSnapshot, model_has_lora, strip_wrapper_segments
-
         self.structure = ModuleTreeSnapshot(transformer)
         #: stripped diffusers name -> parameter
         self.params = {strip_wrapper_segments(n): p for n, p in transformer.named_parameters()}
@@ -520,10 +456,12 @@ def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
-def _normalize_lora_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def _normalize_lora_config(cfg: dict[str, Any], default_targets=()) -> dict[str, Any]:
+    """rank / alpha / sorted target_modules of a LoRA config in any of its spellings (ours or
+    peft's); default_targets: the family's, when the config names none."""
     rank = cfg.get("rank", cfg.get("r"))
     alpha = cfg.get("alpha", cfg.get("lora_alpha"))
-    targets = cfg.get("target_modules") or QWEN_IMAGE_LORA_TARGETS
+    targets = cfg.get("target_modules") or default_targets
     if rank is None or int(rank) <= 0 or alpha is None:
         raise WeightSyncError(f"lora_config needs rank > 0 and alpha, got {cfg}")
     if isinstance(targets, str):
@@ -531,26 +469,42 @@ def _normalize_lora_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"rank": int(rank), "alpha": float(alpha), "target_modules": tuple(sorted(targets))}
 
 
-def _move_module_storage(module: torch.nn.Module, device: torch.device, pin: bool) -> None:
-    """Move every parameter and buffer of `module` to `device` in place. Parameters swap their
-    .data, so the Parameter objects held elsewhere (the engine's weight index, peft's layers)
-    stay valid; host copies are pinned when `pin`, so the way back is a fast async copy."""
+def move_module_to_host(module: torch.nn.Module, arena: HostArena) -> None:
+    """Copy every parameter and buffer of `module` into slices of `arena` and point the module
+    at them. Parameters swap their .data (the Parameter objects held elsewhere stay valid); a
+    tensor shared by several modules is copied once. The arena is reused by the next release."""
+    params: dict[int, torch.nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        params.update((id(p), p) for p in sub._parameters.values() if p is not None)
+        buffers.update((id(b), b) for b in sub._buffers.values() if b is not None)
+    tensors = [p.data for p in params.values()] + list(buffers.values())
+    hosts = [typed_view(raw, t) for raw, t in zip(arena.slices([t.numel() * t.element_size() for t in tensors]),
+                                                   tensors)]
+    for t, host in zip(tensors, hosts):
+        host.copy_(t)
+    for p, host in zip(params.values(), hosts):
+        p.data = host
+    host_of_buffer = dict(zip(buffers, hosts[len(params):]))
+    for sub in module.modules():
+        for key, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[key] = host_of_buffer[id(b)]
+
+
+def move_module_to_device(module: torch.nn.Module, device: torch.device) -> None:
+    """The way back of move_module_to_host: every parameter (by .data swap) and buffer of `module`
+    onto `device`; copies from a pinned arena are asynchronous (the caller synchronises)."""
     for sub in module.modules():
         for p in sub._parameters.values():
-            if p is None:
-                continue
-            p.data = _to(p.data, device, pin)
+            if p is not None:
+                p.data = _to_device(p.data, device)
         for key, b in list(sub._buffers.items()):
-            if b is None:
-                continue
-            sub._buffers[key] = _to(b, device, pin)
+            if b is not None:
+                sub._buffers[key] = _to_device(b, device)
 
 
-def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == device.type:  # a tensor shared by two modules moves once
         return t
-    if device.type == "cpu":
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
-        out.copy_(t)
-        return out
     return t.to(device, non_blocking=t.is_pinned())

@@ -46,9 +46,13 @@ from typing import Any, Iterable
 
 import torch
 
+from trainer.core.checksum import weights_checksum
+from trainer.core.dtypes import engine_dtype
+from trainer.core.manifest import verify_manifest
+from trainer.core.names import strip_wrapper_segments
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
                                  check_names_shapes, check_request, rollout_response)
-from trainer.engine.native import _geometry_key, _normalize_lora_config, prompt_template_start_idx, resolve_dtype
+from trainer.engine.native import _geometry_key, _normalize_lora_config
 
 log = logging.getLogger(__name__)
 
@@ -213,20 +217,23 @@ class SGLangEngine(EngineMemoryState):
     (0: every candidate of a geometry in one request)."""
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
-                 max_sequence_length: int = 512, revision: str | None = None):
+                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None):
+        # adapter: accepted like NativeEngine's; this bridge serves Qwen-Image only, through
+        # SGLang's own Qwen-Image pipeline, so it has nothing to ask of it
+        del adapter
         check_sglang_contract()
         from safetensors import safe_open
         from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks, load_plugins
         from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
 
         from trainer.engine import sglang_plugin
-        from trainer.models.qwen_image import check_model_dir, vae_scale_factor_from_config
+        from trainer.models.qwen_image import check_model_dir, prompt_template_start_idx, vae_scale_factor_from_config
         from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = engine_dtype(dtype, self.device)
         self.model_path = str(path)
         self.revision = revision
         self.max_batch_size = int(max_batch_size)
@@ -526,8 +533,6 @@ class SGLangEngine(EngineMemoryState):
     def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]], manifest: WeightManifest) -> None:
         """Copy full / merged transformer tensors (diffusers names) into SGLang's DiT; checked
         as NativeEngine's (manifest, names, shapes; refused once a LoRA adapter is installed)."""
-        from trainer.weight_sync import verify_manifest
-
         self._require_resident(("transformer",), "update_weights_from_tensors", WeightSyncError)
         if self.holds_lora():
             raise WeightSyncError(
@@ -546,11 +551,11 @@ class SGLangEngine(EngineMemoryState):
         is merged into SGLang's DiT weights: W = W0 + alpha / rank * B @ A, with W0 (the base
         weights at the first install) kept on the host; the given adapter tensors are kept (in
         the engine dtype) for the checksum."""
-        from trainer.weight_sync import verify_manifest
-
         self._require_resident(("transformer",), "set_lora_tensors", WeightSyncError)
         verify_manifest(named_tensors, manifest)
-        cfg = _normalize_lora_config(lora_config)
+        from trainer.models.qwen_image import QWEN_IMAGE_LORA_TARGETS  # SGLang's bridge serves Qwen-Image only
+
+        cfg = _normalize_lora_config(lora_config, QWEN_IMAGE_LORA_TARGETS)
         if self._lora_config is not None and cfg != self._lora_config:
             raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
                                   f"({self._lora_config}); rank, alpha and targets cannot change within a run")
@@ -600,8 +605,6 @@ class SGLangEngine(EngineMemoryState):
     def _checksum_items(self):
         """(diffusers name, tensor) the engine samples with, named as the sender names them:
         without LoRA the DiT's tensors; with LoRA the base weights (W0) and the adapter."""
-        from trainer.weight_sync import strip_wrapper_segments
-
         for name in self._index:
             if self._lora_config is not None and name in self._lora_base:
                 yield name, self._lora_base[name].to(self.dtype)
@@ -611,8 +614,6 @@ class SGLangEngine(EngineMemoryState):
             yield strip_wrapper_segments(name), t
 
     def get_weights_checksum(self) -> str:
-        from trainer.weight_sync import weights_checksum
-
         self._require_resident(("transformer",), "get_weights_checksum")
         return weights_checksum(self._checksum_items())
 

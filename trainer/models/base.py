@@ -1,6 +1,8 @@
 """The model-adapter protocol: everything model-family specific the runtime needs.
 
-The runtime depends only on this surface. A new family is a new adapter class chosen by
+The runtime depends only on this surface: the actor (train model, LoRA targets, never-trained
+parameters), the loop and rollout (requests, packing, replay) and the native engine (its modules,
+prompt encoding, latent layout, velocity, decode). docs/architecture.md lists it with its callers. A new family is a new adapter class chosen by
 --model-adapter-path (a dotpath), plus its task string in GENERATION_TASKS.
 """
 
@@ -10,6 +12,10 @@ from typing import Any, Protocol, runtime_checkable
 
 # Only tasks with a working replay path are listed here.
 GENERATION_TASKS = ("t2i",)
+
+
+class ModelFilesError(ValueError):
+    """A model directory's files contradict each other; the message names the file to fix."""
 
 
 @runtime_checkable
@@ -37,6 +43,44 @@ class GenerativeModelAdapter(Protocol):
     def replay_transition(self, transformer: Any, batch: dict[str, Any], step: int, sampling: Any) -> Any:
         """Log-prob [B] (fp32) of the recorded transition of trained-step column `step`,
         recomputed through `transformer` with the same math the sampler used."""
+
+    def replay_transitions(self, transformer: Any, batch: dict[str, Any], sampling: Any) -> Any:
+        """Log-probs [B, S] (fp32) of every trained-step column at once (what the update calls);
+        equal to S replay_transition calls up to batch-size-dependent rounding."""
+
+    def never_trained_param_names(self, model: Any) -> list[str]:
+        """Parameters (wrapper-free model names) of the train model whose output the family
+        discards, so they can never receive a gradient; the actor freezes exactly these. [] when
+        there are none."""
+
+    # -- the engine's side (engine/native.py is generic over these) ----------------------------
+
+    def load_rollout_modules(self, model_path: str, *, dtype: Any, device: Any) -> dict[str, Any]:
+        """The frozen pipeline from a local directory: "transformer", "vae", "text_encoder",
+        "tokenizer" and "scheduler_config" (a dict), modules already on `device` in `dtype`."""
+
+    def prompt_encoder(self, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any,
+                       scheduler_config: dict) -> Any:
+        """A callable encode(prompts, device, max_sequence_length) -> (embeds [B, T, D],
+        mask [B, T] or None)."""
+
+    def latent_geometry(self, vae: Any) -> tuple[int, int]:
+        """(vae_scale_factor, latent channels) of the VAE."""
+
+    def initial_latents(self, x_t: Any, transformer: Any, height: int, width: int, vae_scale_factor: int) -> Any:
+        """Unpacked x_T [B, C, h, w] -> the DiT's input layout; raises if the shape does not fit."""
+
+    def pad_text(self, embeds: Any, masks: Any) -> tuple[Any, Any]:
+        """Per-prompt conditioning ([T_i, D] and [T_i] or None) -> one padded batch and its mask."""
+
+    def velocity(self, transformer: Any, x: Any, t: Any, embeds: Any, mask: Any, height: int, width: int,
+                 vae_scale_factor: int) -> Any:
+        """The DiT's velocity for latents x at timesteps t [B]: the call replay makes too."""
+
+    def decode(self, vae: Any, latents: Any, height: int, width: int, vae_scale_factor: int) -> Any:
+        """Final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU."""
+
+    # -- misc ------------------------------------------------------------------------------
 
     def artifact_tracks(self) -> tuple[str, ...]:
         """Media tracks a rollout produces (e.g. ("image",))."""

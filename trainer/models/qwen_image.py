@@ -29,7 +29,9 @@ from typing import Any, Sequence
 
 import torch
 
+from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
+from trainer.models.base import ModelFilesError
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
 #: DiT uses the same names, so an adapter trained here loads there without a rename
@@ -43,6 +45,9 @@ QWEN_IMAGE_LORA_TARGETS = (
     "attn.add_v_proj",
     "attn.to_add_out",
 )
+
+#: parameter-path prefixes, inside the last dual-stream block, that only produce discarded text outputs
+_DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
 
 #: response keys a rollout must carry for the actor to replay it
 REQUIRED_RESPONSE_KEYS = (
@@ -106,8 +111,68 @@ def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None)
     kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = QwenImageTransformer2DModel.from_pretrained(str(path), **kwargs)
+    model, info = QwenImageTransformer2DModel.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    # diffusers leaves weights the files lack on the meta device and only warns; the first use
+    # then fails with "Cannot copy out of meta tensor", which names nothing
+    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
+        ("missing_keys", "weights the config needs are absent from the files"),
+        ("unexpected_keys", "weights in the files have no place in the config"),
+        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
+    if problems:
+        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
+                         f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
+                         "saved with these weights (or the weights of this config)")
     return model.eval()
+
+
+def never_trained_param_names(model: torch.nn.Module) -> list[str]:
+    """Parameters (model names) whose output is discarded, so they can never receive a gradient.
+
+    Qwen-Image style dual-stream DiTs drop the text stream after the LAST block, so in that block
+    everything that only shapes text-token OUTPUTS feeds nothing: the text queries
+    (`attn.add_q_proj`, `attn.norm_added_q`; text keys/values still reach the image tokens), the
+    text-output projection `attn.to_add_out` and the text MLP `txt_mlp`. Left trainable,
+    AdamW keeps no state for them (grad is None), which breaks a plain DCP load of model+optimizer
+    ("Missing key ... to_add_out.weight.step") and misreports what is trained. We freeze them
+    deliberately; _assert_trainable_boundary checks exactly this set is frozen (LoRA tensors on
+    these modules included). A model without that structure returns []. Called before any wrapping (the actor's
+    build step 2) and on a meta-device model (tools/export_checkpoint.py).
+    """
+    blocks = getattr(model, "transformer_blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        return []
+    last = blocks[len(blocks) - 1]
+    inner = getattr(last, "_checkpoint_wrapped_module", last)
+    if not (hasattr(inner, "txt_mlp") and hasattr(getattr(inner, "attn", None), "to_add_out")):
+        return []
+    prefix = None
+    for name, module in model.named_modules():
+        if module is last:
+            prefix = model_name(name)
+            break
+    assert prefix is not None
+    dead = []
+    for name, _ in model.named_parameters():
+        mname = model_name(name)
+        if mname.startswith(prefix + "."):
+            rest = mname[len(prefix) + 1:]
+            if rest.startswith(_DEAD_IN_LAST_BLOCK):
+                dead.append(mname)
+    return dead
+
+
+def prompt_template_start_idx(tokenizer, template: str) -> int:
+    """Number of tokens of the prompt template's prefix (the system turn), which encode_prompt
+    drops from the text encoder's output. Computed from the tokenizer because it depends on it
+    (34 for the real Qwen-Image tokenizer; longer for the tiny byte-level one) and
+    save_pretrained does not store it."""
+    prefix = template.split("{}")[0]
+    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    probe = tokenizer(template.format("a photo"), add_special_tokens=False)["input_ids"]
+    if probe[:len(ids)] != ids:
+        raise ValueError("the tokenizer merges the prompt template's prefix with the prompt, so the prefix "
+                         "cannot be dropped by position; the tokenizer/ of --model-path is not a Qwen2 one")
+    return len(ids)
 
 
 def vae_scale_factor_from_config(vae_config: dict) -> int:
@@ -285,6 +350,93 @@ class QwenImageAdapter:
         model = load_qwen_image_transformer(model_path, dtype=dtype)
         self.vae_scale_factor = read_vae_scale_factor(model_path)
         return model
+
+    # -- the engine's side -----------------------------------------------------------------
+    # What a generic engine (engine/native.py) asks of the family: its frozen modules, prompt
+    # encoding, the latent layout, the velocity call and the decode. The SDE math is shared.
+
+    #: the model directory's subfolders the engine loads
+    rollout_subfolders = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+
+    def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+        """transformer, vae, text_encoder, tokenizer and scheduler_config from a local diffusers
+        directory, each module moved to `device` as soon as it is loaded (host memory holds one at
+        a time)."""
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        from trainer.sampling import load_scheduler_config
+
+        path = check_model_dir(model_path, self.rollout_subfolders)
+        return {
+            "scheduler_config": load_scheduler_config(str(path)),
+            "transformer": load_qwen_image_transformer(path, dtype=dtype).to(device),
+            "vae": AutoencoderKLQwenImage.from_pretrained(str(path), subfolder="vae", dtype=dtype,
+                                                          local_files_only=True).to(device),
+            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                str(path / "text_encoder"), dtype=dtype, local_files_only=True).to(device),
+            "tokenizer": Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
+            "path": path,
+        }
+
+    def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
+        """encode(prompts, device, max_sequence_length) -> (embeds [B, T, D], mask [B, T] or None),
+        as QwenImagePipeline.encode_prompt does it (template, prefix drop, 512 window). The
+        pipeline object only lends that; it shares the modules, so nothing is loaded twice.
+        The callable also carries `template` and `template_start_idx` (tools/bench.py sizes its
+        prompts with them)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+        pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(scheduler_config),
+                                 vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+        pipe.prompt_template_encode_start_idx = prompt_template_start_idx(tokenizer, pipe.prompt_template_encode)
+
+        def encode(prompts: list[str], device: torch.device, max_sequence_length: int):
+            return pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=max_sequence_length)
+
+        encode.template = pipe.prompt_template_encode
+        encode.template_start_idx = pipe.prompt_template_encode_start_idx
+        return encode
+
+    def latent_geometry(self, vae) -> tuple[int, int]:
+        """(vae_scale_factor, latent channels) of the engine's VAE."""
+        return vae_scale_factor_from_config(vae.config), int(vae.config.z_dim)
+
+    def initial_latents(self, x_t: torch.Tensor, transformer, height: int, width: int,
+                        vae_scale_factor: int) -> torch.Tensor:
+        """Unpacked x_T [B, C, h, w] -> the DiT's packed input [B, L, 4C], after checking the shape
+        fits height x width on this transformer (a wrong init_noise_latent_shape names itself)."""
+        rows, cols = packed_grid(height, width, vae_scale_factor)
+        shape = list(x_t.shape[1:])
+        in_ch = transformer.config.in_channels
+        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != in_ch:
+            raise ValueError(
+                f"x_T shape {shape} does not fit {height}x{width} on this model (expected "
+                f"[{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
+                "init_noise_latent_shape or height/width")
+        return pack_latents(x_t)
+
+    def pad_text(self, embeds, masks):
+        """Per-prompt conditioning -> one zero-padded batch with its mask (module function pad_text)."""
+        return pad_text(embeds, masks)
+
+    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                 height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+        """The DiT's velocity for packed latents x [B, L, C] at timesteps t [B] (dit_velocity, the
+        call replay makes too)."""
+        return dit_velocity(transformer, x, t, embeds, mask,
+                            img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor))
+
+    def decode(self, vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+        """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
+        QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
+        rows, cols = packed_grid(height, width, vae_scale_factor)
+        z = unpack_latents(packed, rows, cols).unsqueeze(2).to(vae.dtype)
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
+        image = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
 
     # -- rollout --------------------------------------------------------------------------
 
@@ -494,12 +646,14 @@ class QwenImageAdapter:
     def artifact_tracks(self) -> tuple[str, ...]:
         return ("image",)
 
+    def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
+        """The last block's text-output parameters (module function never_trained_param_names)."""
+        return never_trained_param_names(model)
+
     def weight_name_map(self, name: str) -> str:
         """Training-side parameter name -> engine name. The actor's names are already diffusers
-        names once wrapper segments are stripped (weight_sync.strip_wrapper_segments), so
+        names once wrapper segments are stripped (core.names.strip_wrapper_segments), so
         this also strips them, idempotently."""
-        from trainer.weight_sync import strip_wrapper_segments
-
         return strip_wrapper_segments(name)
 
 

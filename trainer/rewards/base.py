@@ -16,16 +16,12 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from trainer.config import SCORER_SHORT_NAMES
 from trainer.dotpath import import_dotpath
 
-#: the shipped scorers: component name -> dotpath (preflight and the docs refer to these)
-SHIPPED_SCORERS = {
-    "pickscore": "trainer.rewards.pickscore.PickScoreScorer",
-    "ocr": "trainer.rewards.ocr.OcrScorer",
-    "jpeg_compressibility": "trainer.rewards.jpeg.JpegCompressibilityScorer",
-    "jpeg_incompressibility": "trainer.rewards.jpeg.JpegIncompressibilityScorer",
-    "color": "trainer.rewards.color.ColorScorer",
-}
+#: the shipped scorers: component name -> dotpath. One registry, kept in trainer.config (which
+#: imports no torch) so that preflight can resolve short names without importing a scorer.
+SHIPPED_SCORERS = SCORER_SHORT_NAMES
 
 
 class RewardError(RuntimeError):
@@ -149,18 +145,30 @@ def resolve_scorer_path(scorer_path: str | None) -> str | None:
     return SHIPPED_SCORERS.get(scorer_path, scorer_path) if scorer_path else scorer_path
 
 
-def build_scorer(scorer_path: str, model_path: str | None = None, device: str = "cpu") -> Any:
+def build_scorer(scorer_path: str, model_path: str | None = None, device: str = "cpu",
+                 options: Mapping[str, Any] | None = None) -> Any:
     """Import the scorer class at `scorer_path` (a dotpath or a shipped short name) and build it
-    with (model_path, device)."""
+    with (model_path, device) and, for a scorer with settings of its own (its `config_fields`),
+    those settings as keyword arguments."""
     scorer_path = resolve_scorer_path(scorer_path)
     cls = import_dotpath(scorer_path, "--reward-scorer-path")
-    scorer = cls(model_path=model_path, device=device)
+    scorer = cls(model_path=model_path, device=device, **dict(options or {}))
     for attr in ("components", "required_tracks", "score"):
         if not hasattr(scorer, attr):
             raise TypeError(
                 f"--reward-scorer-path={scorer_path!r} does not implement GenerativeRewardScorer: missing {attr!r}"
             )
     return scorer
+
+
+def scorer_options(scorer_path: str | None, config: Any) -> dict[str, Any]:
+    """The settings a scorer class declares in `config_fields`, read from a config section
+    (duck-typed; unset fields are left to the scorer's defaults)."""
+    if not scorer_path or config is None:
+        return {}
+    cls = import_dotpath(resolve_scorer_path(scorer_path), "--reward-scorer-path")
+    fields = getattr(cls, "config_fields", ())
+    return {f: getattr(config, f) for f in fields if getattr(config, f, None) is not None}
 
 
 def check_scores(

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -29,6 +30,7 @@ from trainer.rewards.base import (
     check_scores,
     metadata_list,
     resolve_scorer_path,
+    scorer_options,
 )
 
 RUNTIMES = ("colocate", "cpu", "remote")
@@ -56,6 +58,12 @@ class ScoreOutput:
     components: dict[str, torch.Tensor]  # component -> fp32 CPU [B]; NaN = not scored
     score_time: float  # seconds spent inside the scorer (or the HTTP exchange) only
     num_samples: int
+    #: candidates the scorer could not score, by reason (from scorers that report them)
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def failure_metrics(self) -> dict[str, float]:
+        """reward/failed_candidates_<reason> (this rank's share)."""
+        return {f"reward/failed_candidates_{r}": float(n) for r, n in sorted(self.failures.items())}
 
 
 class RewardManager:
@@ -72,6 +80,7 @@ class RewardManager:
         remote_timeout_s: float = 120.0,
         remote_max_retries: int = 3,
         remote_backoff_s: float = 1.0,
+        scorer_options: dict[str, Any] | None = None,
     ):
         if runtime not in RUNTIMES:
             raise ValueError(f"--reward-runtime={runtime!r} must be one of {RUNTIMES}")
@@ -96,7 +105,7 @@ class RewardManager:
             )
         self.device = "cpu" if runtime == "cpu" else str(device)
         with self._placement():
-            self.scorer = build_scorer(scorer_path, model_path, self.device)
+            self.scorer = build_scorer(scorer_path, model_path, self.device, scorer_options)
 
     def _placement(self):
         return cuda_hidden() if self.runtime == "cpu" else contextlib.nullcontext()
@@ -142,7 +151,8 @@ class RewardManager:
         for start, stop, s in parts:
             for name, t in s.items():
                 out[name][start:stop] = t
-        return ScoreOutput(components=out, score_time=score_time, num_samples=n)
+        pop = getattr(self.scorer, "pop_failures", None)
+        return ScoreOutput(components=out, score_time=score_time, num_samples=n, failures=pop() if pop else {})
 
 
 _CACHE: dict[tuple, RewardManager] = {}
@@ -159,15 +169,16 @@ def get_reward_manager(
 ) -> RewardManager:
     """The process-wide manager for this configuration, built on first use.
 
-    Keyed by (scorer_path, model_path, runtime, device, endpoint); `cpu` ignores `device` and
-    `remote` ignores everything but the endpoint, so equivalent configurations share one manager.
-    kwargs (batch_size, remote_*) apply only when the manager is first built.
+    Keyed by (scorer_path, model_path, runtime, device, endpoint, scorer_options); `cpu` ignores
+    `device` and `remote` ignores everything but the endpoint, so equivalent configurations share
+    one manager. Other kwargs (batch_size, remote_*) apply only when the manager is first built.
     """
     scorer_path = resolve_scorer_path(scorer_path)
     if runtime == "remote":
-        key = (None, None, runtime, None, endpoint)
+        key = (None, None, runtime, None, endpoint, None)
     else:
-        key = (scorer_path, model_path, runtime, "cpu" if runtime == "cpu" else str(device), None)
+        options = json.dumps(kwargs.get("scorer_options") or {}, sort_keys=True, default=str)
+        key = (scorer_path, model_path, runtime, "cpu" if runtime == "cpu" else str(device), None, options)
     with _CACHE_LOCK:
         manager = _CACHE.get(key)
         if manager is None:
@@ -176,13 +187,24 @@ def get_reward_manager(
         return manager
 
 
-def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", **kwargs: Any) -> RewardManager:
+def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", *, scorer_path: str | None = None,
+                               model_path: str | None = None, **kwargs: Any) -> RewardManager:
     """get_reward_manager from a config's reward section (duck-typed: reward_runtime,
-    reward_scorer_path, reward_model_path, reward_endpoint)."""
+    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields).
+
+    With `scorer_path` (a held-out --eval-reward-scorers entry, with its own `model_path`) the
+    scorer runs in this process: on `device` under --reward-runtime colocate, else on the CPU."""
+    runtime = getattr(reward, "reward_runtime", "cpu") or "cpu"
+    if scorer_path is not None:
+        runtime = "colocate" if runtime == "colocate" else "cpu"
+    else:
+        scorer_path, model_path = getattr(reward, "reward_scorer_path", None), getattr(reward, "reward_model_path", None)
+    if runtime != "remote":
+        kwargs.setdefault("scorer_options", scorer_options(scorer_path, reward))
     return get_reward_manager(
-        getattr(reward, "reward_runtime", "cpu") or "cpu",
-        getattr(reward, "reward_scorer_path", None),
-        getattr(reward, "reward_model_path", None),
+        runtime,
+        scorer_path,
+        model_path,
         device,
         getattr(reward, "reward_endpoint", None),
         **kwargs,

@@ -22,7 +22,7 @@ every rank computes identical advantages.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -45,6 +45,7 @@ class RewardResult:
     metrics: dict[str, float]  # reward/* series (names as in the reference's Monitoring table)
     degenerate: bool  # advantage variance < DEGENERATE_VARIANCE, or no valid group
     group_size: int
+    weights: dict[str, float] = field(default_factory=dict)  # the component weights trained on
 
 
 def resolve_std_mode(
@@ -169,6 +170,7 @@ def compute_advantages(
         metrics=metrics,
         degenerate=degenerate,
         group_size=group_size,
+        weights=weights,
     )
 
 

@@ -9,6 +9,7 @@ for this trainer:
        "metadata": [{"sample_id": "..."}, ...],           # B JSON objects
        "images":   ["<base64 PNG, RGB 8-bit>", ...]}      # B images, lossless (same pixels as the rollout PNGs)
     200 -> {"<component>": [B numbers or null], ...}     # null = could not score this image (NaN)
+                                                          # anything but a finite number counts as null
     4xx/5xx -> {"error": "<message>"}
 
     GET <endpoint>  -> {"protocol": 1, "scorer": "<dotpath>", "components": [...], "required_tracks": [...]}
@@ -24,6 +25,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import math
 import socket
 import time
@@ -37,6 +39,8 @@ import torch
 from trainer.rewards.base import ImageBatch, RewardError, check_scores
 
 PROTOCOL_VERSION = 1
+
+logger = logging.getLogger(__name__)
 
 
 class RewardEndpointError(RewardError):
@@ -114,11 +118,24 @@ def decode_response(body: bytes, batch_size: int, endpoint: str) -> dict[str, to
         raise RewardEndpointError(
             f"reward endpoint {endpoint} must return {{component: [numbers]}}, got {str(data)[:200]}"
         )
-    try:
-        scores = {k: [math.nan if x is None else float(x) for x in v] for k, v in data.items()}
-    except (TypeError, ValueError) as e:
-        raise RewardEndpointError(f"reward endpoint {endpoint} returned a non-numeric score: {e}") from e
+    scores = {k: [_reward_value(x) for x in v] for k, v in data.items()}
+    bad = sum(1 for k, v in data.items() for x in v if x is not None and not _is_finite_number(x))
+    if bad:
+        logger.warning("reward endpoint %s returned %d score(s) that are not finite numbers (e.g. %r); their groups "
+                       "fail (reward/failed_groups)", endpoint, bad,
+                       next(x for v in data.values() for x in v if x is not None and not _is_finite_number(x)))
     return check_scores(scores, batch_size, f"reward endpoint {endpoint}")
+
+
+def _is_finite_number(x: Any) -> bool:
+    # bool is an int subclass in Python: `true` must not become a reward of 1.0
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _reward_value(x: Any) -> float:
+    """A JSON score -> float; null, strings ("0"), booleans and non-finite values -> NaN, which
+    fails the image's group instead of passing for a real score."""
+    return float(x) if _is_finite_number(x) else math.nan
 
 
 class RemoteScorer:

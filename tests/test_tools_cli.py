@@ -1,0 +1,188 @@
+"""Every tool in tools/ behaves alike on the command line: --help shows the defaults, --version
+works, a missing input is one `<tool>: error: ...` line naming it with exit 2 (no traceback),
+and the old flag spellings still parse. In-process (main(argv)), so the whole file takes
+seconds; one subprocess per tool checks the script form imports this checkout's trainer."""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import importlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# tool module -> the script name its errors start with
+TOOLS = {
+    "sample": "sample", "score": "score", "export_checkpoint": "export_checkpoint", "prepare_data": "prepare_data",
+    "curate_data": "curate_data", "inspect_data": "inspect_data", "make_tiny_model": "make_tiny_model",
+    "plot_rewards": "plot_rewards", "reward_server": "reward_server", "bench": "bench",
+}
+
+
+def _run(module: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    main = importlib.import_module(f"tools.{module}").main
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse exits from parse_args
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line_error(module: str, argv: list[str], capsys, *names: str) -> str:
+    code, _, err = _run(module, argv, capsys)
+    assert code == 2, (code, err)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{TOOLS[module]}: error: "), err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+def _help(module: str, capsys) -> str:
+    code, out, _ = _run(module, ["--help"], capsys)
+    assert code == 0
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(TOOLS))
+def test_help_shows_every_default_and_version(module, capsys):
+    text = _help(module, capsys)
+    flat = " ".join(text.split())
+    # every flag with a real default names it; argparse's help wraps lines, so compare flattened
+    parser = _build_parser(module)
+    shown = 0
+    for action in parser._actions:
+        if action.required or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            continue
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        default = action.default if not isinstance(action.default, Path) else str(action.default)
+        assert f"(default: {default})" in flat, (action.option_strings, default)
+        shown += 1
+    assert shown > 0 or module in ("inspect_data",), f"{module}: no default shown at all"
+    code, out, _ = _run(module, ["--version"], capsys)
+    assert code == 0 and re.fullmatch(r"flowgrpo-trainer \d+\.\d+\.\d+\S*", out.strip()), out
+
+
+def _build_parser(module: str) -> argparse.ArgumentParser:
+    """The tool's parser, captured by running its main with --help under a patched parse_args."""
+    import trainer.cli as cli
+
+    captured: list[argparse.ArgumentParser] = []
+    real = cli.ToolParser.parse_args
+
+    def grab(self, *a, **kw):
+        captured.append(self)
+        raise SystemExit(0)
+
+    cli.ToolParser.parse_args = grab
+    try:
+        try:
+            importlib.import_module(f"tools.{module}").main(["--help"])
+        except SystemExit:
+            pass
+    finally:
+        cli.ToolParser.parse_args = real
+    assert captured, f"tools/{module}.py does not build its parser with trainer.cli.tool_parser"
+    return captured[0]
+
+
+def test_missing_inputs_are_one_line_errors(tmp_path, capsys):
+    nowhere = str(tmp_path / "nowhere")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2i"}}) + "\n")
+    images = tmp_path / "images"
+    images.mkdir()
+    cases = [
+        ("sample", ["--model-path", nowhere, "--prompt-data", str(prompts), "--output-dir", str(tmp_path / "o")],
+         ("--model-path", nowhere)),
+        ("sample", ["--model-path", str(tmp_path), "--prompt-data", nowhere, "--output-dir", str(tmp_path / "o")],
+         ("--prompt-data", nowhere)),
+        ("score", ["--reward-scorer-path", "color", "--images", nowhere], ("--images", nowhere)),
+        ("score", ["--images", str(images)], ("--reward-scorer-path",)),
+        ("score", ["--reward-scorer-path", "color", "--images", str(images)], ("--images", "no image files")),
+        ("score", ["--reward-scorer-path", "no_such_scorer", "--images", str(images), "--prompt-data", str(prompts)],
+         ("--images",)),
+        ("export_checkpoint", ["--save-dir", nowhere, "--output-dir", str(tmp_path / "x")], ("--save-dir", nowhere)),
+        ("export_checkpoint", ["--save-dir", str(tmp_path), "--output-dir", str(tmp_path / "x")],
+         ("--save-dir", "has no t2i/")),
+        ("prepare_data", ["--source", "prompts", "--input", nowhere, "--output", str(tmp_path / "o.jsonl")],
+         ("--input", nowhere)),
+        ("curate_data", ["--input", nowhere, "--output-dir", str(tmp_path / "c")], ("--input", nowhere)),
+        ("inspect_data", ["--train", str(prompts), "--eval", nowhere], ("--eval", nowhere)),
+        ("plot_rewards", ["--tensorboard-dir", nowhere, "--output", str(tmp_path / "c.png")],
+         ("--tensorboard-dir", nowhere)),
+        ("plot_rewards", ["--tensorboard-dir", str(images), "--output", str(tmp_path / "c.png")],
+         ("no TensorBoard event files",)),
+        ("reward_server", ["--reward-scorer-path", "color", "--reward-model-path", nowhere],
+         ("--reward-model-path", nowhere)),
+        ("reward_server", ["--reward-scorer-path", "no_such_scorer", "--port", "0"], ("--reward-scorer-path",)),
+        ("make_tiny_model", [], ("--output-dir",)),
+        ("bench", ["--micro-batch-size", "3"], ("--micro-batch-size",)),
+    ]
+    for module, argv, names in cases:
+        _one_line_error(module, argv, capsys, *names)
+
+
+def test_old_flag_spellings_still_parse(tmp_path, capsys):
+    """Each alias lands in the same place as the canonical flag (the last of them wins)."""
+    pairs = {
+        "sample": (["--model-path", str(tmp_path), "--prompt-data", __file__, "--output-dir", "first"],
+                   [("--output", "--output-dir", "output_dir", "o"), ("--artifact-root", "--output-dir", "output_dir", "o"),
+                    ("--max-batch-size", "--engine-batch-size", "engine_batch_size", "3"),
+                    ("--generation-task", "--task", "task", "t2i")]),
+        "score": (["--images", str(tmp_path), "--reward-scorer-path", "color"],
+                  [("--batch-size", "--reward-batch-size", "batch_size", "3")]),
+        "curate_data": (["--input", __file__], [("--out-dir", "--output-dir", "output_dir", "o")]),
+        "make_tiny_model": ([], [("--output", "--output-dir", "output_dir", "o")]),
+        "bench": ([], [("--out", "--output", "out", "o"), ("--max-batch", "--engine-batch-size", "max_batch", "3"),
+                       ("--micro-batch", "--micro-batch-size", "micro_batch", "2"),
+                       ("--num-updates", "--num-updates-per-batch", "num_updates", "2"),
+                       ("--bucket-mb", "--weight-sync-bucket-size-mb", "bucket_mb", "5.0")]),
+        "export_checkpoint": (["--output-dir", "o", "--save-dir", str(tmp_path)], [("--save", "--save-dir", "save_dir", str(tmp_path)),
+                                                      ("--generation-task", "--task", "task", "t2i")]),
+        "prepare_data": (["--source", "prompts", "--input", __file__, "--output", "o"],
+                         [("--generation-task", "--task", "task", "t2i")]),
+    }
+    for module, (base, aliases) in pairs.items():
+        parser = _build_parser(module)
+        for old, new, dest, value in aliases:
+            a = parser.parse_args(base + [old, value])
+            b = parser.parse_args(base + [new, value])
+            assert getattr(a, dest) == getattr(b, dest) and str(getattr(a, dest)) == value, (module, old, new)
+
+
+def test_console_scripts_resolve_to_tool_mains():
+    """setup.cfg's console scripts name importable callables: what `pip install .` puts on PATH."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    scripts = [line.split("=", 1) for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines()]
+    assert len(scripts) == len(TOOLS) + 1
+    targets = set()
+    for name, target in scripts:
+        module, func = target.strip().split(":")
+        assert callable(getattr(importlib.import_module(module), func)), target
+        targets.add(module)
+    assert targets == {"trainer.train"} | {f"tools.{m}" for m in TOOLS}
+
+
+def test_scripts_import_this_checkouts_trainer(tmp_path):
+    """Run as `python tools/X.py` from another directory, a tool imports trainer from the checkout
+    it lives in, even when PYTHONPATH points at some other trainer package."""
+    decoy = tmp_path / "decoy" / "trainer"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy trainer package was imported')\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(decoy.parent)}
+    for module in sorted(TOOLS):
+        proc = subprocess.run([sys.executable, str(ROOT / "tools" / f"{module}.py"), "--version"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("flowgrpo-trainer"), (module, proc.stderr[-2000:])

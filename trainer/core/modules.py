@@ -1,0 +1,73 @@
+"""Module-tree facts both sides of a sync need: which modules hold LoRA layers, and whether a
+tree is still made of the same module and parameter objects (ModuleTreeSnapshot)."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import weakref
+
+import torch.nn as nn
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> peft LoraLayer for every LoRA-wrapped module of `model` (empty when none)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft missing: then there cannot be LoRA layers either
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def model_has_lora(model: nn.Module) -> bool:
+    return bool(lora_modules(model))
+
+
+_MODULES_OF, _PARAMETERS_OF = operator.attrgetter("_modules"), operator.attrgetter("_parameters")
+
+
+class ModuleTreeSnapshot:
+    """Which module and parameter objects make up a module tree, recorded once, so that
+    `unchanged(root)` can tell whether the tree still is what it was without a named walk.
+
+    It records the tree's modules (each once, modules() order) and, over them, their classes, the
+    sizes, keys and object ids of their _modules and _parameters dicts. `unchanged` re-reads exactly
+    that from the recorded modules in a few C-level passes (no recursion, no name strings, no
+    isinstance): any module or parameter added, removed, renamed or replaced anywhere below the root
+    changes some recorded module's dicts, whatever route did it (setattr, register_parameter, a
+    direct dict write as FSDP2 does, peft's LoRA injection, fully_shard, which also swaps classes,
+    load_state_dict(assign=True)). What it does not see, by design: new values in the same objects
+    (optimizer steps, `param.data = ...`, the actor's offload / onload, the engine's release /
+    resume), which a plan reads at sync time anyway. The recorded objects are kept alive by the
+    snapshot, so their ids cannot be taken by new objects while it exists (the cost: a replaced
+    model's parameters live until the plan holding the snapshot is rebuilt or dropped).
+    Cost of a check: about as much as one bare modules() walk (~3 ms on the test CPU at 7,100
+    modules, the real DiT's module count with LoRA), a third to a half of a named_parameters walk,
+    and none of the per-name work that came with the walks it replaces.
+    """
+
+    __slots__ = ("_root", "_modules", "_token", "_keep")
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = weakref.ref(root)
+        self._modules = list(root.modules())
+        self._token = self._read()
+        self._keep = [list(d.values()) for d in map(_MODULES_OF, self._modules)] + \
+                     [list(d.values()) for d in map(_PARAMETERS_OF, self._modules)]
+
+    def _read(self) -> tuple:
+        ms = self._modules
+        mods, params = list(map(_MODULES_OF, ms)), list(map(_PARAMETERS_OF, ms))
+        flat = itertools.chain.from_iterable
+        return (list(map(type, ms)), list(map(len, mods)), list(map(len, params)),
+                list(flat(map(dict.keys, mods))), list(map(id, flat(map(dict.values, mods)))),
+                list(flat(map(dict.keys, params))), list(map(id, flat(map(dict.values, params)))))
+
+    def unchanged(self, root: nn.Module) -> bool:
+        return self._root() is root and self._read() == self._token
+
+    def modules(self) -> list[nn.Module]:
+        return list(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
