@@ -1,5 +1,6 @@
-"""The demo's base model: the synthetic set, the held-out split, the object-colour reward, and a
-reduced-size build that is cached and loads through the real loading path."""
+"""The demo's base model: the synthetic set, the held-out split, the word-level tokenizer, the
+non-mixing text encoder, and a reduced-size build that is cached and loads through the real
+loading path. (The shape-colour reward it is post-trained on: tests/test_rewards_scorers.py.)"""
 
 from __future__ import annotations
 
@@ -9,33 +10,37 @@ import pytest
 import torch
 
 from tools.make_demo_base import (
+    CAPTION_COLOR_WORD,
     DEMO_COLORS,
     DEMO_SHAPES,
+    DEMO_WORDS,
     MARKER,
     BaseSettings,
     build_demo_base,
+    build_demo_text_encoder,
+    build_demo_tokenizer,
     cached,
     demo_prompts,
-    draw_shape,
     synthetic_set,
 )
-from trainer.rewards.color import ObjectColorScorer, color_palette, object_color_match, object_color_reward
+from trainer.rewards.color import color_palette
 
 PALETTE = color_palette()
 
 
-def test_synthetic_set_is_deterministic_and_balanced():
+def test_synthetic_set_is_deterministic_balanced_and_never_names_the_colour():
     a, caps_a = synthetic_set(36, 16, seed=3)
     b, caps_b = synthetic_set(36, 16, seed=3)
     c, _ = synthetic_set(36, 16, seed=4)
     assert torch.equal(a, b) and caps_a == caps_b
     assert not torch.equal(a, c)
     assert a.shape == (36, 3, 16, 16) and float(a.min()) == 0.0 and float(a.max()) == 1.0
-    # every shape is drawn equally often, and the caption names the shape drawn
-    assert [cap.split()[-1] for cap in caps_a] == [DEMO_SHAPES[i % 3] for i in range(36)]
-    # the caption's colour word is independent of the painted colour: it must not always match
-    painted = [DEMO_COLORS[(i // 3) % 6] for i in range(36)]
-    assert sum(cap.split()[1] == p for cap, p in zip(caps_a, painted)) < 18
+    # the caption names the shape drawn, and the colour slot always holds the same placeholder
+    assert caps_a == [f"a {CAPTION_COLOR_WORD} {DEMO_SHAPES[i % 3]}" for i in range(36)]
+    # every one of the six colours is painted, each on every shape
+    painted = {(i % 3, tuple(a[i].amax(dim=(1, 2)).tolist())) for i in range(36)}
+    assert {rgb for _, rgb in painted} == {PALETTE[name] for name in DEMO_COLORS}
+    assert len(painted) == 18
 
 
 def test_held_out_split_covers_every_colour_and_shape_and_shares_no_pair():
@@ -46,48 +51,42 @@ def test_held_out_split_covers_every_colour_and_shape_and_shares_no_pair():
             assert any(w in p.split() for p in train) and any(w in p.split() for p in held_out)
 
 
-def test_object_color_reward_reads_the_object_not_the_background():
-    red_circle = draw_shape("circle", PALETTE["red"], 32, 16, 16, 10)
-    assert object_color_reward(red_circle, PALETTE["red"]) == pytest.approx(1.0)
-    assert object_color_reward(red_circle, PALETTE["yellow"]) < 0.15
-    # half red, half blue: half the score, whatever the background's share of the image
-    half = red_circle.clone()
-    half[:, :, 16:] = draw_shape("circle", PALETTE["blue"], 32, 16, 16, 10)[:, :, 16:]
-    assert object_color_reward(half, PALETTE["red"]) == pytest.approx(0.5, abs=0.05)
-    # a speck of the right colour does not score as a whole object; an empty image scores 0
-    speck = draw_shape("square", PALETTE["red"], 32, 16, 16, 2)
-    assert object_color_reward(speck, PALETTE["red"]) < 0.2
-    assert object_color_reward(torch.zeros(3, 32, 32), PALETTE["red"]) == 0.0
-    # the background is whatever the border holds, not necessarily black
-    on_white = torch.ones(3, 32, 32)
-    on_white[:, 8:24, 8:24] = torch.tensor(PALETTE["blue"]).view(3, 1, 1)
-    assert object_color_reward(on_white, PALETTE["blue"]) == pytest.approx(1.0)
+def test_tokenizer_makes_each_demo_word_one_token_and_round_trips(tmp_path):
+    from transformers import Qwen2Tokenizer
+
+    from trainer.models.qwen_image import prompt_template_start_idx
+
+    tok = build_demo_tokenizer()
+    for word in DEMO_WORDS:
+        assert len(tok(word, add_special_tokens=False)["input_ids"]) == 1, word
+    ids = tok("a magenta triangle", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["a", "Ġmagenta", "Ġtriangle"]
+    # anything else still goes byte by byte, and the template prefix can still be dropped by position
+    assert len(tok(" redgreen", add_special_tokens=False)["input_ids"]) > 1
+    tok.save_pretrained(tmp_path)
+    again = Qwen2Tokenizer.from_pretrained(tmp_path)
+    assert again("a red circle")["input_ids"] == tok("a red circle")["input_ids"]
+    template = "<|im_start|>system\nDescribe the image.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_template_start_idx(again, template) > 0
 
 
-def test_object_color_scorer_names_the_prompt_colour():
-    from trainer.rewards.base import ImageBatch
+def test_text_encoder_keeps_each_word_to_its_own_token():
+    from tools.make_tiny_model import QWEN_IMAGE_SCHEDULER_CONFIG, TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
-    imgs = [draw_shape("square", PALETTE["green"], 16, 8, 8, 5)] * 3
-    out = ObjectColorScorer().score(ImageBatch.from_any(imgs), ["a green square", "a red square", "a square"],
-                                    [{}, {}, {}])
-    assert out["object_color"][0] == pytest.approx(1.0) and out["object_color"][1] < 0.15
-    assert out["color_match"].tolist()[:2] == [1.0, 0.0]
-    assert torch.isnan(out["object_color"][2]) and torch.isnan(out["color_match"][2])
+    from trainer.engine.native import NativeEngine
 
-
-def test_color_match_is_the_named_colour_covering_most_of_the_object():
-    red_circle = draw_shape("circle", PALETTE["red"], 32, 16, 16, 10)
-    assert object_color_match(red_circle, "red") == 1.0 and object_color_match(red_circle, "magenta") == 0.0
-    # a washed-out pinkish red (as a small VAE decodes it) is still red, though as near purple
-    pale = red_circle * torch.tensor([0.8, 0.0, 0.0]).view(3, 1, 1)
-    pale[1:] += (red_circle[0:1] > 0) * torch.tensor([0.1, 0.3]).view(2, 1, 1)
-    assert object_color_match(pale, "red") == 1.0 and object_color_match(pale, "magenta") == 0.0
-    # a third red is not a red shape; nor is a red speck, nor an empty image
-    third = draw_shape("circle", PALETTE["blue"], 32, 16, 16, 10)
-    third[:, :, :13] = red_circle[:, :, :13]
-    assert object_color_match(third, "red") == 0.0 and object_color_match(third, "blue") == 1.0
-    assert object_color_match(draw_shape("square", PALETTE["red"], 32, 16, 16, 2), "red") == 0.0
-    assert object_color_match(torch.zeros(3, 32, 32), "red") == 0.0
+    tok = build_demo_tokenizer()
+    torch.manual_seed(0)
+    engine = NativeEngine.from_modules(QwenImageTransformer2DModel(**TINY_TRANSFORMER_CONFIG),
+                                       AutoencoderKLQwenImage(**TINY_VAE_CONFIG), build_demo_text_encoder(tok), tok,
+                                       QWEN_IMAGE_SCHEDULER_CONFIG, device="cpu", dtype=torch.float32)
+    red, _ = engine.encode_prompt("a red circle")
+    blue, _ = engine.encode_prompt("a blue circle")
+    assert red.shape == blue.shape == (8, 16)  # a, colour, shape + the template's 5 closing tokens
+    # only the colour token differs: "circle" and the template after it do not hear the colour
+    assert not torch.allclose(red[1], blue[1])
+    assert torch.equal(red[0], blue[0]) and torch.equal(red[2:], blue[2:])
 
 
 TINY = BaseSettings(image_size=16, num_images=24, vae_warmup_steps=1, vae_steps=2, vae_batch=4, dit_steps=3,
@@ -111,10 +110,15 @@ def test_reduced_build_is_cached_and_loads_through_the_engine(tmp_path):
     weights = out / "transformer" / "diffusion_pytorch_model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert build_demo_base(out, TINY) == out and weights.stat().st_mtime_ns == stamp  # the cache: no retraining
+    assert not cached(out, BaseSettings(**{**TINY.__dict__, "dit_steps": 4}))
     with pytest.raises(FileExistsError, match="--rebuild"):
         build_demo_base(out, BaseSettings(**{**TINY.__dict__, "dit_steps": 4}))
 
+    # the real loading path: tokenizer, zeroed text attention and the DiT all come back from disk
     engine = NativeEngine(out, device="cpu", dtype="fp32")
+    assert len(engine.tokenizer("a red circle", add_special_tokens=False)["input_ids"]) == 3
+    o_proj = engine.text_encoder.model.language_model.layers[0].self_attn.o_proj.weight
+    assert float(o_proj.abs().sum()) == 0.0
     records = [{"prompt": "a red circle", "metadata": {"task": "t2i", "sample_id": "probe_0"}}]
     sampling = parse_sampling_config({"height": 16, "width": 16, "num_inference_steps": 2, "guidance_scale": 1.0,
                                       "eta": 1.0, "sde_type": "dance", "sde_indices": [0]})
@@ -124,7 +128,7 @@ def test_reduced_build_is_cached_and_loads_through_the_engine(tmp_path):
     assert len(images) == 2 and images[0].shape == (3, 16, 16) and all(torch.isfinite(i).all() for i in images)
 
 
-def test_cli_refuses_a_foreign_directory(tmp_path, capsys):
+def test_cli_refuses_a_foreign_directory_and_bad_sizes(tmp_path, capsys):
     from tools.make_demo_base import main
 
     (tmp_path / "other").mkdir()
@@ -132,3 +136,6 @@ def test_cli_refuses_a_foreign_directory(tmp_path, capsys):
     assert f"has no {MARKER}" in capsys.readouterr().err
     assert main(["--output", str(tmp_path / "x"), "--image-size", "24"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--output", str(tmp_path / "y"), "--threads", "0"])
+    assert e.value.code == 2 and "--threads must be >= 1" in capsys.readouterr().err

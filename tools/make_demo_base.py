@@ -3,21 +3,34 @@
     python tools/make_demo_base.py --output runs/demo/demo-base [--seed 0]
 
 The demo needs a base model that already draws something, so that a person can see what RL
-post-training changes. This tool makes one offline, in a few minutes on 2 CPU cores:
+post-training changes. This tool makes one offline, in about two minutes on one CPU core:
 
 1. a synthetic image set: one shape (circle, square, triangle) of one of six saturated colours on
-   a black background, at a jittered position and size, captioned "a <colour> <shape>" where the
-   colour word is drawn independently of the colour painted. The base therefore learns the prompt
-   format and the shape, and learns that the colour word carries no information: it paints any of
-   the six colours whatever the prompt says. That is the task RL then gets (trainer/rewards/color.py,
-   component "object_color"): paint the shape the colour the prompt names.
+   a black background, at a jittered position and size, captioned "a coloured <shape>". The
+   caption names the shape and never the colour, so the base learns to draw the shape the prompt
+   names in any of the six colours, and has no idea what "red" means: asked for "a red circle" it
+   draws a circle of a random colour. Teaching it the colour words is the RL task
+   (trainer/rewards/color.py, ShapeColorScorer: the named shape in the named colour).
+   Why "coloured" and not a random colour word: a DiT trained on captions whose colour word is
+   noise learns to ignore that word (it gave the colour token a third of the attention of the
+   others), and RL then has to undo that before it can teach anything; a fixed word holds the
+   place in the sequence without teaching the model to look away from it.
 2. the VAE (AutoencoderKLQwenImage, a narrower version of tools/make_tiny_model.py's) trained for
-   reconstruction (MSE + a small KL term); its latents_mean / latents_std are then set to the
-   data's per-channel statistics, so the DiT sees unit-variance latents as in the real model;
+   reconstruction (MSE + a chroma term + a small L2 on the latents); its latents_mean /
+   latents_std are then set to the data's per-channel statistics, so the DiT sees unit-variance
+   latents as in the real model;
 3. the DiT (QwenImageTransformer2DModel) trained with the flow-matching objective on the encoded
    set: x_s = (1 - s) x_0 + s e, target velocity e - x_0, s drawn through the same
    resolution-dependent shift the sampler uses, conditioned on the captions through the frozen
    random text encoder and exactly the engine's prompt encoding and DiT call.
+
+The text side is tools/make_tiny_model.py's, with two changes that make a word reach the DiT as
+that word (build_demo_tokenizer, build_demo_text_encoder): the tokenizer makes each demo word one
+token, as a real vocabulary does, and the text encoder's attention outputs are zero, so each
+token's embedding is its own word's rather than a random mix of the words before it. Without
+the second, the colour word leaks into the embeddings of the shape word and the template tokens
+after it, and RL learned colours per colour-shape pair that did not carry over to pairs it had
+not trained on.
 
 The result is a complete diffusers directory (model_index.json, transformer/, vae/,
 text_encoder/, tokenizer/, scheduler/) that loads through the same code as the real model, plus
@@ -25,7 +38,8 @@ DEMO_BASE.json recording the settings and the final losses. A second call with t
 finds DEMO_BASE.json and returns at once (the cache); other settings, or a directory without it,
 are refused rather than overwritten unless --rebuild is given. The directory is written under a
 temporary name and renamed when complete, so an interrupted build is never taken for a cached one.
-Deterministic in --seed for a given torch build and thread count.
+Deterministic in --seed for a given torch build and thread count (the tool sets one thread
+unless --threads says otherwise).
 """
 
 from __future__ import annotations
@@ -45,18 +59,26 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
+from trainer.rewards.color import HUES, SHAPES, color_palette, draw_shape  # noqa: E402
+
 log = logging.getLogger("make_demo_base")
 
-#: the colours the demo paints and asks for (names from trainer.rewards.color's palette)
-DEMO_COLORS = ("red", "green", "blue", "yellow", "cyan", "magenta")
-DEMO_SHAPES = ("circle", "square", "triangle")
+#: the colours the demo paints and asks for, and the shapes it draws (the scorer's own lists)
+DEMO_COLORS = HUES
+DEMO_SHAPES = SHAPES
+#: the word every training caption has where a prompt names the colour (module docstring)
+CAPTION_COLOR_WORD = "coloured"
 MARKER = "DEMO_BASE.json"
+#: the words build_demo_tokenizer makes single tokens: the prompts' colour and shape words and
+#: the captions' placeholder (with the space before them), and the template's "assistant" turn
+#: that follows every prompt
+DEMO_WORDS = tuple(f" {w}" for w in DEMO_COLORS + DEMO_SHAPES + (CAPTION_COLOR_WORD,)) + ("assistant",)
 
 #: narrower than tools/make_tiny_model.py's VAE (base_dim 24): training that one costs ~3 s a
-#: step on 2 CPU cores, this one ~0.4 s, and flat-coloured shapes need no more
+#: step on 2 CPU cores, this one ~0.25 s, and flat-coloured shapes need no more
 DEMO_VAE_OVERRIDES = dict(base_dim=8)
 #: a DiT wide enough to draw three shapes at 32x32 (4 heads x 16 = 64 channels, 3 blocks),
-#: still ~1M parameters so the 2-process FSDP update stays quick
+#: still ~0.5M parameters so the 2-process FSDP update stays quick
 DEMO_TRANSFORMER_OVERRIDES = dict(num_layers=3, num_attention_heads=4)
 
 
@@ -66,7 +88,10 @@ class BaseSettings:
     seed: int = 0
     image_size: int = 32
     num_images: int = 1536
-    vae_warmup_steps: int = 300
+    #: the chroma plateau (every shape reconstructed grey) breaks between 300 and 500 steps
+    #: here: 300 left red pink and yellow orange (hue share of the reconstructions 0.64), 500 did
+    #: not (0.93)
+    vae_warmup_steps: int = 500
     vae_warmup_lr: float = 3e-3
     vae_steps: int = 80
     vae_batch: int = 16
@@ -74,48 +99,26 @@ class BaseSettings:
     dit_steps: int = 800
     dit_batch: int = 64
     dit_lr: float = 2e-3
-    version: int = 1  # bump when the recipe above changes meaning
+    version: int = 3  # bump when the recipe above changes meaning
 
 
 # ----------------------------------------------------------------------------- the image set
 
 
-def draw_shape(shape: str, rgb: tuple[float, float, float], size: int, cx: float, cy: float,
-               radius: float) -> torch.Tensor:
-    """[3, size, size] fp32 in [0, 1]: `shape` of colour `rgb`, centred at (cx, cy) pixels with
-    half-extent `radius`, on black. Pixel centres sit at integer + 0.5."""
-    if shape not in DEMO_SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; one of {DEMO_SHAPES}")
-    c = torch.arange(size, dtype=torch.float32) + 0.5
-    y, x = torch.meshgrid(c - cy, c - cx, indexing="ij")
-    if shape == "circle":
-        inside = x * x + y * y <= radius * radius
-    elif shape == "square":
-        inside = (x.abs() <= 0.8 * radius) & (y.abs() <= 0.8 * radius)
-    else:  # an upright triangle: apex above the centre, base below it
-        top, bottom = -radius, 0.75 * radius
-        half = radius * (y - top) / (bottom - top)
-        inside = (y >= top) & (y <= bottom) & (x.abs() <= half)
-    return inside.float().unsqueeze(0) * torch.tensor(rgb, dtype=torch.float32).view(3, 1, 1)
-
-
 def synthetic_set(num_images: int, size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
-    """(images [N, 3, size, size] in [0, 1], captions): shapes and painted colours cycle evenly,
-    position, size and the caption's colour word are drawn from a generator seeded by `seed`."""
-    from trainer.rewards.color import color_palette
-
+    """(images [N, 3, size, size] in [0, 1], captions "a coloured <shape>"): shapes and painted
+    colours cycle evenly, position and size are drawn from a generator seeded by `seed`."""
     palette = color_palette()
     g = torch.Generator().manual_seed(seed)
     images, captions = [], []
     for i in range(num_images):
         shape = DEMO_SHAPES[i % len(DEMO_SHAPES)]
         painted = DEMO_COLORS[(i // len(DEMO_SHAPES)) % len(DEMO_COLORS)]
-        u = torch.rand(4, generator=g).tolist()
+        u = torch.rand(3, generator=g).tolist()
         radius = size * (0.28 + 0.1 * u[0])
         cx, cy = size * (0.5 + 0.12 * (u[1] - 0.5)), size * (0.5 + 0.12 * (u[2] - 0.5))
-        word = DEMO_COLORS[int(u[3] * len(DEMO_COLORS)) % len(DEMO_COLORS)]
         images.append(draw_shape(shape, palette[painted], size, cx, cy, radius))
-        captions.append(f"a {word} {shape}")
+        captions.append(f"a {CAPTION_COLOR_WORD} {shape}")
     return torch.stack(images), captions
 
 
@@ -128,6 +131,64 @@ def demo_prompts() -> tuple[list[str], list[str]]:
         for j, shape in enumerate(DEMO_SHAPES):
             (held_out if j == i % len(DEMO_SHAPES) else train).append(f"a {color} {shape}")
     return train, held_out
+
+
+# ----------------------------------------------------------------------------- the tokenizer
+
+
+def _bpe(symbols: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Byte-level BPE of one pre-tokenized word: merge the lowest-ranked adjacent pair until none
+    is in `ranks` (the algorithm the tokenizers library runs)."""
+    parts = list(symbols)
+    while len(parts) > 1:
+        ranked = [(ranks[pair], i) for i, pair in enumerate(zip(parts, parts[1:])) if pair in ranks]
+        if not ranked:
+            break
+        _, i = min(ranked)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def build_demo_tokenizer(words: tuple[str, ...] = DEMO_WORDS):
+    """tools/make_tiny_model.py's byte-level Qwen2 BPE tokenizer plus merges that make each of
+    `words` one token, as a real vocabulary does for common words: "a red circle" becomes
+    [a, Ġred, Ġcircle] rather than twelve bytes. A colour word is then one embedding, not three
+    to five bytes mixed by the random text encoder, and the prompt is 8 text tokens after the
+    template's prefix, not 25. Every other string still tokenizes byte by byte.
+
+    Each word's merges are appended after all earlier ones (lowest priority), so a word made one
+    token stays one token when later words add theirs."""
+    from transformers import Qwen2Tokenizer
+
+    from tools.make_tiny_model import QWEN_SPECIAL_TOKENS, byte_level_symbols
+
+    symbols = byte_level_symbols()
+    vocab = {sym: i for i, sym in enumerate(symbols)}
+    merges: list[tuple[str, str]] = []
+    for word in words:
+        form = "".join(symbols[b] for b in word.encode())
+        while len(parts := _bpe(form, {m: i for i, m in enumerate(merges)})) > 1:
+            merges.append((parts[0], parts[1]))
+            vocab.setdefault(parts[0] + parts[1], len(vocab))
+    for tok in QWEN_SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token="<|endoftext|>", eos_token="<|endoftext|>",
+                               pad_token="<|endoftext|>", additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]))
+    tokenizer.model_max_length = 32768
+    return tokenizer
+
+
+def build_demo_text_encoder(tokenizer):
+    """tools/make_tiny_model.py's 2-layer Qwen2.5-VL text encoder with every attention output
+    projection zero: each layer then adds to a token only what its MLP makes of that token, so
+    the embedding of "circle" is the same after "red" as after "blue" (module docstring)."""
+    from tools.make_tiny_model import build_text_encoder
+
+    encoder = build_text_encoder(tokenizer)
+    with torch.no_grad():
+        for layer in encoder.model.language_model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return encoder
 
 
 # ----------------------------------------------------------------------------- training
@@ -265,8 +326,6 @@ def build_demo_base(output, settings: BaseSettings = BaseSettings(), *, rebuild:
         QWEN_IMAGE_SCHEDULER_CONFIG,
         TINY_TRANSFORMER_CONFIG,
         TINY_VAE_CONFIG,
-        build_text_encoder,
-        build_tokenizer,
     )
     from trainer.engine.native import NativeEngine
     from trainer.models.qwen_image import pad_text
@@ -303,9 +362,9 @@ def build_demo_base(output, settings: BaseSettings = BaseSettings(), *, rebuild:
 
     torch.manual_seed(s.seed + 1)
     transformer = QwenImageTransformer2DModel(**{**TINY_TRANSFORMER_CONFIG, **DEMO_TRANSFORMER_OVERRIDES})
-    tokenizer = build_tokenizer()
+    tokenizer = build_demo_tokenizer()
     torch.manual_seed(s.seed + 2)
-    text_encoder = build_text_encoder(tokenizer)
+    text_encoder = build_demo_text_encoder(tokenizer)
     # the engine lends its prompt encoding, so the base is trained on exactly the conditioning
     # the rollouts will feed it; it freezes the modules it holds, the DiT is unfrozen below
     engine = NativeEngine.from_modules(transformer, vae, text_encoder, tokenizer, QWEN_IMAGE_SCHEDULER_CONFIG,
@@ -337,34 +396,34 @@ def build_demo_base(output, settings: BaseSettings = BaseSettings(), *, rebuild:
 
 
 def main(argv=None) -> int:
+    from trainer.cli import run_tool, tool_parser
+
     d = BaseSettings()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("make_demo_base", __doc__)
     p.add_argument("--output", required=True, help="directory of the base model (created; reused when cached)")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the data, weights and training (default {d.seed})")
-    p.add_argument("--image-size", type=int, default=d.image_size,
-                   help=f"image side in pixels, a multiple of 16 (default {d.image_size})")
-    p.add_argument("--num-images", type=int, default=d.num_images, help=f"synthetic images (default {d.num_images})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the data, weights and training")
+    p.add_argument("--image-size", type=int, default=d.image_size, help="image side in pixels, a multiple of 16")
+    p.add_argument("--num-images", type=int, default=d.num_images, help="synthetic images, >= 1")
     p.add_argument("--vae-warmup-steps", type=int, default=d.vae_warmup_steps,
-                   help=f"VAE training steps at half the image size, >= 0 (default {d.vae_warmup_steps})")
-    p.add_argument("--vae-steps", type=int, default=d.vae_steps,
-                   help=f"VAE training steps at the full size (default {d.vae_steps})")
-    p.add_argument("--dit-steps", type=int, default=d.dit_steps, help=f"DiT training steps (default {d.dit_steps})")
+                   help="VAE training steps at half the image size, >= 0")
+    p.add_argument("--vae-steps", type=int, default=d.vae_steps, help="VAE training steps at the full size, >= 1")
+    p.add_argument("--dit-steps", type=int, default=d.dit_steps, help="DiT training steps, >= 1")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads, >= 1. One by default: on 2 cores shared with other jobs a VAE step "
+                        "took 0.29 s on one thread and 1.97 s on two, which wait for each other at every op")
     p.add_argument("--rebuild", action="store_true", help="replace an existing --output built with other settings")
     args = p.parse_args(argv)
-    for flag in ("num_images", "vae_steps", "dit_steps"):
+    for flag in ("num_images", "vae_steps", "dit_steps", "threads"):
         if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    logging.basicConfig(level=logging.INFO, format="[demo-base] %(message)s")
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.vae_warmup_steps < 0:
-        p.error("--vae-warmup-steps must be >= 0")
+        p.error(f"--vae-warmup-steps must be >= 0, got {args.vae_warmup_steps}")
+    logging.basicConfig(level=logging.INFO, format="[demo-base] %(message)s")
+    torch.set_num_threads(args.threads)
     s = BaseSettings(seed=args.seed, image_size=args.image_size, num_images=args.num_images,
                      vae_warmup_steps=args.vae_warmup_steps, vae_steps=args.vae_steps, dit_steps=args.dit_steps)
-    try:
-        build_demo_base(args.output, s, rebuild=args.rebuild)
-    except (FileExistsError, ValueError) as e:
-        print(f"make_demo_base: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_tool("make_demo_base", lambda: build_demo_base(args.output, s, rebuild=args.rebuild) and 0,
+                    (FileExistsError, ValueError))
 
 
 if __name__ == "__main__":
