@@ -1,4 +1,4 @@
-"""Sidecars, PNGs, layout and retention (no model needed: synthetic responses)."""
+"""Sidecars, PNGs, layout and retention (no model needed: synthetic trajectories)."""
 
 from __future__ import annotations
 
@@ -11,45 +11,34 @@ import torch
 
 from trainer import artifacts
 from trainer.artifacts import ArtifactError
-from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
+from trainer.trajectory import Trajectory
 
 SAMPLING = parse_sampling_config({"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.7,
                                   "sde_indices": [1, 2]})
 
 
-def fake_group(group_index=3, k=3, s=2, seq=4, ch=16, t=5, d=16, dtype=torch.bfloat16, seed=0):
+def fake_group(group_index=3, k=3, s=2, seq=4, ch=16, t=5, d=16, dtype=torch.bfloat16, seed=0, pad=2) -> Trajectory:
+    """K candidates of one group as an engine returns them: the text conditioning zero-padded by
+    `pad` tokens past the prompt's own `t` (a batch with a longer prompt elsewhere)."""
     g = torch.Generator().manual_seed(seed + group_index)
-    embeds = torch.randn(t, d, generator=g)
-    out = []
-    for slot in range(k):
-        out.append({
-            "prompt": f"prompt {group_index}",
-            "metadata": {"task": "t2i", "sample_id": f"p{group_index}"},
-            "sample_id": f"prompt:p{group_index}:sample:{slot}",
-            "group_index": group_index,
-            "slot": slot,
-            "generation_seed": 1234,
-            "image": torch.rand(3, 32, 32, generator=g),
-            "trajectory_latents": torch.randn(s, seq, ch, generator=g).to(dtype),
-            "trajectory_next_latents": torch.randn(s, seq, ch, generator=g).to(dtype),
-            "sigmas": torch.tensor([0.9, 0.7]),
-            "sigmas_next": torch.tensor([0.7, 0.5]),
-            "timesteps": torch.tensor([900.0, 700.0]),
-            "log_probs": torch.randn(s, generator=g),
-            "sde_indices": [1, 2],
-            "prompt_embeds": embeds,
-            "prompt_embeds_mask": torch.ones(t, dtype=torch.int64),
-            "height": 32,
-            "width": 32,
-            "vae_scale_factor": 8,
-            "num_inference_steps": 4,
-            "eta": 0.7,
-            "sde_type": "sde",
-            "sigma_max": 0.99,
-            "policy_version": 5,
-        })
-    return out
+    embeds = torch.cat([torch.randn(t, d, generator=g), torch.zeros(pad, d)])
+    mask = torch.cat([torch.ones(t, dtype=torch.int64), torch.zeros(pad, dtype=torch.int64)])
+    i64 = torch.int64
+    return Trajectory(
+        prompts=[f"prompt {group_index}"] * k,
+        sample_ids=[f"prompt:p{group_index}:sample:{slot}" for slot in range(k)],
+        group_indices=torch.full((k,), group_index, dtype=i64), slots=torch.arange(k, dtype=i64),
+        generation_seeds=[1234] * k, policy_versions=torch.full((k,), 5, dtype=i64),
+        metadata=[{"task": "t2i", "sample_id": f"p{group_index}"} for _ in range(k)],
+        images=torch.rand(k, 3, 32, 32, generator=g),
+        latents=torch.randn(k, s, seq, ch, generator=g).to(dtype),
+        next_latents=torch.randn(k, s, seq, ch, generator=g).to(dtype),
+        sigmas=torch.tensor([0.9, 0.7]).repeat(k, 1), sigmas_next=torch.tensor([0.7, 0.5]).repeat(k, 1),
+        timesteps=torch.tensor([900.0, 700.0]).repeat(k, 1), log_probs=torch.randn(k, s, generator=g),
+        conditions={"prompt_embeds": embeds.repeat(k, 1, 1), "prompt_embeds_mask": mask.repeat(k, 1)},
+        sde_indices=[1, 2], height=32, width=32, vae_scale_factor=8, num_inference_steps=4, eta=0.7,
+    ).validate()
 
 
 def test_layout(tmp_path):
@@ -61,7 +50,7 @@ def test_layout(tmp_path):
 
 def test_sidecar_round_trip(tmp_path):
     group = fake_group()
-    path = artifacts.write_group_sidecar(tmp_path / "group_00000003.safetensors", list(reversed(group)), task="t2i",
+    path = artifacts.write_group_sidecar(tmp_path / "group_00000003.safetensors", group[[2, 1, 0]], task="t2i",
                                          rollout_id=9, sampling=SAMPLING, weight_manifest_hash="abc123")
     tensors, meta = artifacts.read_sidecar(path)
     assert meta["format"] == artifacts.SIDECAR_FORMAT and meta["task"] == "t2i"
@@ -73,18 +62,23 @@ def test_sidecar_round_trip(tmp_path):
     assert all(m["policy_version"] == 5 and m["sampling_fingerprint"] == SAMPLING.fingerprint()
                and m["weight_manifest_hash"] == "abc123" for m in manifests)
     assert tensors["tracks.latents"].dtype == torch.bfloat16 and tensors["tracks.latents"].shape == (3, 2, 4, 16)
-    assert tensors["conditions.prompt_embeds"].shape == (5, 16)  # stored once per group
-    back = artifacts.sidecar_to_responses(tensors, meta)
-    for orig, got in zip(group, back):  # slot order restored
-        for key in ("trajectory_latents", "trajectory_next_latents", "log_probs", "sigmas", "timesteps",
-                    "prompt_embeds", "prompt_embeds_mask"):
-            assert torch.equal(orig[key], got[key]), key
-        for key in ("sample_id", "slot", "group_index", "height", "width", "sde_indices", "prompt", "policy_version"):
-            assert orig[key] == got[key], key
-    # the adapter packs the rebuilt candidates like the originals
-    adapter = QwenImageAdapter()
-    a, b = adapter.pack_trajectory(group), adapter.pack_trajectory(back)
-    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    # stored once per group, at the prompt's own length (the batch's padding dropped)
+    assert tensors["conditions.prompt_embeds"].shape == (5, 16)
+    assert tensors["conditions.prompt_embeds_mask"].tolist() == [1] * 5
+    back = artifacts.sidecar_to_trajectory(tensors, meta)
+    assert back.images is None and back.rollout_id == 9 and back.train_metadata == manifests
+    for key in ("latents", "next_latents", "log_probs", "sigmas", "sigmas_next", "timesteps", "slots",
+                "group_indices", "policy_versions"):
+        assert torch.equal(getattr(group, key), getattr(back, key)), key  # slot order restored
+    for key in ("sample_ids", "prompts", "generation_seeds", "metadata", "sde_indices", "height", "width",
+                "vae_scale_factor", "num_inference_steps", "eta", "sde_type", "sigma_max"):
+        assert getattr(group, key) == getattr(back, key), key
+    assert torch.equal(back.prompt_embeds, group.prompt_embeds[:, :5])
+    # joined with a group of a longer prompt, the rebuilt rows are padded back to what the engine gave
+    longer = fake_group(4, t=7, pad=0)
+    joined = Trajectory.cat([back, longer])
+    assert torch.equal(joined.prompt_embeds[:3], group.prompt_embeds)
+    assert torch.equal(joined.prompt_embeds_mask[:3], group.prompt_embeds_mask)
 
 
 def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
@@ -137,12 +131,14 @@ def test_never_overwrites_silently(tmp_path):
 
 
 def test_group_consistency_checks(tmp_path):
+    import dataclasses
+
     group = fake_group()
-    group[1]["prompt"] = "another prompt"
+    group.prompts[1] = "another prompt"
     with pytest.raises(ValueError, match="disagree"):
         artifacts.group_sidecar_payload(group, task="t2i", rollout_id=0, sampling=SAMPLING)
     group = fake_group()
-    group[2]["slot"] = 0
+    group = dataclasses.replace(group, slots=torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="duplicate slots"):
         artifacts.group_sidecar_payload(group, task="t2i", rollout_id=0, sampling=SAMPLING)
 

@@ -1,5 +1,6 @@
-"""tools/bench.py on CPU: the FLOP model against counted FLOPs, the file-free model build, and one
-tiny end-to-end run whose JSON lines must be well-formed and finite. No timing is asserted."""
+"""tools/bench.py on CPU: the FLOP model against counted FLOPs, the file-free model build, the
+alternative column-sum reduction giving the checksum's exact bits, and one tiny end-to-end run
+whose JSON lines must be well-formed and finite. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.bench import (REAL_TRANSFORMER_CONFIG, build_engine, build_text_encoder, build_transformer,
-                         dit_forward_flops, dit_param_counts, replay_flops, shape_configs)
+from tools.bench import (CHECKSUM_WIDE_FOLD, REAL_TRANSFORMER_CONFIG, build_engine, build_text_encoder,
+                         build_transformer, column_sums_wide, dit_forward_flops, dit_param_counts, replay_flops,
+                         shape_configs)
+from trainer.core.checksum import CHECKSUM_PERIOD, column_sums, tensor_words, weights_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
+P, K = CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD
 
 
 def _classify(name: str) -> str:
@@ -312,3 +316,50 @@ def test_scorers_mode_times_every_scorer_at_tiny_shape(tmp_path):
     for line in lines:
         assert line["figure"] == "score_images_s" and line["images"] == 4 and line["device"].startswith("cpu")
         assert math.isfinite(line["value"]) and line["value"] > 0 and 0 < line["params"] < 10_000_000
+
+
+@pytest.mark.parametrize("n", [0, 1, P - 1, P, P + 5, P * K - 1, P * K, P * K + 1, 3 * P * K + 2 * P + 17, 1_000_003])
+def test_column_sums_wide_equals_column_sums_on_random_words(n):
+    g = torch.Generator().manual_seed(n)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32, generator=g)
+    want, got = column_sums(words), column_sums_wide(words)
+    assert got.dtype == want.dtype == torch.int32 and got.shape == (P,)
+    assert torch.equal(got, want)
+
+
+def test_column_sums_wide_wraps_like_column_sums():
+    """Sums that overflow int32 wrap modulo 2^32 in both (every word the maximum)."""
+    words = torch.full((2 * P * K + 3,), 2 ** 31 - 1, dtype=torch.int32)
+    assert torch.equal(column_sums_wide(words), column_sums(words))
+    assert int(column_sums(words)[0]) == ((2 * K + 1) * (2 ** 31 - 1) + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def test_checksum_with_the_wide_reduction_is_the_same_digest():
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(P * K + 999, generator=g)), ("b", torch.randn(300, 700, generator=g).bfloat16()),
+             ("c", torch.randn(3, generator=g).half()), ("d", torch.randn(2 * P * K, generator=g))]
+    assert weights_checksum(named, column_sums_wide) == weights_checksum(named)
+    changed = [(n, t.clone()) for n, t in named]
+    changed[0][1][P * K + 5] += 1.0  # an element in the remainder past the wide rows
+    assert weights_checksum(changed, column_sums_wide) != weights_checksum(named)
+    assert tensor_words(named[1][1]).numel() == 300 * 700 // 2
+
+
+def test_tiny_run_with_true_cfg_counts_both_rows(tmp_path):
+    """--guidance-scale 4: the rollout and the replay run two DiT rows per candidate, the replay
+    still reproduces the sampler's log-prob, and the figures record the guidance."""
+    out = tmp_path / "cfg.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
+           "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
+           "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2", "--iters", "1",
+           "--text-tokens", "8", "--guidance-scale", "4", "--skip", "dit", "checksum", "merged", "offload",
+           "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = {line["figure"]: line for line in map(json.loads, out.read_text().splitlines())}
+    assert figures["rollout_images_per_s"]["geometry"]["guidance_scale"] == 4.0
+    assert figures["replay_logp_max_abs_err_lora"]["value"] < 1e-4
+    assert figures["rollout_mfu"]["value"] > 0 and figures["replay_mfu_lora"]["value"] > 0

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {
     "lora": ROOT / "configs" / "qwen_image_t2i_lora_8gpu.toml",
     "full": ROOT / "configs" / "qwen_image_t2i_full_8gpu.toml",
+    "flowgrpo_cfg": ROOT / "configs" / "qwen_image_t2i_lora_flowgrpo_cfg.toml",
     "demo": ROOT / "configs" / "tiny_cpu_demo.toml",
 }
 
@@ -63,7 +64,8 @@ def test_sections_hold_the_agreed_fields():
         "optim": {"lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay",
                   "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"},
         "grpo": {"advantage_estimator", "eps_clip", "eps_clip_high", "num_updates_per_batch", "micro_batch_size",
-                 "disable_grpo_std_normalization", "generative_advantage_std_mode", "kl_coef", "use_kl_loss"},
+                 "disable_grpo_std_normalization", "generative_advantage_std_mode", "adv_clip_max", "kl_coef",
+                 "use_kl_loss"},
         "reward": {"reward_runtime", "reward_scorer_path", "reward_model_path", "reward_required_components",
                    "reward_component_weights", "reward_endpoint"},
         "sync": {"weight_sync_mode", "weight_sync_wire_dtype", "weight_sync_bucket_size_mb"},
@@ -196,6 +198,53 @@ def test_cli_value_errors_name_the_flag(argv, needle):
     assert needle in str(info.value)
 
 
+# a value outside a flag's choices: refused while parsing, naming the flag, the value and the choices
+CHOICE_CASES = [
+    (["--fsdp-trainable-mode", "partial"], "--fsdp-trainable-mode 'partial' must be 'full' or 'lora'"),
+    (["--weight-sync-wire-dtype", "fp16"], "--weight-sync-wire-dtype 'fp16' must be 'bf16' or 'fp32'"),
+    (["--fsdp-lr-scheduler", "step"], "--fsdp-lr-scheduler 'step' must be 'constant', 'linear' or 'cosine'"),
+    (["--fsdp-param-dtype", "fp16"], "--fsdp-param-dtype 'fp16' must be 'bf16' or 'fp32'"),
+    (["--fsdp-reduce-dtype", "fp16"], "--fsdp-reduce-dtype 'fp16' must be 'bf16' or 'fp32'"),
+    (["--fsdp-master-dtype", "fp8"], "--fsdp-master-dtype 'fp8' must be 'bf16' or 'fp32', or none to leave it unset"),
+    (["--advantage-estimator", "ppo"], "--advantage-estimator 'ppo' must be 'grpo'"),
+    (["--generative-advantage-std-mode", "global"], "--generative-advantage-std-mode 'global' must be 'group', 'batch' or 'none'"),
+    (["--reward-runtime", "dedicated"], "--reward-runtime 'dedicated' must be 'cpu', 'colocate' or 'remote' ('dedicated' was removed: use colocate)"),
+    (["--train-backend", "megatron"], "--train-backend 'megatron' must be 'fsdp' (only FSDP2 over torchrun ranks exists here"),
+    (["--weight-sync-mode", "merged"], "--weight-sync-mode 'merged' must be 'full' or 'adapter'"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", CHOICE_CASES, ids=[c[0][0] for c in CHOICE_CASES])
+def test_choices_are_checked_while_parsing(argv, needle, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    assert str(info.value).startswith(f"command line: {needle}"), str(info.value)
+    # the same rule for a recipe and for a resolved tree read back
+    flag, value = argv[0][2:], argv[1]
+    r = write(tmp_path, f'{flag} = "{value}"\n')
+    with pytest.raises(ConfigError, match=re.escape(f"recipe {r}: {needle}")):
+        load_config(["--config", str(r)])
+    spec = FLAGS[flag.replace("-", "_")]
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        RunConfig.from_dict({spec.section: {spec.name: value}})
+
+
+def test_choices_come_from_the_annotations_and_agree_with_the_code_using_them():
+    from trainer.core.dtypes import DTYPES
+    from trainer.flow_grpo import STD_MODES
+    from trainer.lr_schedule import SCHEDULES
+
+    assert FLAGS["fsdp_lr_scheduler"].choices == SCHEDULES
+    assert FLAGS["generative_advantage_std_mode"].choices == STD_MODES
+    for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_master_dtype", "weight_sync_wire_dtype"):
+        assert set(FLAGS[name].choices) <= set(DTYPES), name
+    # an optional choice flag is unset with none; every choice is accepted
+    assert load_config(["--fsdp-master-dtype", "none"]).fsdp.fsdp_master_dtype is None
+    for value in FLAGS["reward_runtime"].choices:
+        assert load_config(["--reward-runtime", value]).reward.reward_runtime == value
+    assert "--fsdp-trainable-mode (one of full, lora, default \"full\")" in format_help()
+
+
 def test_unknown_flag_and_key_suggest_the_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown flag '--n-sample-per-prompt' \(did you mean '--n-samples-per-prompt'\?\)"):
         load_config(["--n-sample-per-prompt", "8"])
@@ -218,12 +267,125 @@ def test_recipe_structure_errors(tmp_path):
         load_config(["--config", str(write(tmp_path, "eps-clip = 0.1\neps_clip = 0.2\n", "dup.toml"))])
     with pytest.raises(ConfigError, match="'lr' is a table, but --lr is not a dict-valued flag"):
         load_config(["--config", str(write(tmp_path, "[lr]\nvalue = 1\n", "tbl.toml"))])
-    with pytest.raises(ConfigError, match="unknown key 'fsdp'"):
-        load_config(["--config", str(write(tmp_path, "[fsdp]\nfsdp-param-dtype = 'bf16'\n", "sec.toml"))])
+    with pytest.raises(ConfigError, match=r"sec.toml \[fsdp\]: key 'lr' belongs in \[optim\], not \[fsdp\]"):
+        load_config(["--config", str(write(tmp_path, "[fsdp]\nlr = 1e-3\n", "sec.toml"))])
     with pytest.raises(ConfigError, match="--lr expects a number, got 'fast'"):
         load_config(["--config", str(write(tmp_path, 'lr = "fast"\n', "type.toml"))])
     with pytest.raises(ConfigError, match="--rollout-batch-size expects an integer, got 1.5"):
         load_config(["--config", str(write(tmp_path, "rollout-batch-size = 1.5\n", "int.toml"))])
+
+
+# ------------------------------------------------------------------------------ sectioned recipes
+
+
+def test_sectioned_recipe_keys_sit_under_their_section(tmp_path):
+    r = write(tmp_path, 'eps-clip = 1e-4\n'
+                        '[optim]\nlr = 3e-4\nadam_eps = 1e-15\n'
+                        '[fsdp]\nfsdp-trainable-mode = "lora"\n'
+                        '[colocate]\ncolocate = true\noffload-train = true\n'
+                        '[rollout.sampling-config]\nheight = 256\n')
+    cfg = load_config(["--config", str(r), "--lr", "1e-3"])
+    assert (cfg.optim.lr, cfg.optim.adam_eps, cfg.grpo.eps_clip) == (1e-3, 1e-15, 1e-4)
+    assert cfg.fsdp.fsdp_trainable_mode == "lora" and cfg.colocate.offload_train
+    assert cfg.rollout.sampling_config == {"height": 256}
+    assert {"lr", "adam_eps", "eps_clip", "fsdp_trainable_mode", "colocate", "offload_train",
+            "sampling_config"} == set(cfg.explicit)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[fsdp]\nlr = 1\n", "r.toml [fsdp]: key 'lr' belongs in [optim], not [fsdp]"),
+    ("[fsdp]\nfsdp-param-dtyp = 'fp32'\n", "r.toml [fsdp]: unknown key 'fsdp-param-dtyp' (did you mean 'fsdp-param-dtype'?)"),
+    ("[optim]\nlr-warmup = 2\n", "r.toml [optim]: unknown key 'lr-warmup' (did you mean 'lr-warmup-iters'?)"),
+    ("[fsdp]\nmicro-batch-sise = 2\n", "unknown key 'micro-batch-sise' (did you mean 'micro-batch-size' in [grpo]?)"),
+    ("[optimizer]\nlr = 1\n", "r.toml: unknown key 'optimizer' (did you mean 'optim'?)"),
+    ("lr = 1\n[optim]\nlr = 2\n", "'[optim] lr' and 'lr' set the same flag --lr"),
+    ("[optim.lr]\nvalue = 1\n", "r.toml [optim]: 'lr' is a table, but --lr is not a dict-valued flag"),
+    ("[fsdp]\nfsdp-param-dtype = 'fp16'\n", "r.toml [fsdp]: --fsdp-param-dtype 'fp16' must be 'bf16' or 'fp32'"),
+])
+def test_sectioned_recipe_errors_name_the_file_section_and_key(tmp_path, text, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(["--config", str(write(tmp_path, text))])
+    assert needle in str(info.value) and str(tmp_path) in str(info.value), str(info.value)
+
+
+def _toml(value) -> str:
+    """A TOML value for a recipe value (None is never written: it is every optional flag's default)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def sectioned(flat: dict) -> str:
+    """A flat recipe's {key: value} rewritten with every key under its section."""
+    by_section: dict[str, list[str]] = {}
+    for key, value in flat.items():
+        spec = FLAGS[key.replace("-", "_")]
+        by_section.setdefault(spec.section, []).append(f"{key} = {_toml(value)}")
+    return "".join(f"[{sec}]\n" + "\n".join(lines) + "\n\n" for sec, lines in by_section.items())
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_shipped_recipes_load_the_same_sectioned(name, recipe_env, tmp_path):
+    import tomllib
+
+    flat = tomllib.loads(RECIPES[name].read_text())
+    text = sectioned(flat)
+    assert len(re.findall(r"^\[[a-z]+\]$", text, re.M)) > 3  # really spread over several sections
+    as_sections = write(tmp_path, text, f"{name}_sectioned.toml")
+    want = load_config(["--config", str(RECIPES[name])], env=recipe_env)
+    got = load_config(["--config", str(as_sections)], env=recipe_env)
+    assert got.to_dict() == want.to_dict() and got.explicit == want.explicit
+
+
+@pytest.mark.parametrize("name, extra", [("demo", []), ("lora", ["--lr", "1e-4", "--num-rollout", "7"]),
+                                         ("full", ["--eps-clip", "2e-4"])])
+def test_a_runs_recipe_record_reproduces_its_config(name, extra, recipe_env, tmp_path):
+    """Parse a recipe, write the run's recipe record the way the loop does, load the record back
+    with --config: every resolved field is the same, and preflight says the same of both."""
+    from types import SimpleNamespace
+
+    from trainer.loop import Trainer
+    from trainer.sampling import parse_sampling_config
+
+    argv = ["--config", str(RECIPES[name]), *extra, "--artifact-root", str(tmp_path / "artifacts")]
+    cfg = load_config(argv, env=recipe_env)
+    world = recipe_world_size(cfg)
+    run = SimpleNamespace(rank=0, cfg=cfg, recipe_name=name, world=world,
+                          num_groups=cfg.rollout.rollout_batch_size,
+                          sampling=parse_sampling_config(cfg.rollout.sampling_config))
+    record = Trainer.write_recipe_record(run)
+    assert record.suffix == ".json" and record.parent == tmp_path / "artifacts" / "recipes"
+    back = load_config(["--config", str(record)], env={})  # resolved values: nothing to expand
+    for sec in SECTIONS:
+        for f in dataclasses.fields(getattr(cfg, sec)):
+            assert getattr(getattr(back, sec), f.name) == getattr(getattr(cfg, sec), f.name), (sec, f.name)
+    assert back == cfg
+    assert validate(back, world) == validate(cfg, world)
+    # the command line still overrides the record
+    assert load_config(["--config", str(record), "--lr", "5e-5"]).optim.lr == 5e-5
+
+
+def test_the_documented_sectioned_example_loads(tmp_path):
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", doc, re.S)
+    text = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
+    cfg = load_config(["--config", str(write(tmp_path, text))])
+    assert (cfg.rollout.rollout_batch_size, cfg.optim.lr) == (4, 3e-4)
+    assert cfg.rollout.sampling_config == {"num_inference_steps": 8, "sde_indices": [1, 3, 5]}
+
+
+def test_a_json_recipe_must_be_a_record(tmp_path):
+    with pytest.raises(ConfigError, match="is JSON but not a recipe record"):
+        load_config(["--config", str(write(tmp_path, '{"lr": 1e-3}', "flat.json"))])
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_config(["--config", str(write(tmp_path, '{"config": ', "bad.json"))])
+    r = write(tmp_path, json.dumps({"config": {"optim": {"lr": 1e-3}, "fsdp": {"lr": 1.0}}}), "rec.json")
+    with pytest.raises(ConfigError, match=r"rec.json \[fsdp\]: key 'lr' belongs in \[optim\]"):
+        load_config(["--config", str(r)])
 
 
 # ------------------------------------------------------------------------------ env expansion

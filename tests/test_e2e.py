@@ -2,7 +2,8 @@
 
 One uninterrupted run of 4 rollouts is compared with a run of 2 rollouts resumed with --load
 for 2 more: the weights, policy version, lr step and the images sampled after the resume must
-be identical. The same runs check the artifacts, the TensorBoard series and the checkpoints.
+be identical, and with an EMA (evaluated with --eval-use-ema) the EMA too. The same runs check
+the artifacts, the TensorBoard series, the checkpoints and the export of the EMA.
 A last test starts two single-process torchrun "nodes" on 127.0.0.1 (multi-node launch).
 """
 
@@ -51,6 +52,7 @@ def _recipe(tmp: Path, model_dir: Path, mode: str) -> Path:
     evalf = _write_prompts(tmp / "eval.jsonl", ["a white ball", "a black cube"], "e")
     evalg = _write_prompts(tmp / "eval2.jsonl", ["an orange kite"], "o")
     lora = mode == "lora"
+    ema = mode == "full-ema"
     # the full-FT runs also hand the device back and forth (--offload-train / --offload-rollout),
     # through the resume and the checkpoints written between the sync and the actor's offload
     text = f"""
@@ -65,7 +67,10 @@ n-samples-per-eval-prompt = 2
 eval-reward-scorers = ["jpeg_compressibility"]
 hacking-baseline-rollouts = 1
 {TINY_GEOMETRY}
-fsdp-trainable-mode = "{mode}"
+fsdp-trainable-mode = "{'lora' if lora else 'full'}"
+{'ema-decay = 0.9' if ema else ''}
+{'ema-update-interval = 3' if ema else ''}
+{'eval-use-ema = true' if ema else ''}
 {'lora-rank = 4' if lora else ''}
 {'lora-alpha = 8' if lora else ''}
 {'lora-adapter-mode = true' if lora else ''}
@@ -97,17 +102,24 @@ def _train(recipe: Path, out: Path, *args: str, timeout: float = 300) -> str:
     return proc.stdout + proc.stderr
 
 
-def _model_tensors(ckpt: Path, iteration: int) -> dict[str, torch.Tensor]:
+def _model_tensors(ckpt: Path, iteration: int, ema: bool = False) -> dict[str, torch.Tensor]:
     from tools.export_checkpoint import load_checkpoint
 
-    return dict(load_checkpoint(ckpt, "t2i", iteration).tensors.items())
+    return dict(load_checkpoint(ckpt, "t2i", iteration, ema=ema).tensors.items())
+
+
+def _dcp_keys(ckpt: Path, iteration: int) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fsdp = ckpt / "t2i" / f"iter_{iteration:07d}" / "fsdp"
+    return set(FileSystemReader(str(fsdp)).read_metadata().state_dict_metadata)
 
 
 def _state(ckpt: Path, iteration: int) -> dict:
     return json.loads((ckpt / "t2i" / f"iter_{iteration:07d}" / "trainer_state.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("mode", ["full", "lora", "full-ema"])
 def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     recipe = _recipe(tmp_path, tiny_model_dir, mode)
     a, b = tmp_path / "a", tmp_path / "b"
@@ -138,6 +150,11 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
         for name in pngs:
             assert (da / name).read_bytes() == (db / name).read_bytes(), f"rollout {rollout} {name}"
 
+    keys = _dcp_keys(a / "ckpt", 3)
+    if mode != "full-ema":  # EMA off: the checkpoint holds the model and the optimizer only
+        assert {k.split(".")[0] for k in keys} == {"model", "optim"}
+    else:
+        _check_ema_resume_and_export(a, b, tmp_path, ta, keys)
     if mode != "full":
         return
     # artifacts: the reference layout, retention keeps 2 rollouts, eval under eval/<task>/
@@ -178,6 +195,34 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     assert "full" in acc.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
     # the progress bars stay out of a log file: no carriage-return frames in the captured output
     assert "\r" not in log_a
+
+
+def _check_ema_resume_and_export(a: Path, b: Path, tmp: Path, live: dict[str, torch.Tensor], keys: set[str]) -> None:
+    """The EMA after the resume equals the uninterrupted run's bit for bit; it is not the live
+    weights; tools/export_checkpoint.py --ema writes it, and refuses a checkpoint without one."""
+    from tools.export_checkpoint import export_checkpoint
+
+    ema_keys = {k[len("ema."):] for k in keys if k.startswith("ema.")}
+    assert ema_keys and all(f"model.{n}" in keys for n in ema_keys)
+    ea, eb = _model_tensors(a / "ckpt", 3, ema=True), _model_tensors(b / "ckpt", 3, ema=True)
+    assert ea.keys() == eb.keys() == live.keys()
+    for name in ea:
+        assert torch.equal(ea[name], eb[name]), name
+    averaged = [n for n in ea if ea[n].dtype == torch.float32 and not torch.equal(ea[n], live[n].float())]
+    assert len(averaged) >= len(ema_keys) // 2, "the EMA should lag the live weights"
+    sa = _state(a / "ckpt", 3)
+    assert sa["ema_decay"] == 0.9 and sa["ema_update_interval"] == 3
+
+    info = export_checkpoint(a / "ckpt", "t2i", 3, tmp / "ema_export", form="merged", verify=True, ema=True)
+    assert info["weights"] == "ema" and info["ema_decay"] == 0.9
+    from safetensors.torch import load_file
+
+    written: dict[str, torch.Tensor] = {}
+    for f in (tmp / "ema_export" / "transformer").glob("*.safetensors"):
+        written.update(load_file(f))
+    name = averaged[0]
+    assert torch.equal(written[name], ea[name].to(written[name].dtype))
+    assert not torch.equal(written[name], live[name].to(written[name].dtype))
 
 
 def test_two_nodes_on_loopback(tmp_path, tiny_model_dir):

@@ -7,7 +7,7 @@ import torch
 
 from trainer.engine.base import RolloutEngine, WeightSyncError
 from trainer.engine.native import NativeEngine
-from trainer.models.qwen_image import QwenImageAdapter, dit_velocity, img_shapes_for, select_candidates
+from trainer.models.qwen_image import QwenImageAdapter, dit_velocity, img_shapes_for
 from trainer.sampling import parse_sampling_config
 from trainer.core.checksum import weights_checksum
 from trainer.core.manifest import build_manifest
@@ -46,44 +46,44 @@ def test_engine_satisfies_protocol(engine):
 
 
 def test_response_contents(engine, adapter, sampling):
-    responses = engine.generate(make_requests(adapter, engine, sampling))
-    assert len(responses) == 6
-    r = responses[0]
-    adapter.validate_rollout_response(r)
-    assert r["image"].shape == (3, 64, 64) and r["image"].dtype == torch.float32
-    assert r["image"].device.type == "cpu" and 0.0 <= r["image"].min() and r["image"].max() <= 1.0
+    traj = engine.generate(make_requests(adapter, engine, sampling))
+    assert len(traj) == 6
+    adapter.validate_trajectory(traj)
+    assert traj.images.shape == (6, 3, 64, 64) and traj.images.dtype == torch.float32
+    assert traj.images.device.type == "cpu" and 0.0 <= traj.images.min() and traj.images.max() <= 1.0
     # 64 px / vae factor 4 / patch 2 -> 8 x 8 tokens of 4 * 4 channels
-    assert r["trajectory_latents"].shape == (3, 64, 16) and r["trajectory_latents"].dtype == torch.float32
-    assert r["log_probs"].dtype == torch.float32 and torch.isfinite(r["log_probs"]).all()
-    assert r["sde_indices"] == [1, 2, 4]
+    assert traj.latents.shape == (6, 3, 64, 16) and traj.latents.dtype == torch.float32
+    assert traj.log_probs.dtype == torch.float32 and torch.isfinite(traj.log_probs).all()
+    assert traj.sde_indices == [1, 2, 4]
     sig = engine.sigma_schedule(64, 64, 6)
-    assert r["sigmas"].tolist() == pytest.approx([sig[1], sig[2], sig[4]], abs=0)
-    assert r["sigmas_next"].tolist() == pytest.approx([sig[2], sig[3], sig[5]], abs=0)
-    assert r["timesteps"].tolist() == pytest.approx([1000 * s for s in r["sigmas"].tolist()], rel=1e-6)
+    assert traj.sigmas[0].tolist() == pytest.approx([sig[1], sig[2], sig[4]], abs=0)
+    assert traj.sigmas_next[0].tolist() == pytest.approx([sig[2], sig[3], sig[5]], abs=0)
+    assert traj.timesteps[0].tolist() == pytest.approx([1000 * s for s in traj.sigmas[0].tolist()], rel=1e-6)
     # the recorded "after" of trained step 1 is not the "before" of trained step 2 only because
     # there is nothing in between: steps 1 and 2 are adjacent, so they must chain exactly
-    assert torch.equal(r["trajectory_next_latents"][0], r["trajectory_latents"][1])
+    assert torch.equal(traj.next_latents[0, 0], traj.latents[0, 1])
     # candidates of one prompt differ (distinct sample ids), their conditioning is shared
-    assert not torch.equal(responses[0]["image"], responses[1]["image"])
-    assert torch.equal(responses[0]["prompt_embeds"], responses[1]["prompt_embeds"])
-    assert responses[2]["prompt_embeds"].shape[0] > responses[0]["prompt_embeds"].shape[0]
-    assert r["height"] == 64 and r["width"] == 64 and r["policy_version"] == engine.policy_version
+    assert not torch.equal(traj.images[0], traj.images[1])
+    assert torch.equal(traj.prompt_embeds[0], traj.prompt_embeds[1])
+    mask = traj.prompt_embeds_mask
+    assert mask[2].sum() > mask[0].sum() and mask[0, int(mask[0].sum()):].sum() == 0  # padded after its tokens
+    assert traj.sample_ids == [f"prompt:{g}:sample:{s}" for g in range(3) for s in range(2)]
+    assert traj.height == 64 and traj.width == 64 and (traj.policy_versions == engine.policy_version).all()
 
 
 def test_replay_reproduces_engine_logprob(engine, adapter, sampling, tiny_model_dir):
     """Replay through a separately loaded actor transformer at the same weights == sampler log-prob."""
-    responses = engine.generate(make_requests(adapter, engine, sampling))
-    batch = adapter.pack_trajectory(responses)
+    batch = engine.generate(make_requests(adapter, engine, sampling))
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     with torch.no_grad():
-        for col in range(len(batch["sde_indices"])):
+        for col in range(batch.num_steps):
             full = adapter.replay_transition(actor, batch, col, sampling)
             assert full.dtype == torch.float32 and full.shape == (6,)
-            torch.testing.assert_close(full, batch["log_probs"][:, col], atol=1e-5, rtol=0)
+            torch.testing.assert_close(full, batch.log_probs[:, col], atol=1e-5, rtol=0)
             # micro-batches of 1 and of an uneven split reproduce it too
-            parts = [adapter.replay_transition(actor, select_candidates(batch, idx), col, sampling)
+            parts = [adapter.replay_transition(actor, batch[idx], col, sampling)
                      for idx in ([0], [1, 2, 3], slice(4, 6))]
-            torch.testing.assert_close(torch.cat(parts), batch["log_probs"][:, col], atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.cat(parts), batch.log_probs[:, col], atol=1e-5, rtol=0)
 
 
 def test_replay_all_columns_in_one_forward(engine, adapter, sampling, tiny_model_dir):
@@ -92,16 +92,15 @@ def test_replay_all_columns_in_one_forward(engine, adapter, sampling, tiny_model
     replay_fn takes that path."""
     from trainer.loop import make_replay_fn
 
-    responses = engine.generate(make_requests(adapter, engine, sampling))
-    batch = adapter.pack_trajectory(responses)
+    batch = engine.generate(make_requests(adapter, engine, sampling))
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
-    n_cols = len(batch["sde_indices"])
+    n_cols = batch.num_steps
     assert n_cols >= 2
     one = adapter.replay_transitions(actor, batch, sampling)
     per_col = torch.stack([adapter.replay_transition(actor, batch, c, sampling) for c in range(n_cols)], 1)
     assert one.shape == (6, n_cols) and one.dtype == torch.float32
     torch.testing.assert_close(one.detach(), per_col.detach(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(one.detach(), batch["log_probs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(one.detach(), batch.log_probs, atol=1e-5, rtol=0)
     # a weighted loss gives the same gradient through either path
     w = torch.linspace(0.5, 2.0, one.numel()).view_as(one)
     (one * w).sum().backward()
@@ -113,7 +112,7 @@ def test_replay_all_columns_in_one_forward(engine, adapter, sampling, tiny_model
             torch.testing.assert_close(g_one[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
     # and a micro-batch slice through the loop's replay_fn (which uses it) still matches
     with torch.no_grad():
-        rows = select_candidates(batch, [1, 2, 3])
+        rows = batch[[1, 2, 3]]
         torch.testing.assert_close(make_replay_fn(adapter, sampling)(actor, rows),
                                    make_replay_fn(adapter, sampling, one_forward=False)(actor, rows), atol=1e-6, rtol=0)
 
@@ -122,12 +121,11 @@ def test_replay_through_peft_wrapped_transformer(engine, adapter, sampling, tiny
     """A freshly injected LoRA (B = 0) leaves the function unchanged: replay still matches."""
     from peft import LoraConfig
 
-    responses = engine.generate(make_requests(adapter, engine, sampling, prompts=PROMPTS[:2]))
-    batch = adapter.pack_trajectory(responses)
+    batch = engine.generate(make_requests(adapter, engine, sampling, prompts=PROMPTS[:2]))
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     actor.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(adapter.lora_target_modules)))
     logp = adapter.replay_transition(actor, batch, 1, sampling)
-    torch.testing.assert_close(logp.detach(), batch["log_probs"][:, 1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp.detach(), batch.log_probs[:, 1], atol=1e-5, rtol=0)
     logp.sum().backward()  # differentiable through the adapter
     # lora_B gets a gradient everywhere except the last block's text queries and text output
     # projection, whose text-stream outputs Qwen-Image discards
@@ -145,20 +143,20 @@ def test_candidate_alone_equals_candidate_in_mixed_batch(tiny_model_dir, adapter
     batch_engine = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, max_batch_size=8)
     reqs = make_requests(adapter, alone_engine, sampling)
     target = 3  # prompt 1 (the long one), slot 1
-    alone = alone_engine.generate([reqs[target]])[0]
+    alone = alone_engine.generate([reqs[target]])
     mixed = batch_engine.generate(list(reversed(reqs)))[len(reqs) - 1 - target]
-    assert mixed["sample_id"] == alone["sample_id"]
+    assert mixed.sample_ids == alone.sample_ids
     assert batch_engine.last_stats["dit_forwards"] == sampling.num_inference_steps  # one chunk of 6
-    diffs = {k: (alone[k].float() - mixed[k].float()).abs().max().item()
-             for k in ("trajectory_latents", "trajectory_next_latents", "log_probs", "image")}
-    assert diffs["trajectory_latents"] <= 1e-5, diffs
-    assert diffs["trajectory_next_latents"] <= 1e-5, diffs
+    diffs = {k: (getattr(alone, k).float() - getattr(mixed, k).float()).abs().max().item()
+             for k in ("latents", "next_latents", "log_probs", "images")}
+    assert diffs["latents"] <= 1e-5, diffs
+    assert diffs["next_latents"] <= 1e-5, diffs
     assert diffs["log_probs"] <= 1e-5, diffs
-    assert diffs["image"] <= 1e-4, diffs
+    assert diffs["images"] <= 1e-4, diffs
     # and the same call twice is bit-identical
     again = batch_engine.generate(list(reversed(reqs)))[len(reqs) - 1 - target]
-    assert torch.equal(again["trajectory_next_latents"], mixed["trajectory_next_latents"])
-    assert torch.equal(again["image"], mixed["image"])
+    assert torch.equal(again.next_latents, mixed.next_latents)
+    assert torch.equal(again.images, mixed.images)
 
 
 def test_prompts_encoded_once_and_batched(engine, adapter, sampling, monkeypatch):
@@ -183,15 +181,15 @@ def test_cfg_and_empty_trained_steps_fail_clearly(engine, adapter, sampling):
     sigmas = engine.sigma_schedule(64, 64, 6)
     kwargs = dict(group_index=0, slot=0, sample_id="s", sigmas=sigmas, generation_seed=1)
     cfg = parse_sampling_config(SAMPLING)
-    cfg.guidance_scale = 3.0  # bypasses the parser on purpose: the adapter must still refuse
-    with pytest.raises(ValueError, match="guidance_scale is 3.0, but must be 1.0"):
+    cfg.guidance_scale = 0.5  # bypasses the parser on purpose: the adapter must still refuse
+    with pytest.raises(ValueError, match="guidance_scale is 0.5, but must be a number >= 1.0"):
         adapter.build_rollout_request("p", sampling=cfg, sde_indices=[1], **kwargs)
     with pytest.raises(ValueError, match="trained SDE step set is empty"):
         adapter.build_rollout_request("p", sampling=sampling, sde_indices=[], **kwargs)
     with pytest.raises(ValueError, match="step 0 under sde_type 'sde'"):
         adapter.build_rollout_request("p", sampling=sampling, sde_indices=[0, 2], **kwargs)
     req = adapter.build_rollout_request("p", sampling=sampling, sde_indices=[1], **kwargs)
-    req.guidance_scale = 2.0
+    req.guidance_scale = 0.5
     with pytest.raises(ValueError, match="guidance_scale"):
         engine.generate([req])
     req.guidance_scale, req.sde_indices = 1.0, []
@@ -199,13 +197,67 @@ def test_cfg_and_empty_trained_steps_fail_clearly(engine, adapter, sampling):
         engine.generate([req])
 
 
-def test_validate_rollout_response_names_missing_keys(engine, adapter, sampling):
-    r = engine.generate(make_requests(adapter, engine, sampling, prompts=["x"], group_size=1))[0]
-    for key in ("trajectory_latents", "timesteps", "sde_indices", "height", "width"):
-        broken = dict(r)
-        del broken[key]
-        with pytest.raises(ValueError, match=key):
-            adapter.validate_rollout_response(broken)
+@pytest.mark.parametrize("renorm", [True, False])
+def test_true_cfg_rollout_replays_to_the_sampler_logprob(engine, adapter, tiny_model_dir, tmp_path, renorm):
+    """guidance_scale 4: both rows of a candidate in one forward; the trajectory carries the
+    negative prompt's conditioning; the replay (per column, all columns, a sidecar round trip)
+    reproduces the sampler's log-prob, and gradients flow; the guidance changes the policy."""
+    import dataclasses
+
+    from trainer import artifacts
+
+    cfg = parse_sampling_config({**SAMPLING, "guidance_scale": 4.0, "cfg_renorm": renorm})
+    sizes = []
+    handle = engine.transformer.register_forward_pre_hook(
+        lambda mod, args, kwargs: sizes.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+    try:
+        batch = engine.generate(make_requests(adapter, engine, cfg, prompts=PROMPTS[:2]))
+    finally:
+        handle.remove()
+    assert sizes == [8] * cfg.num_inference_steps  # 4 candidates, conditional + unconditional rows, one forward
+    assert batch.guided and batch.negative_prompt == " " and batch.cfg_renorm is renorm
+    neg = batch.conditions["negative_prompt_embeds"]
+    assert neg.shape[0] == 4 and torch.equal(neg[0], neg[3])  # one negative prompt, encoded once
+    actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    one = adapter.replay_transitions(actor, batch, cfg)
+    torch.testing.assert_close(one.detach(), batch.log_probs, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        per_col = torch.stack([adapter.replay_transition(actor, batch, c, cfg) for c in range(batch.num_steps)], 1)
+        torch.testing.assert_close(per_col, batch.log_probs, atol=1e-5, rtol=0)
+        # the replay uses the guidance the trajectory was sampled at: without it, another policy
+        unguided = adapter.replay_transitions(actor, dataclasses.replace(batch, guidance_scale=1.0), cfg)
+        assert (unguided - batch.log_probs).abs().max() > 10 * 1e-5  # well above the replay tolerance
+    one.sum().backward()
+    assert sum(float(p.grad.abs().sum()) for p in actor.parameters() if p.grad is not None) > 0
+    path = artifacts.write_group_sidecar(tmp_path / "g.safetensors", batch[batch.rows_of_group(1)], task="t2i",
+                                         rollout_id=0, sampling=cfg)
+    back = artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(path))
+    assert (back.guidance_scale, back.negative_prompt, back.cfg_renorm) == (4.0, " ", renorm)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.replay_transitions(actor, back, cfg), batch.log_probs[2:], atol=1e-5,
+                                   rtol=0)
+
+
+def test_validate_trajectory_names_the_bad_field(engine, adapter, sampling):
+    import dataclasses
+
+    traj = engine.generate(make_requests(adapter, engine, sampling, prompts=["x"], group_size=2))
+    adapter.validate_trajectory(traj)
+    broken = {"latents": traj.latents[:, :2], "timesteps": traj.timesteps[:1], "sde_indices": [],
+              "height": 32, "prompts": ["only one"]}
+    for key, value in broken.items():
+        with pytest.raises(ValueError, match=key if key != "height" else "height x width"):
+            adapter.validate_trajectory(dataclasses.replace(traj, **{key: value}))
+    with pytest.raises(ValueError, match="prompt_embeds_mask"):
+        adapter.validate_trajectory(dataclasses.replace(traj, conditions={"prompt_embeds": traj.prompt_embeds}))
+
+
+def test_one_generate_call_samples_one_geometry(engine, adapter, sampling):
+    other = parse_sampling_config({**SAMPLING, "sde_indices": [1, 3]})
+    reqs = make_requests(adapter, engine, sampling, prompts=["x"], group_size=1) + \
+        make_requests(adapter, engine, other, prompts=["y"], group_size=1)
+    with pytest.raises(ValueError, match="differ in geometry.*once per geometry"):
+        engine.generate(reqs)
 
 
 def _dit_out(model, seed=0):
@@ -295,7 +347,7 @@ def test_lora_tensors(tiny_model_dir, adapter, sampling):
         eng.update_weights_from_tensors(base, build_manifest("full", base, 3))
     # and it samples with the adapter
     out = eng.generate(make_requests(adapter, eng, sampling, prompts=["x"], group_size=1))
-    assert torch.isfinite(out[0]["log_probs"]).all()
+    assert torch.isfinite(out.log_probs).all()
 
 
 def test_release_and_resume_memory_on_cpu(tiny_model_dir, adapter, sampling):
@@ -312,7 +364,7 @@ def test_release_and_resume_memory_on_cpu(tiny_model_dir, adapter, sampling):
         eng.generate(reqs)
     eng.resume_memory()
     assert all(eng.memory_state().values())
-    assert torch.isfinite(eng.generate(reqs)[0]["image"]).all()
+    assert torch.isfinite(eng.generate(reqs).images).all()
     with pytest.raises(ValueError, match="unknown memory tag"):
         eng.release_memory(("optimizer",))
 
@@ -323,17 +375,16 @@ def test_bf16_rollout_replays_in_bf16_and_fp32(tiny_model_dir, adapter):
     timestep rounded through bf16 as the sampler did) and lands close."""
     cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32})
     eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.bfloat16)
-    responses = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=1))
-    batch = adapter.pack_trajectory(responses)
-    assert batch["latents"].dtype == torch.bfloat16 and batch["prompt_embeds"].dtype == torch.bfloat16
-    assert batch["log_probs"].dtype == torch.float32
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=1))
+    assert batch.latents.dtype == torch.bfloat16 and batch.prompt_embeds.dtype == torch.bfloat16
+    assert batch.log_probs.dtype == torch.float32
     with torch.no_grad():
         bf16 = adapter.replay_transition(adapter.load_train_model(str(tiny_model_dir), dtype=torch.bfloat16),
                                          batch, 1, cfg)
         fp32 = adapter.replay_transition(adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32),
                                          batch, 1, cfg)
-    torch.testing.assert_close(bf16, batch["log_probs"][:, 1], atol=1e-5, rtol=0)
-    assert 0 < (fp32 - batch["log_probs"][:, 1]).abs().max() < 5e-3  # measured ~1e-4..6e-4
+    torch.testing.assert_close(bf16, batch.log_probs[:, 1], atol=1e-5, rtol=0)
+    assert 0 < (fp32 - batch.log_probs[:, 1]).abs().max() < 5e-3  # measured ~1e-4..6e-4
 
 
 def test_weight_syncer_round_trip(tiny_model_dir, adapter):
@@ -368,11 +419,11 @@ def test_dance_sde_replays(tiny_model_dir, adapter):
     cfg = parse_sampling_config({"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.5,
                                  "sde_type": "dance", "sde_indices": [0, 2]})
     eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
-    batch = adapter.pack_trajectory(eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)))
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2))
     with torch.no_grad():
         for col in range(2):
             torch.testing.assert_close(adapter.replay_transition(eng.transformer, batch, col, cfg),
-                                       batch["log_probs"][:, col], atol=1e-5, rtol=0)
+                                       batch.log_probs[:, col], atol=1e-5, rtol=0)
 
 
 def test_weight_index_is_kept_while_the_dit_structure_holds(tiny_model_dir, adapter):
@@ -430,3 +481,68 @@ def test_the_qwen_image_adapter_implements_the_whole_protocol():
     members = [m for m in vars(GenerativeModelAdapter) if not m.startswith("_")]
     members += list(GenerativeModelAdapter.__annotations__)
     assert [m for m in members if not hasattr(QwenImageAdapter(), m)] == []
+
+
+def test_true_cfg_update_starts_at_ratio_one_and_trains_every_parameter(tiny_model_dir, adapter):
+    """The actor's update on a CFG rollout, through the loop's replay_fn: the first update's
+    ratio is exactly 1 (its own two-row forward is pi_old), the loss is finite, every trainable
+    parameter changes and the frozen ones do not."""
+    from tests.dist.tiny import full_params, make_cfg, one_rank_mesh
+    from trainer.actor import Actor
+    from trainer.core.names import model_name
+    from trainer.loop import make_replay_fn
+
+    cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32, "guidance_scale": 3.0})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)).without_images()
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        actor = Actor.from_adapter(adapter, str(tiny_model_dir), mesh, make_cfg("full", optim__lr=1e-3),
+                                   device=torch.device("cpu"))
+        before = full_params(actor.model)
+        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter, cfg))
+        after = full_params(actor.model)
+        first = actor.last_update_stats[0]
+        assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+        assert m["train/optimizer_steps"] >= 1 and torch.isfinite(torch.tensor(m["train/loss"]))
+        trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+        assert trainable and all(not torch.equal(before[n], after[n]) for n in trainable)
+        assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+    finally:
+        next(gen, None)
+
+
+def test_kl_to_the_reference_is_zero_until_the_adapter_moves(tiny_model_dir, adapter):
+    """--use-kl-loss on a LoRA actor: the reference is the base (adapter disabled). Before any
+    optimizer step the adapter is zero, so the KL is exactly 0; after one it is > 0; the loss
+    carries it, and the frozen LoRA tensors stay frozen through the reference forward."""
+    from tests.dist.tiny import make_cfg, one_rank_mesh
+    from trainer.actor import Actor, lora_disabled
+    from trainer.loop import make_replay_fn
+
+    cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32})
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)).without_images()
+    replay_fn = make_replay_fn(adapter, cfg)
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        actor = Actor.from_adapter(adapter, str(tiny_model_dir), mesh,
+                                   make_cfg("lora", optim__lr=1e-2, fsdp__fsdp_master_dtype="fp32",
+                                            grpo__num_updates_per_batch=2, grpo__kl_coef=0.5, grpo__use_kl_loss=True),
+                                   device=torch.device("cpu"))
+        frozen = {n for n, p in actor.model.named_parameters() if not p.requires_grad}
+        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), replay_fn)
+        first, second = actor.last_update_stats
+        assert first["kl_ref_max"].item() == 0.0 and first["ratio_max"].item() == 1.0
+        assert second["kl_ref_max"].item() > 0.0
+        assert 0.0 < m["train/kl_ref"] and m["train/approx_kl"] >= 0.0
+        assert {n for n, p in actor.model.named_parameters() if not p.requires_grad} == frozen
+        with torch.no_grad():  # the context restores the adapter: the policy differs from its reference again
+            with lora_disabled(actor.model):
+                ref = replay_fn(actor.model, batch)
+            live = replay_fn(actor.model, batch)
+        assert (ref - live).abs().max() > 0
+    finally:
+        next(gen, None)

@@ -29,7 +29,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.workers.fs_faults import read_only
+from tests.workers import kill_during_save
+from tests.workers.fs_faults import failing_shard_writes, read_only
 from tests.workers.launch import ROOT, free_port
 from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
 from trainer import checkpoint as ck
@@ -294,9 +295,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # an unreaped zombie has exited
 
 
-def _torchrun(tmp: Path, model_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+def _torchrun(tmp: Path, model_dir: Path, *args: str, env: dict | None = None,
+              module: str = "trainer.train") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "trainer.train", "--config", str(_recipe(tmp, model_dir)),
+           "--master-port", str(free_port()), "-m", module, "--config", str(_recipe(tmp, model_dir)),
            *_outputs(tmp), "--save-interval", "1", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -355,7 +357,8 @@ def test_kill_9_at_each_point_of_a_save_resumes_from_the_last_commit(tmp_path, t
     for point, it, rank, committed in (("shards", 1, 1, [0]), ("sidecars", 2, 0, [0, 1]),
                                        ("committed", 3, 0, [0, 1, 2, 3])):
         proc = _torchrun(tmp_path, tiny_model_dir, "--num-rollout", "5", *resume,
-                         env={ck.KILL_AT_ENV: f"{point}:{it}:{rank}"})
+                         env={kill_during_save.KILL_AT_ENV: f"{point}:{it}:{rank}"},
+                         module="tests.workers.kill_during_save")
         out = proc.communicate(timeout=240)[0]
         assert proc.returncode != 0, f"the kill at {point} did not take the job down:\n{out[-3000:]}"
         assert ck.committed_iterations(save, "t2i") == committed, point
@@ -425,8 +428,10 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
 
 def test_rotation_never_leaves_fewer_than_n_committed(tmp_path):
     model, opt = _tiny_checkpoint(tmp_path, 1)
-    failed = ck.save_checkpoint(tmp_path, "t2i", 2, model=model, optimizer=opt, trainer_state={}, weight_sync_manifest={},
-                                adapter_contract={"mode": "full"}, trainable_only=False, max_to_keep=1, fail_rank=0)
+    with failing_shard_writes():
+        failed = ck.save_checkpoint(tmp_path, "t2i", 2, model=model, optimizer=opt, trainer_state={},
+                                    weight_sync_manifest={}, adapter_contract={"mode": "full"}, trainable_only=False,
+                                    max_to_keep=1)
     assert failed is False and ck.committed_iterations(tmp_path, "t2i") == [1]
     assert ck.save_checkpoint(tmp_path, "t2i", 2, model=model, optimizer=opt, trainer_state={}, weight_sync_manifest={},
                               adapter_contract={"mode": "full"}, trainable_only=False, max_to_keep=1)

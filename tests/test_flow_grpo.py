@@ -319,3 +319,17 @@ def test_trajectory_sampled_with_seeds_replays_exactly_in_microbatches():
     # a candidate regenerated alone (another batch composition) starts from the same x_T
     alone = sp.initial_noise((16, 8), 1234, ids[2])
     assert torch.equal(alone, x_T[2]) and not torch.equal(alone, x_T[1])
+
+
+def test_transition_kl_is_the_closed_form_of_equal_std_gaussians():
+    from trainer.flow_grpo import transition_kl
+
+    g = torch.Generator().manual_seed(0)
+    mean, ref = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    std = torch.tensor([0.5, 1.0, 2.0]).view(3, 1, 1)
+    want = ((mean - ref) ** 2 / (2 * std ** 2)).mean(dim=(1, 2))
+    torch.testing.assert_close(transition_kl(mean, ref, std), want, rtol=1e-6, atol=0)
+    assert torch.equal(transition_kl(mean, mean.clone(), std), torch.zeros(3))
+    mean.requires_grad_(True)
+    transition_kl(mean, ref, std).sum().backward()
+    assert mean.grad is not None and mean.grad.abs().sum() > 0

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: lowest first; a module belongs to the first entry that names it or a package above it
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("trainer.core", "trainer.dotpath", "trainer.host_arena", "trainer.lr_schedule",
-              "trainer.distributed", "trainer.checkpoint_index", "trainer.metrics")),
-    ("vocabulary", ("trainer.config", "trainer.sampling", "trainer.flow_grpo")),
+              "trainer.distributed", "trainer.checkpoint_index", "trainer.metrics", "trainer.ema")),
+    ("vocabulary", ("trainer.config", "trainer.sampling", "trainer.flow_grpo", "trainer.trajectory")),
     ("contracts", ("trainer.models.base", "trainer.engine.base", "trainer.rewards.base", "trainer.data",
                    "trainer.artifacts")),
     ("families", ("trainer.models", "trainer.rewards")),

@@ -1,5 +1,5 @@
 """Advantages from raw rewards: normalisation modes, weights, failed groups, degenerate batches,
-the reward/* metrics; the manager's runtimes, batching and cache; gather across ranks."""
+the reward/* metrics; the manager's runtimes and batching, its scorer built once; gather across ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from trainer.rewards.base import RewardError
 from trainer.rewards.color import color_palette
-from trainer.rewards.manager import RewardManager, clear_reward_manager_cache, get_reward_manager
+from trainer.rewards.manager import RewardManager
 from trainer.rewards.post_process import (
     compute_advantages,
     post_process,
@@ -132,36 +132,32 @@ class ProbeScorer:
 PROBE = f"{__name__}.ProbeScorer"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    clear_reward_manager_cache()
-    yield
-    clear_reward_manager_cache()
-
-
-def test_cpu_runtime_hides_cuda_colocate_uses_engine_device(monkeypatch):
+def test_the_runtime_picks_the_device_the_scorer_is_built_on(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend a GPU is present
     cpu = RewardManager("cpu", PROBE, device="cuda:3")
     cpu.score(torch.rand(2, 3, 4, 4), ["a", "b"])
-    assert cpu.scorer.device == "cpu" and cpu.scorer.cuda_at_init is False and cpu.scorer.calls[0][1] is False
-    assert torch.cuda.is_available() is True  # restored after scoring
+    assert cpu.device == "cpu" and cpu.scorer.device == "cpu"  # cpu ignores the engine's device
+    # the device is the constructor's argument only: the manager patches nothing process-wide
+    assert cpu.scorer.cuda_at_init is True and cpu.scorer.calls[0][1] is True
+    assert torch.cuda.is_available() is True
     colo = RewardManager("colocate", PROBE, device="cuda:3")
     colo.score(torch.rand(2, 3, 4, 4), ["a", "b"])
-    assert colo.scorer.device == "cuda:3" and colo.scorer.cuda_at_init is True and colo.scorer.calls[0][1] is True
+    assert colo.device == "cuda:3" and colo.scorer.device == "cuda:3"
+    assert colo.scorer.cuda_at_init is True and colo.scorer.calls[0][1] is True
 
 
-def test_manager_batches_in_order_and_is_cached():
+def test_manager_builds_its_scorer_once_and_batches_in_order():
     ProbeScorer.built = 0
-    m = get_reward_manager("cpu", PROBE, "/m", device="cuda:0", batch_size=3)
-    assert get_reward_manager("cpu", PROBE, "/m", device="cuda:1") is m  # cpu ignores the device
-    assert get_reward_manager("colocate", PROBE, "/m", device="cuda:0") is not m
-    assert get_reward_manager("cpu", PROBE, "/other") is not m
-    assert ProbeScorer.built == 3
+    m = RewardManager("cpu", PROBE, "/m", device="cuda:0", batch_size=3)
+    assert ProbeScorer.built == 1 and m.scorer.model_path == "/m"
     images = torch.stack([torch.full((3, 2, 2), i / 10) for i in range(7)])
     out = m.score(images, [str(i) for i in range(7)])
     assert [n for n, _ in m.scorer.calls] == [3, 3, 1]
     torch.testing.assert_close(out.components["probe"], torch.round(torch.arange(7) / 10 * 255) / 255)
     assert out.num_samples == 7 and out.score_time > 0
+    m.score(images[:2], ["a", "b"])
+    assert ProbeScorer.built == 1  # scoring builds nothing: every call goes to the scorer built with m
+    assert [n for n, _ in m.scorer.calls] == [3, 3, 1, 2]
     with pytest.raises(ValueError, match="--reward-runtime"):
         RewardManager("dedicated", PROBE)
     with pytest.raises(ValueError, match="--reward-scorer-path"):
@@ -182,8 +178,8 @@ def test_post_process_end_to_end_with_color_scorer():
             prompts.append(prompt)
     images += [torch.full((3, 8, 8), 0.5)] * 3
     prompts += ["a cube"] * 3  # names no colour: NaN, the group fails
-    manager = get_reward_manager("cpu", "trainer.rewards.color.ColorScorer", batch_size=4)
-    assert get_reward_manager("cpu", "color") is manager  # short names resolve to the same entry
+    manager = RewardManager("cpu", "trainer.rewards.color.ColorScorer", batch_size=4)
+    assert RewardManager("cpu", "color").scorer_path == manager.scorer_path  # short names resolve to the dotpath
     res = post_process(torch.stack(images), prompts, group_size=3, manager=manager,
                        required_components=["color"], component_weights={"color": 1.0})
     assert res.failed_groups == [2] and res.valid.sum() == 6
@@ -201,6 +197,9 @@ def test_post_process_end_to_end_with_color_scorer():
     res_cfg = post_process_from_config(cfg, torch.stack(images), prompts)
     raw = res.components["color"].view(3, 3)[:2]
     torch.testing.assert_close(res_cfg.advantages.view(3, 3)[:2], raw - raw.mean(dim=1, keepdim=True))
+    # the manager one holds scores the same
+    held = post_process_from_config(cfg, torch.stack(images), prompts, manager=manager)
+    torch.testing.assert_close(held.advantages, res_cfg.advantages)
 
 
 # --- gather across ranks -------------------------------------------------------------------------
@@ -244,3 +243,49 @@ def test_gather_scores_two_ranks(tmp_path):
     assert r0["failed"] == r1["failed"] == [1]
     assert torch.equal(r0["adv"], r1["adv"])  # every rank computes the same advantages
     assert "scored by" in torch.load(tmp_path / "err0.pt")
+
+
+def test_adv_clip_max_clamps_after_normalisation_and_counts():
+    """One outlier in a group of 8 normalises to sqrt(7) ~ 2.65 (the others to -1/sqrt(7)):
+    a clamp at 1.5 clips exactly that one candidate of each group; 0 leaves everything alone."""
+    r = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -3.0])
+    off = compute_advantages({"r": r}, 8, std_mode="group")
+    assert "reward/adv_clipped_fraction" not in off.metrics
+    assert off.advantages.max().item() == pytest.approx(math.sqrt(7), rel=1e-5)
+    on = compute_advantages({"r": r}, 8, std_mode="group", adv_clip_max=1.5)
+    assert on.advantages.max().item() == 1.5 and on.advantages.min().item() == -1.5
+    assert on.metrics["reward/adv_clipped_fraction"] == pytest.approx(2 / 16)
+    inside = off.advantages.abs() <= 1.5
+    assert torch.equal(on.advantages[inside], off.advantages[inside])
+    assert on.metrics["reward/advantage_mean"] != off.metrics["reward/advantage_mean"]
+    # a failed group stays 0 and out of the share
+    nan = r.clone()
+    nan[8] = float("nan")
+    part = compute_advantages({"r": nan}, 8, std_mode="group", adv_clip_max=1.5)
+    assert part.metrics["reward/adv_clipped_fraction"] == pytest.approx(1 / 8)
+    assert torch.equal(part.advantages[8:], torch.zeros(8))
+    with pytest.raises(ValueError, match="--adv-clip-max"):
+        compute_advantages({"r": r}, 8, adv_clip_max=-1.0)
+
+
+def test_adv_clip_max_flag_reaches_post_process_and_preflight():
+    from trainer.config import load_config
+    from trainer.preflight import PreflightError, validate
+
+    assert load_config([]).grpo.adv_clip_max == 0.0
+    assert load_config(["--adv-clip-max", "5"]).grpo.adv_clip_max == 5.0
+    cfg = SimpleNamespace(reward=SimpleNamespace(), rollout=SimpleNamespace(n_samples_per_prompt=8),
+                          grpo=SimpleNamespace(generative_advantage_std_mode=None,
+                                               disable_grpo_std_normalization=False, adv_clip_max=1.5))
+    r = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 0])
+
+    class Manager:
+        def score(self, images, prompts, metadata, batch_size=None):
+            return SimpleNamespace(components={"r": r}, score_time=None)
+
+    res = post_process_from_config(cfg, [None] * 8, ["p"] * 8, manager=Manager())
+    assert res.advantages.max().item() == 1.5
+    for value, refused in (("-1", True), ("5", False)):
+        with pytest.raises(PreflightError) as exc:  # the bare config has other problems too
+            validate(load_config(["--adv-clip-max", value]), 1, torchrun=False)
+        assert any(p.startswith("--adv-clip-max") for p in exc.value.problems) is refused

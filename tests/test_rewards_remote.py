@@ -229,8 +229,8 @@ def test_score_tool_takes_a_groups_prompt_from_its_sidecar(tmp_path):
     for g in (0, 1):
         Image.new("RGB", (8, 8), tuple(int(255 * v) for v in pal["blue"])).save(art / f"group_{g:08d}_sample_0000.png")
     group = fake_group(0)
-    for r in group:
-        r["prompt"], r["metadata"] = "a blue ball", {"origin": "sidecar"}
+    group.prompts[:] = ["a blue ball"] * len(group)
+    group.metadata[:] = [{"origin": "sidecar"}] * len(group)
     artifacts.write_group_sidecar(art / "group_00000000.safetensors", group, task="t2i", rollout_id=7,
                                   sampling=SAMPLING)
     rows = run_score(["--reward-scorer-path", "color", "--images", str(art), "--prompt-data", str(prompt_file)])

@@ -59,6 +59,7 @@ def run(engine, root, rollout_id, **kw):
 def test_rollout_writes_artifacts_and_returns_replayable_batch(engine, tmp_path, tiny_model_dir):
     from trainer.models.qwen_image import QwenImageAdapter
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
+    from trainer.trajectory import Trajectory
 
     out = run(engine, tmp_path, 4)
     sampling = parse_sampling_config(SAMPLING)
@@ -68,28 +69,33 @@ def test_rollout_writes_artifacts_and_returns_replayable_batch(engine, tmp_path,
     assert sorted(p.name for p in d.iterdir()) == sorted(
         [f"group_{g:08d}.safetensors" for g in range(3)]
         + [f"group_{g:08d}_sample_{s:04d}.png" for g in range(3) for s in range(2)])
-    assert [(r["group_index"], r["slot"]) for r in out.responses] == [(g, s) for g in range(3) for s in range(2)]
-    assert out.responses[0]["sample_id"] == "prompt:p0:sample:0"
-    manifest = out.responses[0]["train_metadata"]
+    traj = out.trajectory
+    assert list(zip(traj.group_indices.tolist(), traj.slots.tolist())) == [(g, s) for g in range(3) for s in range(2)]
+    assert traj.sample_ids[0] == "prompt:p0:sample:0" and traj.rollout_id == 4
+    manifest = traj.train_metadata[0]
     assert manifest["sampling_fingerprint"] == sampling.fingerprint() and manifest["weight_manifest_hash"] == "h0"
 
     # each sidecar holds exactly its group's tracks
     for g in range(3):
         tensors, meta = artifacts.read_sidecar(d / f"group_{g:08d}.safetensors")
         assert json.loads(meta["sample_ids"]) == [f"prompt:p{g}:sample:{s}" for s in range(2)]
-        back = artifacts.sidecar_to_responses(tensors, meta)
-        for r in back:
-            mine = out.responses[2 * g + r["slot"]]
-            assert torch.equal(r["trajectory_latents"], mine["trajectory_latents"])
-            assert torch.equal(r["log_probs"], mine["log_probs"])
+        back = artifacts.sidecar_to_trajectory(tensors, meta)
+        mine = traj[traj.rows_of_group(g)]
+        assert torch.equal(back.latents, mine.latents)
+        assert torch.equal(back.log_probs, mine.log_probs)
 
     # the returned batch replays to the sampler's log-probs
     adapter = QwenImageAdapter()
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     with torch.no_grad():
         for col in range(len(out.sde_indices)):
-            torch.testing.assert_close(adapter.replay_transition(actor, out.batch, col, sampling),
-                                       out.batch["log_probs"][:, col], atol=1e-5, rtol=0)
+            torch.testing.assert_close(adapter.replay_transition(actor, traj, col, sampling),
+                                       traj.log_probs[:, col], atol=1e-5, rtol=0)
+            # and so does what the sidecars stored, padded back into one batch
+            stored = Trajectory.cat([artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(p))
+                                     for p in artifacts.iter_sidecars(d)])
+            torch.testing.assert_close(adapter.replay_transition(actor, stored, col, sampling),
+                                       traj.log_probs[:, col], atol=1e-5, rtol=0)
 
 
 def test_retention_eval_and_resample(engine, tmp_path):
@@ -160,7 +166,7 @@ def main(model_dir: str, root: str) -> None:
     info = init_distributed("cpu")
     engine = NativeEngine(model_dir, device="cpu", dtype=torch.float32, max_batch_size=4)
     out = run(engine, root, 7)
-    assert len(out.batch["sample_ids"]) == 3
+    assert len(out.trajectory) == 3
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, out.candidates)
 
@@ -179,8 +185,8 @@ def main(model_dir: str, root: str) -> None:
     fully_shard(actor, mesh=mesh)
     with torch.no_grad():
         for col in range(len(out.sde_indices)):
-            logp = adapter.replay_transition(actor, out.batch, col, parse_sampling_config(SAMPLING))
-            err = (logp - out.batch["log_probs"][:, col]).abs().max().item()
+            logp = adapter.replay_transition(actor, out.trajectory, col, parse_sampling_config(SAMPLING))
+            err = (logp - out.trajectory.log_probs[:, col]).abs().max().item()
             assert err <= 1e-5, f"rank {info.rank}: FSDP2 replay of column {col} differs by {err}"
     if info.rank == 0:
         with open(f"{root}/ranks.json", "w") as f:

@@ -107,7 +107,7 @@ def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir, capsys):
 
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     base = ["--model-path", str(tiny_model_dir), "--prompt-data", str(prompts), "--output", str(tmp_path / "o")]
-    fails(base + ["--sampling-config", json.dumps({"guidance_scale": 4.0, "sde_indices": [1]})], "guidance_scale")
+    fails(base + ["--sampling-config", json.dumps({"guidance_scale": 0.5, "sde_indices": [1]})], "guidance_scale")
     fails(base + ["--sampling-config", SMALL, "--lora", str(tmp_path / "missing")], "argument --lora: .*missing")
     # an adapter directory whose files are damaged: the error names the file
     broken = tmp_path / "broken_lora"

@@ -39,8 +39,10 @@ def test_defaults_match_reference_table():
     assert c.init_noise_latent_shape is None and c.sample_id_mode == "metadata"
     assert c.sde_resample_per_rollout is False and c.sde_pool is None and c.sde_indices is None
     assert c.num_sde_steps == 0 and c.sde_timestep_fraction == [0.0, 1.0]
+    assert c.sde_window_size == 0 and c.sde_window_range is None
     assert set(c.to_dict()) == {f.name for f in dataclasses.fields(sp.SamplingConfig)}
-    assert len(c.to_dict()) == 16
+    assert len(c.to_dict()) == 20
+    assert c.negative_prompt == " " and c.cfg_renorm is True  # used only when guidance_scale > 1
     assert sp.parse_sampling_config({}) == c == sp.parse_sampling_config("{}")
 
 
@@ -48,8 +50,16 @@ def test_parse_dict_and_json_string_and_fingerprint():
     a = sp.parse_sampling_config(RECIPE)
     b = sp.parse_sampling_config(json.dumps(dict(reversed(list(RECIPE.items())))))
     assert a == b and a.sde_pool == [1, 2, 3, 4, 5] and a.sde_resample_per_rollout
-    blob = json.dumps(a.to_dict(), sort_keys=True, separators=(",", ":"))
+    # the keys added later are left out at their defaults: older artifacts keep their fingerprint
+    d = {k: v for k, v in a.to_dict().items()
+         if k not in ("sde_window_size", "sde_window_range", "negative_prompt", "cfg_renorm")}
+    blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
     assert a.fingerprint() == hashlib.sha256(blob.encode()).hexdigest() == b.fingerprint()
+    assert sp.parse_sampling_config(None).fingerprint() == (
+        "c6f8fc22625e30aa2aad8660f50251a7447bf9d92b92b9e1972018c717a67a55")
+    windowed = {"num_inference_steps": 12, "sde_window_size": 2, "sde_window_range": [1, 6]}
+    assert sp.parse_sampling_config(windowed).fingerprint() != sp.parse_sampling_config(
+        dict(windowed, sde_window_range=[1, 7])).fingerprint()
     assert sp.parse_sampling_config(dict(RECIPE, eta=0.8)).fingerprint() != a.fingerprint()
     assert sp.parse_sampling_config(a) == a  # a parsed config passes through
     assert sp.parse_sampling_config({"eta": 1}).eta == 1.0 and isinstance(sp.parse_sampling_config({"eta": 1}).eta, float)
@@ -59,7 +69,7 @@ def test_parse_collects_every_problem_in_one_error():
     bad = {
         "etaa": 0.7, "heigth": 384, "sde_type": "ode", "sample_id_mode": "random", "eta": -0.1,
         "width": 0, "num_inference_steps": 12.0, "sde_timestep_fraction": [0.5, 0.5],
-        "sde_indices": [1, 12], "driver_xt": 1, "guidance_scale": 4.5, "sigma_max": 1.0,
+        "sde_indices": [1, 12], "driver_xt": 1, "guidance_scale": 0.5, "sigma_max": 1.0,
         "init_noise_latent_shape": [16, 0, 48],
     }
     with pytest.raises(ValueError) as e:
@@ -190,6 +200,45 @@ def test_step_zero_route_lines_match_what_would_be_trained():
     assert sp.trainable_step_zero_routes(clean) == []
     assert not any(0 in sp.resolve_sde_indices(clean, 12, k) for k in range(50))
     assert sp.resolve_sde_indices(clean, 12, None) == [1, 3, 5]
+
+
+# ---------------------------------------------------------------- invariants of every rollout
+
+
+def test_guidance_scale_problem_allows_1_and_true_cfg_above():
+    for good in (1.0, 1, 4.0, 4.5):
+        assert sp.guidance_scale_problem(good) is None, good
+    for bad in (0.5, 0.0, "1.0", None, float("nan")):
+        assert sp.guidance_scale_problem(bad).startswith("must be a number >= 1.0"), bad
+    # the parser reports the same rule under its key, and takes the CFG keys
+    with pytest.raises(sp.SamplingConfigError, match=r"key 'guidance_scale': must be a number >= 1.0"):
+        sp.parse_sampling_config({"guidance_scale": 0.9})
+    c = sp.parse_sampling_config({"guidance_scale": 4.0, "negative_prompt": "blurry", "cfg_renorm": False})
+    assert (c.guidance_scale, c.negative_prompt, c.cfg_renorm) == (4.0, "blurry", False)
+    with pytest.raises(sp.SamplingConfigError, match="key 'negative_prompt': must be a string"):
+        sp.parse_sampling_config({"negative_prompt": 3})
+
+
+def test_trained_steps_problem_needs_steps_in_range():
+    assert sp.trained_steps_problem([1, 3, 5], 6) is None
+    assert "the trained SDE step set is empty" in sp.trained_steps_problem([], 6)
+    assert sp.trained_steps_problem([1, 6, -1], 6) == "step indices [6, -1] are outside [0, num_inference_steps=6)"
+    # resolving trained steps applies the same rule
+    with pytest.raises(ValueError, match=r"key 'sde_indices': step indices \[8\] are outside"):
+        sp.resolve_sde_indices(sp.SamplingConfig(sde_indices=[1, 8]), 8, None)
+
+
+def test_step_zero_problem_only_under_sde():
+    assert "step 0 under sde_type 'sde' is singular" in sp.step_zero_problem([2, 0], "sde")
+    assert sp.step_zero_problem([0, 2], "dance") is None
+    assert sp.step_zero_problem([1, 2], "sde") is None
+    assert sp.step_zero_problem([], "sde") is None
+
+
+def test_sigma_count_problem_wants_n_plus_one():
+    sigmas = sp.sigma_schedule(QWEN_IMAGE_SCHEDULER, 6, 256)
+    assert len(sigmas) == 7 and sp.sigma_count_problem(sigmas, 6) is None
+    assert sp.sigma_count_problem(sigmas[:-1], 6).startswith("6 sigmas for 6 steps")
 
 
 # ---------------------------------------------------------------- sigma schedule

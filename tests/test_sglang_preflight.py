@@ -42,3 +42,28 @@ def test_engine_contract_check_names_the_install_command():
         check_sglang_contract()
     with pytest.raises(SGLangContractError, match="sglang is not installed"):
         SGLangEngine("/nonexistent")
+
+
+def test_true_cfg_on_the_sglang_engine_fails_preflight_naming_it(base, monkeypatch):  # noqa: F811
+    import json
+
+    from tests.test_preflight import SAMPLING
+
+    monkeypatch.setattr(preflight, "_sglang_importable", lambda: True)
+    cfg_flags = ["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 4.0})]
+    got = problems(base + ["--rollout-engine-class-path", "sglang"] + cfg_flags)
+    hits = [p for p in got if "guidance_scale 4.0" in p]
+    assert len(hits) == 1 and "SGLang engine samples without CFG" in hits[0] and "native" in hits[0], got
+    assert not problems(base + ["--rollout-engine-class-path", "native"] + cfg_flags)
+
+
+def test_cps_on_the_sglang_engine_fails_preflight_naming_it(base, monkeypatch):  # noqa: F811
+    import json
+
+    from tests.test_preflight import SAMPLING
+
+    monkeypatch.setattr(preflight, "_sglang_importable", lambda: True)
+    cps = ["--sampling-config", json.dumps({**SAMPLING, "sde_type": "cps", "eta": 0.8})]
+    got = problems(base + ["--rollout-engine-class-path", "sglang"] + cps)
+    assert [p for p in got if "sde_type 'cps'" in p and "native" in p], got
+    assert not problems(base + ["--rollout-engine-class-path", "native"] + cps)

@@ -536,35 +536,40 @@ def phase_dit_forward(c: Ctx) -> None:
     c.rep.phase_memory("dit_forward")
 
 
-def rollout(c: Ctx, rollout_id: int) -> tuple[list[dict], float]:
-    """One rollout of prompts x group_size candidates through engine.generate; (responses, s)."""
+def cfg_rows(args) -> int:
+    """DiT rows per candidate: 2 under true CFG (conditional + unconditional), else 1."""
+    return 2 if args.guidance_scale > 1.0 else 1
+
+
+def rollout(c: Ctx, rollout_id: int) -> tuple[Any, float]:
+    """One rollout of prompts x group_size candidates through engine.generate; (Trajectory, s)."""
     reqs = build_requests(c.engine, c.adapter, c.sampling, c.prompts, c.args.group_size, c.sde_indices,
                           c.args.seed, rollout_id)
     with timed(c.device) as t:
-        responses = c.engine.generate(reqs)
-    return responses, t[0]
+        traj = c.engine.generate(reqs)
+    return traj, t[0]
 
 
-def phase_rollout(c: Ctx) -> list[dict]:
+def phase_rollout(c: Ctx) -> Any:
     """rollout_images_per_s (text encode + DiT + VAE, batched by the engine) and rollout_mfu
     (DiT FLOPs only over the whole rollout time)."""
     a = c.args
     rollout(c, rollout_id=0)  # warm-up: allocator, cuBLAS / cuDNN handles, rope caches
-    times, responses = [], []
+    times, traj = [], None
     for i in range(a.iters):
-        responses, sec = rollout(c, rollout_id=1 + i)
+        traj, sec = rollout(c, rollout_id=1 + i)
         times.append(sec)
     sec = c.rep.reduce(sum(times) / len(times), "max")
-    n = len(responses)
+    n = len(traj)
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"))
     c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n)
-    dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n) * a.steps
+    dit = dit_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops)
     c.rep.phase_memory("rollout")
-    return responses
+    return traj
 
 
-def score(c: Ctx, responses: list[dict]):
+def score(c: Ctx, traj: Any):
     """(advantages [n], valid [n], seconds, degenerate): ColorScorer + compute_advantages. A
     degenerate result (random weights can give equal images) falls back to +-1 advantages so the
     update is never skipped; the line says so."""
@@ -574,8 +579,8 @@ def score(c: Ctx, responses: list[dict]):
 
     scorer = ColorScorer()
     with timed(c.device) as t:
-        images = ImageBatch.from_any(torch.stack([r["image"] for r in responses]))
-        comps = scorer.score(images, [r["prompt"] for r in responses], [r.get("metadata", {}) for r in responses])
+        images = ImageBatch.from_any(traj.images)
+        comps = scorer.score(images, list(traj.prompts), list(traj.metadata))
         result = compute_advantages(comps, c.args.group_size)
     adv, valid = result.advantages, result.valid
     if result.degenerate or not bool(valid.any()):
@@ -585,11 +590,9 @@ def score(c: Ctx, responses: list[dict]):
     return adv, valid, t[0], bool(result.degenerate)
 
 
-def _fwd_bwd(c: Ctx, actor, batch: dict, replay_fn) -> float:
+def _fwd_bwd(c: Ctx, actor, batch: Any, replay_fn) -> float:
     """Seconds of one micro-batch forward + backward through the actor's sharded model."""
-    from trainer.models.qwen_image import select_candidates
-
-    rows = select_candidates(batch, slice(0, c.args.micro_batch))
+    rows = batch[: c.args.micro_batch]
     actor.model.train()
     with timed(c.device) as t:
         logp = replay_fn(actor.model, rows)
@@ -598,26 +601,24 @@ def _fwd_bwd(c: Ctx, actor, batch: dict, replay_fn) -> float:
     return t[0]
 
 
-def phase_replay(c: Ctx, actor, batch: dict, replay_fn, mode: str, *, checkpointing: bool | float | None = None,
+def phase_replay(c: Ctx, actor, batch: Any, replay_fn, mode: str, *, checkpointing: bool | float | None = None,
                  **extra: Any) -> None:
     """replay_transitions_per_s and replay_mfu of one micro-batch forward + backward over all its
     trained columns, and replay_logp_max_abs_err of the replay against the sampler's log-prob.
     mode: the figures' suffix; checkpointing: the fraction of blocks checkpointed (None: as the
     args say), for the hardware FLOPs; extra rides along on the figure lines."""
-    from trainer.models.qwen_image import select_candidates
-
     a = c.args
     if checkpointing is None:
         checkpointing = not a.no_activation_checkpointing
-    rows = select_candidates(batch, slice(0, a.micro_batch))
+    rows = batch[: a.micro_batch]
     with torch.no_grad():
         logp = replay_fn(actor.model, rows).float().cpu()
-    err = float((logp - rows["log_probs"].float()).abs().max())
+    err = float((logp - rows.log_probs.float()).abs().max())
     c.rep.emit(f"replay_logp_max_abs_err_{mode}", err, "nats", mode=mode)
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
     sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
     transitions = a.micro_batch * len(c.sde_indices)
-    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions, checkpointing)
+    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(a), checkpointing)
     c.rep.emit(f"replay_transitions_per_s_{mode}", transitions / sec, "transitions/s", op="min", mode=mode,
                micro_batch=a.micro_batch, seconds=sec, **extra)
     c.rep.emit(f"replay_mfu_{mode}", model_f / sec / 1e12 / c.peak_tflops, "fraction", op="min", mode=mode,
@@ -658,11 +659,37 @@ def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None 
     return sec
 
 
+#: column_sums_wide's row length in periods: rows of CHECKSUM_WIDE_FOLD * CHECKSUM_PERIOD words
+CHECKSUM_WIDE_FOLD = 64
+
+
+def column_sums_wide(words: torch.Tensor) -> torch.Tensor:
+    """trainer.core.checksum.column_sums(words), bit for bit, by another reduction order: the
+    alternative phase_checksum times against the one the sync uses.
+
+    The words as a [n // (P * K), P * K] view reduced over dim 0 (K = CHECKSUM_WIDE_FOLD: 65,344
+    independent column sums for a device reduction to spread over, where column_sums has 1,021),
+    those K * P partial sums folded into P ([K, P] reduced over dim 0), then the < P * K remaining
+    words by column_sums (they start at a multiple of P, so their residues line up). Integer
+    addition modulo 2^32 is associative and commutative: the order cannot change the result."""
+    from trainer.core.checksum import CHECKSUM_PERIOD, column_sums
+
+    p, k = CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD
+    n = words.numel()
+    m = n - n % (p * k)
+    if m == 0:
+        return column_sums(words)
+    cs = words[:m].view(-1, p * k).sum(0, dtype=torch.int32).view(k, p).sum(0, dtype=torch.int32)
+    if n > m:
+        cs += column_sums(words[m:])
+    return cs
+
+
 def phase_checksum(c: Ctx) -> None:
     """checksum_s: weights_checksum over the engine DiT's parameters (what a verified full / merged
     sync computes on each side), by itself; checksum_alt_s: the same with column_sums_wide, whose
     digest must be equal (same_digest says whether it is, on this device)."""
-    from trainer.core.checksum import column_sums, column_sums_wide, weights_checksum
+    from trainer.core.checksum import column_sums, weights_checksum
 
     params = list(c.engine.transformer.named_parameters())
     gb = sum(p.numel() * p.element_size() for _, p in params) / 1e9
@@ -781,9 +808,9 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
             with timed(c.device) as t:
                 actor.offload()
             stages["actor_offload"] = t[0]
-        responses, stages["rollout"] = rollout(c, rollout_id=100)
-        adv, valid, stages["reward"], degenerate = score(c, responses)
-        batch = c.adapter.pack_trajectory(responses)
+        traj, stages["rollout"] = rollout(c, rollout_id=100)
+        adv, valid, stages["reward"], degenerate = score(c, traj)
+        batch = traj.without_images()
         if a.offload:
             with timed(c.device) as t:
                 c.engine.release_memory()
@@ -801,7 +828,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
         stages["sync"] = t[0]
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
     c.rep.emit("step_s", total[0], "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
-               reward_degenerate=degenerate, candidates=len(responses))
+               reward_degenerate=degenerate, candidates=len(traj))
     c.rep.phase_memory("step")
 
 
@@ -959,6 +986,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trained-steps", type=int, default=3, help="SDE steps drawn from --sde-pool per rollout")
     p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="SDE step pool")
     p.add_argument("--eta", type=float, default=0.7, help="SDE noise level")
+    p.add_argument("--guidance-scale", type=float, default=1.0,
+                   help="> 1: true CFG (two DiT rows per candidate in rollout and replay; FLOPs count both)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per GPU")
     p.add_argument("--group-size", type=int, default=8, help="candidates per prompt (prompts x group = per GPU)")
     p.add_argument("--text-tokens", type=int, default=128, help="text conditioning length of every prompt")
@@ -1036,7 +1065,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sampling = parse_sampling_config({
             "height": args.height, "width": args.width, "num_inference_steps": args.steps, "eta": args.eta,
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
-            "sde_pool": list(args.sde_pool)})
+            "sde_pool": list(args.sde_pool), "guidance_scale": args.guidance_scale})
         sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
         encoder = engine.prompt_encoder
         prompts = make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
@@ -1047,6 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         int(dit_cfg["patch_size"]))
         geometry = {"shape": args.shape, "height": args.height, "width": args.width, "steps": args.steps,
                     "trained_steps": len(sde_indices), "sde_indices": sde_indices, "eta": args.eta,
+                    "guidance_scale": args.guidance_scale,
                     "prompts": args.prompts, "group_size": args.group_size,
                     "candidates": args.prompts * args.group_size, "image_tokens": image_tokens,
                     "dit_layers": int(dit_cfg["num_layers"]),
@@ -1069,10 +1099,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_dit_forward(c)
         if "checksum" not in skip:
             phase_checksum(c)
-        responses = phase_rollout(c)
-        adv, valid, score_s, degenerate = score(c, responses)
+        traj = phase_rollout(c)
+        adv, valid, score_s, degenerate = score(c, traj)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
-        batch = adapter.pack_trajectory(responses)
+        batch = traj.without_images()
         replay_fn = make_replay_fn(adapter, sampling)  # the training loop's own
 
         if args.full:

@@ -62,7 +62,7 @@ class CurateReport:
 
 
 def output_names(prefix: str, subset_sizes: list[int]) -> tuple[str, str, list[str]]:
-    """The reference's file names: <prefix>train.jsonl, <prefix>eval.jsonl, <prefix>eval<A>.jsonl."""
+    """The curated file names (the layout Relax uses): <prefix>train.jsonl, <prefix>eval.jsonl, <prefix>eval<A>.jsonl."""
     return f"{prefix}train.jsonl", f"{prefix}eval.jsonl", [f"{prefix}eval{a}.jsonl" for a in subset_sizes]
 
 

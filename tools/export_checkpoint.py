@@ -27,6 +27,11 @@ It reads the DCP shards of `<save-dir>/<task>/iter_<7 digits>/fsdp/` offline, in
                 transformer.load_lora_adapter(DIR, weight_name="adapter_model.safetensors",
                 prefix="base_model.model") gets the right alpha.
 
+--ema           export the checkpoint's EMA of the trainable weights (written by runs with
+                --ema-decay > 0, under "ema.*", in fp32) instead of the live ones, in either
+                form; the weights the EMA does not cover (frozen ones) are the checkpoint's or
+                the base's as above. A checkpoint without EMA state is refused.
+
 The output is written into a hidden staging directory next to --output-dir, verified there
 (--verify) and renamed into place only when complete: an interrupted export never leaves a
 half-written --output-dir, and an existing non-empty --output-dir is refused.
@@ -55,23 +60,23 @@ from trainer.cli import existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
 from trainer.core.dtypes import DTYPES  # noqa: E402
 from trainer.core.names import is_lora_name, strip_wrapper_segments  # noqa: E402
-from trainer.models.qwen_image import never_trained_param_names  # noqa: E402
 from trainer.weight_sync import merge_lora  # noqa: E402
 
 log = logging.getLogger("export_checkpoint")
 
-DEFAULT_ADAPTER = "trainer.models.qwen_image.QwenImageAdapter"
+from trainer.config import DEFAULT_MODEL_ADAPTER as DEFAULT_ADAPTER  # noqa: E402
 FORMS = ("merged", "adapter")
 COMPONENT_MODES = ("copy", "hardlink", "symlink")
 #: the key prefix PeftModel.save_pretrained puts in front of every module name of the wrapped model
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 EXPORT_INFO = "export_info.json"
 #: safetensors header key diffusers' load_lora_adapter reads the LoraConfig kwargs from
 DIFFUSERS_LORA_METADATA_KEY = "lora_adapter_metadata"
 #: DCP key prefix of the model state (the optimizer lives under "optim.")
 MODEL_PREFIX = "model."
+#: DCP key prefix of the EMA of the trainable weights (trainer.ema)
+EMA_PREFIX = "ema."
 
 
 class ExportError(RuntimeError):
@@ -188,8 +193,9 @@ def _read_json(path: Path, fix: str) -> dict[str, Any]:
         raise ExportError(f"{path} is not valid JSON ({e}): {fix}") from None
 
 
-def dcp_model_metadata(fsdp_dir: Path) -> dict[str, Any]:
-    """DCP key -> TensorStorageMetadata of every "model.*" entry of the checkpoint in `fsdp_dir`."""
+def dcp_model_metadata(fsdp_dir: Path, prefix: str = MODEL_PREFIX) -> dict[str, Any]:
+    """DCP key -> TensorStorageMetadata of every "<prefix>*" entry ("model." or "ema.") of the
+    checkpoint in `fsdp_dir`; raises when there is none."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -199,13 +205,16 @@ def dcp_model_metadata(fsdp_dir: Path) -> dict[str, Any]:
         raise ExportError(f"{fsdp_dir}: cannot read the DCP metadata ({e!r}); the checkpoint is damaged") from None
     out = {}
     for key, meta in md.state_dict_metadata.items():
-        if not key.startswith(MODEL_PREFIX):
+        if not key.startswith(prefix):
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise ExportError(f"{fsdp_dir}: model entry {key!r} is not a tensor; not a checkpoint of a transformer")
         out[key] = meta
+    if not out and prefix == EMA_PREFIX:
+        raise ExportError(f"{fsdp_dir} holds no EMA weights ('{EMA_PREFIX}*'): the run was trained without "
+                          "--ema-decay; export the live weights (drop --ema)")
     if not out:
-        raise ExportError(f"{fsdp_dir} holds no '{MODEL_PREFIX}*' tensors: not a checkpoint written by "
+        raise ExportError(f"{fsdp_dir} holds no '{prefix}*' tensors: not a checkpoint written by "
                           "trainer.checkpoint.save_checkpoint")
     return out
 
@@ -240,8 +249,11 @@ def contract_mode(contract: dict[str, Any]) -> str | None:
 
 
 def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, *,
-                    name_map: Callable[[str], str] | None = None) -> Checkpoint:
+                    name_map: Callable[[str], str] | None = None, ema: bool = False) -> Checkpoint:
     """Read a committed iteration's sidecars and every model tensor (see Checkpoint).
+
+    ema: the trainable tensors are the checkpoint's EMA ("ema.*", fp32) instead of the live ones;
+    the rest stays the model's. Raises when the checkpoint has no EMA.
 
     name_map: the model adapter's training-name -> diffusers-name map, applied after the
     wrapper segments are stripped. The mode comes from adapter_contract.json and must agree
@@ -257,6 +269,15 @@ def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | Non
         if name in raw_key:
             raise ExportError(f"{d / 'fsdp'}: {raw_key[name]!r} and {key!r} map to the same name {name!r}")
         raw_key[name] = key
+    if ema:
+        ema_meta = dcp_model_metadata(d / "fsdp", EMA_PREFIX)
+        for key in ema_meta:
+            name = name_map(strip_wrapper_segments(key[len(EMA_PREFIX):]))
+            if name not in raw_key:
+                raise ExportError(f"{d / 'fsdp'}: the EMA entry {key!r} has no model tensor {name!r}: the "
+                                  "checkpoint is inconsistent")
+            raw_key[name] = key
+        meta = {**meta, **ema_meta}
     tensors = CheckpointTensors(d / "fsdp", raw_key, meta)
     has_lora = any(is_lora_name(n) for n in tensors)
     mode = contract_mode(contract)
@@ -414,14 +435,16 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
 
 
-def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str]) -> list[str]:
+def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str],
+                                 adapter: Any = None) -> list[str]:
     """Base transformer weights a full fine-tune checkpoint lacks, checked to be exactly ones the
-    trainer freezes as never trained (trainer.models.qwen_image.never_trained_param_names on the base's
+    trainer freezes as never trained (the model adapter's never_trained_param_names on the base's
     architecture): those equal the base. Any other gap means a damaged checkpoint or the wrong base."""
     missing = sorted(n for n in located if n not in ckpt.tensors)
     if not missing:
         return []
-    frozen = set(never_trained_param_names(_meta_transformer(base / "transformer", _not_a_pipeline(base))))
+    adapter = adapter or load_model_adapter(DEFAULT_ADAPTER)
+    frozen = set(adapter.never_trained_param_names(_meta_transformer(base / "transformer", _not_a_pipeline(base))))
     unexplained = [n for n in missing if n not in frozen]
     if unexplained:
         raise ExportError(f"{ckpt.path / 'fsdp'} lacks {len(unexplained)} trained transformer weights of the base at "
@@ -457,7 +480,7 @@ def _size_on_disk(path: Path) -> int:
 
 
 def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lora: LoraSettings | None,
-                             dtype: torch.dtype | None) -> dict[str, Any]:
+                             dtype: torch.dtype | None, adapter: Any = None) -> dict[str, Any]:
     """Write <out>/transformer/ with the base's file layout and the trained weights (module docstring).
 
     Works one base file at a time: memory stays at about one base shard plus that shard's
@@ -472,7 +495,7 @@ def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lo
     if unknown:
         raise ExportError(f"the checkpoint has {len(unknown)} weights the base transformer at {tdir} does not, e.g. "
                           f"{unknown[:3]}: --base-model-path is not the model this run trained")
-    from_base = missing_from_full_checkpoint(ckpt, base, located) if ckpt.mode == "full" else []
+    from_base = missing_from_full_checkpoint(ckpt, base, located, adapter) if ckpt.mode == "full" else []
     out_tdir.mkdir(parents=True)
     for extra in sorted(tdir.iterdir()):  # config.json and anything else that is not weights
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name != index:
@@ -791,7 +814,7 @@ def _check_output_dir(output_dir: Path) -> None:
 def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, output_dir: str | os.PathLike,
                       *, form: str, model_adapter_path: str = DEFAULT_ADAPTER,
                       base_model_path: str | os.PathLike | None = None, verify: bool = False,
-                      dtype: str | None = None, components: str = "copy") -> dict[str, Any]:
+                      dtype: str | None = None, components: str = "copy", ema: bool = False) -> dict[str, Any]:
     """Export one committed iteration (see the module docstring). Returns the export_info dict,
     which is also written to <output_dir>/export_info.json.
 
@@ -805,7 +828,7 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
     tdtype = _resolve_dtype(dtype)
     adapter = load_model_adapter(model_adapter_path)
     name_map = getattr(adapter, "weight_name_map", None)
-    ckpt = load_checkpoint(save_dir, task, iteration, name_map=name_map)
+    ckpt = load_checkpoint(save_dir, task, iteration, name_map=name_map, ema=ema)
     lora = lora_settings(ckpt, getattr(adapter, "lora_target_modules", ())) if ckpt.mode == "lora" else None
 
     base: Path | None = Path(base_model_path) if base_model_path else None
@@ -851,13 +874,17 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
         "base_model_path": None if base is None else str(base.resolve()),
         "dtype": dtype or ("base" if form == "merged" else "checkpoint"),
     }
+    if ema:
+        info["weights"] = "ema"
+        info["ema_decay"] = ckpt.trainer_state.get("ema_decay")
     if lora:
         info["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "scaling": lora.scaling,
                         "training_target_modules": list(lora.target_modules)}
     try:
         if form == "merged":
             info["components"] = {"mode": components, "entries": place_components(base, staging, components)}
-            info["transformer"] = write_merged_transformer(ckpt, base, staging / "transformer", lora=lora, dtype=tdtype)
+            info["transformer"] = write_merged_transformer(ckpt, base, staging / "transformer", lora=lora, dtype=tdtype,
+                                                           adapter=adapter)
             if verify:
                 info["verify"] = verify_merged(staging, ckpt, base, lora)
         else:
@@ -902,6 +929,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--components", choices=COMPONENT_MODES, default="copy",
                    help="how --form merged places the base's non-transformer components: copy (self-contained), "
                         "hardlink (same filesystem, no extra space), symlink (breaks if the base moves)")
+    p.add_argument("--ema", action="store_true",
+                   help="export the EMA of the trainable weights instead of the live ones; the checkpoint must "
+                        "have been written with --ema-decay > 0")
     return p.parse_args(argv)
 
 
@@ -914,7 +944,7 @@ def _export(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     info = export_checkpoint(args.save_dir, args.task, args.iteration, args.output_dir, form=args.form,
                              model_adapter_path=args.model_adapter_path, base_model_path=args.base_model_path,
-                             verify=args.verify, dtype=args.dtype, components=args.components)
+                             verify=args.verify, dtype=args.dtype, components=args.components, ema=args.ema)
     checked = " (verified)" if "verify" in info else ""
     print(f"exported {info['source']} ({info['mode']}) as {info['form']} to {args.output_dir}{checked}")
     return 0

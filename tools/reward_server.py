@@ -29,7 +29,6 @@ if __package__ in (None, ""):  # run as a script: this checkout's trainer, not a
 
 from trainer.cli import ToolError, existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.rewards.base import SHIPPED_SCORERS, build_scorer, check_scores  # noqa: E402
-from trainer.rewards.manager import cuda_hidden  # noqa: E402
 from trainer.rewards.remote import PROTOCOL_VERSION, decode_request, encode_response  # noqa: E402
 
 log = logging.getLogger("reward_server")
@@ -98,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = tool_parser("reward_server", __doc__.split("\n\n")[0])
     p.add_argument(
         "--reward-scorer-path", required=True,
-        help="dotpath of a GenerativeRewardScorer, or a shipped short name "
+        help="dotpath of a scorer class or function, or a shipped short name "
              f"({', '.join(sorted(SHIPPED_SCORERS))})",
     )
     p.add_argument("--reward-model-path", default=None, type=existing_dir,
@@ -106,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
     p.add_argument(
-        "--device", default="cpu", help='"cpu" (CUDA hidden from the scorer) or a torch device such as cuda:0'
+        "--device", default="cpu", help='the device the scorer is built on and scores on: "cpu" or a torch device '
+                                        "such as cuda:0"
     )
     p.add_argument("--max-request-mb", type=float, default=512.0, help="largest accepted request body")
     return p.parse_args(argv)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        scorer = _build(args)
+        scorer = build_scorer(args.reward_scorer_path, args.reward_model_path, args.device)
     except (ValueError, TypeError) as e:  # an unknown scorer name or class: the message names the flag
         raise ToolError(str(e)) from None
     server = make_server(scorer, args.host, args.port, args.reward_scorer_path, args.max_request_mb)
@@ -134,22 +134,6 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
-
-
-def _build(args: argparse.Namespace):
-    """The scorer; with --device cpu, built and run with CUDA hidden from it."""
-    if args.device != "cpu":
-        return build_scorer(args.reward_scorer_path, args.reward_model_path, args.device)
-    with cuda_hidden():
-        scorer = build_scorer(args.reward_scorer_path, args.reward_model_path, "cpu")
-    inner = scorer.score
-
-    def score_on_cpu(*a, **kw):
-        with cuda_hidden():
-            return inner(*a, **kw)
-
-    scorer.score = score_on_cpu
-    return scorer
 
 
 if __name__ == "__main__":

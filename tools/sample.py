@@ -3,8 +3,8 @@
     python tools/sample.py --model-path DIR --prompt-data FILE.jsonl --output-dir OUT \\
         [--n-samples-per-prompt K] [--sampling-config JSON] [--lora PATH] [--generation-seed N]
 
-Runs exactly the training rollout path (the native engine, the Qwen-Image adapter, the rollout
-driver) on one process and writes, per prompt, one trajectory sidecar and K PNGs under
+Runs exactly the training rollout path (the native engine, the model family's adapter, the
+rollout driver) on one process and writes, per prompt, one trajectory sidecar and K PNGs under
 OUT/<task>/rollout_<id>/ -- the quickest way to look at what a model or a checkpoint
 produces. Prompt lines are the training schema:
 {"prompt": "...", "metadata": {"task": "t2i", "sample_id": "..."}}.
@@ -34,7 +34,10 @@ DEFAULT_SAMPLING = {"height": 384, "width": 384, "num_inference_steps": 12, "gui
 
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser("sample", __doc__)
-    p.add_argument("--model-path", required=True, type=existing_dir, help="local diffusers Qwen-Image directory")
+    p.add_argument("--model-path", required=True, type=existing_dir, help="local diffusers pipeline directory")
+    p.add_argument("--model-adapter-path", default=None,
+                   help="dotpath of the model family's adapter class (unset: the Qwen-Image adapter, "
+                        "trainer.models.qwen_image.QwenImageAdapter)")
     p.add_argument("--prompt-data", required=True, type=existing_file, help="JSONL prompt file (training schema)")
     p.add_argument("--output-dir", "--output", "--artifact-root", dest="output_dir", required=True,
                    help="artifact root; files go to OUTPUT_DIR/<task>/rollout_<id>/")
@@ -83,8 +86,9 @@ def _sample(args: argparse.Namespace) -> int:
                         "directory (e.g. one written by save_pretrained or tools/make_tiny_model.py)")
 
     from trainer import artifacts
+    from trainer.config import DEFAULT_MODEL_ADAPTER
+    from trainer.dotpath import import_dotpath
     from trainer.engine.native import NativeEngine
-    from trainer.models.qwen_image import QwenImageAdapter
     from trainer.rollout import generate_rollout
     from trainer.sampling import parse_sampling_config
 
@@ -99,8 +103,13 @@ def _sample(args: argparse.Namespace) -> int:
         raise ToolError(f"{target} already holds artifacts; choose another --output-dir / --rollout-id or pass "
                         "--overwrite")
 
+    try:
+        adapter = import_dotpath(args.model_adapter_path or DEFAULT_MODEL_ADAPTER, "--model-adapter-path")()
+    except ValueError as e:  # the message names the flag and the dotpath
+        raise ToolError(str(e)) from None
     t0 = time.perf_counter()
-    engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.engine_batch_size)
+    engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.engine_batch_size,
+                          adapter=adapter)
     lora_hash = None
     if args.lora:
         from trainer.engine.base import WeightSyncError
@@ -112,7 +121,7 @@ def _sample(args: argparse.Namespace) -> int:
         lora_hash = f"lora:{Path(args.lora).resolve()}"
         print(f"loaded LoRA {args.lora} (rank {cfg['rank']}, alpha {cfg['alpha']})")
     t_load = time.perf_counter() - t0
-    out = generate_rollout(engine, QwenImageAdapter(), prompts, rollout_id=args.rollout_id, sampling=sampling,
+    out = generate_rollout(engine, adapter, prompts, rollout_id=args.rollout_id, sampling=sampling,
                            group_size=args.n_samples_per_prompt, generation_seed=args.generation_seed,
                            artifact_root=args.output_dir, task=args.task, retention=0,
                            weight_manifest_hash=lora_hash)

@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = tool_parser("score", __doc__.split("\n\n")[0])
     p.add_argument(
         "--reward-scorer-path", default=None,
-        help="dotpath of a GenerativeRewardScorer, or a shipped short name "
+        help="dotpath of a scorer class or function, or a shipped short name "
              f"({', '.join(sorted(SHIPPED_SCORERS))}); required unless --reward-runtime remote",
     )
     p.add_argument("--reward-model-path", default=None, type=existing_dir,

@@ -11,8 +11,9 @@ Build order (`parallelize`), each step before the next:
   6. _assert_trainable_boundary
 
 The update (`Actor.train_step`) is model-family independent: the caller supplies
-`replay_fn(model, batch_slice) -> logp [b, S]` (in production, the adapter's replay_transition over
-the trained-step columns) and the batch as a dict of per-candidate tensors / lists.
+`replay_fn(model, rows) -> logp [b, S]` (in production, the adapter's replay_transitions over the
+trained-step columns) and the batch, a trainer.trajectory.Trajectory (anything whose
+`batch[start:end]` is those candidates' rows will do).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -29,7 +31,8 @@ import torch.nn as nn
 from trainer.core.dtypes import resolve_dtype
 from trainer.core.names import is_lora_name, model_name
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
-from trainer.flow_grpo import grpo_clip_loss
+from trainer.ema import ParamEMA
+from trainer.flow_grpo import grpo_clip_loss, transition_kl
 from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
 
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 
 #: |advantage| at or below this everywhere (all ranks) makes an update degenerate: skipped and counted
 ZERO_ADVANTAGE = 1e-8
-ReplayFn = Callable[[nn.Module, dict], torch.Tensor]
+ReplayFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 class OffloadError(RuntimeError):
@@ -263,25 +266,139 @@ def plan_updates(n_local: int, num_updates: int, micro_batch_size: int) -> list[
             for u in range(num_updates)]
 
 
-#: batch entries shared by all candidates even when their leading size happens to equal n
-SHARED_BATCH_KEYS = ("sde_indices",)
+@dataclass
+class UpdatePlan:
+    """What `Actor._plan` decided for one train_step, the same on every rank."""
+
+    n: int
+    #: per update, the [start, end) ranges of its micro-batches (plan_updates)
+    parts: list[list[tuple[int, int]]]
+    #: per update: runs (False: all its valid advantages are ~0 on every rank)
+    run: list[bool]
+    #: per update, the valid candidates over all ranks (the loss scale's denominator)
+    global_valid: list[float]
+    #: [n] bool on the host: which candidates enter the loss
+    valid_host: torch.Tensor
+    #: (start, end) -> device row indices of a partially valid micro-batch
+    partial_rows: dict[tuple[int, int], torch.Tensor]
+    world: int
+    skipped_microbatches: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return sum(len(p) for p in self.parts)
 
 
-def slice_batch(batch: dict[str, Any], start: int, end: int, n: int) -> dict[str, Any]:
-    """Rows [start, end) of every per-candidate entry of `batch` (tensor or list whose leading size is n);
-    other entries (scalars, shared tensors, SHARED_BATCH_KEYS) are passed through unchanged.
-    A family whose batch has other shared [n]-sized entries passes its own slice_fn to train_step."""
-    out = {}
-    for k, v in batch.items():
-        if k in SHARED_BATCH_KEYS:
-            out[k] = v
-        elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
-            out[k] = v[start:end]
-        elif isinstance(v, (list, tuple)) and len(v) == n:
-            out[k] = v[start:end]
-        else:
-            out[k] = v
-    return out
+class UpdateStats:
+    """A train_step's statistics, accumulated on the device without host syncs and reduced once.
+
+    Each micro-batch adds its loss, clip fraction, approx KL, ratio mean and ratio second moment
+    weighted by its valid (sample, step) element count k (so the result is the mean over all
+    valid elements of all ranks), and widens the ratio range; each optimizer step adds its grad
+    norm."""
+
+    _SUMS = ("loss", "clip_fraction", "approx_kl", "ratio_mean", "ratio_sq")
+
+    def __init__(self, device: torch.device, kl: bool = False) -> None:
+        self.device = device
+        self.sums = torch.zeros(len(self._SUMS), dtype=torch.float64, device=device)
+        #: (ratio_max, -ratio_min) over the whole step, and over the current update
+        self.ratio_range = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
+        self._update_range = self.ratio_range.clone()
+        self.elements = 0.0  # valid (sample, step) elements behind `sums`; host-side, no device traffic
+        self.grad_norms: list[torch.Tensor] = []
+        #: KL to the reference (--use-kl-loss): its element-weighted sum, over the step and the update
+        self.kl_sum = torch.zeros((), dtype=torch.float64, device=device) if kl else None
+        self._update_kl: torch.Tensor | None = None
+        self.transitions = 0
+        self.steps = 0
+
+    def begin_update(self) -> None:
+        self._update_range = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
+        self._update_kl = None
+
+    def add(self, loss: torch.Tensor, st: dict[str, torch.Tensor], k: float) -> None:
+        rm, rs = st["ratio_mean"].double(), st["ratio_std"].double()
+        # k enters as a Python scalar: a torch.tensor(k, device=cuda) would be a blocking
+        # host-to-device copy, i.e. a host sync per micro-batch
+        self.sums += torch.stack([loss.detach().double(), st["clip_fraction"].double(), st["approx_kl"].double(),
+                                  rm, rs * rs + rm * rm]).to(self.device) * k
+        self.elements += k
+        if "kl_ref" in st:
+            part = st["kl_ref"].double().to(self.device) * k
+            self.kl_sum = self.kl_sum + part
+            self._update_kl = part / k if self._update_kl is None else torch.maximum(self._update_kl, part / k)
+        r_range = torch.stack([st["ratio_max"].double(), -st["ratio_min"].double()])
+        self.ratio_range = torch.maximum(self.ratio_range, r_range)
+        self._update_range = torch.maximum(self._update_range, r_range)
+
+    def update_ratio_range(self) -> dict[str, torch.Tensor]:
+        """This update's ratio range (and, with the KL term, its largest micro-batch mean KL)."""
+        out = {"ratio_max": self._update_range[0], "ratio_min": -self._update_range[1]}
+        if self._update_kl is not None:
+            out["kl_ref_max"] = self._update_kl
+        return out
+
+    def add_step(self, grad_norm: torch.Tensor) -> None:
+        self.grad_norms.append(grad_norm.detach().double().reshape(()))
+        self.steps += 1
+
+    def reduce(self, n: int, seconds: float) -> dict[str, float]:
+        """The train/* and perf/* means over all ranks: one SUM and one MAX reduce."""
+        cdev = collective_device()
+        gn_sum = torch.stack(self.grad_norms).sum() if self.grad_norms else torch.zeros((), dtype=torch.float64,
+                                                                                        device=self.device)
+        local = torch.cat([self.sums, torch.stack([torch.tensor(self.elements, dtype=torch.float64,
+                                                                device=self.device),
+                                                   gn_sum.to(self.device),
+                                                   torch.tensor(float(len(self.grad_norms)), dtype=torch.float64,
+                                                                device=self.device)]),
+                           torch.tensor([self.transitions, n, 1.0], dtype=torch.float64, device=self.device)])
+        sums = all_reduce_sum(local.to(cdev)).tolist()
+        maxes = all_reduce_max(torch.cat([self.ratio_range, torch.tensor([seconds], dtype=torch.float64,
+                                                                         device=self.device)]).to(cdev)).tolist()
+        loss, clip, kl, ratio, ratio_sq, elems, gn, n_gn, transitions, samples, _ = sums
+        k = max(elems, 1.0)
+        mean_r = ratio / k
+        extra = {}
+        if self.kl_sum is not None:
+            extra["train/kl_ref"] = float(all_reduce_sum(self.kl_sum.reshape(1).to(cdev))[0]) / k
+        return {
+            **extra,
+            "train/loss": loss / k,
+            "train/clip_fraction": clip / k,
+            "train/approx_kl": kl / k,
+            "train/ratio_mean": mean_r,
+            "train/ratio_std": math.sqrt(max(ratio_sq / k - mean_r * mean_r, 0.0)),
+            "train/ratio_max": maxes[0],
+            "train/ratio_min": -maxes[1],
+            "train/grad_norm": gn / max(n_gn, 1.0),
+            "perf/train_time": maxes[2],
+            "perf/train_transitions_per_s": transitions / max(maxes[2], 1e-9),
+            "perf/train_samples_per_s": samples / max(maxes[2], 1e-9),
+        }
+
+
+class lora_disabled:
+    """Context manager: every peft LoRA layer of `model` computes the base output only (the
+    reference policy of the KL term), restored on exit. A model without LoRA is unchanged."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+    # the forward's own switch; peft's enable_adapters() would also reset requires_grad, which
+    # would unfreeze the LoRA tensors the actor froze as never trained
+    def __enter__(self) -> "lora_disabled":
+        self.saved = [layer._disable_adapters for layer in self.layers]
+        for layer in self.layers:
+            layer._disable_adapters = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer, was in zip(self.layers, self.saved):
+            layer._disable_adapters = was
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -413,6 +530,12 @@ class Actor:
         self.last_anchor_passes = 0
         self._params_off = _StorageOffload()
         self._optim_off = _StorageOffload()
+        #: the EMA of the trainable parameters (--ema-decay > 0), or None; starts equal to them
+        self.ema: ParamEMA | None = None
+        decay = float(getattr(o, "ema_decay", 0.0) or 0.0)
+        if decay > 0:
+            self.ema = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), decay,
+                                int(getattr(o, "ema_update_interval", 1) or 1))
 
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
@@ -437,63 +560,119 @@ class Actor:
         return lr_at_step(step, lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
                           decay_iters=self.decay_iters, schedule=self.fsdp.fsdp_lr_scheduler)
 
-    def state_dict(self) -> dict[str, int]:
-        """Scalar training state that rides along with the DCP checkpoint."""
-        return {"lr_scheduler_steps": self.optimizer_steps, "skipped_rounds": self.skipped_rounds}
+    def state_dict(self) -> dict[str, Any]:
+        """Scalar training state that rides along with the DCP checkpoint (the EMA's settings only
+        when it is on, so an EMA-off trainer_state.json is unchanged)."""
+        state: dict[str, Any] = {"lr_scheduler_steps": self.optimizer_steps, "skipped_rounds": self.skipped_rounds}
+        if self.ema is not None:
+            state.update({"ema_decay": self.ema.decay, "ema_update_interval": self.ema.interval})
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.optimizer_steps = int(state["lr_scheduler_steps"])
         self.skipped_rounds = int(state.get("skipped_rounds", 0))
 
     # -- the FlowGRPO update ------------------------------------------------------------------
-    def train_step(self, batch: dict[str, Any], advantages: torch.Tensor, replay_fn: ReplayFn,
+    def train_step(self, batch: Any, advantages: torch.Tensor, replay_fn: ReplayFn,
                    valid: torch.Tensor | None = None,
-                   slice_fn: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None,
                    progress: Callable[[], None] | None = None) -> dict[str, float]:
         """One rollout's update over this rank's candidates. Collective: every rank calls it.
 
-        batch: per-candidate entries with leading size n (what replay_fn consumes);
-        advantages: [n]; valid: [n] bool (False = candidate of a failed reward group: replayed so
-        every rank runs the same collectives, but excluded from the loss); replay_fn(model, rows)
-        -> logp [b, S] (fp32 preferred); slice_fn(batch, start, end) -> rows [start, end) (default
-        slice_batch, which is what the training loop uses for Qwen-Image's batch: views, no copy);
-        progress() is called after every replayed micro-batch, anchor passes included (a progress bar).
+        batch: n candidates' Trajectory (what replay_fn consumes; `batch[s:e]` is a micro-batch,
+        views, no copy); advantages: [n]; valid: [n] bool (False = candidate of a failed reward
+        group: replayed so every rank runs the same collectives, but excluded from the loss);
+        replay_fn(model, rows) -> logp [b, S] (fp32 preferred); progress() is called after every
+        replayed micro-batch, anchor passes included (a progress bar).
 
-        1. plan: n split into num_updates_per_batch disjoint equal parts of micro-batches; ranks
-           MAX-check they agree on the micro-batch count (raise, never deadlock).
-        2. skip: an update whose valid advantages are all ~0 on every rank is skipped (counted).
-        3. anchor: pi_old log-probs through the live model with the same replay_fn, before any
-           optimizer step. The first executed update runs before any step, so its own forward
-           (with grad) is the anchor: old = logp.detach(), ratio exactly 1 by construction. Only
-           the micro-batches of later updates get a separate no_grad anchor pass, all of them
-           before the first step (`anchor_from_first_update=False`: every micro-batch gets one).
-        4. per update: loss over micro-batches (per-(sample, step) clipped objective), scaled so
-           the FSDP mean-reduced gradient is the mean over all valid (sample, step) of all ranks;
-           clip_grad; lr from the schedule; AdamW step.
-        Returns the train/* and perf/* series (ratio_min/max MAX-reduced, the rest averaged).
+        1. plan (`_plan`): n split into num_updates_per_batch disjoint equal parts of
+           micro-batches; ranks MAX-check they agree on the micro-batch count (raise, never
+           deadlock); an update whose valid advantages are all ~0 on every rank is skipped (counted).
+        2. anchor (`_anchor`): pi_old log-probs through the live model with the same replay_fn,
+           before any optimizer step. The first executed update runs before any step, so its own
+           forward (with grad) is the anchor: old = logp.detach(), ratio exactly 1 by
+           construction. Only the micro-batches of later updates get a separate no_grad anchor
+           pass, all of them before the first step (`anchor_from_first_update=False`: every
+           micro-batch gets one).
+        3. per update (`_backward_microbatch`, `_optimizer_step`): loss over micro-batches
+           (per-(sample, step) clipped objective), scaled so the FSDP mean-reduced gradient is the
+           mean over all valid (sample, step) of all ranks; clip_grad; lr from the schedule; AdamW.
+        4. metrics (`UpdateStats.reduce`): one SUM and one MAX reduce, one host transfer
+           (ratio_min/max MAX-reduced, the rest averaged over valid (sample, step) elements).
         """
         t_start = time.perf_counter()
-        g = self.grpo
-        n = int(advantages.shape[0])
-        cut = slice_fn or (lambda b, s, e: slice_batch(b, s, e, n))
-        plan = plan_updates(n, int(g.num_updates_per_batch), int(g.micro_batch_size))
-        n_mb = sum(len(p) for p in plan)
-        cdev = collective_device()
         adv = advantages.detach().float().to(self.device)
-        ok = torch.ones(n, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()
+        ok = torch.ones(adv.shape[0], dtype=torch.bool, device=self.device) if valid is None \
+            else valid.to(self.device).bool()
         if ok.shape != adv.shape:
             raise ValueError(f"valid mask shape {tuple(ok.shape)} != advantages shape {tuple(adv.shape)}")
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        plan = self._plan(adv, ok)
+        metrics: dict[str, float] = {"train/num_microbatches": float(plan.num_microbatches)}
+        if not any(plan.run):
+            self.skipped_rounds += 1
+            metrics.update({"train/optimizer_steps": 0.0, "train/optimizer_skips": float(plan.skipped_microbatches),
+                            "train/skipped_rounds": float(self.skipped_rounds),
+                            "train/lr": self.lr_at(self.optimizer_steps),
+                            "train/lr_scheduler_steps": float(self.optimizer_steps)})
+            return metrics
 
-        # 1-2: one MAX reduce carries the plan check and the per-update max |A|; one SUM the valid counts
+        self.model.train()
+        fused = {plan.run.index(True)} if self.anchor_from_first_update else set()
+        old = self._anchor(batch, plan, replay_fn, fused, progress)
+
+        stats = UpdateStats(self.device, kl=bool(self.kl_coef))
+        lr = self.lr_at(self.optimizer_steps)
+        skips = plan.skipped_microbatches
+        #: per executed update, this rank's ratio range (detached tensors; for diagnostics and tests)
+        self.last_update_stats = []
+        for u, part in enumerate(plan.parts):
+            if not plan.run[u]:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.begin_update()
+            for (s, e) in part:
+                rows = batch[s:e]
+                if self.kl_coef:
+                    ref_mean = self._reference_means(rows, replay_fn)
+                    logp, mean, std = replay_fn(self.model, rows, moments=True)
+                    kl = transition_kl(mean.flatten(0, 1), ref_mean.flatten(0, 1),
+                                       std.reshape(-1, *([1] * (mean.dim() - 2)))).view(logp.shape)
+                else:
+                    logp, kl = replay_fn(self.model, rows), None
+                anchor = None if u in fused else old[(s, e)]
+                self._backward_microbatch(logp, anchor, adv, plan, u, s, e, stats, kl)
+                if progress is not None:
+                    progress()
+            self.last_update_stats.append({"update": u, **stats.update_ratio_range()})
+            stepped, lr_used = self._optimizer_step(u, stats)
+            if stepped:
+                lr = lr_used
+            else:
+                skips += len(part)
+            self.optimizer.zero_grad(set_to_none=True)
+
+        metrics.update(stats.reduce(plan.n, time.perf_counter() - t_start))
+        metrics.update({"train/lr": lr, "train/optimizer_steps": float(stats.steps),
+                        "train/optimizer_skips": float(skips), "train/skipped_rounds": float(self.skipped_rounds),
+                        "train/lr_scheduler_steps": float(self.optimizer_steps)})
+        metrics.update(self.memory_metrics())
+        return metrics
+
+    def _plan(self, adv: torch.Tensor, ok: torch.Tensor) -> "UpdatePlan":
+        """Step 1: the micro-batch plan, agreed by every rank, and which updates run. Two tiny
+        reduces (one MAX carries the plan check and the per-update max |A|, one SUM the valid
+        counts) are the plan's only host syncs, before any forward."""
+        g = self.grpo
+        n = int(adv.shape[0])
+        parts = plan_updates(n, int(g.num_updates_per_batch), int(g.micro_batch_size))
+        n_mb = sum(len(p) for p in parts)
+        cdev = collective_device()
         bad_adv = (~torch.isfinite(adv) & ok).any().float().reshape(1).to(cdev)
         masked_abs = torch.where(ok, adv.abs(), torch.zeros_like(adv)).to(cdev)
         ok_c = ok.to(cdev)
-        part_max = torch.stack([masked_abs[p[0][0]:p[-1][1]].max() for p in plan])
-        part_cnt = torch.stack([ok_c[p[0][0]:p[-1][1]].sum().float() for p in plan])
+        part_max = torch.stack([masked_abs[p[0][0]:p[-1][1]].max() for p in parts])
+        part_cnt = torch.stack([ok_c[p[0][0]:p[-1][1]].sum().float() for p in parts])
         mx = all_reduce_max(torch.cat([torch.tensor([n_mb, -n_mb], dtype=torch.float32, device=cdev), bad_adv,
-                                       part_max]))
-        mx = mx.tolist()  # the plan's only host syncs: two tiny reduces before any forward
+                                       part_max])).tolist()
         if int(mx[0]) != n_mb or int(-mx[1]) != n_mb:
             raise MicroBatchMismatchError(
                 f"rank {dist.get_rank() if dist.is_initialized() else 0} plans {n_mb} micro-batches but ranks range "
@@ -503,134 +682,90 @@ class Actor:
             raise ValueError("non-finite advantage for a valid candidate on some rank: the reward/advantage stage must "
                              "mark failed groups invalid instead of passing NaN/inf")
         global_cnt = all_reduce_sum(part_cnt.clone()).tolist()
-        run = [mx[3 + u] > ZERO_ADVANTAGE and global_cnt[u] > 0 for u in range(len(plan))]
+        run = [mx[3 + u] > ZERO_ADVANTAGE and global_cnt[u] > 0 for u in range(len(parts))]
         ok_host = ok.cpu()
-
-        metrics: dict[str, float] = {"train/num_microbatches": float(n_mb)}
-        skips = sum(len(p) for u, p in enumerate(plan) if not run[u])
-        if not any(run):
-            self.skipped_rounds += 1
-            metrics.update({"train/optimizer_steps": 0.0, "train/optimizer_skips": float(skips),
-                            "train/skipped_rounds": float(self.skipped_rounds),
-                            "train/lr": self.lr_at(self.optimizer_steps),
-                            "train/lr_scheduler_steps": float(self.optimizer_steps)})
-            return metrics
-
         # partially valid micro-batches: their row indices on the device, copied before any forward
         # is queued (boolean masking on the device, or a copy per micro-batch, syncs the host each time)
         part_idx = {(s, e): torch.nonzero(ok_host[s:e]).flatten().to(self.device)
-                    for u, part in enumerate(plan) if run[u] for (s, e) in part
+                    for u, part in enumerate(parts) if run[u] for (s, e) in part
                     if 0 < int(ok_host[s:e].sum()) < e - s}
+        return UpdatePlan(n=n, parts=parts, run=run, global_valid=global_cnt, valid_host=ok_host,
+                          partial_rows=part_idx, world=dist.get_world_size() if dist.is_initialized() else 1,
+                          skipped_microbatches=sum(len(p) for u, p in enumerate(parts) if not run[u]))
 
-        self.model.train()
-        # 3: the anchor, frozen before any optimizer step. The first executed update's forward IS
-        # its anchor (no step precedes it), so only the later updates need a no_grad pass here.
-        first = run.index(True)
-        fused = {first} if self.anchor_from_first_update else set()
+    @torch.no_grad()
+    def _anchor(self, batch: Any, plan: "UpdatePlan", replay_fn: ReplayFn, fused: set[int],
+                progress: Callable[[], None] | None) -> dict[tuple[int, int], torch.Tensor]:
+        """Step 2: pi_old of every micro-batch of the executed updates not in `fused` (whose own
+        first forward is the anchor), frozen before any optimizer step."""
         old: dict[tuple[int, int], torch.Tensor] = {}
-        with torch.no_grad():
-            for u, part in enumerate(plan):
-                if run[u] and u not in fused:
-                    for (s, e) in part:
-                        old[(s, e)] = replay_fn(self.model, cut(batch, s, e)).detach().float()
-                        if progress is not None:
-                            progress()
+        for u, part in enumerate(plan.parts):
+            if plan.run[u] and u not in fused:
+                for (s, e) in part:
+                    old[(s, e)] = replay_fn(self.model, batch[s:e]).detach().float()
+                    if progress is not None:
+                        progress()
         self.last_anchor_passes = len(old)
+        return old
 
-        # 4: the updates
-        acc = torch.zeros(8, dtype=torch.float64, device=self.device)  # weighted stat sums, see below
-        rmax = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)  # ratio_max, -ratio_min
-        grad_norms: list[torch.Tensor] = []
-        steps = 0
-        transitions = 0
-        elems = 0.0  # valid (sample, step) elements behind acc[:5]; host-side, no device traffic
+    @property
+    def kl_coef(self) -> float:
+        """The KL-to-reference weight in the loss (0: no KL term, no reference forward)."""
+        g = self.grpo
+        return float(getattr(g, "kl_coef", 0.0) or 0.0) if getattr(g, "use_kl_loss", False) else 0.0
+
+    @torch.no_grad()
+    def _reference_means(self, rows: Any, replay_fn: ReplayFn) -> torch.Tensor:
+        """Transition means [b, S, ...] of the reference policy: the same model with its LoRA
+        adapter disabled (the base weights; no extra memory, one more no_grad forward)."""
+        with lora_disabled(self.model):
+            return replay_fn(self.model, rows, moments=True)[1]
+
+    def _backward_microbatch(self, logp: torch.Tensor, anchor: torch.Tensor | None, adv: torch.Tensor,
+                             plan: "UpdatePlan", u: int, s: int, e: int, stats: "UpdateStats",
+                             kl: torch.Tensor | None = None) -> None:
+        """Step 3, one micro-batch: the clipped loss over its valid rows (anchor None: this very
+        forward is pi_old, ratio exactly 1), plus --kl-coef x the mean KL to the reference when
+        `kl` [b, S] is given, scaled to the global valid mean, backward, stats."""
+        g = self.grpo
+        if logp.dim() == 1:
+            logp = logp[:, None]
+        n_rows = int(plan.valid_host[s:e].sum())
+        stats.transitions += logp.shape[0] * logp.shape[1]
+        if not n_rows:
+            # no valid row here, but FSDP's reduce-scatter must still run on every rank
+            (logp.sum() * 0.0).backward()
+            return
+        anchor = logp.detach().float() if anchor is None else anchor
+        if n_rows == e - s:
+            lp, op, ad = logp, anchor, adv[s:e]
+        else:
+            idx = plan.partial_rows[(s, e)].to(logp.device)
+            lp, op, ad = logp.index_select(0, idx), anchor.index_select(0, idx), adv[s:e].index_select(0, idx)
+            kl = None if kl is None else kl.index_select(0, idx)
+        loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, getattr(g, "eps_clip_high", None))
+        if kl is not None:
+            st["kl_ref"] = kl.detach().mean()
+            loss = loss + self.kl_coef * kl.mean()
+        (loss * (n_rows * plan.world / plan.global_valid[u])).backward()
+        stats.add(loss, st, float(n_rows * logp.shape[1]))
+
+    def _optimizer_step(self, u: int, stats: "UpdateStats") -> tuple[bool, float]:
+        """Step 3, end of an update: clip, set the scheduled lr, step. A non-finite grad norm skips
+        the step (logged). Returns (stepped, lr)."""
+        gn = self._clip_grad()
+        if not torch.isfinite(gn):
+            log.warning("non-finite grad norm %s in update %d: optimizer step skipped", gn.item(), u)
+            return False, 0.0
         lr = self.lr_at(self.optimizer_steps)
-        #: per executed update, this rank's ratio range (detached tensors; for diagnostics and tests)
-        self.last_update_stats = []
-        for u, part in enumerate(plan):
-            if not run[u]:
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
-            upd = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
-            for (s, e) in part:
-                logp = replay_fn(self.model, cut(batch, s, e))
-                if logp.dim() == 1:
-                    logp = logp[:, None]
-                rows_host = ok_host[s:e]
-                n_rows = int(rows_host.sum())
-                transitions += logp.shape[0] * logp.shape[1]
-                if n_rows:
-                    # the first executed update: this very forward is pi_old (ratio exactly 1)
-                    anchor = old[(s, e)] if u not in fused else logp.detach().float()
-                    if n_rows == e - s:
-                        lp, op, ad = logp, anchor, adv[s:e]
-                    else:
-                        idx = part_idx[(s, e)].to(logp.device)
-                        lp, op, ad = logp.index_select(0, idx), anchor.index_select(0, idx), adv[s:e].index_select(0, idx)
-                    loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, getattr(g, "eps_clip_high", None))
-                    scale = n_rows * world / global_cnt[u]
-                    (loss * scale).backward()
-                    k = float(n_rows * logp.shape[1])  # elements behind these stats
-                    rm, rs = st["ratio_mean"].double(), st["ratio_std"].double()
-                    # k enters as a Python scalar: a torch.tensor(k, device=cuda) would be a blocking
-                    # host-to-device copy, i.e. a host sync per micro-batch
-                    acc[:5] += torch.stack([loss.detach().double(), st["clip_fraction"].double(),
-                                            st["approx_kl"].double(), rm, rs * rs + rm * rm]).to(acc.device) * k
-                    elems += k
-                    r_range = torch.stack([st["ratio_max"].double(), -st["ratio_min"].double()])
-                    rmax = torch.maximum(rmax, r_range)
-                    upd = torch.maximum(upd, r_range)
-                else:
-                    # no valid row here, but FSDP's reduce-scatter must still run on every rank
-                    (logp.sum() * 0.0).backward()
-                if progress is not None:
-                    progress()
-            self.last_update_stats.append({"update": u, "ratio_max": upd[0], "ratio_min": -upd[1]})
-            gn = self._clip_grad()
-            if torch.isfinite(gn):
-                lr = self.lr_at(self.optimizer_steps)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.optimizer.step()
-                self.optimizer_steps += 1
-                steps += 1
-                grad_norms.append(gn.detach().double().reshape(()))
-            else:
-                log.warning("non-finite grad norm %s in update %d: optimizer step skipped", gn.item(), u)
-                skips += len(part)
-            self.optimizer.zero_grad(set_to_none=True)
-
-        # metrics: one SUM and one MAX reduce, one host transfer
-        acc[5] = elems
-        acc[6] = torch.stack(grad_norms).sum() if grad_norms else 0.0
-        acc[7] = float(len(grad_norms))
-        dt = time.perf_counter() - t_start
-        sums = all_reduce_sum(torch.cat([acc, torch.tensor([transitions, n, 1.0], dtype=torch.float64,
-                                                           device=acc.device)]).to(cdev))
-        maxes = all_reduce_max(torch.cat([rmax, torch.tensor([dt], dtype=torch.float64, device=rmax.device)]).to(cdev))
-        sv, mv = sums.tolist(), maxes.tolist()
-        k = max(sv[5], 1.0)
-        mean_r = sv[3] / k
-        metrics.update({
-            "train/loss": sv[0] / k,
-            "train/clip_fraction": sv[1] / k,
-            "train/approx_kl": sv[2] / k,
-            "train/ratio_mean": mean_r,
-            "train/ratio_std": math.sqrt(max(sv[4] / k - mean_r * mean_r, 0.0)),
-            "train/ratio_max": mv[0],
-            "train/ratio_min": -mv[1],
-            "train/grad_norm": sv[6] / max(sv[7], 1.0),
-            "train/lr": lr,
-            "train/optimizer_steps": float(steps),
-            "train/optimizer_skips": float(skips),
-            "train/skipped_rounds": float(self.skipped_rounds),
-            "train/lr_scheduler_steps": float(self.optimizer_steps),
-            "perf/train_time": mv[2],
-            "perf/train_transitions_per_s": sv[8] / max(mv[2], 1e-9),
-            "perf/train_samples_per_s": sv[9] / max(mv[2], 1e-9),
-        })
-        metrics.update(self.memory_metrics())
-        return metrics
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        if self.ema is not None and self.ema.due(self.optimizer_steps):
+            self.ema.update()
+        stats.add_step(gn)
+        return True, lr
 
     def _clip_grad(self) -> torch.Tensor:
         """Total grad norm over all ranks (clipped to --clip-grad when > 0); a 0-d local tensor."""
@@ -673,10 +808,13 @@ class Actor:
                     # AdamW keeps `step` as a CPU scalar on GPU runs: nothing to free there
                     if lt.device.type == self.device.type:
                         out.append(lt)
+        # the EMA is optimizer-like state: it leaves the device with AdamW's moments
+        if self.ema is not None:
+            out += [t for t in self.ema.local_tensors() if t.device.type == self.device.type]
         return out
 
     def offload(self) -> dict[str, float]:
-        """Release the parameter/buffer shards and AdamW state from the device into (pinned) host memory.
+        """Release the parameter/buffer shards, AdamW state and the EMA from the device into (pinned) host memory.
 
         Fatal on failure (OffloadError). Gradients must be None (they are after train_step).
         """

@@ -1,6 +1,6 @@
 """Rollout artifacts: trajectory sidecars, PNGs, layout and retention.
 
-Layout (the reference's)::
+Layout::
 
     <root>/<task>/rollout_<7 digits>/group_<8 digits>.safetensors          one sidecar per group
     <root>/<task>/rollout_<7 digits>/group_<8 digits>_sample_<4 digits>.png one image per candidate
@@ -13,7 +13,10 @@ trained steps, L packed tokens of C channels, T text tokens of width D):
     common.sde_indices                                          [S] int64
     common.sigmas / common.sigmas_next / common.timesteps        [S] fp32
     common.height / common.width / common.vae_scale_factor      0-d int64
-    conditions.prompt_embeds [T, D], conditions.prompt_embeds_mask [T] int64  (shared by the group)
+    conditions.<name>                                          the group's conditioning, one row, at its own
+                                                               length (Qwen-Image: prompt_embeds [T, D],
+                                                               prompt_embeds_mask [T] int64; true CFG adds
+                                                               negative_prompt_embeds / _mask)
     tracks.latents / tracks.next_latents [K, S, L, C] (sampler dtype), tracks.log_probs [K, S] fp32
 
 and string metadata: the format tag, task, rollout id, group index, prompt, sample ids, the
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
+
+from trainer.trajectory import Trajectory, trimmed_condition
 
 log = logging.getLogger(__name__)
 
@@ -180,137 +185,132 @@ def write_png(path, image: torch.Tensor, *, overwrite: bool = False) -> Path:
 # ----------------------------------------------------------------------------- group sidecars
 
 
-def candidate_manifest(response: Mapping[str, Any], *, sampling_fingerprint: str, weight_manifest_hash: str | None,
+def candidate_manifest(traj: Trajectory, row: int, *, sampling_fingerprint: str, weight_manifest_hash: str | None,
                        rollout_id: int | None) -> dict[str, Any]:
-    """The small JSON manifest a candidate carries (train_metadata): provenance of its sample."""
+    """The small JSON manifest candidate `row` carries (train_metadata): provenance of its sample."""
     return {
-        "sample_id": str(response.get("sample_id")),
-        "group_index": int(response.get("group_index", -1)),
-        "slot": int(response.get("slot", -1)),
+        "sample_id": str(traj.sample_ids[row]),
+        "group_index": int(traj.group_indices[row]),
+        "slot": int(traj.slots[row]),
         "rollout_id": rollout_id,
-        "policy_version": int(response.get("policy_version", 0)),
+        "policy_version": int(traj.policy_versions[row]),
         "sampling_fingerprint": sampling_fingerprint,
         "weight_manifest_hash": weight_manifest_hash,
     }
 
 
-def _seed_hash(response: Mapping[str, Any]) -> int:
+def group_sidecar_payload(traj: Trajectory, *, task: str, rollout_id: int | None, sampling: Any = None,
+                          weight_manifest_hash: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of one group's sidecar from a Trajectory of its candidates (any row
+    order; stored by slot). All candidates must share the prompt (and so the conditioning)."""
     from trainer.sampling import candidate_seed
 
-    return candidate_seed(int(response.get("generation_seed", 0)), str(response["sample_id"]))
-
-
-def group_sidecar_payload(responses: list[Mapping[str, Any]], *, task: str, rollout_id: int | None,
-                          sampling: Any = None, weight_manifest_hash: str | None = None
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of one group's sidecar from its candidates' responses (any order;
-    stored by slot). All candidates must share the prompt, the trained steps and the geometry."""
-    if not responses:
+    if not len(traj):
         raise ValueError("a group sidecar needs at least one candidate")
-    rs = sorted(responses, key=lambda r: int(r["slot"]))
-    first = rs[0]
-    for r in rs[1:]:
-        if r["prompt"] != first["prompt"] or int(r["group_index"]) != int(first["group_index"]):
-            raise ValueError(f"candidates of group {first['group_index']} disagree on prompt / group index "
-                             f"({r.get('sample_id')})")
-        if list(r["sde_indices"]) != list(first["sde_indices"]) or (r["height"], r["width"]) != (first["height"], first["width"]):
-            raise ValueError(f"candidates of group {first['group_index']} disagree on trained steps or geometry")
-    slots = [int(r["slot"]) for r in rs]
+    order = sorted(range(len(traj)), key=lambda i: int(traj.slots[i]))
+    g = traj[order] if order != list(range(len(traj))) else traj
+    group = int(g.group_indices[0])
+    if len(set(g.prompts)) != 1 or len(set(g.group_indices.tolist())) != 1:
+        raise ValueError(f"candidates of group {group} disagree on prompt / group index ({g.sample_ids})")
+    slots = [int(v) for v in g.slots.tolist()]
     if len(set(slots)) != len(slots):
-        raise ValueError(f"group {first['group_index']} has duplicate slots {slots}")
+        raise ValueError(f"group {group} has duplicate slots {slots}")
     fingerprint = _fingerprint(sampling)
-    manifests = [r.get("train_metadata") or candidate_manifest(
-        r, sampling_fingerprint=fingerprint, weight_manifest_hash=weight_manifest_hash, rollout_id=rollout_id)
-        for r in rs]
-    mask = first.get("prompt_embeds_mask")
-    if mask is None:
-        mask = torch.ones(first["prompt_embeds"].shape[0], dtype=torch.int64)
+    manifests = g.train_metadata or [candidate_manifest(g, i, sampling_fingerprint=fingerprint,
+                                                        weight_manifest_hash=weight_manifest_hash,
+                                                        rollout_id=rollout_id) for i in range(len(g))]
     i64 = torch.int64
     tensors = {
-        "common.slots": torch.tensor(slots, dtype=i64),
-        "common.policy_versions": torch.tensor([int(r.get("policy_version", 0)) for r in rs], dtype=i64),
-        "common.seed_hashes": torch.tensor([_seed_hash(r) for r in rs], dtype=i64),
-        "common.sde_indices": torch.tensor([int(i) for i in first["sde_indices"]], dtype=i64),
-        "common.sigmas": first["sigmas"].float(),
-        "common.sigmas_next": first["sigmas_next"].float(),
-        "common.timesteps": first["timesteps"].float(),
-        "common.height": torch.tensor(int(first["height"]), dtype=i64),
-        "common.width": torch.tensor(int(first["width"]), dtype=i64),
-        "common.vae_scale_factor": torch.tensor(int(first.get("vae_scale_factor", 8)), dtype=i64),
-        "conditions.prompt_embeds": first["prompt_embeds"],
-        "conditions.prompt_embeds_mask": mask.to(i64),
-        "tracks.latents": torch.stack([r["trajectory_latents"] for r in rs]),
-        "tracks.next_latents": torch.stack([r["trajectory_next_latents"] for r in rs]),
-        "tracks.log_probs": torch.stack([r["log_probs"].float() for r in rs]),
+        "common.slots": g.slots.to(i64),
+        "common.policy_versions": g.policy_versions.to(i64),
+        "common.seed_hashes": torch.tensor([candidate_seed(seed, sid) for seed, sid in
+                                            zip(g.generation_seeds, g.sample_ids)], dtype=i64),
+        "common.sde_indices": torch.tensor(g.sde_indices, dtype=i64),
+        "common.sigmas": g.sigmas[0].float(),
+        "common.sigmas_next": g.sigmas_next[0].float(),
+        "common.timesteps": g.timesteps[0].float(),
+        "common.height": torch.tensor(g.height, dtype=i64),
+        "common.width": torch.tensor(g.width, dtype=i64),
+        "common.vae_scale_factor": torch.tensor(g.vae_scale_factor, dtype=i64),
+        "tracks.latents": g.latents,
+        "tracks.next_latents": g.next_latents,
+        "tracks.log_probs": g.log_probs.float(),
     }
+    tensors.update({f"conditions.{k}": trimmed_condition(g.conditions, k, 0) for k in g.conditions})
     metadata = {
         "format": SIDECAR_FORMAT,
         "task": task,
         "rollout_id": json.dumps(rollout_id),
-        "group_index": str(int(first["group_index"])),
-        "prompt": first["prompt"],
-        "prompt_metadata": json.dumps(first.get("metadata") or {}, sort_keys=True),
-        "sample_ids": json.dumps([str(r["sample_id"]) for r in rs]),
-        "generation_seeds": json.dumps([int(r.get("generation_seed", 0)) for r in rs]),
-        "num_inference_steps": str(int(first.get("num_inference_steps", 0))),
-        "eta": repr(float(first.get("eta", getattr(sampling, "eta", 0.0)))),
-        "sde_type": str(first.get("sde_type", getattr(sampling, "sde_type", "sde"))),
-        "sigma_max": repr(float(first.get("sigma_max", getattr(sampling, "sigma_max", 0.99)))),
-        "latent_dtype": str(first["trajectory_latents"].dtype).replace("torch.", ""),
+        "group_index": str(group),
+        "prompt": g.prompts[0],
+        "prompt_metadata": json.dumps(g.metadata[0] or {}, sort_keys=True),
+        "sample_ids": json.dumps([str(v) for v in g.sample_ids]),
+        "generation_seeds": json.dumps([int(v) for v in g.generation_seeds]),
+        "num_inference_steps": str(int(g.num_inference_steps)),
+        "eta": repr(float(g.eta)),
+        "sde_type": str(g.sde_type),
+        "sigma_max": repr(float(g.sigma_max)),
+        "guidance_scale": repr(float(g.guidance_scale)),
+        "negative_prompt": json.dumps(g.negative_prompt),
+        "cfg_renorm": json.dumps(bool(g.cfg_renorm)),
+        "latent_dtype": g.latent_dtype,
         "sampling": json.dumps(sampling.to_dict() if hasattr(sampling, "to_dict") else None, sort_keys=True),
         "sampling_fingerprint": fingerprint,
         "weight_manifest_hash": json.dumps(weight_manifest_hash),
-        "policy_version": str(max(int(r.get("policy_version", 0)) for r in rs)),
+        "policy_version": str(int(g.policy_versions.max())),
         "candidates": json.dumps(manifests, sort_keys=True),
     }
     return tensors, metadata
 
 
-def write_group_sidecar(path, responses: list[Mapping[str, Any]], *, task: str, rollout_id: int | None,
-                        sampling: Any = None, weight_manifest_hash: str | None = None,
-                        overwrite: bool = False) -> Path:
+def write_group_sidecar(path, traj: Trajectory, *, task: str, rollout_id: int | None, sampling: Any = None,
+                        weight_manifest_hash: str | None = None, overwrite: bool = False) -> Path:
     """Build and atomically write one group's sidecar (group_sidecar_payload + write_sidecar)."""
-    tensors, metadata = group_sidecar_payload(responses, task=task, rollout_id=rollout_id, sampling=sampling,
+    tensors, metadata = group_sidecar_payload(traj, task=task, rollout_id=rollout_id, sampling=sampling,
                                               weight_manifest_hash=weight_manifest_hash)
     return write_sidecar(path, tensors, metadata, overwrite=overwrite)
 
 
-def sidecar_to_responses(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Rebuild per-candidate responses (without images) from a sidecar, slot order; the
-    adapter's pack_trajectory accepts them."""
+def sidecar_to_trajectory(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> Trajectory:
+    """The Trajectory (without images) a sidecar stores, slot order; the group's conditioning
+    repeated on every row. What the actor replays from it equals what it replays from the
+    rollout's own trajectory."""
     sample_ids = json.loads(metadata["sample_ids"])
-    seeds = json.loads(metadata.get("generation_seeds", "null")) or [0] * len(sample_ids)
+    k = len(sample_ids)
+    seeds = json.loads(metadata.get("generation_seeds", "null")) or [0] * k
     manifests = json.loads(metadata.get("candidates", "[]"))
-    sde = [int(i) for i in tensors["common.sde_indices"].tolist()]
-    out = []
-    for k, slot in enumerate(tensors["common.slots"].tolist()):
-        out.append({
-            "prompt": metadata["prompt"],
-            "metadata": json.loads(metadata.get("prompt_metadata", "{}")),
-            "sample_id": sample_ids[k],
-            "group_index": int(metadata["group_index"]),
-            "slot": int(slot),
-            "generation_seed": int(seeds[k]),
-            "trajectory_latents": tensors["tracks.latents"][k],
-            "trajectory_next_latents": tensors["tracks.next_latents"][k],
-            "log_probs": tensors["tracks.log_probs"][k],
-            "sigmas": tensors["common.sigmas"],
-            "sigmas_next": tensors["common.sigmas_next"],
-            "timesteps": tensors["common.timesteps"],
-            "sde_indices": sde,
-            "prompt_embeds": tensors["conditions.prompt_embeds"],
-            "prompt_embeds_mask": tensors["conditions.prompt_embeds_mask"],
-            "height": int(tensors["common.height"]),
-            "width": int(tensors["common.width"]),
-            "vae_scale_factor": int(tensors["common.vae_scale_factor"]),
-            "num_inference_steps": int(metadata.get("num_inference_steps", 0)),
-            "eta": float(metadata.get("eta", "nan")),
-            "sde_type": metadata.get("sde_type", "sde"),
-            "sigma_max": float(metadata.get("sigma_max", "0.99")),
-            "policy_version": int(tensors["common.policy_versions"][k]),
-            "train_metadata": manifests[k] if k < len(manifests) else None,
-        })
-    return out
+    per_step = lambda name: tensors[name].float().reshape(1, -1).repeat(k, 1)  # noqa: E731
+    conditions = {name.split(".", 1)[1]: t.unsqueeze(0).repeat(k, *([1] * t.dim()))
+                  for name, t in tensors.items() if name.startswith("conditions.")}
+    return Trajectory(
+        prompts=[metadata["prompt"]] * k,
+        sample_ids=[str(v) for v in sample_ids],
+        group_indices=torch.full((k,), int(metadata["group_index"]), dtype=torch.int64),
+        slots=tensors["common.slots"].to(torch.int64),
+        generation_seeds=[int(v) for v in seeds],
+        policy_versions=tensors["common.policy_versions"].to(torch.int64),
+        metadata=[json.loads(metadata.get("prompt_metadata", "{}")) for _ in range(k)],
+        latents=tensors["tracks.latents"],
+        next_latents=tensors["tracks.next_latents"],
+        timesteps=per_step("common.timesteps"),
+        sigmas=per_step("common.sigmas"),
+        sigmas_next=per_step("common.sigmas_next"),
+        log_probs=tensors["tracks.log_probs"].float(),
+        conditions=conditions,
+        sde_indices=[int(i) for i in tensors["common.sde_indices"].tolist()],
+        height=int(tensors["common.height"]),
+        width=int(tensors["common.width"]),
+        vae_scale_factor=int(tensors["common.vae_scale_factor"]),
+        num_inference_steps=int(metadata.get("num_inference_steps", 0)),
+        eta=float(metadata.get("eta", "nan")),
+        sde_type=metadata.get("sde_type", "sde"),
+        sigma_max=float(metadata.get("sigma_max", "0.99")),
+        guidance_scale=float(metadata.get("guidance_scale", "1.0")),
+        negative_prompt=json.loads(metadata.get("negative_prompt", "null")),
+        cfg_renorm=bool(json.loads(metadata.get("cfg_renorm", "false"))),
+        train_metadata=manifests if len(manifests) == k else None,
+        rollout_id=json.loads(metadata.get("rollout_id", "null")),
+    ).validate()
 
 
 def _fingerprint(sampling: Any) -> str:

@@ -3,7 +3,7 @@
 Layout (one directory per iteration, i.e. per rollout id):
 
     <save>/<task>/iter_0000020/
-        fsdp/                       DCP shards (model + optimizer)
+        fsdp/                       DCP shards (model + optimizer, + "ema.*" when --ema-decay > 0)
         rng_rank0.pt ...            per-rank RNG state
         trainer_state.json          rollout id, policy version, lr_scheduler_steps, ...
         weight_sync_manifest.json
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.artifacts import atomic_write_bytes
+from trainer.ema import EMA_PREFIX
 from trainer.checkpoint_index import (  # noqa: F401 - re-exported: the checkpoint API in one module
     COMMITTED,
     LATEST,
@@ -122,6 +123,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _dcp_state(model, optimizer, trainable_only: bool, ema) -> dict:
+    """What DCP saves and loads in place: "model", "optim" (when there is an optimizer) and "ema"
+    (only when the run keeps one, so an EMA-off checkpoint has exactly the keys it always had)."""
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
+    state = {"model": model_sd}
+    if optim_sd is not None:
+        state["optim"] = optim_sd
+    if ema:
+        state["ema"] = ema
+    return state
+
+
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -144,28 +157,6 @@ def optimizer_stateless_params(model: torch.nn.Module, optimizer: torch.optim.Op
     return sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stateful)
 
 
-#: fault injection for the chaos tests: "<point>:<iteration>:<rank>" SIGKILLs that rank at that
-#: point of that save (points: shards, sidecars, committed), as a power cut would
-KILL_AT_ENV = "TRAINER_TEST_KILL_AT"
-
-
-def _kill_point(point: str, iteration: int) -> None:
-    if os.environ.get(KILL_AT_ENV) == f"{point}:{iteration}:{_rank()}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _failing_writer_cls():
-    import torch.distributed.checkpoint as dcp
-
-    class FailingWriter(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):
-            raise OSError("simulated failure while writing shards")
-
-    return FailingWriter
-
-
 def save_checkpoint(
     save_root: str | os.PathLike,
     task: str,
@@ -178,16 +169,16 @@ def save_checkpoint(
     adapter_contract: dict[str, Any],
     trainable_only: bool,
     max_to_keep: int = 0,
-    rotate: bool = True,
-    fail_rank: int | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> bool:
     """Write one checkpoint on every rank (collective). Returns True when it was committed.
 
     Every failure is logged loudly and returns False on every rank (the caller counts it in
     train/checkpoint_failures and carries on): a failed preparation on rank 0 (a read-only or
     vanished --save), a failed shard or sidecar write. Committed iterations are never
-    overwritten and rotation (`max_to_keep`, when `rotate`) runs only after the new checkpoint
-    is committed. `fail_rank` makes that rank's shard write fail, for testing the crash path.
+    overwritten and rotation (`max_to_keep` > 0) runs only after the new checkpoint is committed.
+    `ema` (trainer.ema.ParamEMA.state_dict(), or None without an EMA) is written under "ema.";
+    without it the DCP keys are exactly the model's and the optimizer's.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -216,15 +207,10 @@ def save_checkpoint(
 
     ok = True
     try:
-        model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
-        state = {"model": model_sd}
-        if optim_sd is not None:
-            state["optim"] = optim_sd
-        writer_cls = _failing_writer_cls() if fail_rank == rank else dcp.FileSystemWriter
+        state = _dcp_state(model, optimizer, trainable_only, ema)
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
-        dcp.save(state, storage_writer=writer_cls(str(out / "fsdp")))
-        _kill_point("shards", iteration)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / "fsdp")))
         torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
     except BaseException as e:  # CheckpointException derives from BaseException
         if isinstance(e, KeyboardInterrupt):
@@ -246,12 +232,10 @@ def save_checkpoint(
             logger.error("CHECKPOINT WRITE FAILED on rank 0 (sidecars) for %s: %r", out, e)
             ok = False
 
-    _kill_point("sidecars", iteration)
     committed = _all_ranks_ok(ok)
     if committed and rank == 0:
         try:
             atomic_write_bytes(out / COMMITTED, f"{iteration}\n".encode())
-            _kill_point("committed", iteration)
             for marker_dir in (Path(save_root), Path(save_root) / task):
                 atomic_write_bytes(marker_dir / LATEST, f"{iteration}\n".encode(), overwrite=True)
         except BaseException as e:  # noqa: BLE001 - a missing marker is still "not committed"
@@ -259,7 +243,7 @@ def save_checkpoint(
             committed = (out / COMMITTED).is_file()
     if not committed and rank == 0:
         logger.error("checkpoint iteration %d was NOT committed (a rank failed); resume ignores %s", iteration, out)
-    if committed and rank == 0 and rotate and max_to_keep:
+    if committed and rank == 0 and max_to_keep:
         try:
             removed = rotate_checkpoints(save_root, task, max_to_keep)
             if removed:
@@ -307,9 +291,15 @@ def load_checkpoint(
     adapter_contract: dict[str, Any],
     trainable_only: bool,
     iteration: int | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
     """Restore model, optimizer and this rank's RNG from the newest COMMITTED iteration
-    (or `iteration`). Returns the trainer_state dict, or None when there is nothing to load."""
+    (or `iteration`). Returns the trainer_state dict, or None when there is nothing to load.
+
+    `ema`: the run's EMA tensors (ParamEMA.state_dict()), loaded in place. A checkpoint without
+    EMA state cannot give them: that raises (silently restarting the average from the resumed
+    weights would make the run differ from an uninterrupted one). A checkpoint with EMA state
+    loaded by a run without an EMA drops it, with a warning."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -324,10 +314,7 @@ def load_checkpoint(
     trainer_state = _read_json(d / TRAINER_STATE)
     assert_resumable(_read_json(d / CONTRACT), adapter_contract, d / CONTRACT)
 
-    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
-    state = {"model": model_sd}
-    if optim_sd is not None:
-        state["optim"] = optim_sd
+    state = _dcp_state(model, optimizer, trainable_only, ema)
 
     reader = FileSystemReader(str(d / "fsdp"))
     try:
@@ -338,6 +325,13 @@ def load_checkpoint(
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     wanted, _ = flatten_state_dict(state)
+    saved_ema = any(k.startswith(EMA_PREFIX) for k in saved_keys)
+    if ema and not saved_ema:
+        raise CheckpointError(
+            f"{d / 'fsdp'} holds no EMA state ('{EMA_PREFIX}*'), but this run has --ema-decay > 0: it was written "
+            f"by a run without an EMA. Resume with --ema-decay 0, or start a fresh run with another --save.")
+    if saved_ema and not ema:
+        logger.warning("%s holds EMA state; this run has no EMA (--ema-decay 0), so it is not loaded", d / "fsdp")
     missing = sorted(k for k in wanted if k not in saved_keys)
     stateless = set(trainer_state.get("optimizer_stateless_params", []))
     bad = [k for k in missing if not (k.startswith("optim.state.") and _param_of_optim_key(k) in stateless)]

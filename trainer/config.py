@@ -7,11 +7,15 @@ reference's Configuration Reference; where this trainer deviates (the default
 backend, flags that only exist for Ray machinery) docs/configuration.md records
 the decision and why.
 
-A recipe is a TOML file whose keys are flag names (dashes or underscores).
-Tables are allowed only where a flag's value is itself a dict (sampling-config,
-reward-component-weights, resource, autoscaler-config). String values may use
-``${VAR}`` / ``${VAR:-default}`` environment expansion. CLI flags override the
-recipe. Unknown keys and flags are errors with a did-you-mean suggestion.
+A recipe is a TOML file whose keys are flag names (dashes or underscores), at the
+top level or under the section that holds them (``[rollout]``, ``[fsdp]``, ... the
+groups of ``--help`` and of ``RunConfig.to_dict()``). Other tables are allowed only
+where a flag's value is itself a dict (sampling-config, reward-component-weights,
+resource, autoscaler-config). String values may use ``${VAR}`` /
+``${VAR:-default}`` environment expansion. A run's recipe record (JSON, its
+``"config"`` object) loads the same way, so a run can be started again from it. CLI
+flags override the recipe. Unknown keys and flags, and keys under the wrong section,
+are errors with a did-you-mean suggestion.
 
 This module imports no torch: preflight and ``--preflight-only`` run before any
 heavy import.
@@ -27,7 +31,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 try:  # Python >= 3.11
     import tomllib
@@ -39,9 +43,16 @@ class ConfigError(ValueError):
     """A recipe or command line could not be turned into a RunConfig."""
 
 
-def _flag(default: Any = None, help: str = "", *, factory: Any = None) -> Any:
-    """A dataclass field carrying its flag help text."""
-    meta = {"help": help}
+def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: dict[str, str] | None = None) -> Any:
+    """A dataclass field carrying its flag help text.
+
+    A field annotated with a Literal (or an optional one) takes only those values; the parser
+    refuses any other, naming the flag, the value and the choices. `hints` adds a pointer for a
+    known wrong value (one Relax used, or a removed one) to that error.
+    """
+    meta: dict[str, Any] = {"help": help}
+    if hints:
+        meta["hints"] = dict(hints)
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -90,16 +101,93 @@ def resolve_scorer_path(name: str | None) -> str | None:
     return SCORER_SHORT_NAMES.get(name, name)
 
 
+#: the dtype names the FSDP and weight-sync flags take
+DtypeName = Literal["bf16", "fp32"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags that mean nothing here
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Why a flag kept from Relax's command line cannot be used here.
+
+    reason: what is unsupported and what to use instead. rejected False: the flag merely has
+    no effect, so setting it is a warning instead of an error.
+    """
+
+    reason: str
+    rejected: bool = True
+
+
+_TRACKER = "TensorBoard (--tensorboard-dir) is the only tracker here"
+_SYNCHRONOUS = "training is synchronous colocate only"
+
+#: Flags that parse, so a reference command line runs unchanged up to preflight, but mean nothing
+#: here: flag -> why. Each is declared with `_unsupported(default)`; preflight reports every one
+#: whose value is not its default (an empty string counts as unset), all at once: an error, or
+#: a warning for those that merely have no effect. Their --help text is made from this table.
+UNSUPPORTED_FLAGS: dict[str, Unsupported] = {
+    # Relax's stage hooks: the stages are built into the loop
+    "rollout_function_path": Unsupported("the rollout stage is built into the training loop"),
+    "custom_convert_samples_to_train_data_path": Unsupported(
+        "each rank replays the candidates it generated; there is no conversion step"),
+    "custom_reward_post_process_path": Unsupported(
+        "scoring and group normalisation are built in; choose the scorer with --reward-scorer-path"),
+    # loss and batching of the token trainers
+    "use_dynamic_batch_size": Unsupported(
+        "diffusion latents are fixed-shape, there is no token-budget batching; use --micro-batch-size"),
+    "max_tokens_per_gpu": Unsupported("there is no token-budget batching; use --micro-batch-size"),
+    # Ray placement and scheduling modes
+    "colocate": Unsupported("actor and engine time-share every device here (synchronous colocation is the only mode)"),
+    "fully_async": Unsupported(_SYNCHRONOUS),
+    "hybrid": Unsupported(_SYNCHRONOUS),
+    "use_fault_tolerance": Unsupported("a failed weight sync raises on every rank; restart with --load <checkpoint dir>"),
+    "autoscaler_config": Unsupported("in-process engines have no elastic scale-out"),
+    # checkpoints, trackers and debug dumps
+    "save_hf": Unsupported("export a committed checkpoint offline with tools/export_checkpoint.py"),
+    "async_save": Unsupported("the checkpoint write is synchronous", rejected=False),
+    "use_wandb": Unsupported(_TRACKER),
+    "use_clearml": Unsupported(_TRACKER),
+    "use_metrics_service": Unsupported(_TRACKER),
+    "load_debug_rollout_data": Unsupported(
+        "each rank replays the trajectories it generated; there is no rollout-data replay file"),
+    "save_debug_train_data": Unsupported(
+        "train data are numeric tensors plus the sidecars under --artifact-root, not token sequences",
+        rejected=False),
+}
+
+
+def _unsupported(default: Any) -> Any:
+    """The field of a flag listed in UNSUPPORTED_FLAGS (its help text is made from the table)."""
+    return field(default=default, metadata={"unsupported": True})
+
+
+def _default_state(default: Any) -> str:
+    """How a default reads after "must stay": off / on / unset / the value."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "unset" if default is None else json.dumps(default)
+
+
+def _unsupported_help(default: Any, why: Unsupported) -> str:
+    if not why.rejected:
+        return f"Has no effect (warned when set): {why.reason}."
+    return f"Must stay {_default_state(default)}: {why.reason}."
+
+
 # ----------------------------------------------------------------------------------------------
 # Sections
 
 
 @dataclass
 class ModelConfig:
-    train_backend: str = _flag(
+    train_backend: Literal["fsdp"] = _flag(
         "fsdp",
-        "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); the "
-        "reference's 'megatron' is rejected.",
+        "Training backend. Only 'fsdp' exists here (FSDP2 over torchrun ranks); Relax's "
+        "'megatron' is rejected.",
+        hints={"megatron": "only FSDP2 over torchrun ranks exists here; remove the flag or set it to fsdp"},
     )
     generation_task: str | None = _flag(
         None,
@@ -130,19 +218,10 @@ class RolloutConfig:
         "Rollout engine: 'native' (diffusers + our SDE sampler), 'sglang', or a module.Class "
         "dotpath.",
     )
-    rollout_function_path: str | None = _flag(
-        None,
-        "Reference hook; must stay unset: the rollout stage is built into the training loop.",
-    )
-    custom_convert_samples_to_train_data_path: str | None = _flag(
-        None,
-        "Reference hook; must stay unset: each rank replays the candidates it generated.",
-    )
-    custom_reward_post_process_path: str | None = _flag(
-        None,
-        "Reference hook; must stay unset: scoring and group normalisation are built in "
-        "(choose the scorer with --reward-scorer-path).",
-    )
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
+    rollout_function_path: str | None = _unsupported(None)
+    custom_convert_samples_to_train_data_path: str | None = _unsupported(None)
+    custom_reward_post_process_path: str | None = _unsupported(None)
     rollout_num_gpus_per_engine: int = _flag(
         1,
         "Devices per rollout engine; must be >= 1 and divide the world size. Each rank holds "
@@ -171,7 +250,8 @@ class RolloutConfig:
     sampling_config: dict | None = _flag(
         None,
         "Sampling geometry as a JSON object (TOML: a table); required. Keys: height, width, "
-        "num_inference_steps, guidance_scale (must be 1.0), eta (set it explicitly), sde_type, "
+        "num_inference_steps, guidance_scale (1.0, or > 1 for true CFG with negative_prompt and "
+        "cfg_renorm), eta (set it explicitly), sde_type, "
         "sde_indices / sde_pool / num_sde_steps / sde_timestep_fraction (must never train "
         "step 0 under sde_type 'sde'), ... see docs/configuration.md.",
     )
@@ -204,7 +284,7 @@ class ArtifactConfig:
 
 @dataclass
 class FsdpConfig:
-    fsdp_trainable_mode: str = _flag(
+    fsdp_trainable_mode: Literal["full", "lora"] = _flag(
         "full",
         "'full' or 'lora'; must agree with --lora-rank ('lora' needs > 0, 'full' needs 0).",
     )
@@ -213,11 +293,11 @@ class FsdpConfig:
         "Attribute of the model bundle that holds the trainable module; everything else is "
         "frozen and lives in the rollout engine.",
     )
-    fsdp_param_dtype: str = _flag(
+    fsdp_param_dtype: DtypeName = _flag(
         "bf16", "FSDP2 compute (all-gathered) parameter dtype: 'bf16' or 'fp32'."
     )
-    fsdp_reduce_dtype: str = _flag("fp32", "Gradient reduction dtype: 'bf16' or 'fp32'.")
-    fsdp_master_dtype: str | None = _flag(
+    fsdp_reduce_dtype: DtypeName = _flag("fp32", "Gradient reduction dtype: 'bf16' or 'fp32'.")
+    fsdp_master_dtype: DtypeName | None = _flag(
         None,
         "Storage dtype of the trainable parameters (the optimizer's master copy): 'fp32', "
         "'bf16' or unset (keep the loaded dtype). LoRA should use 'fp32' (warned otherwise).",
@@ -238,7 +318,7 @@ class FsdpConfig:
         "Load the base model on at most N ranks at a time (bounds host RAM at launch); must be "
         ">= 0, 0 = all at once.",
     )
-    fsdp_lr_scheduler: str = _flag(
+    fsdp_lr_scheduler: Literal["constant", "linear", "cosine"] = _flag(
         "constant",
         "Post-warmup learning-rate shape: 'constant' (ignores the decay flags), 'linear' or "
         "'cosine' (decay to --min-lr over --lr-decay-iters optimizer steps).",
@@ -309,11 +389,19 @@ class OptimConfig:
         "would dominate the denominator.",
     )
     clip_grad: float = _flag(1.0, "Gradient-norm clip before each optimizer step; must be > 0.")
+    ema_decay: float = _flag(
+        0.0,
+        "Decay of an fp32 EMA of the trainable parameters, kept sharded beside them and "
+        "checkpointed; must be in [0, 1). 0 = no EMA.",
+    )
+    ema_update_interval: int = _flag(
+        1, "Update the EMA after every N-th optimizer step; must be >= 1; needs --ema-decay > 0 when not 1."
+    )
 
 
 @dataclass
 class GrpoConfig:
-    advantage_estimator: str = _flag("grpo", "Advantage estimator; only 'grpo' is supported.")
+    advantage_estimator: Literal["grpo"] = _flag("grpo", "Advantage estimator; only 'grpo' is supported.")
     eps_clip: float = _flag(
         0.2, "PPO clip range; must be > 0. FlowGRPO uses a tiny one (both recipes: 1e-4)."
     )
@@ -335,33 +423,36 @@ class GrpoConfig:
         "Do not divide group-centred rewards by the group std (Dr.GRPO). Same as "
         "--generative-advantage-std-mode none; contradicting values are an error.",
     )
-    generative_advantage_std_mode: str | None = _flag(
+    generative_advantage_std_mode: Literal["group", "batch", "none"] | None = _flag(
         None,
         "Std divisor after per-prompt centring: 'group', 'batch' or 'none'. Unset = 'group', "
         "or 'none' with --disable-grpo-std-normalization.",
     )
     kl_coef: float = _flag(
-        0.0, "Must be 0: FlowGRPO here has no reference model and no KL term."
+        0.0,
+        "Weight of the KL to the reference policy in the loss; >= 0, and > 0 needs --use-kl-loss. "
+        "Per (sample, trained step) the closed-form KL of the two transition Gaussians (same std). "
+        "LoRA only: the reference is the base with the adapter disabled.",
     )
     use_kl_loss: bool = _flag(
-        False, "Must be off: FlowGRPO here has no reference model and no KL term."
+        False, "Add --kl-coef x KL(policy || reference) to the clipped loss; needs --kl-coef > 0 and LoRA."
     )
-    use_dynamic_batch_size: bool = _flag(
-        False,
-        "Must be off: diffusion latents are fixed-shape, there is no token-budget batching "
-        "(use --micro-batch-size).",
+    adv_clip_max: float = _flag(
+        0.0,
+        "Clamp each advantage to [-max, max] after normalisation (FlowGRPO's adv_clip_max, 5 "
+        "there); must be >= 0, 0 = off. The clipped share is logged as reward/adv_clipped_fraction.",
     )
-    max_tokens_per_gpu: int | None = _flag(
-        None, "Must stay unset: no token-budget batching (use --micro-batch-size)."
-    )
+    use_dynamic_batch_size: bool = _unsupported(False)
+    max_tokens_per_gpu: int | None = _unsupported(None)
 
 
 @dataclass
 class RewardConfig:
-    reward_runtime: str = _flag(
+    reward_runtime: Literal["cpu", "colocate", "remote"] = _flag(
         "cpu",
         "Where the scorer runs: 'cpu' or 'colocate' (in this process, on CPU or on the "
         "rank's device) or 'remote' (needs --reward-endpoint).",
+        hints={"dedicated": "'dedicated' was removed: use colocate"},
     )
     reward_scorer_path: str | None = _flag(
         None,
@@ -453,15 +544,15 @@ class RewardConfig:
 
 @dataclass
 class SyncConfig:
-    weight_sync_mode: str = _flag(
+    weight_sync_mode: Literal["full", "adapter"] = _flag(
         "full",
         "'full' or 'adapter'. Derived: --lora-adapter-mode implies 'adapter'; an explicit "
         "contradicting value is an error.",
     )
-    weight_sync_wire_dtype: str = _flag(
+    weight_sync_wire_dtype: DtypeName = _flag(
         "bf16",
-        "Dtype of the tensors handed to the engine: 'bf16' or 'fp32' (fp32 makes the sync "
-        "exact for fp32 CPU runs). The sglang engine requires 'bf16'.",
+        "Dtype of the tensors handed to the engine: 'bf16' or 'fp32', with either engine (fp32 "
+        "makes the sync exact for fp32 CPU runs).",
     )
     weight_sync_bucket_size_mb: int = _flag(
         512, "Bucket size of the gathered-weight stream in MB; must be >= 1."
@@ -470,10 +561,8 @@ class SyncConfig:
 
 @dataclass
 class ColocateConfig:
-    colocate: bool = _flag(
-        True,
-        "Actor and engine time-share each device; must stay on (the only mode here).",
-    )
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
+    colocate: bool = _unsupported(True)
     offload_train: bool = _flag(
         False,
         "Move the actor's parameters and optimizer state to pinned host memory during "
@@ -484,8 +573,9 @@ class ColocateConfig:
         "Move the engine's modules to host memory during the update; a failed release/resume "
         "is fatal.",
     )
-    fully_async: bool = _flag(False, "Must be off: training is synchronous colocate only.")
-    hybrid: bool = _flag(False, "Must be off: training is synchronous colocate only.")
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
+    fully_async: bool = _unsupported(False)
+    hybrid: bool = _unsupported(False)
     actor_num_nodes: int | None = _flag(
         None,
         "Nodes of the run. With --actor-num-gpus-per-node it gives the world size outside "
@@ -507,13 +597,9 @@ class ColocateConfig:
         "per node). When set, actor and rollout must be equal (colocate) and their product "
         "must equal the world size.",
     )
-    use_fault_tolerance: bool = _flag(
-        False,
-        "Must be off: a failed weight sync raises on every rank; restart with --load.",
-    )
-    autoscaler_config: dict | None = _flag(
-        None, "Must stay unset: in-process engines have no elastic scale-out."
-    )
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
+    use_fault_tolerance: bool = _unsupported(False)
+    autoscaler_config: dict | None = _unsupported(None)
 
 
 @dataclass
@@ -546,14 +632,9 @@ class CheckpointConfig:
         "Keep the newest N committed checkpoints (older ones are removed only after a new one "
         "is committed); must be >= 1. Unset = keep all.",
     )
-    async_save: bool = _flag(
-        False, "Has no effect: the checkpoint write is synchronous (warned when set)."
-    )
-    save_hf: str | None = _flag(
-        None,
-        "Must stay unset: export a committed checkpoint offline with "
-        "tools/export_checkpoint.py.",
-    )
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
+    async_save: bool = _unsupported(False)
+    save_hf: str | None = _unsupported(None)
 
 
 @dataclass
@@ -569,6 +650,9 @@ class EvalConfig:
     n_samples_per_eval_prompt: int = _flag(
         1, "Candidates per eval prompt; must be >= 1."
     )
+    eval_use_ema: bool = _flag(
+        False, "Evaluate with the EMA weights (training rollouts keep the live ones); needs --ema-decay > 0."
+    )
 
 
 @dataclass
@@ -578,29 +662,17 @@ class LoggingConfig:
         "TensorBoard event directory; unset = <save>/tensorboard when --save is set, else "
         "console metrics only."
     )
-    use_wandb: bool = _flag(
-        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
-    )
-    use_clearml: bool = _flag(
-        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
-    )
-    use_metrics_service: bool = _flag(
-        False, "Must be off: TensorBoard (--tensorboard-dir) is the only tracker here."
-    )
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
+    use_wandb: bool = _unsupported(False)
+    use_clearml: bool = _unsupported(False)
+    use_metrics_service: bool = _unsupported(False)
 
 
 @dataclass
 class DebugConfig:
-    load_debug_rollout_data: str | None = _flag(
-        None,
-        "Must stay unset: each rank replays the trajectories it generated; there is no "
-        "rollout-data replay file.",
-    )
-    save_debug_train_data: str | None = _flag(
-        None,
-        "Has no effect: train data are numeric tensors plus sidecars under --artifact-root, "
-        "not token sequences (warned when set).",
-    )
+    # kept for Relax's command line; UNSUPPORTED_FLAGS says why
+    load_debug_rollout_data: str | None = _unsupported(None)
+    save_debug_train_data: str | None = _unsupported(None)
 
 
 #: section attribute -> section class, in the order help and to_dict() list them
@@ -627,7 +699,7 @@ class RunConfig:
     """The whole run: one instance of every section.
 
     `explicit` holds the flag names (underscore form) that a recipe or the CLI set;
-    preflight uses it where the reference distinguishes "set" from "defaulted"
+    preflight uses it where Relax distinguishes "set" from "defaulted"
     (e.g. an explicit --weight-sync-mode that contradicts --lora-adapter-mode).
     """
 
@@ -646,6 +718,10 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     explicit: frozenset = field(default_factory=frozenset, repr=False, compare=False)
+
+    def get(self, name: str) -> Any:
+        """The value of flag `name` (underscore form), whichever section holds it."""
+        return getattr(getattr(self, FLAGS[name].section), name)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {field: value}}, JSON-serialisable (pairs become 2-lists)."""
@@ -692,6 +768,8 @@ class FlagSpec:
     """One flag: where it lives and how its value is parsed.
 
     kind: 'int' | 'float' | 'str' | 'bool' | 'list' (list[str]) | 'dict' | 'pairs'.
+    choices: the values a 'str' flag may take (from its Literal annotation), () for any;
+    hints: value -> a pointer added to the error when that value is given.
     """
 
     name: str
@@ -700,32 +778,39 @@ class FlagSpec:
     optional: bool
     default: Any
     help: str
+    choices: tuple[str, ...] = ()
+    hints: tuple[tuple[str, str], ...] = ()
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
 
-def _kind_of(tp: Any) -> tuple[str, bool]:
-    """Map a field annotation to (kind, optional)."""
+def _kind_of(tp: Any) -> tuple[str, bool, tuple[str, ...]]:
+    """Map a field annotation to (kind, optional, choices)."""
     args = typing.get_args(tp)
-    optional = type(None) in args
+    optional = type(None) in args and typing.get_origin(tp) is not Literal
     if optional:
         (tp,) = [a for a in args if a is not type(None)]
     origin = typing.get_origin(tp) or tp
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if not all(isinstance(c, str) for c in choices):
+            raise TypeError(f"config Literal {tp!r} must list strings")
+        return "str", optional, choices
     if origin is bool:
-        return "bool", optional
+        return "bool", optional, ()
     if origin is int:
-        return "int", optional
+        return "int", optional, ()
     if origin is float:
-        return "float", optional
+        return "float", optional, ()
     if origin is str:
-        return "str", optional
+        return "str", optional, ()
     if origin is dict:
-        return "dict", optional
+        return "dict", optional, ()
     if origin is list:
         (item,) = typing.get_args(tp)
-        return ("pairs" if typing.get_origin(item) is tuple else "list"), optional
+        return ("pairs" if typing.get_origin(item) is tuple else "list"), optional, ()
     raise TypeError(f"unsupported config field type {tp!r}")
 
 
@@ -736,9 +821,23 @@ def _build_flag_table() -> dict[str, FlagSpec]:
         for f in dataclasses.fields(cls):
             if f.name in table:
                 raise TypeError(f"flag {f.name} is declared in both {table[f.name].section} and {sec}")
-            kind, optional = _kind_of(hints[f.name])
+            kind, optional, choices = _kind_of(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            table[f.name] = FlagSpec(f.name, sec, kind, optional, default, f.metadata.get("help", ""))
+            value_hints = f.metadata.get("hints", {})
+            help_text = f.metadata.get("help", "")
+            if bool(f.metadata.get("unsupported")) != (f.name in UNSUPPORTED_FLAGS):
+                raise TypeError(f"flag {f.name}: declare it with _unsupported() exactly when UNSUPPORTED_FLAGS lists it")
+            if f.name in UNSUPPORTED_FLAGS:
+                help_text = _unsupported_help(default, UNSUPPORTED_FLAGS[f.name])
+            if choices and not (default in choices or (optional and default is None)):
+                raise TypeError(f"flag {f.name}: default {default!r} is not one of its choices {choices}")
+            if set(value_hints) & set(choices):
+                raise TypeError(f"flag {f.name}: a hint names an allowed value")
+            table[f.name] = FlagSpec(f.name, sec, kind, optional, default, help_text, choices,
+                                     tuple(value_hints.items()))
+    missing = set(UNSUPPORTED_FLAGS) - set(table)
+    if missing:
+        raise TypeError(f"UNSUPPORTED_FLAGS lists {sorted(missing)}, which are no flags")
     return table
 
 
@@ -752,7 +851,9 @@ def _suggest(name: str, candidates: list[str]) -> str:
     return f" (did you mean '{hits[0]}'?)" if hits else ""
 
 
-def _lookup(raw: str, origin: str, as_flag: bool) -> FlagSpec:
+def _lookup(raw: str, origin: str, as_flag: bool, section: str | None = None) -> FlagSpec:
+    """The flag a command-line flag or a recipe key names; a recipe key under a [section] must
+    belong to it. ConfigError otherwise, with the closest name (or section) as a suggestion."""
     name = raw.replace("-", "_")
     spec = FLAGS.get(name)
     if spec is None:
@@ -760,12 +861,18 @@ def _lookup(raw: str, origin: str, as_flag: bool) -> FlagSpec:
             cands = [s.flag for s in FLAGS.values()]
             sugg = _suggest("--" + raw.replace("_", "-"), cands)
         else:
-            cands = [n.replace("_", "-") for n in FLAGS]
-            sugg = _suggest(raw.replace("_", "-"), cands)
+            key = raw.replace("_", "-")
+            cands = [n.replace("_", "-") for n in FLAGS] + (list(SECTIONS) if section is None else [])
+            hits = difflib.get_close_matches(key, cands, n=1, cutoff=0.6)
+            other = FLAGS.get(hits[0].replace("-", "_")) if hits else None
+            elsewhere = f" in [{other.section}]" if other and section and other.section != section else ""
+            sugg = f" (did you mean '{hits[0]}'{elsewhere}?)" if hits else ""
         what = f"flag '--{raw}'" if as_flag else f"key '{raw}'"
         raise ConfigError(
             f"{origin}: unknown {what}{sugg}; `python -m trainer.train --help` lists every flag"
         )
+    if section is not None and spec.section != section:
+        raise ConfigError(f"{origin}: key '{raw}' belongs in [{spec.section}], not [{section}]")
     return spec
 
 
@@ -791,7 +898,7 @@ def _coerce_text(spec: FlagSpec, text: str, origin: str) -> Any:
     if spec.optional and text.strip().lower() in ("none", "null"):
         return None
     if spec.kind == "str":
-        return text
+        return _checked_choice(spec, text, origin)
     if spec.kind == "int":
         try:
             return int(text)
@@ -830,7 +937,7 @@ def _coerce_native(spec: FlagSpec, value: Any, origin: str) -> Any:
     if k == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where} expects a string, got {value!r}")
-        return value
+        return _checked_choice(spec, value, origin)
     if k == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{where} expects true/false, got {value!r}")
@@ -856,6 +963,22 @@ def _coerce_native(spec: FlagSpec, value: Any, origin: str) -> Any:
     if k == "pairs":
         return _coerce_pairs(value, where)
     raise AssertionError(k)
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    """('a',) -> "'a'"; ('a', 'b', 'c') -> "'a', 'b' or 'c'"."""
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _checked_choice(spec: FlagSpec, value: str, origin: str) -> str:
+    """`value` if the flag takes it (any string when the flag has no choices), else ConfigError."""
+    if not spec.choices or value in spec.choices:
+        return value
+    unset = ", or none to leave it unset" if spec.optional else ""
+    hint = dict(spec.hints).get(value)
+    raise ConfigError(f"{origin}: {spec.flag} {value!r} must be {_one_of(spec.choices)}{unset}"
+                      + (f" ({hint})" if hint else ""))
 
 
 def _coerce_pairs(value: Any, where: str) -> list[tuple[str, str]]:
@@ -923,39 +1046,75 @@ def _expand_tree(value: Any, origin: str, env: dict[str, str] | None) -> Any:
 def read_recipe(
     path: str | Path, env: dict[str, str] | None = None, skip: frozenset | set = frozenset()
 ) -> dict[str, Any]:
-    """Parse a TOML recipe into {underscore flag name: typed value}.
+    """Parse a recipe into {underscore flag name: typed value}.
+
+    A TOML recipe names flags (dashes or underscores) at the top level, under the [section]
+    that holds them ([rollout], [fsdp], ... as --help groups them), or both. A JSON file is a
+    run's recipe record (<artifact_root>/recipes/<name>-<time>.json): its "config" object,
+    {section: {field: value}}, read with the same rules; its values are already resolved, so
+    they are not ${VAR}-expanded.
 
     Keys whose flag is in `skip` (overridden on the command line) are checked for
     existence but neither expanded nor parsed, so an unset ${VAR} there is no error.
-    Raises ConfigError for a missing file, bad TOML, an unknown key (with a
-    suggestion), a key given twice (dash and underscore form), a table where the flag
-    is not a dict, a wrong value type, or an unset ${VAR}.
+    Raises ConfigError for a missing file, bad TOML or JSON, an unknown key or section (with a
+    suggestion), a key under the wrong section (naming the right one), a flag given twice
+    (dash and underscore form, or flat and in its section), a table where the flag is not a
+    dict, a wrong value type, a value outside the flag's choices, or an unset ${VAR}.
     """
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"recipe {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"recipe {path} is not valid TOML: {exc}") from None
+    if path.suffix == ".json":
+        tree, expand = _record_config(path, text), False
+    else:
+        try:
+            tree, expand = tomllib.loads(text), True
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"recipe {path} is not valid TOML: {exc}") from None
+    items: list[tuple[str | None, str, Any]] = []  # (section or None, key, value)
+    for key, value in tree.items():
+        if key in SECTIONS and isinstance(value, dict):
+            items += [(key, sub, v) for sub, v in value.items()]
+        else:
+            items.append((None, key, value))
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}
-    for key, value in raw.items():
-        spec = _lookup(key, f"recipe {path}", as_flag=False)
+    for sec, key, value in items:
+        where = f"recipe {path}" if sec is None else f"recipe {path} [{sec}]"
+        label = key if sec is None else f"[{sec}] {key}"
+        spec = _lookup(key, where, as_flag=False, section=sec)
         if spec.name in seen:
-            raise ConfigError(f"recipe {path}: '{key}' and '{seen[spec.name]}' set the same flag {spec.flag}")
-        seen[spec.name] = key
+            raise ConfigError(f"recipe {path}: '{label}' and '{seen[spec.name]}' set the same flag {spec.flag}")
+        seen[spec.name] = label
         if spec.name in skip:
             continue
         if isinstance(value, dict) and spec.kind not in ("dict", "pairs"):
             raise ConfigError(
-                f"recipe {path}: '{key}' is a table, but {spec.flag} is not a dict-valued flag; "
+                f"{where}: '{key}' is a table, but {spec.flag} is not a dict-valued flag; "
                 "tables are only for sampling-config, reward-component-weights, resource and "
-                "autoscaler-config (section tables like [fsdp] are not used: keys are flat)"
+                f"autoscaler-config, and for the sections {', '.join(f'[{s}]' for s in SECTIONS)}"
             )
-        value = _expand_tree(value, f"recipe {path} key '{key}'", env)
-        out[spec.name] = _coerce_native(spec, value, f"recipe {path}")
+        if expand:
+            value = _expand_tree(value, f"{where} key '{key}'", env)
+        out[spec.name] = _coerce_native(spec, value, where)
     return out
+
+
+def _record_config(path: Path, text: str) -> dict[str, Any]:
+    """The "config" object of a recipe record (JSON), {section: {field: value}}."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"recipe {path} is not valid JSON: {exc}") from None
+    config = record.get("config") if isinstance(record, dict) else None
+    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+        raise ConfigError(
+            f"recipe {path} is JSON but not a recipe record (no \"config\" object of sections); a recipe is a "
+            "TOML file, a record is what a run writes under <artifact_root>/recipes/"
+        )
+    return config
 
 
 def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
@@ -1026,7 +1185,7 @@ def _build(flat: dict[str, Any], explicit: frozenset) -> RunConfig:
 
 
 def finalize(cfg: RunConfig) -> RunConfig:
-    """Fill the derived values the reference derives, without overriding explicit ones.
+    """Fill the derived values Relax derives, without overriding explicit ones.
 
     - global_batch_size unset -> rollout_batch_size x n_samples_per_prompt;
     - weight_sync_mode not set explicitly -> 'adapter' under --lora-adapter-mode;
@@ -1100,7 +1259,9 @@ def format_help() -> str:
     lines = [
         "usage: python -m trainer.train --config RECIPE.toml [--flag value ...] [--preflight-only]",
         "",
-        "Recipe keys are these flag names (dashes or underscores); the command line overrides the recipe.",
+        "Recipe keys are these flag names (dashes or underscores), at the top level or under the [section]",
+        "that lists them here; --config also takes a run's recipe record (JSON). The command line overrides",
+        "the recipe.",
     ]
     for sec in SECTIONS:
         lines += ["", f"[{sec}]"]
@@ -1108,6 +1269,7 @@ def format_help() -> str:
             if spec.section != sec:
                 continue
             default = json.dumps(_jsonable(spec.default))
-            lines.append(f"  {spec.flag} ({spec.kind}, default {default})")
+            kind = f"one of {', '.join(spec.choices)}" if spec.choices else spec.kind
+            lines.append(f"  {spec.flag} ({kind}, default {default})")
             lines.append(f"      {spec.help}")
     return "\n".join(lines)

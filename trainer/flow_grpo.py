@@ -17,6 +17,10 @@ Conventions
 - Every function computes in fp32 whatever the input dtype: the per-element log-prob is a
   difference of large, nearly equal terms (|x' - mean|^2 / 2 std^2 against log std), and bf16
   loses ~3e-4 of it (measured: a bf16 rollout replayed in fp32), the size of the PPO clip range.
+- The log-prob of a transition depends on sde_type (`transition_log_prob`): "sde" and "dance"
+  use the full Gaussian log-density; "cps" uses FlowGRPO's CPS score -(x' - mean)^2 (no
+  1 / (2 std^2), no constants). Both are MEANS over the non-batch elements. The sampler and
+  the replay call the same function, so the first update's ratio is exactly 1 either way.
 """
 
 from __future__ import annotations
@@ -59,8 +63,13 @@ def sde_std_dev_t(sigma, eta: float, sde_type: str = "sde", sigma_max: float = 0
         The clamp only keeps g finite at sigma == 1 (step 0); it is not what a sampler that
         never divides by zero would use, which is why preflight rejects a trained step 0.
     "dance" (DanceGRPO): g = eta, constant.
+    "cps" has no diffusion coefficient: its std is a function of the NEXT sigma
+    (`cps_transition_moments`), so asking for g under "cps" is a mistake and raises.
     """
     _check_sde_type(sde_type)
+    if sde_type == "cps":
+        raise ValueError("sde_type 'cps' has no diffusion coefficient g(sigma); its std is "
+                         "sigma_next * sin(eta * pi / 2), see cps_transition_moments")
     sigma = torch.as_tensor(sigma, dtype=torch.float32)
     if sde_type == "dance":
         return torch.full_like(sigma, float(eta))
@@ -85,8 +94,10 @@ def flow_sde_transition_moments(
         std  = g * sqrt(-dt)
     Shapes: latents / velocity [B, ...] -> mean [B, ...] fp32, std [B or 1, 1, ..., 1] fp32
     (broadcastable against mean). sigma must be > 0: the last step ends at 0, it never starts
-    there.
+    there. sde_type "cps" takes `cps_transition_moments` instead (sigma_max unused).
     """
+    if sde_type == "cps":
+        return cps_transition_moments(latents, velocity, sigma, sigma_next, eta)
     x = latents.float()
     v = velocity.float()
     s = _as_batch_scalar(sigma, x)
@@ -97,6 +108,67 @@ def flow_sde_transition_moments(
     mean = x * (1.0 + g2 * dt / (2.0 * s)) + v * (1.0 + g2 * (1.0 - s) / (2.0 * s)) * dt
     std = g * torch.sqrt(-dt)
     return mean, std
+
+
+def cps_transition_moments(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std of FlowGRPO's coefficients-preserving (CPS) transition x_sigma -> x_sigma_next.
+
+    With std = sigma_next * sin(eta * pi / 2) (eta is the noise level, 0 < eta <= 1):
+        x0_hat  = latents - sigma * velocity               (the predicted clean sample)
+        eps_hat = latents + velocity * (1 - sigma)         (the predicted noise)
+        mean    = x0_hat * (1 - sigma_next) + eps_hat * sqrt(sigma_next^2 - std^2)
+    so mean + std * noise keeps x_sigma_next = (1 - sigma_next) x0 + sigma_next eps in
+    distribution: the noise coefficients add up to sigma_next in quadrature. std <= sigma_next
+    always (sin <= 1); the radicand is clamped at 0 only against fp32 rounding at eta == 1.
+    std is 0 at the last step (sigma_next == 0): that step is deterministic, and preflight
+    refuses to train it. Shapes and dtype as `flow_sde_transition_moments`; step 0
+    (sigma == 1) is regular here.
+    """
+    x = latents.float()
+    v = velocity.float()
+    s = _as_batch_scalar(sigma, x)
+    s_next = _as_batch_scalar(sigma_next, x)
+    std = s_next * math.sin(float(eta) * math.pi / 2.0)
+    x0_hat = x - s * v
+    eps_hat = x + v * (1.0 - s)
+    mean = x0_hat * (1.0 - s_next) + eps_hat * torch.sqrt(torch.clamp(s_next * s_next - std * std, min=0.0))
+    return mean, std
+
+
+def per_sample_mean(elem: torch.Tensor) -> torch.Tensor:
+    """[B, ...] per-element terms -> [B]: the MEAN over every non-batch dim (FlowGRPO's
+    convention for log-probs and KLs, so their scale does not depend on the resolution)."""
+    if elem.dim() <= 1:
+        return elem.reshape(-1)
+    return elem.mean(dim=tuple(range(1, elem.dim())))
+
+
+def cps_log_prob(next_latents: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """FlowGRPO's CPS log-prob of the (detached) `next_latents`: per element -(x' - mean)^2,
+    then the MEAN over every non-batch dim. Returns [B] fp32.
+
+    Not a normalised density: FlowGRPO drops the 1 / (2 std^2) scale and the constants, so the
+    PPO log-ratio is a plain squared-distance difference whose size does not blow up as std
+    shrinks towards the end of the schedule. This is the convention FlowGRPO's clip ranges are
+    tuned for; it is used by the sampler and by the replay alike.
+    """
+    return per_sample_mean(-((next_latents.detach().float() - mean.float()) ** 2))
+
+
+def transition_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                        sde_type: str = "sde") -> torch.Tensor:
+    """The log-prob [B] fp32 the sampler records and the replay recomputes for sde_type:
+    `cps_log_prob` for "cps", the Gaussian `flow_sde_log_prob` for "sde" and "dance"."""
+    _check_sde_type(sde_type)
+    if sde_type == "cps":
+        return cps_log_prob(next_latents, mean)
+    return flow_sde_log_prob(next_latents, mean, std)
 
 
 def flow_sde_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -110,10 +182,7 @@ def flow_sde_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, std: torch
     x = next_latents.detach().float()
     mean = mean.float()
     std = std.float()
-    elem = -((x - mean) ** 2) / (2.0 * std * std) - torch.log(std) - _LOG_SQRT_2PI
-    if elem.dim() <= 1:
-        return elem.reshape(-1)
-    return elem.mean(dim=tuple(range(1, elem.dim())))
+    return per_sample_mean(-((x - mean) ** 2) / (2.0 * std * std) - torch.log(std) - _LOG_SQRT_2PI)
 
 
 def replay_transition_logp(
@@ -134,7 +203,7 @@ def replay_transition_logp(
     w.r.t. `velocity`.
     """
     mean, std = flow_sde_transition_moments(latents, velocity, sigma, sigma_next, eta, sde_type, sigma_max)
-    return flow_sde_log_prob(next_latents, mean, std)
+    return transition_log_prob(next_latents, mean, std, sde_type)
 
 
 def sde_step(
@@ -149,7 +218,8 @@ def sde_step(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampler's stochastic step: next = mean + std * noise, with (mean, std) from
-    `flow_sde_transition_moments`; returns (next_latents, log_prob [B] fp32).
+    `flow_sde_transition_moments`; returns (next_latents, log_prob [B] fp32), the log-prob
+    being `transition_log_prob` of sde_type (the one the replay uses).
 
     Computed in fp32; next_latents is returned in fp32 unless `out_dtype` is given. With
     `out_dtype` (e.g. the engine's bf16), next_latents is rounded to it FIRST and the log-prob
@@ -160,7 +230,7 @@ def sde_step(
     next_latents = mean + std * noise.float()
     if out_dtype is not None:
         next_latents = next_latents.to(out_dtype)
-    return next_latents, flow_sde_log_prob(next_latents, mean, std)
+    return next_latents, transition_log_prob(next_latents, mean, std, sde_type)
 
 
 def ode_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
@@ -173,6 +243,19 @@ def ode_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next) -
     s = _as_batch_scalar(sigma, x)
     s_next = _as_batch_scalar(sigma_next, x)
     return x + velocity.float() * (s_next - s)
+
+
+def transition_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, std^2) || N(ref_mean, std^2)) of one Flow-SDE transition, per candidate, fp32.
+
+    The policy and the reference share the transition std (it depends only on the schedule and
+    eta), so the closed form is |mean - ref_mean|^2 / (2 std^2) per element; as for the log-prob,
+    the MEAN over every non-batch dim is taken (FlowGRPO's kl_loss), so its scale does not depend
+    on the resolution. mean / ref_mean [B, ...], std broadcastable [B or 1, 1, ..., 1]. Returns
+    [B]; gradients flow through `mean` only (the reference is a constant).
+    """
+    diff = mean.float() - ref_mean.detach().float()
+    return per_sample_mean(diff * diff / (2.0 * std.detach().float() ** 2))
 
 
 def grpo_clip_loss(

@@ -147,21 +147,67 @@ def host_memory_gb() -> dict[str, float]:
     return out
 
 
+def _scorer_inputs(traj: Any) -> tuple[list[torch.Tensor], list[str], list[dict]]:
+    """(images, prompts, metadata) of a rollout's trajectory for a scorer; empty lists for a rank
+    without candidates (it still joins the score gather)."""
+    if traj is None:
+        return [], [], []
+    return list(traj.images.unbind(0)), list(traj.prompts), [m or {} for m in traj.metadata]
+
+
 def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
     """replay_fn(model, rows) -> logp [b, S]: every trained-step column of `rows` replayed
     through `model` with the adapter's own replay (the same math the sampler used).
 
     one_forward: all S columns in one forward of b * S rows (the adapter's `replay_transitions`:
-    fewer kernel launches), else one forward per column (`replay_transition`, the reference the
-    tests compare it with)."""
+    fewer kernel launches), else one forward per column (`replay_transition`, the baseline the
+    tests compare it with). replay_fn(model, rows, moments=True) returns (logp, mean, std) for
+    the update's KL to the reference policy (--use-kl-loss)."""
 
-    def replay(model: torch.nn.Module, rows: dict[str, Any]) -> torch.Tensor:
+    def replay(model: torch.nn.Module, rows: Any, moments: bool = False) -> Any:
+        if moments:  # (logp, transition mean, std) of one forward, for the KL to the reference
+            return adapter.replay_transitions(model, rows, sampling, moments=True)
         if one_forward:
             return adapter.replay_transitions(model, rows, sampling)
-        num_steps = int(rows["latents"].shape[1])
-        return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(num_steps)], dim=1)
+        return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(rows.num_steps)], dim=1)
 
     return replay
+
+
+def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> Any:
+    """Run `evaluate()` with the engine holding the actor's EMA weights, then give the engine the
+    live weights back, so the next training rollout samples the policy being trained.
+
+    The EMA values are swapped into the actor's parameters (the live ones kept in a copy) only
+    for the sync; the actor holds the live weights again before the eval samples, and under
+    --offload-train it is off the device while the engine evaluates (onloaded twice, once per
+    sync). Both syncs commit the engine's current policy version label again, through a copy of
+    the syncer, so the run's version, manifest and failure count are those of the live policy.
+    Collective, like every sync."""
+    import copy
+
+    from trainer.actor import reshard_all
+
+    def hand_over(swap: bool) -> None:
+        was_off = actor.offloaded
+        if was_off:
+            actor.onload()
+        reshard_all(actor.model)  # the swap writes the sharded parameters
+        twin = copy.copy(syncer)
+        twin.policy_version = syncer.policy_version - 1  # sync() commits policy_version + 1
+        if swap:
+            with actor.ema.swapped_in():
+                twin.sync(actor.model, engine)
+        else:
+            twin.sync(actor.model, engine)
+        if was_off:
+            actor.offload()
+
+    hand_over(swap=True)
+    try:
+        return evaluate()
+    finally:
+        hand_over(swap=False)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> float:
@@ -183,7 +229,8 @@ class RunError(RuntimeError):
 
 def build_reward_manager(reward: Any, device: Any, held_out: tuple[str, str | None] | None = None) -> Any:
     """The configured scorer, built (or, for --reward-runtime remote, probed with a GET) now; with
-    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead.
+    `held_out` = (scorer, model path), that --eval-reward-scorers entry's scorer instead. The
+    trainer calls it once per scorer at start-up and holds the managers for the run.
 
     Generic over scorers: whatever --reward-scorer-path names is constructed, and a failure
     becomes a RunError naming the flag, the scorer and the constructor's own message (which
@@ -346,7 +393,8 @@ class Trainer:
             return
         state = load_checkpoint(load, self.task, model=self.actor.model, optimizer=self.actor.optimizer,
                                 adapter_contract=self.contract, trainable_only=self.actor.mode == "lora",
-                                iteration=self.cfg.checkpoint.ckpt_step)
+                                iteration=self.cfg.checkpoint.ckpt_step,
+                                ema=None if self.actor.ema is None else self.actor.ema.state_dict())
         if state is None:  # preflight refuses this; the directory changed since
             raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
@@ -390,15 +438,16 @@ class Trainer:
         with Timer(self.device) as t:
             manager = self.reward_manager
             local_idx = [g * self.group_size + s for g, s in out.candidates]
-            scored = manager.score([r["image"] for r in out.responses], [r["prompt"] for r in out.responses],
-                                   [r.get("metadata") or {} for r in out.responses])
+            traj = out.trajectory
+            scored = manager.score(*_scorer_inputs(traj))
             components = gather_scores(scored.components, local_idx, self.num_groups * self.group_size)
             std_mode = resolve_std_mode(cfg.grpo.generative_advantage_std_mode,
                                         cfg.grpo.disable_grpo_std_normalization, self.group_size)
             reward = compute_advantages(components, self.group_size,
                                         required_components=cfg.reward.reward_required_components,
                                         component_weights=cfg.reward.reward_component_weights,
-                                        std_mode=std_mode, score_time=scored.score_time)
+                                        std_mode=std_mode, score_time=scored.score_time,
+                                        adv_clip_max=cfg.grpo.adv_clip_max)
         m["perf/reward_time"] = t.elapsed
         m.update(t.memory("reward"))
         m.update(reward.metrics)
@@ -408,7 +457,7 @@ class Trainer:
         if self.watch is not None:  # collective: image statistics gathered like the scores
             from trainer.rewards.watch import rollout_watch_metrics
 
-            m.update(rollout_watch_metrics(self.watch, [r["image"] for r in out.responses], local_idx,
+            m.update(rollout_watch_metrics(self.watch, _scorer_inputs(traj)[0], local_idx,
                                            self.num_groups * self.group_size, self.group_size, reward))
             if self.watch.suspect:
                 log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
@@ -420,14 +469,15 @@ class Trainer:
                                   offload_rollout=colo.offload_rollout))
             debug = bool(cfg.fsdp.fsdp_debug_fingerprint)
             if debug:
-                m.update(self._logp_parity(out.batch))
+                m.update(self._logp_parity(traj))
                 before = weights_fingerprint(self.actor.model)
             idx = torch.tensor(local_idx, dtype=torch.long)
             from tqdm import tqdm
 
             with tqdm(desc=f"update {k}", unit="micro-batch", leave=False, disable=not self._progress_bars,
                       dynamic_ncols=True) as bar:
-                m.update(self.actor.train_step(out.batch, reward.advantages[idx], self.replay_fn,
+                batch = traj.without_images() if traj is not None else None
+                m.update(self.actor.train_step(batch, reward.advantages[idx], self.replay_fn,
                                                reward.valid[idx], progress=bar.update))
             if debug:
                 after = weights_fingerprint(self.actor.model)
@@ -458,7 +508,10 @@ class Trainer:
         # 7. eval
         if self.eval_sets and self._due(k, cfg.eval.eval_interval):
             with Timer(self.device) as t:
-                m.update(self.evaluate(k))
+                if cfg.eval.eval_use_ema and self.actor.ema is not None:
+                    m.update(evaluate_with_ema(self.actor, self.syncer, self.engine, lambda: self.evaluate(k)))
+                else:
+                    m.update(self.evaluate(k))
             m["perf/eval_time"] = t.elapsed
             m.update(t.memory("eval"))
 
@@ -504,27 +557,29 @@ class Trainer:
         return man.name_shape_hash if man is not None else None
 
     @torch.no_grad()
-    def _logp_parity(self, batch: dict[str, Any]) -> dict[str, float]:
+    def _logp_parity(self, batch: Any) -> dict[str, float]:
         """[logp parity]: the replayed pi_old anchor vs the engine's own sampling log-prob."""
         from trainer.distributed import all_reduce_max, collective_device
 
         replayed = self.replay_fn(self.actor.model, batch).float().cpu()
-        diff = (replayed - batch["log_probs"].float()).abs().max().reshape(1).to(collective_device())
+        diff = (replayed - batch.log_probs.float()).abs().max().reshape(1).to(collective_device())
         worst = float(all_reduce_max(diff)[0])
         if self.rank == 0:
             log.info("[logp parity] max |replayed anchor - sampler log-prob| = %.3g", worst)
         return {"debug/logp_parity_max_abs": worst}
 
     def _log_images(self, k: int, out: Any, reward: Any) -> None:
-        if self.rank != 0 or not out.responses:
+        traj = out.trajectory
+        if self.rank != 0 or traj is None:
             return
-        shown = out.responses[: min(8, len(out.responses))]
+        shown = range(min(8, len(traj)))
         captions = []
-        for r in shown:
-            pos = r["group_index"] * self.group_size + r["slot"]
-            scores = ", ".join(f"{c}={float(v[pos]):.4f}" for c, v in sorted(reward.components.items()))
-            captions.append(f"g{r['group_index']} s{r['slot']} {scores} | {r['prompt']}")
-        self.metrics.log_image_grid(k, "rollout/candidates", [r["image"] for r in shown], captions)
+        for i in shown:
+            g, slot = int(traj.group_indices[i]), int(traj.slots[i])
+            scores = ", ".join(f"{c}={float(v[g * self.group_size + slot]):.4f}"
+                               for c, v in sorted(reward.components.items()))
+            captions.append(f"g{g} s{slot} {scores} | {traj.prompts[i]}")
+        self.metrics.log_image_grid(k, "rollout/candidates", [traj.images[i] for i in shown], captions)
 
     # -- eval and checkpoints --------------------------------------------------------------------
     @torch.no_grad()
@@ -540,22 +595,20 @@ class Trainer:
         out_m: dict[str, float] = {}
         for name, ds in self.eval_sets.items():
             records = [ds[i] for i in range(len(ds))]
-            # one set: the reference layout <root>/eval/<task>/rollout_<k>/; several: one
-            # directory per set, <root>/eval/<task>/<name>/rollout_<k>/, so they never collide
+            # one set: <root>/eval/<task>/rollout_<k>/; several: one directory per set,
+            # <root>/eval/<task>/<name>/rollout_<k>/, so they never collide
             task_dir = self.task if len(self.eval_sets) == 1 else f"{self.task}/{name}"
             out = generate_rollout(self.engine, self.adapter, records, rollout_id=k, sampling=self.sampling,
                                    group_size=n, generation_seed=int(cfg.rollout.generation_seed),
                                    artifact_root=cfg.artifacts.artifact_root, task=task_dir,
                                    retention=int(cfg.artifacts.artifact_retention_rollouts), eval=True,
                                    weight_manifest_hash=self._manifest_hash())
-            scored = manager.score([r["image"] for r in out.responses], [r["prompt"] for r in out.responses],
-                                   [r.get("metadata") or {} for r in out.responses])
+            inputs = _scorer_inputs(out.trajectory)
+            scored = manager.score(*inputs)
             idx = [g * n + s for g, s in out.candidates]
             comps = gather_scores(scored.components, idx, len(records) * n)
-            images = [r["image"] for r in out.responses]
             for held in self.eval_reward_managers:  # held out: scored here, never trained on
-                part = held.score(images, [r["prompt"] for r in out.responses],
-                                  [r.get("metadata") or {} for r in out.responses])
+                part = held.score(*inputs)
                 held_comps = gather_scores(part.components, idx, len(records) * n)
                 means = {f"{name}/{c}": float(v[torch.isfinite(v)].mean()) for c, v in held_comps.items()}
                 stds = {f"{name}/{c}": float(v[torch.isfinite(v)].std(unbiased=False)) for c, v in held_comps.items()}
@@ -565,30 +618,26 @@ class Trainer:
             for c, v in comps.items():
                 finite = v[torch.isfinite(v)]
                 out_m[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
-            self._log_eval_images(k, name, out.responses, comps, n)
+            self._log_eval_images(k, name, out.trajectory, comps, n)
         return out_m
 
-    def _log_eval_images(self, k: int, set_name: str, responses: list[dict], comps: dict[str, torch.Tensor],
-                         n: int) -> None:
+    def _log_eval_images(self, k: int, set_name: str, traj: Any, comps: dict[str, torch.Tensor], n: int) -> None:
         """One image per eval prompt, its n candidates side by side with their scores, under the
         tag eval/<set>/prompt_<index>: the prompt and its seeds are the same at every eval, so
         TensorBoard's slider on that tag shows the same candidates changing over training. Rank 0
         logs the prompts whose candidates it generated (the first 1/world of the set, contiguous),
         at most EVAL_IMAGE_PROMPTS of them."""
-        if self.rank != 0:
+        if self.rank != 0 or traj is None:
             return
-        by_group: dict[int, list[dict]] = {}
-        for r in responses:
-            by_group.setdefault(int(r["group_index"]), []).append(r)
-        for g in sorted(by_group)[:EVAL_IMAGE_PROMPTS]:
-            shown = sorted(by_group[g], key=lambda r: r["slot"])
+        for g in sorted(set(traj.group_indices.tolist()))[:EVAL_IMAGE_PROMPTS]:
+            shown = traj.rows_of_group(g)
             captions = []
-            for r in shown:
-                pos = g * n + r["slot"]
-                scores = ", ".join(f"{c}={float(v[pos]):.4f}" for c, v in sorted(comps.items()))
-                captions.append(f"s{r['slot']} {scores} | {r['prompt']}")
-            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}", [r["image"] for r in shown], captions,
-                                        cols=len(shown))
+            for i in shown:
+                slot = int(traj.slots[i])
+                scores = ", ".join(f"{c}={float(v[g * n + slot]):.4f}" for c, v in sorted(comps.items()))
+                captions.append(f"s{slot} {scores} | {traj.prompts[i]}")
+            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}", [traj.images[i] for i in shown],
+                                        captions, cols=len(shown))
 
     def save(self, k: int) -> None:
         """One checkpoint of rollout k; a failed write is counted, never fatal."""
@@ -613,7 +662,8 @@ class Trainer:
         ok = save_checkpoint(cfg.checkpoint.save, self.task, k, model=self.actor.model, optimizer=self.actor.optimizer,
                              trainer_state=state, weight_sync_manifest=manifest, adapter_contract=self.contract,
                              trainable_only=self.actor.mode == "lora",
-                             max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0))
+                             max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0),
+                             ema=None if self.actor.ema is None else self.actor.ema.state_dict())
         if not ok:
             self.checkpoint_failures += 1
 

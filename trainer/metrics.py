@@ -12,7 +12,7 @@ import json
 import logging
 import textwrap
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -37,10 +37,8 @@ class MetricsLogger:
                  run_name: str | None = None):
         self.enabled = rank == 0 and log_dir is not None
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self.run_name = run_name
         self.run_dir = self.log_dir / run_name if self.log_dir is not None and run_name else self.log_dir
         self.console_keys = console_keys
-        self.history: list[dict[str, float]] = []
         self._writer = None
         if self.enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -52,7 +50,6 @@ class MetricsLogger:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
-        self.history.append({"step": step, **clean})
         for name, value in clean.items():
             self._writer.add_scalar(name, value, step)
         self._writer.flush()
@@ -107,20 +104,6 @@ def _is_number(v: Any) -> bool:
 def _to_uint8_hwc(im: Any) -> np.ndarray:
     a = im.detach().float().cpu().numpy() if hasattr(im, "detach") else np.asarray(im, dtype=np.float32)
     return np.clip(a.transpose(1, 2, 0) * 255.0 + 0.5, 0, 255).astype(np.uint8)
-
-
-def image_grid(images: Sequence[Any], cols: int | None = None) -> np.ndarray:
-    """Tile [3, H, W] float images (torch or numpy, values in [0, 1]) into one HWC uint8 array."""
-    arrs = [_to_uint8_hwc(im) for im in images]
-    h = max(a.shape[0] for a in arrs)
-    w = max(a.shape[1] for a in arrs)
-    cols = cols or min(len(arrs), 4)
-    rows = (len(arrs) + cols - 1) // cols
-    out = np.zeros((rows * h, cols * w, 3), dtype=np.uint8)
-    for i, a in enumerate(arrs):
-        r, c = divmod(i, cols)
-        out[r * h: r * h + a.shape[0], c * w: c * w + a.shape[1]] = a
-    return out
 
 
 #: a tile's long side is brought into this range: small images are enlarged so a caption fits
@@ -191,8 +174,3 @@ def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(event_run_dir(log_dir)), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def mean_over(values: Iterable[float]) -> float:
-    vals = list(values)
-    return float(sum(vals) / len(vals)) if vals else float("nan")

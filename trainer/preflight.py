@@ -1,10 +1,11 @@
 """Launch-time validation of a RunConfig: every violation at once, before any model loads.
 
-`validate(cfg, world_size)` checks the reference's "Preflight validation" list (errors
+`validate(cfg, world_size)` checks Relax's "Preflight validation" list (errors
 and warnings) plus this trainer's own rules (candidate split over the torchrun world,
-paths that must exist, hooks and Ray-only flags that have no meaning here). It
+paths that must exist, and every flag of config.UNSUPPORTED_FLAGS that is set). It
 collects every problem and raises one PreflightError listing them, one line per
 violation naming the flag(s) and the fix; warnings are returned for the caller to log.
+A value outside a flag's choices never gets here: the config parser refuses it.
 
 Imports no torch and loads nothing: only the config, the task vocabulary and the
 torch-free sampling-config parser.
@@ -12,6 +13,7 @@ torch-free sampling-config parser.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -20,8 +22,10 @@ from pathlib import Path
 from trainer.config import (
     DEFAULT_MODEL_ADAPTER,
     ENGINE_SHORT_NAMES,
+    FLAGS,
     SCORER_SHORT_NAMES,
     SCORERS_NEEDING_MODEL,
+    UNSUPPORTED_FLAGS,
     RunConfig,
     recipe_world_size,
     resolve_engine_path,
@@ -29,18 +33,23 @@ from trainer.config import (
 )
 from trainer import checkpoint_index as ci
 from trainer.models.base import GENERATION_TASKS
-from trainer.sampling import SamplingConfigError, parse_sampling_config, trainable_step_zero_routes
+from trainer.sampling import (
+    SamplingConfigError,
+    parse_sampling_config,
+    resolve_sde_indices,
+    trainable_step_zero_routes,
+    trained_steps_problem,
+)
 
 HEADER = "Generative RL config validation failed:"
 
-_DTYPES = ("bf16", "fp32")
 _DOTPATH_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _SHIPPED_DOTPATHS = frozenset(
     [DEFAULT_MODEL_ADAPTER, *ENGINE_SHORT_NAMES.values(), *SCORER_SHORT_NAMES.values()]
 )
 
-#: the reference's relax.* dotpaths -> what replaces them here
+#: Relax's relax.* dotpaths -> what replaces them here
 RELAX_REPLACEMENTS = {
     "relax.models.qwen_image.adapter.QwenImageAdapter": DEFAULT_MODEL_ADAPTER,
     "relax.backends.sglang.diffusion_engine.SGLangNativeGenerationEngine": (
@@ -71,7 +80,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     warnings: list[str] = []
     world = _check_world(cfg, world_size, errors, warnings, torchrun=torchrun)
     _check_task_and_model(cfg, errors)
-    _check_hooks(cfg, errors)
+    _check_engine(cfg, errors)
     _check_trainable(cfg, errors, warnings)
     _check_sync(cfg, errors)
     _check_sampling(cfg, errors)
@@ -96,7 +105,7 @@ def _check_dotpath(flag: str, value: str, errors: list[str]) -> None:
     if value.startswith("relax.") or value == "relax":
         repl = RELAX_REPLACEMENTS.get(value)
         hint = f"use {repl}" if repl else "point it at a trainer.* implementation"
-        errors.append(f"{flag} {value}: the reference's relax.* modules do not exist here; {hint}")
+        errors.append(f"{flag} {value}: Relax's relax.* modules do not exist here; {hint}")
         return
     if not _DOTPATH_RE.match(value):
         errors.append(f"{flag} {value!r} is not a dotpath of the form package.module.Class")
@@ -176,11 +185,6 @@ def _check_world(cfg: RunConfig, world_size: int | None, errors: list[str], warn
 
 def _check_task_and_model(cfg: RunConfig, errors: list[str]) -> None:
     m = cfg.model
-    if m.train_backend != "fsdp":
-        errors.append(
-            f"--train-backend {m.train_backend!r}: only 'fsdp' exists here (FSDP2 over torchrun "
-            "ranks); remove the flag or set it to fsdp"
-        )
     if m.generation_task not in GENERATION_TASKS:
         errors.append(
             f"--generation-task {m.generation_task!r} is not in GENERATION_TASKS {GENERATION_TASKS}; "
@@ -193,24 +197,8 @@ def _check_task_and_model(cfg: RunConfig, errors: list[str]) -> None:
     _need_existing("--model-path", m.model_path, "dir", errors, required=True)
 
 
-def _check_hooks(cfg: RunConfig, errors: list[str]) -> None:
+def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
     r = cfg.rollout
-    hooks = (
-        ("--rollout-function-path", r.rollout_function_path, "the rollout stage is built into the training loop"),
-        (
-            "--custom-convert-samples-to-train-data-path",
-            r.custom_convert_samples_to_train_data_path,
-            "each rank replays the candidates it generated; there is no conversion step",
-        ),
-        (
-            "--custom-reward-post-process-path",
-            r.custom_reward_post_process_path,
-            "scoring and group normalisation are built in; choose the scorer with --reward-scorer-path",
-        ),
-    )
-    for flag, value, why in hooks:
-        if value:
-            errors.append(f"{flag} {value}: not used here ({why}); remove the flag")
     engine = r.rollout_engine_class_path
     if not engine:
         errors.append(f"--rollout-engine-class-path is required: one of {sorted(ENGINE_SHORT_NAMES)} or a dotpath")
@@ -221,6 +209,19 @@ def _check_hooks(cfg: RunConfig, errors: list[str]) -> None:
                 f"--rollout-engine-class-path {engine}: sglang is not installed in this environment and the "
                 "SGLang engine needs it; install it with `pip install .[sglang]` (GPU), or use the CPU test venv "
                 "made by `bash run.sh setup-sglang` (.venv-sglang)")
+        if resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"]:
+            guidance = (r.sampling_config or {}).get("guidance_scale", 1.0) if isinstance(r.sampling_config, dict) \
+                else 1.0
+            if isinstance(guidance, (int, float)) and float(guidance) > 1.0:
+                errors.append(
+                    f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: the "
+                    "SGLang engine samples without CFG (its bridge runs one conditional row per candidate); use "
+                    "--rollout-engine-class-path native for true CFG, or guidance_scale 1.0")
+            sde_type = (r.sampling_config or {}).get("sde_type") if isinstance(r.sampling_config, dict) else None
+            if sde_type == "cps":
+                errors.append(
+                    f"--rollout-engine-class-path {engine} with --sampling-config sde_type 'cps': the SGLang engine's "
+                    "bridge is checked for 'sde' and 'dance' only; use --rollout-engine-class-path native for 'cps'")
 
 
 def _sglang_importable() -> bool:
@@ -238,8 +239,6 @@ def _sglang_importable() -> bool:
 def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
     f, lo = cfg.fsdp, cfg.lora
     mode = f.fsdp_trainable_mode
-    if mode not in ("full", "lora"):
-        errors.append(f"--fsdp-trainable-mode {mode!r} must be 'full' or 'lora'")
     if mode == "lora" and lo.lora_rank <= 0:
         errors.append(f"--fsdp-trainable-mode lora needs --lora-rank > 0, got {lo.lora_rank}")
     if lo.lora_rank > 0 and mode != "lora":
@@ -287,11 +286,6 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
         errors.append("--lora-adapter-mode and --lora-merge-mode are exclusive; pick one")
     if lo.lora_target_modules is not None and not lo.lora_target_modules:
         errors.append("--lora-target-modules is an empty list; leave it unset to use the adapter's own targets")
-    for flag, v in (("--fsdp-param-dtype", f.fsdp_param_dtype), ("--fsdp-reduce-dtype", f.fsdp_reduce_dtype)):
-        if v not in _DTYPES:
-            errors.append(f"{flag} {v!r} must be one of {_DTYPES}")
-    if f.fsdp_master_dtype is not None and f.fsdp_master_dtype not in _DTYPES:
-        errors.append(f"--fsdp-master-dtype {f.fsdp_master_dtype!r} must be one of {_DTYPES} or unset")
     if f.fsdp_load_wave_size < 0:
         errors.append(f"--fsdp-load-wave-size must be >= 0 (0 = all ranks at once), got {f.fsdp_load_wave_size}")
     if not f.fsdp_trainable_attr:
@@ -300,17 +294,13 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
 
 def _check_sync(cfg: RunConfig, errors: list[str]) -> None:
     s, lo = cfg.sync, cfg.lora
-    if s.weight_sync_mode not in ("full", "adapter"):
-        errors.append(f"--weight-sync-mode {s.weight_sync_mode!r} must be 'full' or 'adapter'")
-    elif lo.lora_adapter_mode and s.weight_sync_mode != "adapter":
+    if lo.lora_adapter_mode and s.weight_sync_mode != "adapter":
         errors.append(
             f"--lora-adapter-mode with an explicit --weight-sync-mode {s.weight_sync_mode}: adapter mode "
             "syncs only LoRA tensors; drop --weight-sync-mode (it is derived) or set it to adapter"
         )
     elif s.weight_sync_mode == "adapter" and not lo.lora_adapter_mode:
         errors.append("--weight-sync-mode adapter needs --lora-adapter-mode (and --fsdp-trainable-mode lora)")
-    if s.weight_sync_wire_dtype not in _DTYPES:
-        errors.append(f"--weight-sync-wire-dtype {s.weight_sync_wire_dtype!r} must be one of {_DTYPES}")
     if s.weight_sync_bucket_size_mb < 1:
         errors.append(f"--weight-sync-bucket-size-mb must be >= 1, got {s.weight_sync_bucket_size_mb}")
 
@@ -331,22 +321,16 @@ def _check_sampling(cfg: RunConfig, errors: list[str]) -> None:
             return
         errors.extend(trainable_step_zero_routes(parsed))
         return
-    if parsed.sde_indices is None and parsed.num_sde_steps < 1:
-        errors.append(
-            "--sampling-config trains no SDE step (no sde_indices and num_sde_steps 0); set e.g. "
-            '"sde_indices": [1, 3, 5] (see configs/qwen_image_t2i_lora_8gpu.toml)'
-        )
+    # the evaluation fallback (no redraw): empty exactly when no rollout trains a step
+    steps = resolve_sde_indices(parsed, parsed.num_inference_steps, None)
+    problem = trained_steps_problem(steps, parsed.num_inference_steps)
+    if problem:
+        errors.append(f"--sampling-config trains no SDE step: {problem}")
     errors.extend(trainable_step_zero_routes(parsed))
 
 
 def _check_colocate(cfg: RunConfig, world: int | None, errors: list[str]) -> None:
     c, r = cfg.colocate, cfg.rollout
-    if c.fully_async:
-        errors.append("--fully-async is rejected: training is synchronous colocate only; remove the flag")
-    if c.hybrid:
-        errors.append("--hybrid is rejected: training is synchronous colocate only; remove the flag")
-    if not c.colocate:
-        errors.append("--colocate must stay on: actor and engine time-share every device here")
     n = r.rollout_num_gpus_per_engine
     if n < 1:
         errors.append(f"--rollout-num-gpus-per-engine must be >= 1, got {n}")
@@ -368,13 +352,6 @@ def _check_colocate(cfg: RunConfig, world: int | None, errors: list[str]) -> Non
         )
     if c.resource is not None:
         _check_resource(c.resource, world, errors)
-    if c.use_fault_tolerance:
-        errors.append(
-            "--use-fault-tolerance is rejected: a failed weight sync raises on every rank; restart with "
-            "--load <checkpoint dir>"
-        )
-    if c.autoscaler_config is not None:
-        errors.append("--autoscaler-config is rejected: in-process engines have no elastic scale-out; remove it")
 
 
 def _check_resource(res: dict, world: int | None, errors: list[str]) -> None:
@@ -456,24 +433,30 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
 
 def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
     g = cfg.grpo
-    if g.advantage_estimator != "grpo":
-        errors.append(f"--advantage-estimator {g.advantage_estimator!r}: only 'grpo' is supported")
     if not (g.eps_clip > 0):
         errors.append(f"--eps-clip must be > 0, got {g.eps_clip} (FlowGRPO recipes use 1e-4)")
     if g.eps_clip_high is not None and not (g.eps_clip_high > 0):
         errors.append(f"--eps-clip-high must be > 0 when set, got {g.eps_clip_high}")
+    if not g.kl_coef >= 0:
+        errors.append(f"--kl-coef must be >= 0, got {g.kl_coef}")
+    elif g.kl_coef > 0 and not g.use_kl_loss:
+        errors.append(f"--kl-coef {g.kl_coef} without --use-kl-loss: the KL term is added to the loss only with "
+                      "--use-kl-loss; pass it, or set --kl-coef 0")
+    elif g.use_kl_loss and not g.kl_coef > 0:
+        errors.append("--use-kl-loss with --kl-coef 0 adds nothing: set --kl-coef > 0 (e.g. 0.04), or drop "
+                      "--use-kl-loss")
+    elif g.use_kl_loss and cfg.fsdp.fsdp_trainable_mode != "lora":
+        errors.append("--use-kl-loss with --fsdp-trainable-mode full: the KL's reference policy is the base model "
+                      "with the LoRA adapter disabled, and a frozen full-size reference copy is not built; use "
+                      "--fsdp-trainable-mode lora, or drop --use-kl-loss")
+    if not (math.isfinite(g.adv_clip_max) and g.adv_clip_max >= 0):
+        errors.append(f"--adv-clip-max must be a finite number >= 0 (0 = off; FlowGRPO uses 5), got {g.adv_clip_max}")
     mode = g.generative_advantage_std_mode
-    if mode is not None and mode not in ("group", "batch", "none"):
-        errors.append(f"--generative-advantage-std-mode {mode!r} must be 'group', 'batch' or 'none'")
-    elif g.disable_grpo_std_normalization and mode in ("group", "batch"):
+    if g.disable_grpo_std_normalization and mode in ("group", "batch"):
         errors.append(
             f"--disable-grpo-std-normalization contradicts --generative-advantage-std-mode {mode}; drop one "
             "(the disable flag means 'none')"
         )
-    if g.kl_coef != 0:
-        errors.append(f"--kl-coef {g.kl_coef}: FlowGRPO here has no reference model and no KL term; set it to 0")
-    if g.use_kl_loss:
-        errors.append("--use-kl-loss: FlowGRPO here has no reference model and no KL term; remove the flag")
 
 
 def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
@@ -484,9 +467,7 @@ def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None
         errors.append(f"--min-lr {o.min_lr} must be in [0, --lr {o.lr}]")
     if o.lr_warmup_iters < 0:
         errors.append(f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
-    if f.fsdp_lr_scheduler not in ("constant", "linear", "cosine"):
-        errors.append(f"--fsdp-lr-scheduler {f.fsdp_lr_scheduler!r} must be 'constant', 'linear' or 'cosine'")
-    elif f.fsdp_lr_scheduler != "constant":
+    if f.fsdp_lr_scheduler != "constant":
         if o.lr_decay_iters is None:
             errors.append(f"--fsdp-lr-scheduler {f.fsdp_lr_scheduler} needs --lr-decay-iters (optimizer steps)")
         elif o.lr_decay_iters < 1:
@@ -505,13 +486,24 @@ def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None
         errors.append(f"--adam-eps must be > 0, got {o.adam_eps}")
     if not (o.clip_grad > 0):
         errors.append(f"--clip-grad must be > 0, got {o.clip_grad}")
+    _check_ema(cfg, errors)
+
+
+def _check_ema(cfg: RunConfig, errors: list[str]) -> None:
+    o = cfg.optim
+    if not (0.0 <= o.ema_decay < 1.0):
+        errors.append(f"--ema-decay must be in [0, 1) (0 = no EMA), got {o.ema_decay}")
+    if o.ema_update_interval < 1:
+        errors.append(f"--ema-update-interval must be >= 1, got {o.ema_update_interval}")
+    elif o.ema_update_interval != 1 and o.ema_decay == 0:
+        errors.append(f"--ema-update-interval {o.ema_update_interval} has no effect without an EMA: "
+                      "set --ema-decay in (0, 1) or drop --ema-update-interval")
+    if cfg.eval.eval_use_ema and o.ema_decay == 0:
+        errors.append("--eval-use-ema needs an EMA to evaluate: set --ema-decay in (0, 1) or drop --eval-use-ema")
 
 
 def _check_reward(cfg: RunConfig, errors: list[str]) -> None:
     rw = cfg.reward
-    if rw.reward_runtime not in ("cpu", "colocate", "remote"):
-        hint = " ('dedicated' was removed: use colocate)" if rw.reward_runtime == "dedicated" else ""
-        errors.append(f"--reward-runtime {rw.reward_runtime!r} must be 'cpu', 'colocate' or 'remote'{hint}")
     if rw.reward_runtime == "remote" and not rw.reward_endpoint:
         errors.append("--reward-runtime remote needs --reward-endpoint URL")
     scorer = resolve_scorer_path(rw.reward_scorer_path)
@@ -633,12 +625,6 @@ def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list
         _check_resume(cfg, errors)
     _check_output_paths(cfg, errors)
     _check_data_contents(cfg, errors)
-    if ck.async_save:
-        warnings.append("--async-save has no effect: the checkpoint write is synchronous")
-    if ck.save_hf:
-        errors.append(
-            "--save-hf is rejected: export a committed checkpoint offline with tools/export_checkpoint.py"
-        )
 
 
 def tensorboard_dir(cfg: RunConfig) -> str | None:
@@ -737,27 +723,17 @@ def _check_data_contents(cfg: RunConfig, errors: list[str]) -> None:
 
 
 def _check_unsupported(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
-    g, d, lg = cfg.grpo, cfg.debug, cfg.logging
-    if g.use_dynamic_batch_size:
-        errors.append(
-            "--use-dynamic-batch-size is rejected: diffusion latents are fixed-shape, there is no token-budget "
-            "batching; use --micro-batch-size"
-        )
-    if g.max_tokens_per_gpu is not None:
-        errors.append("--max-tokens-per-gpu is rejected: there is no token-budget batching; use --micro-batch-size")
-    if d.load_debug_rollout_data:
-        errors.append(
-            "--load-debug-rollout-data is rejected: each rank replays the trajectories it generated; remove it"
-        )
-    if d.save_debug_train_data:
-        warnings.append(
-            "--save-debug-train-data has no effect: train data are numeric tensors plus the sidecars under "
-            "--artifact-root"
-        )
-    for flag, on in (
-        ("--use-wandb", lg.use_wandb),
-        ("--use-clearml", lg.use_clearml),
-        ("--use-metrics-service", lg.use_metrics_service),
-    ):
-        if on:
-            errors.append(f"{flag} is rejected: TensorBoard (--tensorboard-dir) is the only tracker here")
+    """Every flag of UNSUPPORTED_FLAGS that is set, i.e. not at its default (an empty string
+    counts as unset): an error saying why and what to use instead, or a warning for a flag that
+    merely has no effect."""
+    for name, why in UNSUPPORTED_FLAGS.items():
+        spec, value = FLAGS[name], cfg.get(name)
+        if value == spec.default or value == "":
+            continue
+        shown = "" if value is True else f" {value if isinstance(value, str) else json.dumps(value)}"
+        if not why.rejected:
+            warnings.append(f"{spec.flag}{shown} has no effect: {why.reason}")
+            continue
+        fix = ("remove the flag" if spec.default is None or spec.default is False
+               else "leave it on" if spec.default is True else f"set it to {json.dumps(spec.default)}")
+        errors.append(f"{spec.flag}{shown} is rejected: {why.reason}; {fix}")

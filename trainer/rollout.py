@@ -7,7 +7,7 @@
     artifacts  one PNG per candidate (written by the rank that made it) and one sidecar per
                group; a group split over ranks has its small tracks gathered to the rank that
                holds its slot 0, which writes it;
-    return     this rank's responses and the adapter's trajectory batch for the update: each
+    return     this rank's Trajectory (trainer.trajectory) for the reward and the update: each
                rank replays what it generated, large tensors never cross ranks.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from trainer import artifacts
+from trainer.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,10 @@ class RolloutOutput:
 
     rollout_id: int | None
     sde_indices: list[int]
-    #: this rank's (group_index, slot) pairs, in the order of `responses`
+    #: this rank's (group_index, slot) pairs, in the order of the trajectory's rows
     candidates: list[tuple[int, int]]
-    responses: list[dict[str, Any]]
-    #: adapter.pack_trajectory(responses), or None when this rank has no candidates
-    batch: dict[str, Any] | None
+    #: the engine's Trajectory of those candidates (images included), or None when this rank has none
+    trajectory: Trajectory | None
     artifact_dir: Path | None
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -176,59 +176,63 @@ def generate_rollout(
             prompt, group_index=g, slot=slot, sample_id=sample_id, sampling=sampling, sde_indices=sde_indices,
             sigmas=sigmas, generation_seed=seed, metadata=metadata))
     t_gen = time.perf_counter()
-    responses = engine.generate(requests) if requests else []
+    traj = engine.generate(requests) if requests else None
     t_gen = time.perf_counter() - t_gen
-    fingerprint = sampling.fingerprint()
-    for r in responses:
-        adapter.validate_rollout_response(r)
-        r["rollout_id"] = rollout_id
-        r["train_metadata"] = artifacts.candidate_manifest(
-            r, sampling_fingerprint=fingerprint, weight_manifest_hash=weight_manifest_hash, rollout_id=rollout_id)
+    if traj is not None:
+        adapter.validate_trajectory(traj)
+        if traj.sample_ids != [r.sample_id for r in requests]:
+            raise RuntimeError(f"the engine returned candidates {traj.sample_ids[:3]}... for requests "
+                               f"{[r.sample_id for r in requests][:3]}...: rows must follow the request order")
+        fingerprint = sampling.fingerprint()
+        traj = traj.with_provenance(rollout_id, [
+            artifacts.candidate_manifest(traj, i, sampling_fingerprint=fingerprint,
+                                         weight_manifest_hash=weight_manifest_hash, rollout_id=rollout_id)
+            for i in range(len(traj))])
 
     # 4. artifacts
     t_write = time.perf_counter()
     if artifact_root is not None:
-        _write_artifacts(responses, out_dir, groups, group_size, world_size, distributed, rank, task=task,
+        _write_artifacts(traj, out_dir, groups, group_size, world_size, distributed, rank, task=task,
                          rollout_id=rollout_id, sampling=sampling, weight_manifest_hash=weight_manifest_hash)
     t_write = time.perf_counter() - t_write
 
-    batch = adapter.pack_trajectory(responses) if responses else None
     stats = {
-        "rollout/candidates_local": float(len(responses)),
+        "rollout/candidates_local": float(len(traj) if traj is not None else 0),
         "perf/rollout_generate_time": t_gen,
         "perf/rollout_artifact_time": t_write,
         "perf/rollout_time": time.perf_counter() - t0,
     }
     return RolloutOutput(rollout_id=rollout_id, sde_indices=list(sde_indices), candidates=mine,
-                         responses=responses, batch=batch, artifact_dir=out_dir, stats=stats)
+                         trajectory=traj, artifact_dir=out_dir, stats=stats)
 
 
-def _write_artifacts(responses, out_dir: Path, groups, group_size: int, world_size: int, distributed: bool,
-                     rank: int, *, task, rollout_id, sampling, weight_manifest_hash) -> None:
-    for r in responses:
-        artifacts.write_png(out_dir / artifacts.image_name(r["group_index"], r["slot"]), r["image"])
-    by_group: dict[int, list[dict]] = {}
-    for r in responses:
-        by_group.setdefault(int(r["group_index"]), []).append(r)
+def _write_artifacts(traj: Trajectory | None, out_dir: Path, groups, group_size: int, world_size: int,
+                     distributed: bool, rank: int, *, task, rollout_id, sampling, weight_manifest_hash) -> None:
+    by_group: dict[int, Trajectory] = {}
+    if traj is not None:
+        for i in range(len(traj)):
+            artifacts.write_png(out_dir / artifacts.image_name(int(traj.group_indices[i]), int(traj.slots[i])),
+                                traj.images[i])
+        for g in dict.fromkeys(traj.group_indices.tolist()):
+            by_group[int(g)] = traj[traj.rows_of_group(g)].without_images()
     split = set(split_groups(len(groups), group_size, world_size)) if distributed else set()
     if split:
         import torch.distributed as dist
 
         # only the split groups' small tracks travel (no images: each rank wrote its own PNGs)
-        payload = {g: [{k: v for k, v in r.items() if k != "image"} for r in rs]
-                   for g, rs in by_group.items() if g in split}
+        payload = {g: part for g, part in by_group.items() if g in split}
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, payload)
         for src, part in enumerate(gathered):
             if src == rank:
                 continue
-            for g, rs in (part or {}).items():
+            for g, rows in (part or {}).items():
                 if group_owner(g, group_size, len(groups), world_size) == rank:
-                    by_group.setdefault(g, []).extend(rs)
-    for g, rs in sorted(by_group.items()):
+                    by_group[g] = Trajectory.cat([by_group[g], rows]) if g in by_group else rows
+    for g, rows in sorted(by_group.items()):
         if g in split and group_owner(g, group_size, len(groups), world_size) != rank:
             continue
-        artifacts.write_group_sidecar(out_dir / artifacts.sidecar_name(g), rs, task=task, rollout_id=rollout_id,
+        artifacts.write_group_sidecar(out_dir / artifacts.sidecar_name(g), rows, task=task, rollout_id=rollout_id,
                                       sampling=sampling, weight_manifest_hash=weight_manifest_hash)
     if distributed:
         import torch.distributed as dist

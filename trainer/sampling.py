@@ -21,14 +21,95 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-SDE_TYPES = ("sde", "dance")
+SDE_TYPES = ("sde", "dance", "cps")
 SAMPLE_ID_MODES = ("metadata", "positional", "group_index")
 
 _FLAG = "--sampling-config"
+
+
+# ---------------------------------------------------------------------------- invariants
+#
+# What any rollout must satisfy, each decided here once. The config parser, preflight, the
+# model adapter's build_rollout_request and the engines' check_request all ask these functions;
+# each returns None when the value is fine, else the problem as a phrase the caller prefixes
+# with what it is checking.
+
+
+def guidance_scale_problem(guidance_scale: Any) -> str | None:
+    """None when a rollout may sample at `guidance_scale`, else what it must be and why, phrased
+    to follow the value ("guidance_scale is 0.5, but " + problem).
+
+    1.0 is no guidance (one positive-conditioned forward); > 1 is true classifier-free guidance:
+    the conditional and unconditional rows of a candidate run in one DiT forward, the step uses
+    the combined velocity, and the replay runs the same two-row forward (gradients through both).
+    Below 1 would extrapolate toward the negative prompt, which no recipe means.
+    """
+    if _is_number(guidance_scale) and float(guidance_scale) >= 1.0:
+        return None
+    return "must be a number >= 1.0 (1.0 = no guidance; > 1 = true CFG with negative_prompt)"
+
+
+def trained_steps_problem(steps: Sequence[int], num_inference_steps: int) -> str | None:
+    """None when `steps` (trained step indices) is non-empty and inside [0, num_inference_steps),
+    else the problem. Generation injects SDE noise and records a transition only at trained
+    steps, so a rollout without one has nothing to train on. Also the range rule of any step
+    list (sde_pool)."""
+    if not steps:
+        return ("the trained SDE step set is empty (empty sde_indices: no step gets SDE noise or a recorded "
+                f"transition); set sde_indices, or num_sde_steps (with sde_pool or sde_timestep_fraction) in {_FLAG}, "
+                'e.g. "sde_indices": [1, 3, 5]')
+    n = int(num_inference_steps)
+    bad = [int(i) for i in steps if not 0 <= int(i) < n]
+    if bad:
+        return f"step indices {bad} are outside [0, num_inference_steps={n})"
+    return None
+
+
+#: why step 0 cannot be trained under sde_type "sde"
+_STEP_ZERO_WHY = ("under sde_type=\"sde\" step 0 (sigma == 1) is only finite through the sigma_max clamp, "
+                  "which is not what the sampler used")
+
+
+def step_zero_problem(steps: Sequence[int], sde_type: str) -> str | None:
+    """None unless `steps` trains step 0 under sde_type "sde", else the problem.
+
+    At step 0 sigma == 1 and the "sde" coefficient eta * sqrt(sigma / (1 - sigma)) divides by
+    zero; it is finite only through the arbitrary sigma_max clamp, which is not what the sampler
+    used (measured: std 7.0 vs ~2.92, with the mean's sample coefficient changing sign). "dance"
+    has a constant coefficient and no singularity there, and "cps" takes its std from the next
+    sigma (sigma_next * sin(eta * pi / 2)), which is regular at step 0.
+    """
+    if sde_type != "sde" or 0 not in {int(i) for i in steps}:
+        return None
+    return (f"trained SDE step 0 under sde_type 'sde' is singular ({_STEP_ZERO_WHY}): use e.g. sde_indices "
+            "[1,3,5] / sde_pool [1,2,3,4,5], or sde_type 'dance'")
+
+
+#: why the last step cannot be trained under sde_type "cps"
+_LAST_STEP_WHY = ("under sde_type \"cps\" the last step ends at sigma 0, where the CPS std sigma_next * sin(eta * pi / 2) "
+                  "is 0: the step injects no noise, so it has no exploration to reward and no policy gradient")
+
+
+def last_step_problem(steps: Sequence[int], sde_type: str, num_inference_steps: int) -> str | None:
+    """None unless `steps` trains the last step (num_inference_steps - 1) under sde_type "cps",
+    else the problem (`_LAST_STEP_WHY`). "sde" and "dance" keep a positive std there."""
+    last = int(num_inference_steps) - 1
+    if sde_type != "cps" or last not in {int(i) for i in steps}:
+        return None
+    return f"trains the last step {last} under sde_type 'cps' ({_LAST_STEP_WHY})"
+
+
+def sigma_count_problem(sigmas: Sequence[float], num_inference_steps: int) -> str | None:
+    """None when `sigmas` is a schedule for `num_inference_steps` steps (N + 1 values, the
+    terminal 0 included, as sigma_schedule returns), else the problem."""
+    n = int(num_inference_steps)
+    if len(sigmas) == n + 1:
+        return None
+    return f"{len(sigmas)} sigmas for {n} steps; a schedule holds num_inference_steps + 1 = {n + 1} (terminal 0 included)"
 
 
 class SamplingConfigError(ValueError):
@@ -48,7 +129,7 @@ class SamplingConfigError(ValueError):
 
 @dataclass
 class SamplingConfig:
-    """Every `--sampling-config` key with its default (the reference's table).
+    """Every `--sampling-config` key with its default (Relax's table).
 
     Build it with `parse_sampling_config`, which validates every key; constructing the class
     directly skips validation.
@@ -60,15 +141,22 @@ class SamplingConfig:
     width: int = 384
     #: denoising steps generated per image (all of them run; only the trained subset is replayed)
     num_inference_steps: int = 12
-    #: must be 1.0: the replay runs one positive-conditioned forward, so a CFG rollout would
-    #: train against a different policy than it sampled from
+    #: 1.0 = no guidance; > 1 = true CFG (guidance_scale_problem): conditional and unconditional
+    #: rows in one DiT forward, in the rollout and in the replay alike
     guidance_scale: float = 1.0
+    #: the unconditional prompt of true CFG (QwenImagePipeline's default is " "); unused at 1.0
+    negative_prompt: str = " "
+    #: rescale the combined CFG velocity to the conditional velocity's norm per token, as
+    #: diffusers' QwenImagePipeline does; unused at guidance 1.0
+    cfg_renorm: bool = True
     #: SDE noise level (>= 0; > 0 when any step is trained). Used by both the sampler and the
     #: replay, so the two Gaussians are the same by construction
     eta: float = 0.7
     #: clamp used for sigma == 1 in the "sde" coefficient; leave it alone (step 0 is rejected)
     sigma_max: float = 0.99
-    #: "sde": FlowGRPO's eta * sqrt(sigma / (1 - sigma)); "dance": DanceGRPO's constant eta
+    #: "sde": FlowGRPO's eta * sqrt(sigma / (1 - sigma)); "dance": DanceGRPO's constant eta;
+    #: "cps": FlowGRPO's coefficients-preserving sampler, std = sigma_next * sin(eta * pi / 2)
+    #: (needs 0 < eta <= 1; never trains the last step, whose std is 0)
     sde_type: str = "sde"
     #: use the driver's own FlowMatch sigma schedule (sigma_schedule) for generation
     driver_sigmas: bool = True
@@ -90,6 +178,13 @@ class SamplingConfig:
     num_sde_steps: int = 0
     #: [lo, hi] normalised window of the schedule: steps range(int(lo*N), int(hi*N))
     sde_timestep_fraction: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    #: FlowGRPO's SDE window: train this many CONTIGUOUS steps, the window start redrawn every
+    #: rollout (seeded by the rollout id), every other step ODE; 0 = off. Replaces
+    #: sde_indices / sde_pool / num_sde_steps / sde_resample_per_rollout (an error with them)
+    sde_window_size: int = 0
+    #: [lo, hi) step range the window lies in: start drawn from lo .. hi - sde_window_size;
+    #: null = FlowGRPO's [0, num_inference_steps // 2). Evaluation (rollout_id None) uses start lo
+    sde_window_range: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every key (lists copied)."""
@@ -97,12 +192,30 @@ class SamplingConfig:
 
     def fingerprint(self) -> str:
         """sha256 hex digest of the sorted, compact JSON of `to_dict()`: equal configs give
-        equal fingerprints on every machine and Python version."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        equal fingerprints on every machine and Python version. Keys added after the first
+        release (`_LATER_KEYS`) are left out while at their defaults, so a config that does
+        not use them keeps the fingerprint its artifacts already carry."""
+        d = self.to_dict()
+        for key, default in _LATER_KEYS.items():
+            if d.get(key) == default:
+                del d[key]
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 _KEYS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
+#: keys added after the first release, with their defaults (left out of the fingerprint there)
+_LATER_KEYS = {"sde_window_size": 0, "sde_window_range": None, "negative_prompt": " ", "cfg_renorm": True}
+#: the window keys and what they cannot be combined with
+_WINDOW_KEYS = ("sde_window_size", "sde_window_range")
+
+
+def window_range(cfg: "SamplingConfig") -> list[int]:
+    """The [lo, hi) step range of the SDE window: `sde_window_range`, or FlowGRPO's default
+    [0, num_inference_steps // 2)."""
+    if cfg.sde_window_range is not None:
+        return [int(cfg.sde_window_range[0]), int(cfg.sde_window_range[1])]
+    return [0, int(cfg.num_inference_steps) // 2]
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -197,10 +310,8 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
         return check
 
     def guidance(v):
-        if _is_number(v) and float(v) == 1.0:
-            return None, 1.0
-        return ("must be 1.0, got {got}: the replay runs a single positive-conditioned forward, so a "
-                "CFG rollout would train against a different policy than it sampled from", None)
+        problem = guidance_scale_problem(v)
+        return (problem, None) if problem else (None, float(v))
 
     def eta(v):
         return (None, float(v)) if _is_number(v) and v >= 0 else ("must be a number >= 0", None)
@@ -239,6 +350,8 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
     take("width", pos_int)
     take("num_inference_steps", pos_int)
     take("guidance_scale", guidance)
+    take("negative_prompt", lambda v: (None, v) if isinstance(v, str) else ("must be a string (\" \" by default)", None))
+    take("cfg_renorm", boolean)
     take("eta", eta)
     take("sigma_max", sigma_max)
     take("sde_type", choice(SDE_TYPES))
@@ -251,17 +364,27 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
     take("sde_indices", step_list("trained steps"))
     take("num_sde_steps", nonneg_int)
     take("sde_timestep_fraction", fraction)
+    take("sde_window_size", nonneg_int)
+
+    def step_range(v):
+        if v is None:
+            return None, None
+        lst = _int_list(v)
+        if lst is not None and len(lst) == 2 and 0 <= lst[0] < lst[1]:
+            return None, lst
+        return "must be null or [lo, hi] step indices with 0 <= lo < hi (hi exclusive)", None
+
+    take("sde_window_range", step_range)
 
     cfg = SamplingConfig(**out)
     n = cfg.num_inference_steps
     if "num_inference_steps" in ok:
         for key in ("sde_pool", "sde_indices"):
             lst = getattr(cfg, key)
-            if key in ok and lst is not None:
-                bad = [i for i in lst if not 0 <= i < n]
-                if bad:
-                    err(key, f"step indices {bad} are outside [0, num_inference_steps={n})")
-                    ok.discard(key)
+            problem = trained_steps_problem(lst, n) if key in ok and lst is not None else None
+            if problem:
+                err(key, problem)
+                ok.discard(key)
         if "sde_pool" in ok and cfg.sde_pool is not None and len(set(cfg.sde_pool)) != len(cfg.sde_pool):
             err("sde_pool", f"has repeated steps {cfg.sde_pool}; a redraw would train one step twice")
             ok.discard("sde_pool")
@@ -284,14 +407,87 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
         if cfg.sde_indices is None and cfg.num_sde_steps > len(window):
             err("num_sde_steps", f"{cfg.num_sde_steps} stride-spaced steps do not fit in "
                 f"{window_desc}; lower num_sde_steps, widen sde_timestep_fraction or set sde_indices")
-        trains = (cfg.sde_indices is not None or cfg.num_sde_steps > 0)
+        trains = (cfg.sde_indices is not None or cfg.num_sde_steps > 0 or cfg.sde_window_size > 0)
         if trains and cfg.eta == 0.0:
             err("eta", "is 0 while SDE steps are trained; a deterministic step has no "
                 "transition log-prob. Use eta > 0 (the recipes use 0.7)")
 
+    if "sde_type" in ok and "eta" in ok and cfg.sde_type == "cps" and cfg.eta > 1.0:
+        err("eta", f"is {cfg.eta}, but under sde_type 'cps' eta is the noise level in (0, 1]: the std is "
+            "sigma_next * sin(eta * pi / 2), which falls again above 1 (FlowGRPO's recipes use 0.7-0.8)")
+    _check_window(cfg, d, ok, err)
+    if {"sde_type", "num_inference_steps"} <= ok and cfg.sde_type == "cps" and not errors:
+        for line in _last_step_routes(cfg):
+            err(line[0], line[1])
+
     if errors:
         raise SamplingConfigError(errors, bad_keys)
     return cfg
+
+
+def _check_window(cfg: SamplingConfig, d: Mapping[str, Any], ok: set[str], err) -> None:
+    """The SDE window's own rules: a range inside the schedule that holds the window, and no
+    other way of choosing the trained steps beside it (two step sets would leave which one a
+    rollout trains to the order of the checks)."""
+    if not {"sde_window_size", "sde_window_range", "num_inference_steps"} <= ok:
+        return
+    n, size = cfg.num_inference_steps, cfg.sde_window_size
+    if size == 0:
+        if cfg.sde_window_range is not None:
+            err("sde_window_range", "has no effect without sde_window_size > 0; set sde_window_size "
+                'or drop sde_window_range, e.g. "sde_window_size": 2')
+        return
+    if cfg.sde_window_range is not None and cfg.sde_window_range[1] > n:
+        err("sde_window_range", f"{cfg.sde_window_range} ends after the last step: hi must be <= "
+            f"num_inference_steps={n}")
+        return
+    lo, hi = window_range(cfg)
+    if hi - lo < size:
+        src = "sde_window_range" if cfg.sde_window_range is not None else "the default sde_window_range [0, N // 2)"
+        err("sde_window_size", f"a window of {size} steps does not fit in {src} = steps [{lo}, {hi}) "
+            f"over {n} steps; lower sde_window_size or widen sde_window_range")
+    clashes = [(k, bad) for k, bad in (
+        ("sde_indices", cfg.sde_indices is not None),
+        ("sde_pool", cfg.sde_pool is not None),
+        ("num_sde_steps", cfg.num_sde_steps > 0),
+        ("sde_resample_per_rollout", cfg.sde_resample_per_rollout),
+    ) if bad and k in d]
+    for key, _ in clashes:
+        err(key, f"cannot be combined with sde_window_size={size}: the window is the trained step set "
+            "(redrawn per rollout, start lo at evaluation); drop one of the two")
+
+
+def _reachable_steps(cfg: SamplingConfig) -> list[tuple[str, list[int]]]:
+    """(key, the steps it can make a rollout train) for every route by which a step is trained:
+    sde_indices (always reachable: the evaluation fallback), the redraw's sde_pool, the
+    sde_timestep_fraction window when something picks from it, and the SDE window's range."""
+    n = cfg.num_inference_steps
+    routes: list[tuple[str, list[int]]] = []
+    if cfg.sde_window_size > 0:
+        lo, hi = window_range(cfg)
+        return [("sde_window_range", list(range(lo, min(hi, n))))]
+    if cfg.sde_indices is not None:
+        routes.append(("sde_indices", list(cfg.sde_indices)))
+    if cfg.sde_resample_per_rollout and cfg.sde_pool is not None:
+        routes.append(("sde_pool", list(cfg.sde_pool)))
+    window = _fraction_window(cfg.sde_timestep_fraction, n)
+    if cfg.num_sde_steps > 0 and cfg.sde_resample_per_rollout and cfg.sde_pool is None:
+        routes.append(("sde_timestep_fraction", window))  # the redraw's pool
+    elif cfg.num_sde_steps > 0 and cfg.sde_indices is None and cfg.num_sde_steps <= len(window):
+        k = cfg.num_sde_steps  # the stride-spaced picks (resolve_sde_indices, rule 3)
+        routes.append(("sde_timestep_fraction", [window[(j * len(window)) // k] for j in range(k)]))
+    return routes
+
+
+def _last_step_routes(cfg: SamplingConfig) -> list[tuple[str, str]]:
+    """(key, problem) for every route that can train the last step under sde_type "cps"."""
+    out = []
+    for key, steps in _reachable_steps(cfg):
+        problem = last_step_problem(steps, cfg.sde_type, cfg.num_inference_steps)
+        if problem:
+            out.append((key, f"can train steps {steps}, which {problem}; keep the trained steps below "
+                        f"{cfg.num_inference_steps - 1}"))
+    return out
 
 
 def _jsonable(v) -> bool:
@@ -321,6 +517,10 @@ def resolve_sde_indices(
 ) -> list[int]:
     """The trained (and noise-injected) SDE step indices for one rollout, in this order:
 
+    0. `sde_window_size` k > 0: the contiguous window range(start, start + k) inside
+       [lo, hi) = `window_range(cfg)`, start = np.random.default_rng(rollout_id).integers(lo,
+       hi - k + 1) (uniform, as FlowGRPO's randint(lo, hi - k)), or start = lo at evaluation
+       (rollout_id None); the window keys exclude every other way below;
     1. `sde_resample_per_rollout` and rollout_id is not None: pool = `sde_pool` or the fraction
        window; sorted(np.random.default_rng(rollout_id).choice(pool, size=num_sde_steps,
        replace=False)) -- reproducible, identical on every rank with no communication;
@@ -339,20 +539,35 @@ def resolve_sde_indices(
         raise ValueError(f"num_inference_steps must be >= 1, got {n}")
     window = _fraction_window(cfg.sde_timestep_fraction, n)
 
+    if cfg.sde_window_size > 0:
+        k = int(cfg.sde_window_size)
+        lo, hi = window_range(cfg)
+        if not (0 <= lo and hi <= n and hi - lo >= k):
+            raise ValueError(f"{_FLAG}: a window of sde_window_size={k} steps does not fit in "
+                             f"sde_window_range [{lo}, {hi}) over {n} steps")
+        if rollout_id is None:
+            start = lo
+        else:
+            if not _is_int(rollout_id) or rollout_id < 0:
+                raise ValueError(f"rollout_id must be an integer >= 0 (it seeds the window), got {rollout_id!r}")
+            start = int(np.random.default_rng(int(rollout_id)).integers(lo, hi - k + 1))
+        return list(range(start, start + k))
     if cfg.sde_resample_per_rollout and rollout_id is not None:
         pool = list(cfg.sde_pool) if cfg.sde_pool is not None else window
         if not 1 <= cfg.num_sde_steps <= len(pool):
             raise ValueError(f"{_FLAG}: cannot draw num_sde_steps={cfg.num_sde_steps} steps from pool {pool}")
-        if any(not 0 <= i < n for i in pool):
-            raise ValueError(f"{_FLAG} key 'sde_pool': {pool} has steps outside [0, {n})")
+        problem = trained_steps_problem(pool, n)
+        if problem:
+            raise ValueError(f"{_FLAG} key 'sde_pool': {problem}")
         if not _is_int(rollout_id) or rollout_id < 0:
             raise ValueError(f"rollout_id must be an integer >= 0 (it seeds the redraw), got {rollout_id!r}")
         picked = np.random.default_rng(int(rollout_id)).choice(pool, size=cfg.num_sde_steps, replace=False)
         return sorted(int(i) for i in picked)
     if cfg.sde_indices is not None:
         out = sorted({int(i) for i in cfg.sde_indices})
-        if any(not 0 <= i < n for i in out):
-            raise ValueError(f"{_FLAG} key 'sde_indices': {out} has steps outside [0, {n})")
+        problem = trained_steps_problem(out, n)
+        if problem:
+            raise ValueError(f"{_FLAG} key 'sde_indices': {problem}")
         return out
     if cfg.num_sde_steps > 0:
         k_total = cfg.num_sde_steps
@@ -363,29 +578,31 @@ def resolve_sde_indices(
 
 
 def trainable_step_zero_routes(cfg: SamplingConfig | Mapping[str, Any] | None) -> list[str]:
-    """One human-readable line per route by which step 0 can become a trained step under
-    sde_type="sde"; [] when there is none, and always [] for "dance".
+    """One human-readable line per route by which a rollout can train step 0 under
+    sde_type="sde" (see `step_zero_problem`); [] when there is none, and always [] for "dance".
 
-    At step 0 sigma == 1 and the "sde" coefficient sqrt(sigma / (1 - sigma)) is singular; it is
-    finite only through the arbitrary sigma_max clamp, which is not what the sampler used
-    (measured: std 7.0 vs ~2.92, with the mean's sample coefficient changing sign). Routes:
-    explicit `sde_indices` (always reachable: it is the evaluation fallback), `sde_pool` (when
-    `sde_resample_per_rollout` draws from it), and the derived `sde_timestep_fraction` window
-    (when it is the redraw pool, or when num_sde_steps picks from it). Preflight turns each
-    line into an error.
+    Routes: explicit `sde_indices` (always reachable: it is the evaluation fallback), `sde_pool`
+    (when `sde_resample_per_rollout` draws from it), the derived `sde_timestep_fraction`
+    window (when it is the redraw pool, or when num_sde_steps picks from it), and the SDE
+    window's range (`sde_window_size` > 0 with lo == 0). Preflight turns each line into an error.
     """
     if not isinstance(cfg, SamplingConfig):
         cfg = parse_sampling_config(cfg)
-    if cfg.sde_type != "sde":
-        return []
     n = cfg.num_inference_steps
-    fix = ("; under sde_type=\"sde\" step 0 (sigma == 1) is only finite through the sigma_max clamp, "
-           "which is not what the sampler used")
+    fix = f"; {_STEP_ZERO_WHY}"
     routes: list[str] = []
-    if cfg.sde_indices is not None and 0 in cfg.sde_indices:
+    if cfg.sde_window_size > 0:
+        lo, hi = window_range(cfg)
+        if step_zero_problem([lo], cfg.sde_type):
+            src = "" if cfg.sde_window_range is not None else " (the default [0, num_inference_steps // 2))"
+            routes.append(f"{_FLAG} keys 'sde_window_size' / 'sde_window_range': the window of "
+                          f"{cfg.sde_window_size} steps in [{lo}, {hi}){src} can start at step 0{fix}. "
+                          f"Start the range at 1, e.g. \"sde_window_range\": [1, {max(hi, 1 + cfg.sde_window_size)}].")
+        return routes
+    if cfg.sde_indices is not None and step_zero_problem(cfg.sde_indices, cfg.sde_type):
         routes.append(f"{_FLAG} key 'sde_indices' {cfg.sde_indices} trains step 0{fix}. "
                       "Drop 0, e.g. \"sde_indices\": [1, 3, 5].")
-    if cfg.sde_resample_per_rollout and cfg.sde_pool is not None and 0 in cfg.sde_pool:
+    if cfg.sde_resample_per_rollout and cfg.sde_pool is not None and step_zero_problem(cfg.sde_pool, cfg.sde_type):
         routes.append(f"{_FLAG} key 'sde_pool' {cfg.sde_pool} lets the per-rollout redraw pick step 0{fix}. "
                       "Drop 0, e.g. \"sde_pool\": [1, 2, 3, 4, 5].")
     window = _fraction_window(cfg.sde_timestep_fraction, n)
@@ -395,7 +612,7 @@ def trainable_step_zero_routes(cfg: SamplingConfig | Mapping[str, Any] | None) -
     if cfg.sde_indices is None and cfg.num_sde_steps > 0:
         picks = resolve_sde_indices(dataclasses.replace(cfg, sde_resample_per_rollout=False), n, None)
         users.append(f"num_sde_steps={cfg.num_sde_steps} picks {picks} from it")
-    if window and window[0] == 0 and users:
+    if users and step_zero_problem(window, cfg.sde_type):
         routes.append(
             f"{_FLAG} key 'sde_timestep_fraction' {cfg.sde_timestep_fraction} over {n} steps starts at "
             f"step 0 and {' and '.join(users)}{fix}. Start the fraction above 1/num_inference_steps "
@@ -625,7 +842,7 @@ def make_sample_id(mode: str, group_index: int, slot: int, metadata: Mapping[str
                               (prompt_id / sample_id read from the prompt's metadata), so a
                               prompt keeps its noise wherever it lands in the data order;
     "positional"/"group_index": f"prompt:{group_index}:sample:{slot}".
-    Only the `sample_id_mode` key of --sampling-config selects the mode: the reference's
+    Only the `sample_id_mode` key of --sampling-config selects the mode: Relax's
     RELAX_NATIVE_GENERATION_SAMPLE_ID_MODE environment override is not supported.
     """
     if mode not in SAMPLE_ID_MODES:

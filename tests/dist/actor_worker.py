@@ -233,16 +233,15 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
 
     def replay_fn(model, rows):
         return torch.stack([adapter.replay_transition(model, rows, c, sampling)
-                            for c in range(rows["latents"].shape[1])], dim=1)
+                            for c in range(rows.num_steps)], dim=1)
 
-    responses = rollout(engine, 11)
-    batch = adapter.pack_trajectory(responses)
+    batch = rollout(engine, 11)
     adv = ADV[rank]
     cfg = make_cfg("full")
     actor = Actor.from_adapter(adapter, model_dir, mesh, cfg, device=torch.device("cpu"))
     with torch.no_grad():
         anchor = replay_fn(actor.model, batch)
-    figures["real_replay_vs_sampler_max_abs"] = float((anchor - batch["log_probs"]).abs().max())
+    figures["real_replay_vs_sampler_max_abs"] = float((anchor - batch.log_probs).abs().max())
     checks["real_replay_matches_sampler_logprob"] = figures["real_replay_vs_sampler_max_abs"] <= 1e-5
     before = full_params(actor.model)
     m = actor.train_step(batch, adv, replay_fn)  # default slicing, as trainer/loop.py
@@ -257,12 +256,11 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
     dit = {n: p.detach() for n, p in engine.transformer.named_parameters()}
     checks["real_full_sync_engine_dit_matches_gathered"] = exact(dit, after)
     again = rollout(engine, 11)
-    checks["real_engine_samples_new_version"] = all(r["policy_version"] == 1 for r in again) and not torch.equal(
-        again[0]["image"], responses[0]["image"])
+    checks["real_engine_samples_new_version"] = bool((again.policy_versions == 1).all()) and not torch.equal(
+        again.images[0], batch.images[0])
     with torch.no_grad():
-        rebatch = adapter.pack_trajectory(again)
         checks["real_replay_after_sync_matches_sampler"] = float(
-            (replay_fn(actor.model, rebatch) - rebatch["log_probs"]).abs().max()) <= 1e-5
+            (replay_fn(actor.model, again) - again.log_probs).abs().max()) <= 1e-5
 
     # LoRA: adapter sync into a fresh engine, then a merged sync into it must be refused by both sides
     lcfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32")

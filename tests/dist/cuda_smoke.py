@@ -34,7 +34,7 @@ from trainer.weight_sync import WeightSyncer  # noqa: E402
 
 def run(device: torch.device, mesh, rank: int, n: int, checks: dict, figures: dict) -> None:
     bf16 = torch.bfloat16
-    batch = {k: v.to(device) for k, v in make_batch(n, seed=rank).items()}
+    batch = make_batch(n, seed=rank, device=device)
     for k in ("latents", "next_latents", "prompt_embeds"):
         batch[k] = batch[k].to(bf16)  # rollout and replay in the same dtype
     adv = torch.linspace(-1, 1, n, device=device) * (1 if rank % 2 == 0 else -1)

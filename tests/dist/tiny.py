@@ -21,6 +21,7 @@ from trainer.core.modules import model_has_lora
 from trainer.core.names import model_name
 from trainer.flow_grpo import replay_transition_logp
 from trainer.models.qwen_image import QwenImageAdapter
+from trainer.trajectory import Trajectory
 
 #: the 8 attention projections LoRA targets on Qwen-Image
 LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -75,7 +76,7 @@ def tiny_transformer(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Mo
     return m.to(dtype)
 
 
-def make_batch(n: int, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, Any]:
+def make_batch(n: int, seed: int = 0, device: str | torch.device = "cpu") -> Trajectory:
     """A synthetic trajectory of n candidates with SDE_STEPS trained steps each."""
     g = torch.Generator().manual_seed(seed)
     seq = LATENT_HW * LATENT_HW
@@ -85,22 +86,27 @@ def make_batch(n: int, seed: int = 0, device: str | torch.device = "cpu") -> dic
     nxt = lat * 0.95 + 0.1 * torch.randn(n, SDE_STEPS, seq, 16, generator=g)
     emb = torch.randn(n, TEXT_LEN, 16, generator=g)
     mask = torch.ones(n, TEXT_LEN, dtype=torch.long)
-    b = {"latents": lat, "next_latents": nxt, "sigmas": sig, "sigmas_next": sig_next,
-         "prompt_embeds": emb, "prompt_embeds_mask": mask}
-    return {k: v.to(device) for k, v in b.items()}
+    i64 = torch.int64
+    return Trajectory(
+        prompts=["p"] * n, sample_ids=[f"s{i}" for i in range(n)], group_indices=torch.arange(n, dtype=i64),
+        slots=torch.zeros(n, dtype=i64), generation_seeds=[seed] * n, policy_versions=torch.zeros(n, dtype=i64),
+        metadata=[{} for _ in range(n)], latents=lat, next_latents=nxt, timesteps=sig * 1000, sigmas=sig,
+        sigmas_next=sig_next, log_probs=torch.zeros(n, SDE_STEPS),
+        conditions={"prompt_embeds": emb, "prompt_embeds_mask": mask}, sde_indices=list(range(1, SDE_STEPS + 1)),
+        height=8 * LATENT_HW, width=8 * LATENT_HW, vae_scale_factor=4, num_inference_steps=SDE_STEPS + 2,
+        eta=0.7).validate().to(device)
 
 
-def replay(model: nn.Module, b: dict[str, Any], eta: float = 0.7) -> torch.Tensor:
+def replay(model: nn.Module, b: Trajectory, eta: float = 0.7) -> torch.Tensor:
     """logp [b, S] of each recorded transition, recomputed through `model`."""
     cols = []
-    rows = b["latents"].shape[0]
-    for s in range(b["latents"].shape[1]):
-        x = b["latents"][:, s]
-        v = model(hidden_states=x, encoder_hidden_states=b["prompt_embeds"],
-                  encoder_hidden_states_mask=b["prompt_embeds_mask"], timestep=b["sigmas"][:, s],
+    rows = len(b)
+    for s in range(b.num_steps):
+        x = b.latents[:, s]
+        v = model(hidden_states=x, encoder_hidden_states=b.prompt_embeds,
+                  encoder_hidden_states_mask=b.prompt_embeds_mask, timestep=b.sigmas[:, s],
                   img_shapes=[(1, LATENT_HW, LATENT_HW)] * rows, return_dict=False)[0]
-        cols.append(replay_transition_logp(x, b["next_latents"][:, s], v, b["sigmas"][:, s],
-                                           b["sigmas_next"][:, s], eta))
+        cols.append(replay_transition_logp(x, b.next_latents[:, s], v, b.sigmas[:, s], b.sigmas_next[:, s], eta))
     return torch.stack(cols, dim=1)
 
 

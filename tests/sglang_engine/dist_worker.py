@@ -39,11 +39,11 @@ def main(model_dir: str, out_dir: str) -> None:
                                           sde_indices=[1, 2, 4], sigmas=sigmas, generation_seed=7)
             for s in range(2)]
     a, b = na.generate(reqs), sg.generate(reqs)
-    diff = max((x[k].float() - y[k].float()).abs().max().item()
-               for x, y in zip(a, b) for k in ("trajectory_latents", "log_probs", "image"))
+    diff = max((getattr(a, k).float() - getattr(b, k).float()).abs().max().item()
+               for k in ("latents", "log_probs", "images"))
     # the trainer's collectives still run on its own 2-rank group after SGLang's set-up
     logps = [torch.zeros(2, 3) for _ in range(world)]
-    dist.all_gather(logps, torch.stack([r["log_probs"] for r in b]))
+    dist.all_gather(logps, b.log_probs.contiguous())
     result = {"rank": rank, "world": world, "env_restored": env_before == env_after, "max_diff": diff,
               "gathered_logps": [t.tolist() for t in logps], "checksum": sg.get_weights_checksum()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

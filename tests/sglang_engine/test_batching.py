@@ -19,8 +19,9 @@ from trainer.sampling import parse_sampling_config
 
 TOL = 1e-5
 PROMPTS = ["a cat", "a considerably longer prompt about a red panda drinking tea"]
-TENSORS = ("trajectory_latents", "trajectory_next_latents", "log_probs", "image", "prompt_embeds",
-           "prompt_embeds_mask", "sigmas", "sigmas_next", "timesteps")
+TENSORS = ("latents", "next_latents", "log_probs", "images", "sigmas", "sigmas_next", "timesteps", "slots",
+           "group_indices", "policy_versions")
+LISTS = ("sample_ids", "prompts", "generation_seeds", "metadata", "sde_indices")
 
 
 def sampling_for(sde_type="sde", eta=0.7, sde_indices=(1, 2, 4)):
@@ -67,17 +68,16 @@ def generate(engine, reqs, max_batch_size, seen):
 
 
 def assert_same(one, batched, tol=TOL):
-    assert [r["sample_id"] for r in one] == [r["sample_id"] for r in batched]
+    assert one.sample_ids == batched.sample_ids
+    for k in LISTS:
+        assert getattr(one, k) == getattr(batched, k), k
     diffs = {}
-    for x, y in zip(one, batched):
-        assert set(x) == set(y)
-        for k, v in x.items():
-            if isinstance(v, torch.Tensor):
-                assert v.shape == y[k].shape and v.dtype == y[k].dtype, k
-                diffs[k] = max(diffs.get(k, 0.0), (v.float() - y[k].float()).abs().max().item())
-            else:
-                assert v == y[k], k
-    assert diffs.keys() >= set(TENSORS)
+    pairs = [(k, getattr(one, k), getattr(batched, k)) for k in TENSORS]
+    pairs += [(f"conditions.{k}", v, batched.conditions[k]) for k, v in one.conditions.items()]
+    assert set(one.conditions) == set(batched.conditions) == {"prompt_embeds", "prompt_embeds_mask"}
+    for k, x, y in pairs:
+        assert x.shape == y.shape and x.dtype == y.dtype, k
+        diffs[k] = (x.float() - y.float()).abs().max().item()
     assert all(d <= tol for d in diffs.values()), diffs
     return diffs
 
@@ -89,9 +89,9 @@ def test_batched_requests_equal_one_request_per_candidate(engine, rows_per_reque
     assert rows == [1] * 6
     assert engine.last_stats["sglang_requests"] == 6 and engine.last_stats["dit_forwards"] == 36
     # the candidates differ from each other (each row has its own x_T and step noise)
-    assert (one[0]["image"] - one[1]["image"]).abs().max() > 1e-3
-    assert (one[0]["log_probs"] - one[1]["log_probs"]).abs().max() > 1e-6
-    by_id = {r["sample_id"]: r for r in one}
+    assert (one.images[0] - one.images[1]).abs().max() > 1e-3
+    assert (one.log_probs[0] - one.log_probs[1]).abs().max() > 1e-6
+    by_id = {sid: i for i, sid in enumerate(one.sample_ids)}
     cases = [
         (0, reqs, [6]),  # both prompts, three candidates each, in one request
         (2, reqs, [2, 2, 2]),  # max_batch_size splits a prompt's group (0-1, 2 + the other prompt's 0, 1-2)
@@ -103,26 +103,29 @@ def test_batched_requests_equal_one_request_per_candidate(engine, rows_per_reque
         got, rows = generate(engine, subset, max_batch_size, rows_per_request)
         assert rows == expected_rows, (max_batch_size, rows)
         assert engine.last_stats["sglang_requests"] == len(expected_rows)
-        assert_same([by_id[r.sample_id] for r in subset], got)
+        assert_same(one[[by_id[r.sample_id] for r in subset]], got)
 
 
-def test_geometries_get_their_own_requests(engine, rows_per_request):
-    """Candidates whose schedule or SDE settings differ never share a request; the responses
-    keep the caller's order and each equals its one-per-request generation."""
+def test_one_call_samples_one_geometry(engine, rows_per_request):
+    """Candidates whose schedule or SDE settings differ never share a call (one Trajectory has one
+    geometry): mixing them is refused before SGLang runs; each geometry alone equals its
+    one-per-request generation."""
     a = make_requests(engine, sampling_for("sde", 0.7), group_size=2, tag="a:")
     b = make_requests(engine, sampling_for("dance", 0.3, (0, 3)), group_size=2, tag="b:")
     mixed = [x for pair in zip(a, b) for x in pair]
-    one, _ = generate(engine, mixed, 1, rows_per_request)
-    got, rows = generate(engine, mixed, 0, rows_per_request)
-    assert rows == [4, 4]
-    assert engine.last_stats["geometries"] == 2
-    assert_same(one, got)
-    assert [r["sde_type"] for r in got] == ["sde", "dance"] * 4
-    assert [r["sde_indices"] for r in got[:2]] == [[1, 2, 4], [0, 3]]
+    with pytest.raises(ValueError, match="differ in geometry.*once per geometry"):
+        generate(engine, mixed, 0, rows_per_request)
+    assert rows_per_request == []
+    for reqs, sde_type, steps in ((a, "sde", [1, 2, 4]), (b, "dance", [0, 3])):
+        one, _ = generate(engine, reqs, 1, rows_per_request)
+        got, rows = generate(engine, reqs, 0, rows_per_request)
+        assert rows == [4]
+        assert_same(one, got)
+        assert got.sde_type == sde_type and got.sde_indices == steps
 
 
 def test_a_request_with_no_candidates_is_empty(engine):
-    assert engine.generate([]) == []
+    assert engine.generate([]) is None
 
 
 def test_the_spec_needs_a_seed_per_candidate():

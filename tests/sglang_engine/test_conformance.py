@@ -25,7 +25,7 @@ from trainer.core.manifest import build_manifest
 TOL = 1e-5
 REPLAY_TOL = 1e-5
 PROMPTS = ["a cat", "a considerably longer prompt about a red panda drinking tea"]
-KEYS = ("trajectory_latents", "trajectory_next_latents", "log_probs", "image", "prompt_embeds")
+KEYS = ("latents", "next_latents", "log_probs", "images", "prompt_embeds", "prompt_embeds_mask")
 
 
 def sampling_for(sde_type="sde", eta=0.7, sde_indices=(1, 2, 4)):
@@ -54,17 +54,16 @@ def make_requests(adapter, engine, sampling, prompts=PROMPTS, group_size=2, seed
 
 
 def max_diff(a, b, key):
-    return max((x[key].float() - y[key].float()).abs().max().item() for x, y in zip(a, b))
+    return (getattr(a, key).float() - getattr(b, key).float()).abs().max().item()
 
 
 def assert_same_outputs(a, b, tol=TOL):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x["sample_id"] == y["sample_id"] and x["sde_indices"] == y["sde_indices"]
-        for k in ("sigmas", "sigmas_next", "timesteps"):
-            assert torch.equal(x[k], y[k]), k
-        for k in KEYS:
-            assert x[k].shape == y[k].shape and x[k].dtype == y[k].dtype, k
+    assert a.sample_ids == b.sample_ids and a.sde_indices == b.sde_indices
+    for k in ("sigmas", "sigmas_next", "timesteps"):
+        assert torch.equal(getattr(a, k), getattr(b, k)), k
+    for k in KEYS:
+        assert getattr(a, k).shape == getattr(b, k).shape and getattr(a, k).dtype == getattr(b, k).dtype, k
     diffs = {k: max_diff(a, b, k) for k in KEYS}
     assert all(d <= tol for d in diffs.values()), diffs
     return diffs
@@ -93,14 +92,13 @@ def test_same_requests_same_trajectories(engines, adapter, sde_type, eta):
     reqs = make_requests(adapter, na, sampling)
     a, b = na.generate(reqs), sg.generate(reqs)
     assert_same_outputs(a, b)
-    for r in b:
-        adapter.validate_rollout_response(r)
-        assert r["image"].shape == (3, 64, 64) and r["trajectory_latents"].shape == (3, 64, 16)
-        assert r["sde_type"] == sde_type and r["eta"] == eta and r["policy_version"] == sg.policy_version
+    adapter.validate_trajectory(b)
+    assert b.images.shape == (4, 3, 64, 64) and b.latents.shape == (4, 3, 64, 16)
+    assert b.sde_type == sde_type and b.eta == eta and (b.policy_versions == sg.policy_version).all()
     # the candidates of a group differ (distinct sample ids drive x_T and the step noise)
-    assert (b[0]["image"] - b[1]["image"]).abs().max() > 1e-3
+    assert (b.images[0] - b.images[1]).abs().max() > 1e-3
     # adjacent trained steps 1 and 2 chain exactly; the trajectory is the engine's own
-    assert torch.equal(b[0]["trajectory_next_latents"][0], b[0]["trajectory_latents"][1])
+    assert torch.equal(b.next_latents[0, 0], b.latents[0, 1])
 
 
 def test_driver_sigmas_are_used_verbatim(engines, adapter):
@@ -113,8 +111,8 @@ def test_driver_sigmas_are_used_verbatim(engines, adapter):
         r.sigmas = list(custom)
     a, b = na.generate(reqs), sg.generate(reqs)
     assert_same_outputs(a, b)
-    assert torch.equal(b[0]["sigmas"], torch.tensor([custom[i] for i in (1, 2, 4)], dtype=torch.float32))
-    assert torch.equal(b[0]["sigmas_next"], torch.tensor([custom[i] for i in (2, 3, 5)], dtype=torch.float32))
+    assert torch.equal(b.sigmas[0], torch.tensor([custom[i] for i in (1, 2, 4)], dtype=torch.float32))
+    assert torch.equal(b.sigmas_next[0], torch.tensor([custom[i] for i in (2, 3, 5)], dtype=torch.float32))
 
 
 @pytest.mark.parametrize("sde_type,eta", [("sde", 0.7), ("dance", 0.3)])
@@ -122,11 +120,11 @@ def test_replay_reproduces_each_engines_logprobs(engines, adapter, tiny_model_di
     sampling = sampling_for(sde_type, eta)
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     for engine in engines:
-        batch = adapter.pack_trajectory(engine.generate(make_requests(adapter, engines[0], sampling)))
+        batch = engine.generate(make_requests(adapter, engines[0], sampling))
         with torch.no_grad():
-            for col in range(len(batch["sde_indices"])):
+            for col in range(batch.num_steps):
                 got = adapter.replay_transition(actor, batch, col, sampling)
-                torch.testing.assert_close(got, batch["log_probs"][:, col], atol=REPLAY_TOL, rtol=0)
+                torch.testing.assert_close(got, batch.log_probs[:, col], atol=REPLAY_TOL, rtol=0)
 
 
 def _perturbed_state(tiny_model_dir, seed=3, scale=0.05):
@@ -153,8 +151,8 @@ def test_full_weight_update_changes_both_engines_identically(engines, adapter, t
         assert sg.get_weights_checksum() == na.get_weights_checksum() != c0
         a, b = na.generate(reqs), sg.generate(reqs)
         assert_same_outputs(a, b)
-        assert b[0]["policy_version"] == 1
-        assert (b[0]["image"] - before[0]["image"]).abs().max() > 1e-3  # the update took effect
+        assert int(b.policy_versions[0]) == 1
+        assert (b.images[0] - before.images[0]).abs().max() > 1e-3  # the update took effect
         # checked like the native engine's: an unknown name / a bad shape copies nothing
         bad = [("not_a_param.weight", torch.zeros(2))]
         with pytest.raises(WeightSyncError, match="does not have"):
@@ -228,14 +226,14 @@ def test_lora_update_changes_both_engines_identically(tiny_model_dir, adapter):
         assert sg.get_weights_checksum() == na.get_weights_checksum() != c0
         a, b = na.generate(reqs), sg.generate(reqs)
         diffs = assert_same_outputs(a, b)
-        assert (b[0]["image"] - before[0]["image"]).abs().max() > 1e-3
+        assert (b.images[0] - before.images[0]).abs().max() > 1e-3
     # the adapter must be complete, and a full sync is refused once an adapter is installed
     with pytest.raises(WeightSyncError, match="lacks"):
         sg.set_lora_tensors(lora[1:], build_manifest("adapter", lora[1:], 3), cfg)
     full = [(n, sg._view(n).clone()) for n in list(sg._index)[:2]]
     with pytest.raises(WeightSyncError, match="LoRA"):
         sg.update_weights_from_tensors(full, build_manifest("full", full, 3))
-    assert diffs["image"] <= TOL
+    assert diffs["images"] <= TOL
 
 
 def test_peft_adapter_directory_loads_identically(tiny_model_dir, adapter, tmp_path):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from tests.workers.fs_faults import read_only
+from tests.workers.fs_faults import failing_shard_writes, read_only
 from trainer import checkpoint as ck
 
 
@@ -61,9 +61,10 @@ def main():
     ref_rand = torch.rand(3).tolist()  # the RNG stream right after the save
     step(model, opt)
     # rank 1 "dies" while writing its shards: nothing of iteration 2 may be trusted
-    ok2 = ck.save_checkpoint(save, "t2i", 2, model=model, optimizer=opt, trainer_state={"rollout_id": 2},
-                             weight_sync_manifest={}, adapter_contract=contract, trainable_only=True,
-                             max_to_keep=0, fail_rank=1)
+    with failing_shard_writes() if rank == 1 else contextlib.nullcontext():
+        ok2 = ck.save_checkpoint(save, "t2i", 2, model=model, optimizer=opt, trainer_state={"rollout_id": 2},
+                                 weight_sync_manifest={}, adapter_contract=contract, trainable_only=True,
+                                 max_to_keep=0)
     out["ok1"], out["ok2"] = ok1, ok2
     out["latest_after_crash"] = ck.latest_committed_iteration(save, "t2i")
 
@@ -107,7 +108,8 @@ def main():
     out["iter5_state"] = json.load(open(os.path.join(save, "t2i", "iter_0000005", "trainer_state.json")))
 
     # keep 1 with a failing write: the committed checkpoints stay, rotation waits for a commit
-    out["keep1_failed_ok"] = save_it(6, max_to_keep=1, fail_rank=1)
+    with failing_shard_writes() if rank == 1 else contextlib.nullcontext():
+        out["keep1_failed_ok"] = save_it(6, max_to_keep=1)
     out["after_keep1_failure"] = ck.committed_iterations(save, "t2i")
     out["keep1_ok"] = save_it(6, max_to_keep=1)
     out["after_keep1"] = ck.committed_iterations(save, "t2i")

@@ -1,4 +1,5 @@
-"""File-system faults for tests: a directory nobody can write in, root included."""
+"""File-system faults for tests: a directory nobody can write in, root included; checkpoint shard
+writes that fail."""
 
 from __future__ import annotations
 
@@ -32,3 +33,23 @@ def read_only(path: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         os.chmod(path, mode)
+
+
+@contextlib.contextmanager
+def failing_shard_writes() -> Iterator[None]:
+    """Within the block every DCP shard write of this process raises OSError, as a full or
+    vanished disk would: save_checkpoint's writer (torch.distributed.checkpoint.FileSystemWriter,
+    looked up when it saves) is swapped for one whose write_data fails."""
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.FileSystemWriter
+
+    class FailingWriter(real):
+        def write_data(self, plan, planner):
+            raise OSError("simulated failure while writing shards")
+
+    dcp.FileSystemWriter = FailingWriter
+    try:
+        yield
+    finally:
+        dcp.FileSystemWriter = real

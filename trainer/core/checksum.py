@@ -67,29 +67,6 @@ def column_sums(words: torch.Tensor) -> torch.Tensor:
     return cs
 
 
-#: column_sums_wide's row length in periods: rows of CHECKSUM_WIDE_FOLD * CHECKSUM_PERIOD words
-CHECKSUM_WIDE_FOLD = 64
-
-
-def column_sums_wide(words: torch.Tensor) -> torch.Tensor:
-    """column_sums(words), bit for bit, by another reduction order (tools/bench.py times both).
-
-    The words as a [n // (P * K), P * K] view reduced over dim 0 (K = CHECKSUM_WIDE_FOLD: 65,344
-    independent column sums for a device reduction to spread over, where column_sums has 1,021),
-    those K * P partial sums folded into P ([K, P] reduced over dim 0), then the < P * K remaining
-    words by column_sums (they start at a multiple of P, so their residues line up). Integer
-    addition modulo 2^32 is associative and commutative: the order cannot change the result."""
-    p, k = CHECKSUM_PERIOD, CHECKSUM_WIDE_FOLD
-    n = words.numel()
-    m = n - n % (p * k)
-    if m == 0:
-        return column_sums(words)
-    cs = words[:m].view(-1, p * k).sum(0, dtype=torch.int32).view(k, p).sum(0, dtype=torch.int32)
-    if n > m:
-        cs += column_sums(words[m:])
-    return cs
-
-
 class WeightsChecksum:
     """Order-independent checksum of named tensors' BITS (dtype, shape and every bit of every value).
 
@@ -111,7 +88,7 @@ class WeightsChecksum:
     """
 
     def __init__(self, column_sums_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        #: column_sums or an implementation with the same output bits (column_sums_wide)
+        #: column_sums or an implementation with the same output bits (tools/bench.py times another)
         self._column_sums = column_sums_fn or column_sums
         self._names: list[tuple[str, str, tuple[int, ...]]] = []
         self._sums: list[torch.Tensor] = []

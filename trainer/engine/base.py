@@ -15,6 +15,7 @@ import torch
 
 # the manifest and its error are part of this protocol's surface; they live in the bottom layer
 from trainer.core.manifest import WeightManifest, WeightSyncError  # noqa: F401
+from trainer.trajectory import Trajectory
 
 
 @dataclass
@@ -38,7 +39,11 @@ class RolloutRequest:
     eta: float
     sde_type: str = "sde"
     sigma_max: float = 0.99
+    #: > 1: true CFG with `negative_prompt` as the unconditional prompt (cfg_renorm: rescale the
+    #: combined velocity to the conditional one's norm per token)
     guidance_scale: float = 1.0
+    negative_prompt: str = " "
+    cfg_renorm: bool = True
     generation_seed: int = 1234
     metadata: dict[str, Any] = field(default_factory=dict)
     #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
@@ -52,14 +57,11 @@ class RolloutEngine(Protocol):
     #: the policy version of the weights currently loaded (0 = as loaded from disk)
     policy_version: int
 
-    def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
-        """Generate every request; returns one response dict per request, same order.
-
-        A response carries at least: image (float tensor [3, H, W] in [0, 1], CPU),
-        trajectory_latents, trajectory_next_latents ([S, ...] latents before / after each
-        trained step), timesteps, sigmas / sigmas_next ([S]), log_probs ([S], fp32),
-        sde_indices, prompt_embeds, prompt_embeds_mask, height, width, policy_version.
-        """
+    def generate(self, requests: list[RolloutRequest]) -> Trajectory:
+        """Generate every request; one trajectory row per request, same order (trainer.trajectory:
+        images, the latents before / after each trained step, timesteps, sigmas, log-probs, the
+        frozen conditioning, the echoed identity and geometry, the engine's policy_version).
+        The requests of one call share a geometry (check_one_geometry)."""
 
     def release_memory(self) -> None:
         """Move the engine's modules off the device (fatal on failure)."""
@@ -92,57 +94,80 @@ class RolloutEngine(Protocol):
 
 
 
-def rollout_response(r: RolloutRequest, *, image: torch.Tensor, latents: torch.Tensor, next_latents: torch.Tensor,
-                     sigmas: torch.Tensor, sigmas_next: torch.Tensor, timesteps: torch.Tensor,
-                     log_probs: torch.Tensor, sde_indices: list[int], prompt_embeds: torch.Tensor,
-                     prompt_embeds_mask: torch.Tensor, vae_scale_factor: int, policy_version: int,
-                     dtype: torch.dtype) -> dict[str, Any]:
-    """One candidate's response, as RolloutEngine.generate documents it: the request's identity
-    and geometry echoed, the given tensors (trained steps only) stored as they are."""
-    return {
-        "prompt": r.prompt,
-        "sample_id": r.sample_id,
-        "group_index": r.group_index,
-        "slot": r.slot,
-        "generation_seed": r.generation_seed,
-        "metadata": dict(r.metadata),
-        "image": image,
-        "trajectory_latents": latents,
-        "trajectory_next_latents": next_latents,
-        "sigmas": sigmas,
-        "sigmas_next": sigmas_next,
-        "timesteps": timesteps,
-        "log_probs": log_probs,
-        "sde_indices": list(sde_indices),
-        "prompt_embeds": prompt_embeds,
-        "prompt_embeds_mask": prompt_embeds_mask,
-        "height": r.height,
-        "width": r.width,
-        "vae_scale_factor": vae_scale_factor,
-        "num_inference_steps": r.num_inference_steps,
-        "eta": r.eta,
-        "sde_type": r.sde_type,
-        "sigma_max": r.sigma_max,
-        "policy_version": policy_version,
-        "latent_dtype": str(dtype).replace("torch.", ""),
-    }
+def geometry_key(r: RolloutRequest) -> tuple:
+    """Candidates with equal keys can share a DiT forward and one Trajectory (same grid, schedule,
+    trained steps and SDE settings)."""
+    guided = float(r.guidance_scale) > 1.0
+    return (r.height, r.width, r.num_inference_steps, tuple(float(s) for s in r.sigmas), tuple(r.sde_indices),
+            float(r.eta), r.sde_type, float(r.sigma_max),
+            None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape),
+            float(r.guidance_scale), r.negative_prompt if guided else None, bool(r.cfg_renorm) if guided else None)
+
+
+def check_one_geometry(requests: list[RolloutRequest]) -> None:
+    """Raise ValueError naming two candidates whose geometry (geometry_key) differs: one generate
+    call returns one Trajectory, whose rows share it; generate once per geometry."""
+    first = geometry_key(requests[0])
+    for r in requests[1:]:
+        if geometry_key(r) != first:
+            raise ValueError(f"requests {requests[0].sample_id} and {r.sample_id} differ in geometry (size, schedule, "
+                             "trained steps or SDE settings); one generate call samples one geometry, so call it "
+                             "once per geometry")
+
+
+def rollout_trajectory(reqs: list[RolloutRequest], *, images: torch.Tensor, latents: torch.Tensor,
+                       next_latents: torch.Tensor, sigmas: torch.Tensor, sigmas_next: torch.Tensor,
+                       timesteps: torch.Tensor, log_probs: torch.Tensor, sde_indices: list[int],
+                       conditions: dict[str, torch.Tensor], vae_scale_factor: int,
+                       policy_version: int) -> Trajectory:
+    """The Trajectory of candidates `reqs` (one geometry): their identity and geometry echoed, the
+    given tensors (trained steps only; sigmas / sigmas_next / timesteps [S], shared) stored as
+    they are, on CPU."""
+    r0, b = reqs[0], len(reqs)
+    i64 = torch.int64
+    return Trajectory(
+        prompts=[r.prompt for r in reqs],
+        sample_ids=[r.sample_id for r in reqs],
+        group_indices=torch.tensor([r.group_index for r in reqs], dtype=i64),
+        slots=torch.tensor([r.slot for r in reqs], dtype=i64),
+        generation_seeds=[int(r.generation_seed) for r in reqs],
+        policy_versions=torch.full((b,), int(policy_version), dtype=i64),
+        metadata=[dict(r.metadata) for r in reqs],
+        latents=latents.cpu(),
+        next_latents=next_latents.cpu(),
+        timesteps=timesteps.float().cpu().repeat(b, 1),
+        sigmas=sigmas.float().cpu().repeat(b, 1),
+        sigmas_next=sigmas_next.float().cpu().repeat(b, 1),
+        log_probs=log_probs.float().cpu(),
+        conditions={k: v.cpu() for k, v in conditions.items()},
+        sde_indices=[int(i) for i in sde_indices],
+        height=int(r0.height),
+        width=int(r0.width),
+        vae_scale_factor=int(vae_scale_factor),
+        num_inference_steps=int(r0.num_inference_steps),
+        eta=float(r0.eta),
+        sde_type=str(r0.sde_type),
+        sigma_max=float(r0.sigma_max),
+        guidance_scale=float(r0.guidance_scale),
+        negative_prompt=r0.negative_prompt if float(r0.guidance_scale) > 1.0 else None,
+        cfg_renorm=bool(r0.cfg_renorm) if float(r0.guidance_scale) > 1.0 else False,
+        images=images.float().cpu(),
+    ).validate()
+
 
 def check_request(r: RolloutRequest) -> None:
     """Raise ValueError naming the candidate if `r` is not something an engine may sample: CFG
     (the actor replays one positive-conditioned forward), no trained step, a sigma list of the
     wrong length, trained steps out of range, an unknown SDE type."""
-    from trainer.sampling import SDE_TYPES
+    from trainer.sampling import SDE_TYPES, guidance_scale_problem, sigma_count_problem, trained_steps_problem
 
-    if float(r.guidance_scale) != 1.0:
-        raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale} != 1.0; the engines sample "
-                         "without CFG because the actor replays a single positive-conditioned forward")
-    if not r.sde_indices:
-        raise ValueError(f"request {r.sample_id}: empty sde_indices; a rollout needs at least one trained SDE step")
-    if len(r.sigmas) != r.num_inference_steps + 1:
-        raise ValueError(f"request {r.sample_id}: {len(r.sigmas)} sigmas for {r.num_inference_steps} steps "
-                         "(need num_inference_steps + 1, terminal 0 included)")
-    if any(not 0 <= i < r.num_inference_steps for i in r.sde_indices):
-        raise ValueError(f"request {r.sample_id}: sde_indices {r.sde_indices} outside 0..{r.num_inference_steps - 1}")
+    guidance = guidance_scale_problem(r.guidance_scale)
+    if guidance:
+        raise ValueError(f"request {r.sample_id}: guidance_scale is {r.guidance_scale}, but {guidance}")
+    for problem in (trained_steps_problem(r.sde_indices, r.num_inference_steps),
+                    sigma_count_problem(r.sigmas, r.num_inference_steps)):
+        if problem:
+            raise ValueError(f"request {r.sample_id}: {problem}")
     if r.sde_type not in SDE_TYPES:
         raise ValueError(f"request {r.sample_id}: sde_type {r.sde_type!r} not one of {SDE_TYPES}")
 

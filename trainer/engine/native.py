@@ -6,8 +6,8 @@ What one `generate` call does:
 
 1. encodes every distinct prompt once (alone, so a prompt's conditioning never depends on
    which other prompts share the rollout), with the adapter's prompt encoder;
-2. groups the candidates by sampling geometry (size, schedule, trained steps, SDE settings)
-   and runs the DiT on up to `max_batch_size` candidates of several prompts per forward, the
+2. runs the DiT on up to `max_batch_size` candidates of several prompts per forward (all the
+   candidates of a call share one sampling geometry: size, schedule, trained steps, SDE settings), the
    text conditioning zero-padded to the chunk's longest prompt with its mask (the adapter's velocity call
    trims padding shared by every row and passes no all-ones mask, so SDPA can use flash);
 3. per candidate, draws x_T and each trained step's noise on CPU from its seed recipe
@@ -16,7 +16,8 @@ What one `generate` call does:
 4. takes the SDE step (sde / dance) at the trained steps and the ODE (Euler) step elsewhere,
    recording per trained step the packed latents before / after (in the compute dtype), the
    sigma pair, the timestep and the log-prob (fp32);
-5. decodes the final latents with the VAE into float [3, H, W] images in [0, 1] on CPU.
+5. decodes the final latents with the VAE into float [3, H, W] images in [0, 1] on CPU, and
+   returns everything as one trainer.trajectory.Trajectory, rows in request order.
 
 Batching is exact in the noise and in the math, but not bit-exact in the floats: on these CPUs
 (MKL) a GEMM's rounding depends on its row count, and the attention's on the padded text
@@ -35,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -48,7 +48,8 @@ from trainer.core.modules import ModuleTreeSnapshot, model_has_lora
 from trainer.core.names import strip_wrapper_segments
 from trainer.host_arena import HostArena, typed_view
 from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
-                                 check_names_shapes, check_request, rollout_response)
+                                 Trajectory, check_names_shapes, check_one_geometry, check_request,
+                                 rollout_trajectory)
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,6 @@ def _resolve_device(device) -> torch.device:
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _geometry_key(r: RolloutRequest) -> tuple:
-    """Candidates with equal keys can share a DiT forward (same grid, schedule and SDE steps)."""
-    return (r.height, r.width, r.num_inference_steps, tuple(float(s) for s in r.sigmas), tuple(r.sde_indices),
-            float(r.eta), r.sde_type, float(r.sigma_max),
-            None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape))
 
 
 class NativeEngine(EngineMemoryState):
@@ -173,48 +167,40 @@ class NativeEngine(EngineMemoryState):
         return embeds, mask
 
     @torch.no_grad()
-    def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
-        """Generate every request; one response per request, same order (see the protocol).
+    def generate(self, requests: list[RolloutRequest]) -> Trajectory | None:
+        """Generate every request (one geometry); one Trajectory, rows in request order, or None
+        for no request (see the protocol).
 
-        Response tensors are on CPU: image [3, H, W] float32 in [0, 1]; trajectory_latents /
-        trajectory_next_latents [S, L, C] in the engine dtype; sigmas / sigmas_next / timesteps /
-        log_probs [S] fp32; prompt_embeds [T, D]; prompt_embeds_mask [T] int64.
+        Tensors are on CPU: images [B, 3, H, W] float32 in [0, 1]; latents / next_latents
+        [B, S, L, C] in the engine dtype; sigmas / sigmas_next / timesteps / log_probs [B, S] fp32;
+        conditions "prompt_embeds" [B, T, D] and "prompt_embeds_mask" [B, T] int64.
         """
         self._require_resident(ENGINE_MODULES, "generate")
         if not requests:
-            return []
+            return None
         for r in requests:
             check_request(r)
+        check_one_geometry(requests)
         t0 = time.perf_counter()
         conds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for r in requests:
-            if r.prompt not in conds:
-                conds[r.prompt] = self.encode_prompt(r.prompt)
-
-        buckets: "OrderedDict[tuple, list[int]]" = OrderedDict()
-        for i, r in enumerate(requests):
-            buckets.setdefault(_geometry_key(r), []).append(i)
-        out: list[dict[str, Any] | None] = [None] * len(requests)
-        forwards = 0
-        for idx in buckets.values():
-            step = self.max_batch_size if self.max_batch_size > 0 else len(idx)
-            for start in range(0, len(idx), step):
-                chunk = idx[start:start + step]
-                responses, n = self._generate_chunk([requests[i] for i in chunk], conds)
-                forwards += n
-                for i, resp in zip(chunk, responses):
-                    out[i] = resp
+        wanted = [r.prompt for r in requests] + ([requests[0].negative_prompt] if requests[0].guidance_scale > 1 else [])
+        for prompt in wanted:  # the negative prompt of true CFG too: once per call
+            if prompt not in conds:
+                conds[prompt] = self.encode_prompt(prompt)
+        step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
+        parts = [self._generate_chunk(requests[start:start + step], conds) for start in range(0, len(requests), step)]
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
-                           "dit_forwards": float(forwards), "generate_time": time.perf_counter() - t0}
-        return out  # type: ignore[return-value]
+                           "dit_forwards": float(len(parts) * requests[0].num_inference_steps),
+                           "generate_time": time.perf_counter() - t0}
+        return Trajectory.cat(parts)
 
     def _init_shape(self, r: RolloutRequest) -> list[int]:
         from trainer.sampling import init_noise_shape
 
         return init_noise_shape(r, self.latent_channels, self.vae_scale_factor)
 
-    def _generate_chunk(self, reqs: list[RolloutRequest], conds) -> tuple[list[dict[str, Any]], int]:
-        """Denoise and decode candidates of one geometry together; returns (responses, DiT forwards)."""
+    def _generate_chunk(self, reqs: list[RolloutRequest], conds) -> Trajectory:
+        """Denoise and decode candidates of one geometry together."""
         from trainer.flow_grpo import ode_step, sde_step
         from trainer.sampling import initial_noise, step_noise, timesteps_from_sigmas
 
@@ -228,10 +214,20 @@ class NativeEngine(EngineMemoryState):
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
         trained = set(int(i) for i in r0.sde_indices)
+        conditions = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        guided = r0.guidance_scale > 1.0
+        if guided:
+            neg, neg_mask = conds[r0.negative_prompt]
+            neg_embeds, neg_mask = self.adapter.pad_text([neg] * b, [neg_mask] * b)
+            conditions.update(negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=neg_mask)
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
-            v = self.adapter.velocity(self.transformer, x, t, embeds, mask, *geom)
+            if guided:
+                v = self.adapter.guided_velocity(self.transformer, x, t, embeds, mask, neg_embeds, neg_mask, *geom,
+                                                 r0.guidance_scale, r0.cfg_renorm)
+            else:
+                v = self.adapter.velocity(self.transformer, x, t, embeds, mask, *geom)
             if i in trained:
                 noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
                 s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
@@ -250,16 +246,11 @@ class NativeEngine(EngineMemoryState):
         sig = torch.tensor([sigmas[i] for i in steps], dtype=torch.float32)
         sig_next = torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32)
         ts = torch.tensor([timesteps[i] for i in steps], dtype=torch.float32)
-        lat_all, nxt_all, logp_all = torch.stack(lat, 1), torch.stack(nxt, 1), torch.stack(logps, 1)
-        responses = []
-        for j, r in enumerate(reqs):
-            e, m = conds[r.prompt]
-            responses.append(rollout_response(
-                r, image=images[j], latents=lat_all[j].clone(), next_latents=nxt_all[j].clone(),
-                sigmas=sig.clone(), sigmas_next=sig_next.clone(), timesteps=ts.clone(), log_probs=logp_all[j].clone(),
-                sde_indices=steps, prompt_embeds=e.cpu(), prompt_embeds_mask=m.cpu(),
-                vae_scale_factor=self.vae_scale_factor, policy_version=self.policy_version, dtype=self.dtype))
-        return responses, r0.num_inference_steps
+        return rollout_trajectory(
+            reqs, images=images, latents=torch.stack(lat, 1), next_latents=torch.stack(nxt, 1), sigmas=sig,
+            sigmas_next=sig_next, timesteps=ts, log_probs=torch.stack(logps, 1), sde_indices=steps,
+            conditions=conditions, vae_scale_factor=self.vae_scale_factor,
+            policy_version=self.policy_version)
 
     # ------------------------------------------------------------------ weights
 

@@ -50,9 +50,10 @@ from trainer.core.checksum import weights_checksum
 from trainer.core.dtypes import engine_dtype
 from trainer.core.manifest import verify_manifest
 from trainer.core.names import strip_wrapper_segments
-from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
-                                 check_names_shapes, check_request, rollout_response)
-from trainer.engine.native import _geometry_key, _normalize_lora_config
+from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, Trajectory, WeightManifest,
+                                 WeightSyncError, check_names_shapes, check_one_geometry, check_request,
+                                 rollout_trajectory)
+from trainer.engine.native import _normalize_lora_config
 
 log = logging.getLogger(__name__)
 
@@ -379,36 +380,30 @@ class SGLangEngine(EngineMemoryState):
         return sigma_schedule(self.scheduler_config, num_inference_steps,
                               image_seq_len(height, width, self.vae_scale_factor))
 
-    def generate(self, requests: list[RolloutRequest]) -> list[dict[str, Any]]:
-        """Responses as NativeEngine.generate's, in request order. Candidates of one geometry
-        (_geometry_key: grid, schedule, trained steps, SDE settings) share SGLang requests of up
-        to max_batch_size candidates (0: all of them), one row each, several prompts per request."""
+    def generate(self, requests: list[RolloutRequest]) -> Trajectory | None:
+        """A Trajectory as NativeEngine.generate's, rows in request order (None for no request).
+        The candidates (one geometry) share SGLang requests of up to max_batch_size candidates
+        (0: all of them), one row each, several prompts per request."""
         self._require_resident(ENGINE_MODULES, "generate")
         if not requests:
-            return []
+            return None
         for r in requests:
             check_request(r)
+            if r.guidance_scale > 1.0:
+                raise ValueError(f"request {r.sample_id}: guidance_scale {r.guidance_scale}; the SGLang engine samples "
+                                 "without CFG: use the native engine for true CFG")
+        check_one_geometry(requests)
         t0 = time.perf_counter()
-        buckets: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            buckets.setdefault(_geometry_key(r), []).append(i)
-        out: list[dict[str, Any] | None] = [None] * len(requests)
-        sglang_requests = forwards = 0
-        for idx in buckets.values():
-            step = self.max_batch_size if self.max_batch_size > 0 else len(idx)
-            for start in range(0, len(idx), step):
-                chunk = idx[start:start + step]
-                for i, resp in zip(chunk, self._generate_chunk([requests[i] for i in chunk])):
-                    out[i] = resp
-                sglang_requests += 1
-                forwards += requests[chunk[0]].num_inference_steps
-        self.last_stats = {"candidates": float(len(requests)), "geometries": float(len(buckets)),
-                           "sglang_requests": float(sglang_requests), "dit_forwards": float(forwards),
+        step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
+        self._sglang_requests = 0
+        parts = [self._generate_chunk(requests[start:start + step]) for start in range(0, len(requests), step)]
+        self.last_stats = {"candidates": float(len(requests)), "sglang_requests": float(self._sglang_requests),
+                           "dit_forwards": float(self._sglang_requests * requests[0].num_inference_steps),
                            "generate_time": time.perf_counter() - t0}
-        return out  # type: ignore[return-value]
+        return Trajectory.cat(parts)
 
-    def _generate_chunk(self, reqs: list[RolloutRequest]) -> list[dict[str, Any]]:
-        """One SGLang request for candidates of one geometry; responses in the order of `reqs`.
+    def _generate_chunk(self, reqs: list[RolloutRequest]) -> Trajectory:
+        """One SGLang request for candidates of one geometry; rows in the order of `reqs`.
 
         The rows are ordered prompt by prompt (SGLang expands each prompt's conditioning to its
         consecutive rows): with the same number of candidates for every prompt the request names
@@ -432,11 +427,10 @@ class SGLangEngine(EngineMemoryState):
         for j, q in enumerate(reqs):
             by_prompt.setdefault(q.prompt, []).append(j)
         if len(by_prompt) > 1 and not self.server_args.pipeline_config.supports_dynamic_batching():
-            out: list[dict[str, Any] | None] = [None] * len(reqs)  # one request per prompt
-            for js in by_prompt.values():
-                for j, resp in zip(js, self._generate_chunk([reqs[j] for j in js])):
-                    out[j] = resp
-            return out  # type: ignore[return-value]
+            # one request per prompt, rows put back in the order of `reqs`
+            joined = Trajectory.cat([self._generate_chunk([reqs[j] for j in js]) for js in by_prompt.values()])
+            order = [j for js in by_prompt.values() for j in js]
+            return joined[[order.index(j) for j in range(len(reqs))]]
         order = [j for js in by_prompt.values() for j in js]  # row b of the request is reqs[order[b]]
         counts = {len(js) for js in by_prompt.values()}
         if len(counts) == 1:
@@ -468,6 +462,7 @@ class SGLangEngine(EngineMemoryState):
         x_t = torch.stack([initial_noise(shape, reqs[j].generation_seed, reqs[j].sample_id) for j in order])
         req.latents = x_t[:, None].to(self.dtype)  # [B, frames=1, C, h, w], packed by SGLang
         result = self.worker.execute_forward([req])
+        self._sglang_requests += 1
         if getattr(result, "error", None):
             raise RuntimeError(f"SGLang failed on request {r.sample_id}: {result.error}")
         if [rec["step"] for rec in spec.records] != steps:
@@ -482,16 +477,26 @@ class SGLangEngine(EngineMemoryState):
         images = result.output
         if len(images) != len(reqs):
             raise RuntimeError(f"SGLang returned {len(images)} images for {len(reqs)} candidates")
+        from trainer.models.qwen_image import pad_text
+
         sigmas = [float(s) for s in r.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
-        out = [None] * len(reqs)
-        for b, j in enumerate(order):
-            e, m = self._row_conditioning(embeds, mask, b, len(reqs), prompts.index(reqs[j].prompt))
-            image = images[b]
-            if image.dim() == 4:  # [3, frames=1, H, W]
-                image = image[:, 0]
-            out[j] = self._response(reqs[j], steps, sigmas, timesteps, spec.records, b, image, e, m)
-        return out  # type: ignore[return-value]
+        conds = [self._row_conditioning(embeds, mask, b, len(reqs), prompts.index(reqs[j].prompt))
+                 for b, j in enumerate(order)]
+        cond_embeds, cond_mask = pad_text([e.to(self.dtype).cpu() for e, _ in conds], [m for _, m in conds])
+        frames = [img[:, 0] if img.dim() == 4 else img for img in images]  # [3, frames=1, H, W] -> [3, H, W]
+        records = spec.records
+        rows = rollout_trajectory(
+            [reqs[j] for j in order], images=torch.stack([f.float().clamp(0, 1).cpu() for f in frames]),
+            latents=torch.stack([rec["latents"] for rec in records], 1),
+            next_latents=torch.stack([rec["next_latents"] for rec in records], 1),
+            sigmas=torch.tensor([sigmas[i] for i in steps], dtype=torch.float32),
+            sigmas_next=torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32),
+            timesteps=torch.tensor([timesteps[i] for i in steps], dtype=torch.float32),
+            log_probs=torch.stack([rec["log_probs"] for rec in records], 1).to(torch.float32), sde_indices=steps,
+            conditions={"prompt_embeds": cond_embeds, "prompt_embeds_mask": cond_mask},
+            vae_scale_factor=self.vae_scale_factor, policy_version=self.policy_version)
+        return rows if order == list(range(len(reqs))) else rows[[order.index(j) for j in range(len(reqs))]]
 
     @staticmethod
     def _row_conditioning(embeds: torch.Tensor, mask, row: int, rows: int, prompt_index: int):
@@ -510,19 +515,6 @@ class SGLangEngine(EngineMemoryState):
         if n < t and bool(m[:n].all()):  # padding after the prompt's tokens
             return e[:n], m[:n]
         return e, m
-
-    def _response(self, r: RolloutRequest, steps, sigmas, timesteps, records, row: int, image, embeds,
-                  mask) -> dict[str, Any]:
-        return rollout_response(
-            r, image=image.float().clamp(0, 1).cpu(),
-            latents=torch.stack([rec["latents"][row] for rec in records]),
-            next_latents=torch.stack([rec["next_latents"][row] for rec in records]),
-            sigmas=torch.tensor([sigmas[i] for i in steps], dtype=torch.float32),
-            sigmas_next=torch.tensor([sigmas[i + 1] for i in steps], dtype=torch.float32),
-            timesteps=torch.tensor([timesteps[i] for i in steps], dtype=torch.float32),
-            log_probs=torch.stack([rec["log_probs"][row] for rec in records]).to(torch.float32),
-            sde_indices=steps, prompt_embeds=embeds.to(self.dtype).cpu(), prompt_embeds_mask=mask.cpu(),
-            vae_scale_factor=self.vae_scale_factor, policy_version=self.policy_version, dtype=self.dtype)
 
     # ------------------------------------------------------------------ weights
 

@@ -1,7 +1,7 @@
 """The model-adapter protocol: everything model-family specific the runtime needs.
 
 The runtime depends only on this surface: the actor (train model, LoRA targets, never-trained
-parameters), the loop and rollout (requests, packing, replay) and the native engine (its modules,
+parameters), the loop and rollout (requests, trajectory checks, replay) and the native engine (its modules,
 prompt encoding, latent layout, velocity, decode). docs/architecture.md lists it with its callers. A new family is a new adapter class chosen by
 --model-adapter-path (a dotpath), plus its task string in GENERATION_TASKS.
 """
@@ -33,18 +33,15 @@ class GenerativeModelAdapter(Protocol):
                               generation_seed: int, metadata: dict | None = None) -> Any:
         """Turn one candidate into an engine RolloutRequest; guidance_scale != 1.0 raises."""
 
-    def validate_rollout_response(self, response: dict) -> None:
-        """Raise if trajectory latents, timesteps, sde indices, height or width are missing."""
+    def validate_trajectory(self, traj: Any) -> None:
+        """Raise ValueError when an engine's trajectory.Trajectory does not fit this family (its
+        generic shape checks, Trajectory.validate, plus the family's latent layout and conditions)."""
 
-    def pack_trajectory(self, responses: list[dict]) -> dict[str, Any]:
-        """Collate candidates into one batch of tensors with a leading candidate dimension
-        (what the sidecar stores and what replay_transition consumes)."""
+    def replay_transition(self, transformer: Any, batch: Any, step: int, sampling: Any) -> Any:
+        """Log-prob [B] (fp32) of the recorded transition of trained-step column `step` of a
+        Trajectory, recomputed through `transformer` with the same math the sampler used."""
 
-    def replay_transition(self, transformer: Any, batch: dict[str, Any], step: int, sampling: Any) -> Any:
-        """Log-prob [B] (fp32) of the recorded transition of trained-step column `step`,
-        recomputed through `transformer` with the same math the sampler used."""
-
-    def replay_transitions(self, transformer: Any, batch: dict[str, Any], sampling: Any) -> Any:
+    def replay_transitions(self, transformer: Any, batch: Any, sampling: Any) -> Any:
         """Log-probs [B, S] (fp32) of every trained-step column at once (what the update calls);
         equal to S replay_transition calls up to batch-size-dependent rounding."""
 
@@ -76,6 +73,12 @@ class GenerativeModelAdapter(Protocol):
     def velocity(self, transformer: Any, x: Any, t: Any, embeds: Any, mask: Any, height: int, width: int,
                  vae_scale_factor: int) -> Any:
         """The DiT's velocity for latents x at timesteps t [B]: the call replay makes too."""
+
+    def guided_velocity(self, transformer: Any, x: Any, t: Any, embeds: Any, mask: Any, negative_embeds: Any,
+                        negative_mask: Any, height: int, width: int, vae_scale_factor: int, guidance_scale: float,
+                        renorm: bool) -> Any:
+        """True-CFG velocity (guidance_scale > 1): conditional and unconditional rows in one
+        forward, combined; the call replay makes too."""
 
     def decode(self, vae: Any, latents: Any, height: int, width: int, vae_scale_factor: int) -> Any:
         """Final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU."""

@@ -4,20 +4,10 @@ The actor loads only the transformer (`load_train_model`); the frozen text encod
 belong to the rollout engine. Rollout and replay share one DiT call (`dit_velocity`), so the
 velocity the actor recomputes comes from exactly the kwargs the engine sampled with.
 
-Trajectory batch (what `pack_trajectory` returns and `replay_transition` consumes), B
-candidates, S trained steps, L packed image tokens of C channels, T text tokens of width D:
-
-    latents, next_latents   [B, S, L, C]  packed latents before / after each trained step,
-                                          in the dtype the sampler ran in
-    sigmas, sigmas_next     [B, S] fp32   the step's sigma pair
-    timesteps               [B, S] fp32   the scheduler timestep (sigma * num_train_timesteps)
-    log_probs               [B, S] fp32   the sampler's transition log-prob
-    prompt_embeds           [B, T, D]     frozen text conditioning, zero-padded to the batch max
-    prompt_embeds_mask      [B, T] int64  1 = real token, 0 = padding
-    sde_indices             [S] int64     which denoising steps the columns are (same for all)
-    policy_versions, group_indices, slots   [B] int64
-    height, width, vae_scale_factor          python ints (same for all candidates)
-    sample_ids, prompts                      list[str]
+The trajectory a rollout records and the update replays is a trainer.trajectory.Trajectory;
+for this family its latents are packed [B, S, L, C] (L image tokens of C = 4 x z_dim channels,
+2 x 2 patches), and its conditions are "prompt_embeds" [B, T, D] (the text encoder's hidden states,
+zero-padded to the batch's longest prompt) and "prompt_embeds_mask" [B, T] int64 (1 = real token).
 """
 
 from __future__ import annotations
@@ -31,6 +21,7 @@ import torch
 
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
+from trainer.trajectory import Trajectory
 from trainer.models.base import ModelFilesError
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
@@ -48,40 +39,6 @@ QWEN_IMAGE_LORA_TARGETS = (
 
 #: parameter-path prefixes, inside the last dual-stream block, that only produce discarded text outputs
 _DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
-
-#: response keys a rollout must carry for the actor to replay it
-REQUIRED_RESPONSE_KEYS = (
-    "trajectory_latents",
-    "trajectory_next_latents",
-    "timesteps",
-    "sigmas",
-    "sigmas_next",
-    "log_probs",
-    "sde_indices",
-    "prompt_embeds",
-    "height",
-    "width",
-)
-
-#: per-candidate tensors of a trajectory batch (leading dim B); the rest is shared geometry
-BATCH_TENSOR_KEYS = (
-    "latents",
-    "next_latents",
-    "sigmas",
-    "sigmas_next",
-    "timesteps",
-    "log_probs",
-    "prompt_embeds",
-    "prompt_embeds_mask",
-    "policy_versions",
-    "group_indices",
-    "slots",
-)
-BATCH_LIST_KEYS = ("sample_ids", "prompts")
-
-
-# ----------------------------------------------------------------------------- loading
-
 
 def check_model_dir(model_path: str | os.PathLike, subfolders: Sequence[str] = ("transformer",)) -> Path:
     """The model directory as a Path, after checking it is a local diffusers Qwen-Image
@@ -289,6 +246,54 @@ def dit_velocity(
     return out[0] if isinstance(out, (tuple, list)) else out.sample
 
 
+def guided_velocity(
+    transformer,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_embeds_mask: torch.Tensor | None,
+    negative_embeds: torch.Tensor,
+    negative_mask: torch.Tensor | None,
+    img_shapes,
+    guidance_scale: float,
+    renorm: bool,
+    *,
+    rollout_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """True classifier-free guidance in ONE DiT forward of 2B rows (conditional rows first, then
+    the unconditional ones, the two text conditionings zero-padded to a common length):
+
+        v = v_neg + g * (v_cond - v_neg)
+        renorm: v = v * ||v_cond|| / ||v||   (per token, over channels; QwenImagePipeline's rescale)
+
+    latents [B, L, C]; timesteps [B]; prompt / negative embeds [B, T, D] / [B, T', D] with
+    masks; img_shapes for B rows. Rollout and replay both call this, so the replay's velocity is
+    the sampler's; gradients reach the policy through both rows. Returns [B, L, C].
+    """
+    b = int(latents.shape[0])
+    t_max = max(int(prompt_embeds.shape[1]), int(negative_embeds.shape[1]))
+
+    def padded(e, m):
+        if m is None:
+            m = torch.ones(e.shape[:2], dtype=torch.int64, device=e.device)
+        pad = t_max - int(e.shape[1])
+        if pad:
+            e = torch.cat([e, e.new_zeros((e.shape[0], pad, e.shape[2]))], dim=1)
+            m = torch.cat([m, m.new_zeros((m.shape[0], pad))], dim=1)
+        return e, m.to(torch.int64)
+
+    pe, pm = padded(prompt_embeds, prompt_embeds_mask)
+    ne, nm = padded(negative_embeds.to(device=pe.device, dtype=pe.dtype), negative_mask.to(pe.device)
+                    if negative_mask is not None else None)
+    both = dit_velocity(transformer, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+                        torch.cat([pe, ne]), torch.cat([pm, nm]), list(img_shapes) * 2, rollout_dtype=rollout_dtype)
+    cond, uncond = both[:b], both[b:]
+    out = uncond + float(guidance_scale) * (cond - uncond)
+    if renorm:
+        out = out * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(out, dim=-1, keepdim=True))
+    return out
+
+
 # ----------------------------------------------------------------------------- batches
 
 
@@ -304,31 +309,6 @@ def pad_text(embeds: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None
         out[i, :n] = e
         mask[i, :n] = 1 if m is None else m.to(torch.int64).reshape(-1)[:n]
     return out, mask
-
-
-def select_candidates(batch: dict[str, Any], index) -> dict[str, Any]:
-    """The sub-batch of candidates `index` (a slice, a list of ints or an index tensor):
-    per-candidate tensors and lists are indexed, shared geometry is copied as is.
-    This is how the actor cuts micro-batches."""
-    if isinstance(index, slice):
-        idx = list(range(*index.indices(len(batch["sample_ids"]))))
-    else:
-        idx = [int(i) for i in (index.tolist() if torch.is_tensor(index) else index)]
-    out = dict(batch)
-    ind = torch.tensor(idx, dtype=torch.long)
-    for key in BATCH_TENSOR_KEYS:
-        if key in batch and torch.is_tensor(batch[key]):
-            out[key] = batch[key].index_select(0, ind.to(batch[key].device))
-    for key in BATCH_LIST_KEYS:
-        if key in batch:
-            out[key] = [batch[key][i] for i in idx]
-    return out
-
-
-def _as_list(x) -> list:
-    if torch.is_tensor(x):
-        return [int(v) for v in x.reshape(-1).tolist()]
-    return [int(v) for v in x]
 
 
 class QwenImageAdapter:
@@ -427,6 +407,15 @@ class QwenImageAdapter:
         return dit_velocity(transformer, x, t, embeds, mask,
                             img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor))
 
+    def guided_velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                        negative_embeds: torch.Tensor, negative_mask: torch.Tensor, height: int, width: int,
+                        vae_scale_factor: int, guidance_scale: float, renorm: bool) -> torch.Tensor:
+        """True-CFG velocity (module function guided_velocity: both rows in one forward), the call
+        replay makes too."""
+        return guided_velocity(transformer, x, t, embeds, mask, negative_embeds, negative_mask,
+                               img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor), guidance_scale,
+                               renorm)
+
     def decode(self, vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
         """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
         QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
@@ -455,37 +444,26 @@ class QwenImageAdapter:
     ) -> RolloutRequest:
         """One candidate as an engine RolloutRequest.
 
-        Raises ValueError when guidance_scale != 1.0 (the replay is a single positive-conditioned
-        forward, so a CFG rollout would train against a policy it never sampled from), when the
-        trained-step set is empty, out of range, or trains step 0 under sde_type "sde", and when
-        `sigmas` is not num_inference_steps + 1 values.
+        Raises ValueError when guidance_scale < 1.0, when the trained-step set is empty, out of
+        range, or trains step 0 under sde_type "sde", and when `sigmas` is not
+        num_inference_steps + 1 values. guidance_scale > 1 carries the sampling config's
+        negative_prompt and cfg_renorm (true CFG).
         """
+        from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
+                                      trained_steps_problem)
+
         guidance = float(getattr(sampling, "guidance_scale", 1.0))
-        if guidance != 1.0:
-            raise ValueError(
-                f"--sampling-config guidance_scale is {guidance}, but must be 1.0: the actor replays a single "
-                "positive-conditioned forward, so a CFG rollout would train against a policy it never sampled "
-                "from (two-forward CFG replay is not implemented)"
-            )
         n = int(sampling.num_inference_steps)
         steps = sorted({int(i) for i in sde_indices})
-        if not steps:
-            raise ValueError(
-                "the resolved trained SDE step set is empty: set sde_indices, or num_sde_steps (with sde_pool or "
-                "sde_timestep_fraction) in --sampling-config; generation injects SDE noise and records a "
-                "trajectory only at trained steps"
-            )
-        if steps[0] < 0 or steps[-1] >= n:
-            raise ValueError(f"trained SDE steps {steps} are outside 0..{n - 1} (num_inference_steps={n})")
         sde_type = getattr(sampling, "sde_type", "sde")
-        if sde_type == "sde" and steps[0] == 0:
-            raise ValueError(
-                "trained SDE step 0 under sde_type 'sde' is singular (sigma == 1 divides by zero; only the "
-                "sigma_max clamp keeps it finite): use e.g. sde_indices [1,3,5] / sde_pool [1,2,3,4,5], or "
-                "sde_type 'dance'"
-            )
-        if len(sigmas) != n + 1:
-            raise ValueError(f"sigmas must hold num_inference_steps + 1 = {n + 1} values (terminal 0 included), got {len(sigmas)}")
+        for where, problem in (
+            (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
+            (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
+            (f"trained SDE steps {steps}:", step_zero_problem(steps, sde_type)),
+            ("sigmas:", sigma_count_problem(sigmas, n)),
+        ):
+            if problem:
+                raise ValueError(f"{where} {problem}")
         shape = getattr(sampling, "init_noise_latent_shape", None)
         return RolloutRequest(
             prompt=prompt,
@@ -501,87 +479,33 @@ class QwenImageAdapter:
             sde_type=sde_type,
             sigma_max=float(getattr(sampling, "sigma_max", 0.99)),
             guidance_scale=guidance,
+            negative_prompt=str(getattr(sampling, "negative_prompt", " ")),
+            cfg_renorm=bool(getattr(sampling, "cfg_renorm", True)),
             generation_seed=int(generation_seed),
             metadata=dict(metadata or {}),
             init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
         )
 
-    def validate_rollout_response(self, response: dict) -> None:
-        """Raise ValueError naming the missing keys (trajectory latents, timesteps, sde indices,
-        height, width, ...) or inconsistent shapes of one response."""
-        missing = [k for k in REQUIRED_RESPONSE_KEYS if response.get(k) is None]
-        if missing:
-            who = response.get("sample_id", "<unknown sample>")
-            raise ValueError(
-                f"rollout response for {who} lacks {missing}: the engine must return the trajectory "
-                "(latents before/after each trained step, timesteps, sigmas, log-probs, sde indices), the "
-                "frozen conditioning and the echoed height/width, or the actor cannot replay it"
-            )
-        s = len(_as_list(response["sde_indices"]))
-        lat = response["trajectory_latents"]
-        nxt = response["trajectory_next_latents"]
-        if lat.shape != nxt.shape or lat.dim() != 3 or lat.shape[0] != s:
-            raise ValueError(
-                f"rollout response for {response.get('sample_id')}: trajectory latents {tuple(lat.shape)} / next "
-                f"{tuple(nxt.shape)} must both be [S={s}, L, C]"
-            )
-        for key in ("timesteps", "sigmas", "sigmas_next", "log_probs"):
-            if tuple(response[key].shape) != (s,):
-                raise ValueError(f"rollout response for {response.get('sample_id')}: {key} has shape "
-                                 f"{tuple(response[key].shape)}, expected ({s},)")
-
-    def pack_trajectory(self, responses: list[dict]) -> dict[str, Any]:
-        """Collate candidates into one trajectory batch (module docstring), on CPU.
-
-        All candidates must share the trained steps and the image geometry (they come from one
-        rollout); the text conditioning is zero-padded to the longest prompt with its mask.
-        """
-        if not responses:
-            raise ValueError("pack_trajectory got no responses")
-        for r in responses:
-            self.validate_rollout_response(r)
-        first = responses[0]
-        sde = _as_list(first["sde_indices"])
-        geom = (int(first["height"]), int(first["width"]), int(first.get("vae_scale_factor") or self.vae_scale_factor or 8))
-        for r in responses[1:]:
-            if _as_list(r["sde_indices"]) != sde:
-                raise ValueError(f"candidates of one batch trained different SDE steps: {sde} vs "
-                                 f"{_as_list(r['sde_indices'])} ({r.get('sample_id')})")
-            g = (int(r["height"]), int(r["width"]), int(r.get("vae_scale_factor") or geom[2]))
-            if g != geom:
-                raise ValueError(f"candidates of one batch differ in geometry (height, width, vae_scale_factor): "
-                                 f"{geom} vs {g} ({r.get('sample_id')})")
-        embeds, mask = pad_text([r["prompt_embeds"].cpu() for r in responses],
-                                [None if r.get("prompt_embeds_mask") is None else r["prompt_embeds_mask"].cpu()
-                                 for r in responses])
-        rows, cols = packed_grid(geom[0], geom[1], geom[2])
-        seq = int(first["trajectory_latents"].shape[1])
+    def validate_trajectory(self, traj: Trajectory) -> None:
+        """Raise ValueError when a trajectory's shapes do not fit this family: packed latents
+        [B, S, L, C] whose L tokens are the height x width grid, and the text conditioning."""
+        traj.validate()
+        who = traj.sample_ids[0]
+        if traj.latents.dim() != 4:
+            raise ValueError(f"trajectory of {who}: latents {tuple(traj.latents.shape)} must be packed [B, S, L, C]")
+        rows, cols = packed_grid(traj.height, traj.width, traj.vae_scale_factor)
+        seq = int(traj.latents.shape[2])
         if seq != rows * cols:
-            raise ValueError(f"trajectory latents hold {seq} tokens but height x width = {geom[0]} x {geom[1]} with "
-                             f"vae_scale_factor {geom[2]} gives {rows} x {cols}; the response's geometry is wrong")
-        return {
-            "latents": torch.stack([r["trajectory_latents"].cpu() for r in responses]),
-            "next_latents": torch.stack([r["trajectory_next_latents"].cpu() for r in responses]),
-            "sigmas": torch.stack([r["sigmas"].float().cpu() for r in responses]),
-            "sigmas_next": torch.stack([r["sigmas_next"].float().cpu() for r in responses]),
-            "timesteps": torch.stack([r["timesteps"].float().cpu() for r in responses]),
-            "log_probs": torch.stack([r["log_probs"].float().cpu() for r in responses]),
-            "prompt_embeds": embeds,
-            "prompt_embeds_mask": mask,
-            "sde_indices": torch.tensor(sde, dtype=torch.int64),
-            "policy_versions": torch.tensor([int(r.get("policy_version", 0)) for r in responses], dtype=torch.int64),
-            "group_indices": torch.tensor([int(r.get("group_index", -1)) for r in responses], dtype=torch.int64),
-            "slots": torch.tensor([int(r.get("slot", -1)) for r in responses], dtype=torch.int64),
-            "sample_ids": [str(r.get("sample_id", "")) for r in responses],
-            "prompts": [str(r.get("prompt", "")) for r in responses],
-            "height": geom[0],
-            "width": geom[1],
-            "vae_scale_factor": geom[2],
-        }
+            raise ValueError(f"trajectory of {who}: latents hold {seq} tokens but height x width = {traj.height} x "
+                             f"{traj.width} with vae_scale_factor {traj.vae_scale_factor} gives {rows} x {cols}; "
+                             "the engine's geometry is wrong")
+        if "prompt_embeds_mask" not in traj.conditions:
+            raise ValueError(f"trajectory of {who}: conditions lack 'prompt_embeds_mask'; the engine must record the "
+                             "text conditioning's mask with it")
 
     # -- replay ---------------------------------------------------------------------------
 
-    def replay_transition(self, transformer: Any, batch: dict[str, Any], step: int, sampling: Any) -> torch.Tensor:
+    def replay_transition(self, transformer: Any, batch: Trajectory, step: int, sampling: Any) -> torch.Tensor:
         """Log-prob [B] (fp32) of trained-step column `step` of `batch`, recomputed through
         `transformer` with the sampler's math (flow_grpo.replay_transition_logp).
 
@@ -593,10 +517,10 @@ class QwenImageAdapter:
         Differentiable w.r.t. the transformer's parameters. `sampling` supplies eta, sde_type
         and sigma_max.
         """
-        column = {k: (v[:, step:step + 1] if k in _TRAJECTORY_COLUMNS else v) for k, v in batch.items()}
-        return self.replay_transitions(transformer, column, sampling)[:, 0]
+        return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
 
-    def replay_transitions(self, transformer: Any, batch: dict[str, Any], sampling: Any) -> torch.Tensor:
+    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any, *,
+                           moments: bool = False) -> Any:
         """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch`, in one DiT forward over
         B * S rows (row k * B + i = candidate i at column k), instead of S forwards of B rows.
 
@@ -605,11 +529,15 @@ class QwenImageAdapter:
         this with S = 1) up to the GEMM's batch-size-dependent rounding. Fewer, larger launches: replay of a micro-batch is
         bound by the host's kernel-launch rate at real scale, so this is what makes it fast. The
         autograd graph holds the same activations as S separate forwards kept for one backward.
+        A true-CFG trajectory (batch.guided) replays its conditional and unconditional rows
+        together (guided_velocity: 2 * B * S rows), with the guidance it was sampled at.
+        moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32) of
+        the same forward, what the KL to a reference policy needs.
         """
-        from trainer.flow_grpo import replay_transition_logp
+        from trainer.flow_grpo import flow_sde_transition_moments, replay_transition_logp, transition_log_prob
 
         device, compute_dtype = _module_device_dtype(transformer)
-        lat = batch["latents"]
+        lat = batch.latents
         b, s = int(lat.shape[0]), int(lat.shape[1])
 
         def rows(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [S * B, ...], column-major
@@ -618,28 +546,33 @@ class QwenImageAdapter:
         # contiguous like the sampler's own latents: a strided input takes another GEMM path,
         # which in bf16 changes the velocity by an ulp and the log-prob by ~1e-4
         recorded = rows(lat).to(device).contiguous()
-        next_latents = rows(batch["next_latents"]).to(device)
-        mask = batch.get("prompt_embeds_mask")
-        velocity = dit_velocity(
-            transformer,
-            recorded.to(compute_dtype or recorded.dtype),
-            rows(batch["timesteps"]),
-            batch["prompt_embeds"].repeat(s, *([1] * (batch["prompt_embeds"].dim() - 1))),
-            None if mask is None else mask.repeat(s, *([1] * (mask.dim() - 1))),
-            img_shapes_for(s * b, batch["height"], batch["width"], batch["vae_scale_factor"]),
-            rollout_dtype=recorded.dtype,
-        )
-        logp = replay_transition_logp(
-            recorded,
-            next_latents,
-            velocity,
-            rows(batch["sigmas"]).to(device),
-            rows(batch["sigmas_next"]).to(device),
-            float(sampling.eta),
-            getattr(sampling, "sde_type", "sde"),
-            float(getattr(sampling, "sigma_max", 0.99)),
-        )
-        return logp.view(s, b).transpose(0, 1)
+        next_latents = rows(batch.next_latents).to(device)
+        def tiled(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, ...] -> [S * B, ...], column-major
+            return None if t is None else t.repeat(s, *([1] * (t.dim() - 1)))
+
+        x = recorded.to(compute_dtype or recorded.dtype)
+        shapes = img_shapes_for(s * b, batch.height, batch.width, batch.vae_scale_factor)
+        embeds, mask = tiled(batch.prompt_embeds), tiled(batch.prompt_embeds_mask)
+        if batch.guided:
+            velocity = guided_velocity(transformer, x, rows(batch.timesteps), embeds, mask,
+                                       tiled(batch.conditions["negative_prompt_embeds"]),
+                                       tiled(batch.conditions.get("negative_prompt_embeds_mask")), shapes,
+                                       batch.guidance_scale, batch.cfg_renorm, rollout_dtype=recorded.dtype)
+        else:
+            velocity = dit_velocity(transformer, x, rows(batch.timesteps), embeds, mask, shapes,
+                                    rollout_dtype=recorded.dtype)
+        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
+                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
+        if not moments:
+            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
+        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
+        logp = transition_log_prob(next_latents, mean, std, step[3])
+
+        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
+            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
+
+        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
+        return cols(logp), cols(mean), cols(std)
 
     # -- misc -----------------------------------------------------------------------------
 
@@ -655,10 +588,6 @@ class QwenImageAdapter:
         names once wrapper segments are stripped (core.names.strip_wrapper_segments), so
         this also strips them, idempotently."""
         return strip_wrapper_segments(name)
-
-
-#: batch entries with a trained-step column dimension ([B, S, ...])
-_TRAJECTORY_COLUMNS = ("latents", "next_latents", "timesteps", "sigmas", "sigmas_next")
 
 
 def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:

@@ -2,13 +2,20 @@
 
 Modules (import what you need; this package imports nothing heavy on its own):
   base          the GenerativeRewardScorer protocol, ImageBatch (the one image conversion),
-                scorer loading by dotpath, SHIPPED_SCORERS
+                FunctionScorer (a plain function as a scorer), scorer loading by dotpath,
+                SHIPPED_SCORERS
   pickscore     PickScoreScorer            component "pickscore"
+  clipscore     ClipScoreScorer            component "clipscore"
+  aesthetic     AestheticScorer            component "aesthetic"
+  hpsv2         Hpsv21Scorer               component "hpsv21"
+  clip          what the CLIP-family scorers share (directory checks, ClipEmbedder)
+  vlm_judge     VlmJudgeScorer             component "vlm_judge" (an OpenAI-compatible chat endpoint)
   ocr           OcrScorer                  component "ocr"
   jpeg          JpegCompressibilityScorer  "jpeg_compressibility";
                 JpegIncompressibilityScorer "jpeg_incompressibility"
   color         ColorScorer                component "color"; color_palette(), color_prompts()
   remote        the HTTP JSON protocol and RemoteScorer (--reward-runtime remote)
-  manager       RewardManager / get_reward_manager: runtimes cpu / colocate / remote, batching, cache
+  manager       RewardManager / reward_manager_from_config: runtimes cpu / colocate / remote, batching
   post_process  post_process / compute_advantages / gather_scores -> RewardResult (reward/* metrics)
+  watch         the reward-hacking watch: image statistics, held-out scores, the suspect rule
 """

@@ -7,10 +7,21 @@ A scorer is a plain callable with one signature:
 It declares the `components` it produces and the media `required_tracks` it needs (("image",)
 for every shipped scorer), and is built as `ScorerClass(model_path=..., device=...)`. Images are
 converted exactly once per batch, here (`ImageBatch`), never inside a scorer.
+
+A plain function with the same arguments is a scorer too, named by its dotpath like a class:
+
+    def brightness(images: ImageBatch, prompts: list[str], metadata: list[dict]) -> list[float]:
+        return [float(a.mean()) / 255 for a in images.uint8]
+
+It returns one number per image (None or NaN: could not score that image, its group fails) and
+its component is its name ("brightness"). It is called as it is, in this process: it is given no
+model directory and no device, so a scorer that loads a model is a class.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -138,6 +149,33 @@ class GenerativeRewardScorer(Protocol):
         """One fp32 CPU tensor [B] per component; NaN marks a candidate that could not be scored."""
 
 
+class FunctionScorer:
+    """A plain function `fn(images, prompts, metadata) -> [B] numbers` as a GenerativeRewardScorer
+    (module docstring): its one component is `component`, its numbers become an fp32 tensor, and
+    None becomes NaN (not scored)."""
+
+    required_tracks = ("image",)
+
+    def __init__(self, fn: Any, component: str):
+        self.fn = fn
+        self.components = (component,)
+
+    def score(self, images: ImageBatch, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
+        values = self.fn(images, prompts, metadata)
+        name = self.components[0]
+        if isinstance(values, (torch.Tensor, np.ndarray)):
+            return {name: torch.as_tensor(values).detach().to("cpu", torch.float32)}
+        if isinstance(values, (Mapping, str, bytes)) or not isinstance(values, Iterable):
+            raise RewardError(f"scorer function {name!r} returned {type(values).__name__}: a function returns one "
+                              "number per image (a list, an array or a 1-D tensor); a scorer with several "
+                              "components is a class")
+        try:
+            return {name: torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)}
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"scorer function {name!r} returned a value that is not a number: {e}") from None
+
+    __call__ = score
+
 
 def resolve_scorer_path(scorer_path: str | None) -> str | None:
     """A shipped scorer's short name (its component name, e.g. "pickscore") -> its dotpath;
@@ -147,12 +185,25 @@ def resolve_scorer_path(scorer_path: str | None) -> str | None:
 
 def build_scorer(scorer_path: str, model_path: str | None = None, device: str = "cpu",
                  options: Mapping[str, Any] | None = None) -> Any:
-    """Import the scorer class at `scorer_path` (a dotpath or a shipped short name) and build it
-    with (model_path, device) and, for a scorer with settings of its own (its `config_fields`),
-    those settings as keyword arguments."""
+    """Import the scorer at `scorer_path` (a dotpath or a shipped short name) and build it.
+
+    A class is built with (model_path, device) and, for a scorer with settings of its own (its
+    `config_fields`), those settings as keyword arguments. A plain function becomes a
+    FunctionScorer whose component is the dotpath's last name; it takes no model directory."""
     scorer_path = resolve_scorer_path(scorer_path)
-    cls = import_dotpath(scorer_path, "--reward-scorer-path")
-    scorer = cls(model_path=model_path, device=device, **dict(options or {}))
+    obj = import_dotpath(scorer_path, "--reward-scorer-path")
+    if inspect.isclass(obj):
+        scorer = obj(model_path=model_path, device=device, **dict(options or {}))
+    elif callable(obj):
+        if model_path:
+            raise ValueError(
+                f"--reward-scorer-path={scorer_path!r} is a function, which takes no --reward-model-path "
+                f"(got {model_path}); a scorer that loads a model is a class built as cls(model_path=..., device=...)"
+            )
+        return FunctionScorer(obj, scorer_path.rsplit(".", 1)[1])
+    else:
+        raise TypeError(f"--reward-scorer-path={scorer_path!r} is a {type(obj).__name__}, neither a scorer class "
+                        "nor a function")
     for attr in ("components", "required_tracks", "score"):
         if not hasattr(scorer, attr):
             raise TypeError(

@@ -1,25 +1,25 @@
 """Where a scorer runs (`--reward-runtime`) and how a rollout's images reach it.
 
-- `cpu`: built and run in this process with device "cpu"; while it is built and while it scores,
-  torch.cuda.is_available() reports False, so libraries that pick a device by themselves stay on
-  the CPU too. (CUDA_VISIBLE_DEVICES is not touched: in a process whose engine already uses the
-  GPU it would change nothing, and before that it would hide the GPU from the engine for good.)
+- `cpu`: built and run in this process with device "cpu".
 - `colocate`: built and run in this process on the engine's device, sharing the card while the
   actor is offloaded.
 - `remote`: every batch is POSTed to `--reward-endpoint` (trainer.rewards.remote).
 
-A manager is cached per (scorer path, model path, runtime, device, endpoint), so a scorer's
-weights load once per process, not once per rollout.
+The device is the scorer's constructor argument and nothing else: a scorer places every tensor
+and module it holds on the device it is given (every shipped one does), and the manager changes
+no process-wide state (torch.cuda, the environment) to steer a scorer that would pick a device by
+itself.
+
+A manager is built once by whoever scores (the trainer at start-up, before the policy loads; a
+tool at its start) and held for the run: the scorer's weights load once, when it is built, and
+nothing is looked up per rollout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -37,18 +37,6 @@ RUNTIMES = ("colocate", "cpu", "remote")
 
 #: images per scorer call when the caller does not say
 DEFAULT_SCORE_BATCH_SIZE = 32
-
-
-@contextlib.contextmanager
-def cuda_hidden() -> Iterator[None]:
-    """Within the block torch.cuda.is_available() is False and device_count() is 0."""
-    is_available, device_count = torch.cuda.is_available, torch.cuda.device_count
-    torch.cuda.is_available = lambda: False
-    torch.cuda.device_count = lambda: 0
-    try:
-        yield
-    finally:
-        torch.cuda.is_available, torch.cuda.device_count = is_available, device_count
 
 
 @dataclass
@@ -86,9 +74,7 @@ class RewardManager:
             raise ValueError(f"--reward-runtime={runtime!r} must be one of {RUNTIMES}")
         if batch_size < 1:
             raise ValueError(f"reward batch_size must be >= 1, got {batch_size}")
-        self.runtime = runtime
         self.scorer_path = scorer_path = resolve_scorer_path(scorer_path)
-        self.model_path = model_path
         self.batch_size = int(batch_size)
         if runtime == "remote":
             from trainer.rewards.remote import RemoteScorer
@@ -103,12 +89,9 @@ class RewardManager:
                 f"--reward-runtime={runtime} needs --reward-scorer-path "
                 "(e.g. pickscore or trainer.rewards.pickscore.PickScoreScorer)"
             )
+        #: the device the scorer was built on: "cpu" under `cpu`, the engine's under `colocate`
         self.device = "cpu" if runtime == "cpu" else str(device)
-        with self._placement():
-            self.scorer = build_scorer(scorer_path, model_path, self.device, scorer_options)
-
-    def _placement(self):
-        return cuda_hidden() if self.runtime == "cpu" else contextlib.nullcontext()
+        self.scorer = build_scorer(scorer_path, model_path, self.device, scorer_options)
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -141,8 +124,7 @@ class RewardManager:
         for start in range(0, n, bs):
             stop = min(start + bs, n)
             t0 = time.perf_counter()
-            with self._placement():
-                raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
+            raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
             score_time += time.perf_counter() - t0
             source = f"scorer {self.scorer_path or self.device}"
             parts.append((start, stop, check_scores(raw, stop - start, source)))
@@ -155,45 +137,15 @@ class RewardManager:
         return ScoreOutput(components=out, score_time=score_time, num_samples=n, failures=pop() if pop else {})
 
 
-_CACHE: dict[tuple, RewardManager] = {}
-_CACHE_LOCK = threading.Lock()
-
-
-def get_reward_manager(
-    runtime: str,
-    scorer_path: str | None = None,
-    model_path: str | None = None,
-    device: str | torch.device = "cpu",
-    endpoint: str | None = None,
-    **kwargs: Any,
-) -> RewardManager:
-    """The process-wide manager for this configuration, built on first use.
-
-    Keyed by (scorer_path, model_path, runtime, device, endpoint, scorer_options); `cpu` ignores
-    `device` and `remote` ignores everything but the endpoint, so equivalent configurations share
-    one manager. Other kwargs (batch_size, remote_*) apply only when the manager is first built.
-    """
-    scorer_path = resolve_scorer_path(scorer_path)
-    if runtime == "remote":
-        key = (None, None, runtime, None, endpoint, None)
-    else:
-        options = json.dumps(kwargs.get("scorer_options") or {}, sort_keys=True, default=str)
-        key = (scorer_path, model_path, runtime, "cpu" if runtime == "cpu" else str(device), None, options)
-    with _CACHE_LOCK:
-        manager = _CACHE.get(key)
-        if manager is None:
-            manager = RewardManager(runtime, scorer_path, model_path, device, endpoint, **kwargs)
-            _CACHE[key] = manager
-        return manager
-
-
 def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", *, scorer_path: str | None = None,
                                model_path: str | None = None, **kwargs: Any) -> RewardManager:
-    """get_reward_manager from a config's reward section (duck-typed: reward_runtime,
-    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields).
+    """A new RewardManager from a config's reward section (duck-typed: reward_runtime,
+    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields);
+    the scorer is built now.
 
     With `scorer_path` (a held-out --eval-reward-scorers entry, with its own `model_path`) the
-    scorer runs in this process: on `device` under --reward-runtime colocate, else on the CPU."""
+    scorer runs in this process: on `device` under --reward-runtime colocate, else on the CPU.
+    Other kwargs (batch_size, remote_*) go to RewardManager."""
     runtime = getattr(reward, "reward_runtime", "cpu") or "cpu"
     if scorer_path is not None:
         runtime = "colocate" if runtime == "colocate" else "cpu"
@@ -201,20 +153,7 @@ def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", 
         scorer_path, model_path = getattr(reward, "reward_scorer_path", None), getattr(reward, "reward_model_path", None)
     if runtime != "remote":
         kwargs.setdefault("scorer_options", scorer_options(scorer_path, reward))
-    return get_reward_manager(
-        runtime,
-        scorer_path,
-        model_path,
-        device,
-        getattr(reward, "reward_endpoint", None),
-        **kwargs,
-    )
-
-
-def clear_reward_manager_cache() -> None:
-    """Drop every cached manager (tests; or to free a colocated scorer's memory)."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
+    return RewardManager(runtime, scorer_path, model_path, device, getattr(reward, "reward_endpoint", None), **kwargs)
 
 
 __all__ = [
@@ -222,8 +161,5 @@ __all__ = [
     "RewardError",
     "RewardManager",
     "ScoreOutput",
-    "clear_reward_manager_cache",
-    "cuda_hidden",
-    "get_reward_manager",
     "reward_manager_from_config",
 ]

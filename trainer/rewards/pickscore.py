@@ -3,9 +3,9 @@
     pickscore = logit_scale.exp() * cos(text_embed(prompt), image_embed(image)) / 26
 
 logit_scale.exp() is CLIP's learned temperature (100 for PickScore_v1), so the raw value is the
-logit PickScore ranks with; dividing by 26 puts it in the range the reference's evaluation
-figures are quoted in (0.81-0.86 for Qwen-Image). Group normalisation makes the constant
-irrelevant to training; it only matters for comparing logged numbers.
+logit PickScore ranks with; dividing by 26 puts it in the range published Qwen-Image PickScore
+figures are quoted in (0.81-0.86 in the Relax system's documentation). Group normalisation makes
+the constant irrelevant to training; it only matters for comparing logged numbers.
 
 --reward-model-path is a local directory holding the CLIPModel (config.json + weights) and its
 processor (tokenizer files + preprocessor config) side by side, or the processor in a
@@ -20,7 +20,7 @@ import torch
 from trainer.rewards.base import ImageBatch
 from trainer.rewards.clip import ClipSimilarityScorer
 
-#: divisor that maps logit_scale * cos onto the reference's reported scale
+#: divisor that maps logit_scale * cos onto the scale published figures use (module docstring)
 PICKSCORE_DIVISOR = 26.0
 
 

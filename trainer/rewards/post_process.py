@@ -11,7 +11,10 @@ compute_advantages, on raw components [G * n] (group-major: group g is [g*n, (g+
   2. Each weighted component is normalised within its prompt group over the valid groups
      (trainer.flow_grpo.normalize_grouped, std_mode group / batch / none) and the weighted sum
      is taken (combine_component_advantages).
-  3. The batch is degenerate when the advantage variance over valid candidates is < 1e-6
+  3. With adv_clip_max > 0 (--adv-clip-max), every advantage is clamped to
+     [-adv_clip_max, adv_clip_max] and the clamped share of valid candidates is logged
+     (reward/adv_clipped_fraction); the metrics below are those of the clamped advantages.
+  4. The batch is degenerate when the advantage variance over valid candidates is < 1e-6
      (or nothing is valid): there is nothing to learn from it.
 
 In a multi-rank job each rank scores its own candidates; `gather_scores` assembles the global
@@ -42,9 +45,8 @@ class RewardResult:
     valid: torch.Tensor  # bool [G*n]; False for every candidate of a failed group
     components: dict[str, torch.Tensor]  # raw scores, fp32 [G*n], NaN where not scored
     failed_groups: list[int]  # group indices left out of the update
-    metrics: dict[str, float]  # reward/* series (names as in the reference's Monitoring table)
+    metrics: dict[str, float]  # reward/* series (docs/rewards.md, "Metrics", lists them)
     degenerate: bool  # advantage variance < DEGENERATE_VARIANCE, or no valid group
-    group_size: int
     weights: dict[str, float] = field(default_factory=dict)  # the component weights trained on
 
 
@@ -91,13 +93,16 @@ def compute_advantages(
     component_weights: Mapping[str, float] | None = None,
     std_mode: str = "group",
     score_time: float | None = None,
+    adv_clip_max: float = 0.0,
 ) -> RewardResult:
-    """Group-normalised, weight-combined advantages (module docstring, steps 1-3).
+    """Group-normalised, weight-combined advantages (module docstring, steps 1-4).
 
     components: raw fp32 [G*n] per component, group-major. Weights default to 1.0 for every
     required component, or, with none required, for every component. Components without a
-    weight are reported in the metrics but not trained on.
+    weight are reported in the metrics but not trained on. adv_clip_max: 0 = no clamp.
     """
+    if not (math.isfinite(adv_clip_max) and adv_clip_max >= 0):
+        raise ValueError(f"--adv-clip-max must be a finite number >= 0, got {adv_clip_max}")
     if not components:
         raise RewardError("the scorer returned no reward components")
     comps = {k: torch.as_tensor(v).detach().to("cpu", torch.float32).reshape(-1) for k, v in components.items()}
@@ -134,11 +139,16 @@ def compute_advantages(
     if valid_groups.numel():
         weighted = {c: comps[c].view(num_groups, group_size)[valid_groups].reshape(-1) for c in weights}
         adv_valid = combine_component_advantages(weighted, weights, group_size, std_mode)
+        clipped = None
+        if adv_clip_max > 0:
+            clipped = float((adv_valid.abs() > adv_clip_max).float().mean())
+            adv_valid = adv_valid.clamp(-adv_clip_max, adv_clip_max)
         advantages[valid] = adv_valid.float()
         variance = float(adv_valid.double().var(unbiased=False))
     else:
         adv_valid = torch.zeros(0)
         variance = 0.0
+        clipped = 0.0 if adv_clip_max > 0 else None
     degenerate = valid_groups.numel() == 0 or variance < DEGENERATE_VARIANCE
 
     metrics: dict[str, float] = {}
@@ -147,6 +157,8 @@ def compute_advantages(
     if adv_valid.numel():
         metrics["reward/advantage_mean"] = float(adv_valid.double().mean())
         metrics["reward/advantage_std"] = math.sqrt(variance)
+    if clipped is not None:
+        metrics["reward/adv_clipped_fraction"] = clipped
     metrics["reward/num_groups"] = float(valid_groups.numel())
     metrics["reward/failed_groups"] = float(len(failed_groups))
     if valid_groups.numel():
@@ -169,7 +181,6 @@ def compute_advantages(
         failed_groups=failed_groups,
         metrics=metrics,
         degenerate=degenerate,
-        group_size=group_size,
         weights=weights,
     )
 
@@ -185,6 +196,7 @@ def post_process(
     component_weights: Mapping[str, float] | None = None,
     std_mode: str = "group",
     batch_size: int | None = None,
+    adv_clip_max: float = 0.0,
 ) -> RewardResult:
     """Score a whole rollout in one process and compute its advantages.
 
@@ -200,6 +212,7 @@ def post_process(
         component_weights=component_weights,
         std_mode=std_mode,
         score_time=out.score_time,
+        adv_clip_max=adv_clip_max,
     )
 
 
@@ -209,14 +222,19 @@ def post_process_from_config(
     prompts: Sequence[str],
     metadata: Sequence[dict] | None = None,
     *,
+    manager: Any = None,
     group_size: int | None = None,
     device: str | torch.device = "cpu",
 ) -> RewardResult:
     """post_process with every setting read from a run config (duck-typed): cfg.reward
     (reward_runtime, reward_scorer_path, reward_model_path, reward_endpoint,
     reward_required_components, reward_component_weights), cfg.grpo
-    (generative_advantage_std_mode, disable_grpo_std_normalization) and, unless group_size is
-    given, cfg.rollout.n_samples_per_prompt. `device` is the engine's (used by colocate)."""
+    (generative_advantage_std_mode, disable_grpo_std_normalization, adv_clip_max) and, unless group_size is
+    given, cfg.rollout.n_samples_per_prompt.
+
+    manager: the RewardManager to score with; pass the one you hold when scoring more than once.
+    Unset, one is built from cfg.reward for this call (its scorer loads now), `device` being the
+    engine's (used by colocate)."""
     from trainer.rewards.manager import reward_manager_from_config
 
     reward, grpo = cfg.reward, getattr(cfg, "grpo", None)
@@ -232,10 +250,11 @@ def post_process_from_config(
         prompts,
         metadata,
         group_size=group_size,
-        manager=reward_manager_from_config(reward, device),
+        manager=manager if manager is not None else reward_manager_from_config(reward, device),
         required_components=getattr(reward, "reward_required_components", None),
         component_weights=getattr(reward, "reward_component_weights", None),
         std_mode=std_mode,
+        adv_clip_max=float(getattr(grpo, "adv_clip_max", 0.0) or 0.0),
     )
 
 
