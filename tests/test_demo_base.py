@@ -124,7 +124,7 @@ def test_reduced_build_is_cached_and_loads_through_the_engine(tmp_path):
                                       "eta": 1.0, "sde_type": "dance", "sde_indices": [0]})
     got = generate_rollout(engine, QwenImageAdapter(), records, rollout_id=0, sampling=sampling, group_size=2,
                            generation_seed=0, artifact_root=str(tmp_path / "art"), task="t2i", retention=0)
-    images = [r["image"] for r in got.responses]
+    images = list(got.trajectory.images)
     assert len(images) == 2 and images[0].shape == (3, 16, 16) and all(torch.isfinite(i).all() for i in images)
 
 

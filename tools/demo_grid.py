@@ -135,7 +135,8 @@ def _grid(args) -> int:
                             sampling=parse_sampling_config(cfg.rollout.sampling_config), group_size=n,
                             generation_seed=int(cfg.rollout.generation_seed), artifact_root=str(root / "eval_base"),
                             task=eval_task, retention=0, eval=True)
-    before = [r["image"] for r in sorted(base.responses, key=lambda r: (r["group_index"], r["slot"]))]
+    order = sorted(range(len(base.candidates)), key=lambda i: base.candidates[i])  # (group, slot) order
+    before = [base.trajectory.images[i] for i in order]
     after = _load_pngs(after_dir, len(records), n)
 
     manager = reward_manager_from_config(cfg.reward, torch.device("cpu"))
