@@ -13,6 +13,7 @@ from tools.make_demo_base import (
     CAPTION_COLOR_WORD,
     DEMO_COLORS,
     DEMO_SHAPES,
+    DEMO_TARGET_COLORS,
     DEMO_WORDS,
     MARKER,
     BaseSettings,
@@ -43,12 +44,16 @@ def test_synthetic_set_is_deterministic_balanced_and_never_names_the_colour():
     assert len(painted) == 18
 
 
-def test_held_out_split_covers_every_colour_and_shape_and_shares_no_pair():
+def test_held_out_split_trains_each_colour_on_two_shapes_and_holds_out_the_third():
     train, held_out = demo_prompts()
+    assert DEMO_TARGET_COLORS == ("red", "green")
+    assert train == ["a red square", "a red triangle", "a green circle", "a green triangle"]
+    assert held_out == ["a red circle", "a green square"]
+    # any colour list: each colour on every shape exactly once, two trained and one held out
+    train, held_out = demo_prompts(DEMO_COLORS)
     assert len(train) == 12 and len(held_out) == 6 and not set(train) & set(held_out)
-    for words in (DEMO_COLORS, DEMO_SHAPES):
-        for w in words:
-            assert any(w in p.split() for p in train) and any(w in p.split() for p in held_out)
+    for color in DEMO_COLORS:
+        assert sum(p.split()[1] == color for p in train) == 2 and sum(p.split()[1] == color for p in held_out) == 1
 
 
 def test_tokenizer_makes_each_demo_word_one_token_and_round_trips(tmp_path):

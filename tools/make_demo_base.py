@@ -9,8 +9,8 @@ post-training changes. This tool makes one offline, in about two minutes on one 
    a black background, at a jittered position and size, captioned "a coloured <shape>". The
    caption names the shape and never the colour, so the base learns to draw the shape the prompt
    names in any of the six colours, and has no idea what "red" means: asked for "a red circle" it
-   draws a circle of a random colour. Teaching it the colour words is the RL task
-   (trainer/rewards/color.py, ShapeColorScorer: the named shape in the named colour).
+   draws a circle of a random colour. Making it paint the colour its prompts name
+   (DEMO_TARGET_COLORS: red or green) is the RL task (trainer/rewards/color.py, ShapeColorScorer).
    Why "coloured" and not a random colour word: a DiT trained on captions whose colour word is
    noise learns to ignore that word (it gave the colour token a third of the attention of the
    others), and RL then has to undo that before it can teach anything; a fixed word holds the
@@ -66,6 +66,10 @@ log = logging.getLogger("make_demo_base")
 #: the colours the demo paints and asks for, and the shapes it draws (the scorer's own lists)
 DEMO_COLORS = HUES
 DEMO_SHAPES = SHAPES
+#: the colours the RL prompts name (demo_prompts): two words to learn. All six (lr 3e-2, batch-std
+#: advantages) and red with blue (lr 3e-2) ended with every prompt's shape painted red; red with
+#: green at the recipe's 1e-2 learned both words (README, "The demo")
+DEMO_TARGET_COLORS = ("red", "green")
 #: the word every training caption has where a prompt names the colour (module docstring)
 CAPTION_COLOR_WORD = "coloured"
 MARKER = "DEMO_BASE.json"
@@ -122,12 +126,13 @@ def synthetic_set(num_images: int, size: int, seed: int) -> tuple[torch.Tensor, 
     return torch.stack(images), captions
 
 
-def demo_prompts() -> tuple[list[str], list[str]]:
-    """(train, eval) prompts "a <colour> <shape>" for the RL run. Every colour and every shape
-    is in both, but no pair is: colour i is held out on shape i mod 3, so eval asks for
-    combinations the policy was never trained on (6 eval, 12 train)."""
+def demo_prompts(colors: tuple[str, ...] = DEMO_TARGET_COLORS) -> tuple[list[str], list[str]]:
+    """(train, eval) prompts "a <colour> <shape>" for the RL run, for each of `colors`: colour i
+    is held out on shape i mod 3 and trained on the other two, so eval asks for pairs the policy
+    was never trained on. With the demo's red and green: train "a red square", "a red triangle",
+    "a green circle", "a green triangle"; eval "a red circle", "a green square"."""
     train, held_out = [], []
-    for i, color in enumerate(DEMO_COLORS):
+    for i, color in enumerate(colors):
         for j, shape in enumerate(DEMO_SHAPES):
             (held_out if j == i % len(DEMO_SHAPES) else train).append(f"a {color} {shape}")
     return train, held_out
