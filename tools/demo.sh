@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The offline demo: a tiny Qwen-Image pipeline that draws the shape its prompt names, in a random
-# colour, learns with FlowGRPO on 2 CPU processes (gloo) to paint it the colour the prompt names.
+# one of six colours, learns with FlowGRPO on 2 CPU processes (gloo) to paint it the colour the
+# prompt names (red or green).
 # Run through `bash run.sh demo`.
 #
 #   bash run.sh demo                      fresh run under runs/demo (EXP_DIR overrides)
@@ -33,8 +34,8 @@ t_base=$((SECONDS - t_all))
 if [[ ! -f $EXP_DIR/data/demo_train.jsonl ]]; then
   echo "[demo] building the prompt set in $EXP_DIR/data"
   mkdir -p "$EXP_DIR/data"
-  # Train on each colour on two of the three shapes, evaluate on the six pairs left out: the
-  # policy must learn the colour word, not a shape-colour pairing.
+  # Train on each colour on two of the three shapes, evaluate on the pairs left out ("a red
+  # circle", "a green square"): the policy must learn the colour word, not a shape-colour pairing.
   "$PY" - "$EXP_DIR/data" <<'PY'
 import sys
 from tools.make_demo_base import demo_prompts
@@ -83,10 +84,20 @@ for line in (exp / "train.log").read_text().splitlines():
 if summary is None:
     sys.exit("[demo] no summary line in the training log")
 print(f"\n[demo] done in {total} s (base model {t_base} s, post-training {t_train} s)")
-for comp, s in summary["summary"].items():
-    w = min(5, s["rollouts"])
-    print(f"[demo] reward/{comp}_mean: first {w} rollouts {s['first_mean']:.3f} -> last {w} rollouts "
-          f"{s['last_mean']:.3f} ({s['last_mean'] - s['first_mean']:+.3f})")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+runs = sorted(p for p in Path(summary["tensorboard_dir"]).iterdir() if p.is_dir())
+ea = EventAccumulator(str(runs[-1]), size_guidance={"scalars": 0})
+ea.Reload()
+for comp in summary["summary"]:
+    train = [e.value for e in ea.Scalars(f"reward/{comp}_mean")]
+    w = min(5, len(train))
+    line = (f"[demo] {comp}: training rollout 0 (the base) {train[0]:.3f} -> last {w} rollouts "
+            f"{sum(train[-w:]) / w:.3f} ({sum(train[-w:]) / w - train[0]:+.3f})")
+    tag = f"eval/held_out/{comp}_mean"
+    if tag in ea.Tags()["scalars"]:
+        ev = ea.Scalars(tag)
+        line += f"; held-out eval at rollout {ev[0].step} {ev[0].value:.3f} -> rollout {ev[-1].step} {ev[-1].value:.3f}"
+    print(line)
 print(f"[demo] TensorBoard:  tensorboard --logdir {summary['tensorboard_dir']}  (slider: images, probes/held_out)")
 print(f"[demo] images:       {summary['artifact_root']}/t2i/rollout_*/ (eval: {summary['artifact_root']}/eval/t2i/)")
 print(f"[demo] checkpoints:  {summary['save']}  (continue with: bash run.sh demo --resume --num-rollout N)")
