@@ -3,7 +3,8 @@
     python tools/make_demo_base.py --output runs/demo/demo-base [--seed 0]
 
 The demo needs a base model that already draws something, so that a person can see what RL
-post-training changes. This tool makes one offline, in about two minutes on one CPU core:
+post-training changes. This tool makes one offline, in ~4.5 minutes on one CPU core of a 2-core
+machine that other jobs load (load average ~4):
 
 1. a synthetic image set: one shape (circle, square, triangle) of one of six saturated colours on
    a black background, at a jittered position and size, captioned "a coloured <shape>". The
