@@ -1,6 +1,6 @@
 """The demo's base model: the synthetic set, the held-out split, the word-level tokenizer, the
 non-mixing text encoder, and a reduced-size build that is cached and loads through the real
-loading path. (The shape-colour reward it is post-trained on: tests/test_rewards_scorers.py.)"""
+loading path. (The shape-colour reward it is post-trained on: tests/test_shape_color.py.)"""
 
 from __future__ import annotations
 
