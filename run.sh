@@ -5,7 +5,7 @@
 #   bash run.sh setup-sglang               create .venv-sglang, the SGLang engine's CPU test venv
 #   bash run.sh test-sglang [pytest args]  run tests/sglang_engine in .venv-sglang
 #   bash run.sh train RECIPE.toml [--flag value ...]   (USE_CURRENT_ENV=1: the python on PATH, no .venv)
-#   bash run.sh demo                       tiny offline model, CPU, learns in minutes
+#   bash run.sh demo                       train a tiny base that draws, then RL-teach it colours (CPU, minutes)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$PWD

@@ -478,7 +478,7 @@ def recipe_env(tmp_path):
     """MODEL_DIR / DATA_DIR / EXP_DIR pointing at temp dirs holding every file the recipes name."""
     models, data, exp = tmp_path / "models", tmp_path / "data", tmp_path / "exp"
     for d in (models / "Qwen-Image", models / "stable-diffusion-3.5-medium", models / "FLUX.1-dev",
-              models / "PickScore_v1", data / "processed" / "t2i", exp / "tiny-qwen-image"):
+              models / "PickScore_v1", data / "processed" / "t2i", exp / "demo-base"):
         d.mkdir(parents=True)
     for name in ("pickapic_train", "pickapic_eval256", "pickapic_eval64"):
         (data / "processed" / "t2i" / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')

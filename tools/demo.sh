@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The offline demo: a tiny random-weight Qwen-Image-shaped pipeline learns a prompt-dependent
-# colour reward with FlowGRPO on 2 CPU processes (gloo). Run through `bash run.sh demo`.
+# The offline demo: a tiny Qwen-Image pipeline that draws the shape its prompt names, in a random
+# one of six colours, learns with FlowGRPO on 2 CPU processes (gloo) to paint it the colour the
+# prompt names (red or green).
+# Run through `bash run.sh demo`.
 #
 #   bash run.sh demo                      fresh run under runs/demo (EXP_DIR overrides)
 #   bash run.sh demo --num-rollout 20     any training flag overrides the recipe
 #   bash run.sh demo --resume             continue the last run from its newest checkpoint
 #
-# Steps: build the tiny model (tools/make_tiny_model.py), build the prompt set with the data
-# tools (prepare_data.py -> inspect_data.py), train (configs/tiny_cpu_demo.toml),
-# then print where everything is and the reward's first-vs-last figures, and draw the curve.
+# Steps: train the base model once (tools/make_demo_base.py, cached in $EXP_DIR/demo-base),
+# build the prompt set with the data tools (prepare_data.py -> inspect_data.py), post-train
+# (configs/tiny_cpu_demo.toml), then draw the reward curves, the before/after grid of the
+# held-out prompts and the TensorBoard probe slider, and print the figures and where things are.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PY:-.venv/bin/python}
@@ -23,23 +26,22 @@ for a in "$@"; do
 done
 
 mkdir -p "$EXP_DIR"
-if [[ ! -f $EXP_DIR/tiny-qwen-image/model_index.json ]]; then
-  echo "[demo] building the tiny model in $EXP_DIR/tiny-qwen-image"
-  "$PY" tools/make_tiny_model.py --output "$EXP_DIR/tiny-qwen-image" --seed 0 --vae-output-gain 8 >/dev/null
-fi
+t_all=$SECONDS
+# One thread (tools/make_demo_base.py --threads says why); a cached base returns at once.
+"$PY" tools/make_demo_base.py --output "$EXP_DIR/demo-base" --seed 0 --rebuild --threads "${BASE_THREADS:-1}" \
+  2> >(grep --line-buffered -E "^\[demo-base\]|rror" >&2)
+t_base=$((SECONDS - t_all))
 if [[ ! -f $EXP_DIR/data/demo_train.jsonl ]]; then
   echo "[demo] building the prompt set in $EXP_DIR/data"
   mkdir -p "$EXP_DIR/data"
-  # Train on every palette colour once ("a red ball", ...), so each rollout sees the same mix of
-  # colours and the mean reward is comparable across rollouts; evaluate on the same colours on
-  # another subject ("a red cube", ...): does the policy generalise from the colour word?
+  # Train on each colour on two of the three shapes, evaluate on the pairs left out ("a red
+  # circle", "a green square"): the policy must learn the colour word, not a shape-colour pairing.
   "$PY" - "$EXP_DIR/data" <<'PY'
 import sys
-from trainer.rewards.color import color_palette, color_prompts
-n = len(color_palette())
-prompts = color_prompts(2 * n)
-open(f"{sys.argv[1]}/train.txt", "w").write("\n".join(prompts[:n]) + "\n")
-open(f"{sys.argv[1]}/eval.txt", "w").write("\n".join(prompts[n:]) + "\n")
+from tools.make_demo_base import demo_prompts
+train, held_out = demo_prompts()
+open(f"{sys.argv[1]}/train.txt", "w").write("\n".join(train) + "\n")
+open(f"{sys.argv[1]}/eval.txt", "w").write("\n".join(held_out) + "\n")
 PY
   "$PY" tools/prepare_data.py --source prompts --input "$EXP_DIR/data/train.txt" --task t2i \
     --output "$EXP_DIR/data/demo_train.jsonl" --id-prefix demo_train
@@ -55,33 +57,50 @@ else
 fi
 
 echo "[demo] training: torchrun --nproc-per-node $NPROC -m trainer.train --config configs/tiny_cpu_demo.toml ${args[*]:-}"
-start=$(date +%s)
+t_train=$SECONDS
 set +e
 "$(dirname "$PY")/torchrun" --nproc-per-node "$NPROC" -m trainer.train --config configs/tiny_cpu_demo.toml \
   "${args[@]}" 2>&1 | tee "$EXP_DIR/train.log" | grep --line-buffered -vE "Warning|warn\(|_register_pre_backward_hook|^\s*$|Loading weights"
 status=${PIPESTATUS[0]}
 set -e
 [[ $status == 0 ]] || { echo "[demo] training failed (exit $status); the full log is $EXP_DIR/train.log" >&2; exit "$status"; }
+t_train=$((SECONDS - t_train))
 
-"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/reward_curve.png" >/dev/null
-"$PY" - "$EXP_DIR" "$(( $(date +%s) - start ))" <<'PY'
+# the trained reward and the share of shapes in the named colour, both on their 0-1 scale
+"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/reward_curve.png" \
+  --series reward/named_color_mean --y-range 0 1 >/dev/null
+"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/color_match_curve.png" \
+  --series reward/color_match_mean --y-range 0 1 >/dev/null
+"$PY" tools/demo_grid.py --config configs/tiny_cpu_demo.toml --output "$EXP_DIR/before_after.png" 2>/dev/null \
+  | sed 's/^demo_grid:/[demo]/'
+"$PY" - "$EXP_DIR" "$t_base" "$t_train" "$((SECONDS - t_all))" <<'PY'
 import json, sys
 from pathlib import Path
-exp, seconds = Path(sys.argv[1]), int(sys.argv[2])
+exp, t_base, t_train, total = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 summary = None
 for line in (exp / "train.log").read_text().splitlines():
     if line.startswith('{"summary"'):
         summary = json.loads(line)
 if summary is None:
     sys.exit("[demo] no summary line in the training log")
-print(f"\n[demo] done in {seconds} s")
-for comp, s in summary["summary"].items():
-    w = min(5, s["rollouts"])
-    print(f"[demo] reward/{comp}_mean: first {w} rollouts {s['first_mean']:.4f} -> last {w} rollouts "
-          f"{s['last_mean']:.4f} (change {s['last_mean'] - s['first_mean']:+.4f}; within-group std "
-          f"{s['group_std_first']:.4f} -> {s['group_std_last']:.4f})")
-print(f"[demo] TensorBoard:  tensorboard --logdir {summary['tensorboard_dir']}")
+print(f"\n[demo] done in {total} s (base model {t_base} s, post-training {t_train} s)")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+runs = sorted(p for p in Path(summary["tensorboard_dir"]).iterdir() if p.is_dir())
+ea = EventAccumulator(str(runs[-1]), size_guidance={"scalars": 0})
+ea.Reload()
+for comp in summary["summary"]:
+    train = [e.value for e in ea.Scalars(f"reward/{comp}_mean")]
+    w = min(5, len(train))
+    line = (f"[demo] {comp}: training rollout 0 (the base) {train[0]:.3f} -> last {w} rollouts "
+            f"{sum(train[-w:]) / w:.3f} ({sum(train[-w:]) / w - train[0]:+.3f})")
+    tag = f"eval/held_out/{comp}_mean"
+    if tag in ea.Tags()["scalars"]:
+        ev = ea.Scalars(tag)
+        line += f"; held-out eval at rollout {ev[0].step} {ev[0].value:.3f} -> rollout {ev[-1].step} {ev[-1].value:.3f}"
+    print(line)
+print(f"[demo] TensorBoard:  tensorboard --logdir {summary['tensorboard_dir']}  (slider: images, probes/held_out)")
 print(f"[demo] images:       {summary['artifact_root']}/t2i/rollout_*/ (eval: {summary['artifact_root']}/eval/t2i/)")
 print(f"[demo] checkpoints:  {summary['save']}  (continue with: bash run.sh demo --resume --num-rollout N)")
-print(f"[demo] reward curve: {exp / 'reward_curve.png'}")
+print(f"[demo] reward curve: {exp / 'reward_curve.png'}, {exp / 'color_match_curve.png'}")
+print(f"[demo] before/after: {exp / 'before_after.png'}  (held-out prompts: base model left, post-trained right)")
 PY

@@ -39,9 +39,11 @@ def _band_edges(main: list[tuple[int, float]], band: list[tuple[int, float]]) ->
 
 
 def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, window: int = 5,
-         size: tuple[int, int] = (900, 480), band: tuple[str, list[tuple[int, float]]] | None = None) -> Path:
+         size: tuple[int, int] = (900, 480), band: tuple[str, list[tuple[int, float]]] | None = None,
+         y_range: tuple[float, float] | None = None) -> Path:
     """series: {label: [(step, value), ...]}; the first is the main curve (plus its running mean).
-    band: (label, [(step, half width)]) shaded around the main curve."""
+    band: (label, [(step, half width)]) shaded around the main curve.
+    y_range: the y-axis limits (unset: the data's range, padded 5%)."""
     w, h = size
     left, right, top, bottom = 70, 20, 40, 50
     img = Image.new("RGB", size, "white")
@@ -56,7 +58,7 @@ def plot(series: dict[str, list[tuple[int, float]]], output: Path, title: str, w
     ys = [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     pad = (max(ys) - min(ys)) * 0.05 or 0.01
-    y0, y1 = min(ys) - pad, max(ys) + pad
+    y0, y1 = (min(ys) - pad, max(ys) + pad) if y_range is None else y_range
 
     def px(x: float, y: float) -> tuple[float, float]:
         return (left + (x - x0) / (x1 - x0) * (w - left - right), top + (y1 - y) / (y1 - y0) * (h - top - bottom))
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="series drawn as a band of +- its value around the main one, e.g. reward/color_std")
     ap.add_argument("--window", type=int, default=5, help="rollouts in the running mean")
     ap.add_argument("--title", default=None, help="plot title (unset: '<series> per rollout')")
+    ap.add_argument("--y-range", type=float, nargs=2, metavar=("LO", "HI"), default=None,
+                    help="y-axis limits, LO below HI, e.g. 0 1 for a reward on a 0-1 scale (unset: the data's range)")
     args = ap.parse_args(argv)
     return run_tool("plot_rewards", lambda: _plot(args), (ValueError,))
 
@@ -133,8 +137,11 @@ def _plot(args) -> int:
     for k in sorted(scalars):
         if k.startswith("eval/") and k.endswith(f"/{component}_mean"):
             series[k] = scalars[k]
+    if args.y_range is not None and args.y_range[0] >= args.y_range[1]:
+        raise ToolError(f"--y-range {args.y_range[0]} {args.y_range[1]}: LO must be below HI")
     band = (args.band, scalars[args.band]) if args.band else None
-    plot(series, Path(args.output), args.title or f"{main_series} per rollout", window=args.window, band=band)
+    plot(series, Path(args.output), args.title or f"{main_series} per rollout", window=args.window, band=band,
+         y_range=None if args.y_range is None else tuple(args.y_range))
     print(f"wrote {args.output}")
     return 0
 
