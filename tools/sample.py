@@ -96,7 +96,8 @@ def _sample(args: argparse.Namespace) -> int:
     from trainer.sampling import parse_sampling_config
 
     try:
-        adapter = import_dotpath(args.model_adapter_path or DEFAULT_MODEL_ADAPTER, "--model-adapter-path")()
+        adapter = import_dotpath(args.model_adapter_path or adapter_for_model_dir(args.model_path),
+                                 "--model-adapter-path")()
     except ValueError as e:  # the message names the flag and the dotpath
         raise ToolError(str(e)) from None
     try:  # unset: the family's own recipe geometry (an adapter's sampling_defaults), else DEFAULT_SAMPLING
@@ -110,11 +111,6 @@ def _sample(args: argparse.Namespace) -> int:
         raise ToolError(f"{target} already holds artifacts; choose another --output-dir / --rollout-id or pass "
                         "--overwrite")
 
-    try:
-        adapter = import_dotpath(args.model_adapter_path or adapter_for_model_dir(args.model_path),
-                                 "--model-adapter-path")()
-    except ValueError as e:  # the message names the flag and the dotpath
-        raise ToolError(str(e)) from None
     t0 = time.perf_counter()
     engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.engine_batch_size,
                           adapter=adapter)
