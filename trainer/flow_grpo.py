@@ -26,7 +26,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -204,6 +204,29 @@ def replay_transition_logp(
     """
     mean, std = flow_sde_transition_moments(latents, velocity, sigma, sigma_next, eta, sde_type, sigma_max)
     return transition_log_prob(next_latents, mean, std, sde_type)
+
+
+def replay_columns_logp(latents: torch.Tensor, next_latents: torch.Tensor, velocity: torch.Tensor,
+                        sigma: torch.Tensor, sigma_next: torch.Tensor, sampling: Any, b: int, s: int, *,
+                        moments: bool = False) -> Any:
+    """Log-probs [B, S] (fp32) of S trained-step columns of B candidates replayed in one forward,
+    its rows column-major (row k * B + i = candidate i at column k): latents / next_latents /
+    velocity [S * B, ...], sigma / sigma_next [S * B]; `sampling` supplies eta, sde_type and
+    sigma_max. moments=True returns (logp [B, S], transition mean [B, S, ...] fp32, std [B, S]
+    fp32) of the same forward, what the KL to a reference policy needs. The math is
+    replay_transition_logp's, so every family's one-forward replay shares it."""
+    step = (sigma, sigma_next, float(sampling.eta), getattr(sampling, "sde_type", "sde"),
+            float(getattr(sampling, "sigma_max", 0.99)))
+    if not moments:
+        return replay_transition_logp(latents, next_latents, velocity, *step).view(s, b).transpose(0, 1)
+    mean, std = flow_sde_transition_moments(latents, velocity, *step)
+    logp = transition_log_prob(next_latents, mean, std, step[3])
+
+    def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
+        return t.view(s, b, *t.shape[1:]).transpose(0, 1)
+
+    std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
+    return cols(logp), cols(mean), cols(std)
 
 
 def sde_step(

@@ -719,36 +719,7 @@ def sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_steps: int
         raise ValueError(f"num_inference_steps must be >= 1, got {n}")
 
     sigmas = np.linspace(1.0, 1.0 / n, n).astype(np.float32)
-    if cfg.get("use_dynamic_shifting", False):
-        mu = calculate_shift(
-            image_seq_len,
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
-        kind = cfg.get("time_shift_type", "exponential")
-        if kind == "exponential":
-            sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
-        elif kind == "linear":
-            sigmas = mu / (mu + (1 / sigmas - 1) ** 1.0)
-        else:
-            raise ValueError(f"scheduler time_shift_type {kind!r} must be 'exponential' or 'linear'")
-    else:
-        shift = cfg.get("shift", 1.0)
-        sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
-    terminal = cfg.get("shift_terminal")
-    if terminal:
-        one_minus = 1 - sigmas
-        scale = one_minus[-1] / (1 - terminal)
-        with np.errstate(divide="ignore", invalid="ignore"):  # N == 1 -> 0/0, reported below
-            sigmas = 1 - (one_minus / scale)
-    sigmas = np.asarray(sigmas, dtype=np.float32)
-    if not np.all(np.isfinite(sigmas)):
-        # e.g. shift_terminal with N == 1: the stretch divides by 1 - sigma[-1] == 0
-        raise ValueError(f"the scheduler config gives non-finite sigmas for num_inference_steps={n}: "
-                         f"{sigmas.tolist()}; use more steps")
-    return [float(s) for s in sigmas] + [0.0]
+    return _shifted_schedule(sigmas, cfg, image_seq_len)
 
 
 def scheduler_sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_steps: int,
@@ -779,7 +750,18 @@ def scheduler_sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_
         grid = (np.float32(shift) * grid / (np.float32(1) + np.float32(shift - 1) * grid)).astype(np.float32)
     sigma_max, sigma_min = float(grid[0]), float(grid[-1])
     sigmas = np.linspace(sigma_max * t_train, sigma_min * t_train, n) / t_train  # float64, as set_timesteps
-    if dynamic:
+    return _shifted_schedule(sigmas, cfg, image_seq_len)
+
+
+def _shifted_schedule(sigmas: np.ndarray, cfg: Mapping[str, Any], image_seq_len: int) -> list[float]:
+    """The scheduler's shift of N base sigmas, then its terminal stretch, as float32, plus the
+    terminal 0: the dynamic time shift at mu = calculate_shift(image_seq_len, ...) when
+    use_dynamic_shifting, else the static shift * s / (1 + (shift - 1) * s); then, if
+    shift_terminal is set, 1 - (1 - s) * (1 - shift_terminal) / (1 - s[-1]). Computed in the
+    dtype of `sigmas` (float32 for sigma_schedule, float64 for scheduler_sigma_schedule, as the
+    pipelines do); raises on a non-finite result."""
+    n = len(sigmas)
+    if cfg.get("use_dynamic_shifting", False):
         mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         kind = cfg.get("time_shift_type", "exponential")
@@ -790,14 +772,17 @@ def scheduler_sigma_schedule(scheduler_config: Mapping[str, Any], num_inference_
         else:
             raise ValueError(f"scheduler time_shift_type {kind!r} must be 'exponential' or 'linear'")
     else:
+        shift = cfg.get("shift", 1.0)
         sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
     terminal = cfg.get("shift_terminal")
     if terminal:
         one_minus = 1 - sigmas
-        with np.errstate(divide="ignore", invalid="ignore"):
-            sigmas = 1 - (one_minus / (one_minus[-1] / (1 - terminal)))
+        scale = one_minus[-1] / (1 - terminal)
+        with np.errstate(divide="ignore", invalid="ignore"):  # N == 1 -> 0/0, reported below
+            sigmas = 1 - (one_minus / scale)
     sigmas = np.asarray(sigmas, dtype=np.float32)
     if not np.all(np.isfinite(sigmas)):
+        # e.g. shift_terminal with N == 1: the stretch divides by 1 - sigma[-1] == 0
         raise ValueError(f"the scheduler config gives non-finite sigmas for num_inference_steps={n}: "
                          f"{sigmas.tolist()}; use more steps")
     return [float(v) for v in sigmas] + [0.0]

@@ -8,7 +8,8 @@ prompt encoding, latent layout, velocity, decode). docs/architecture.md lists it
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 # Only tasks with a working replay path are listed here.
 GENERATION_TASKS = ("t2i",)
@@ -32,8 +33,47 @@ def split_negative(conditions: dict) -> tuple[dict, dict]:
     return pos, neg
 
 
+def check_pipeline_dir(model_path: Any, subfolders: Sequence[str], *, family: str, family_flag: str,
+                       pipeline: str, expected: Sequence[str]) -> Path:
+    """The model directory as a Path, after checking it is a local directory holding
+    `subfolders`. Raises FileNotFoundError naming --model-path, the family (`family`, its
+    tools/make_tiny_model.py flag `family_flag`, "" for the default) and the subfolders a
+    `pipeline` directory has (`expected`)."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--model-path {str(model_path)!r} is not a directory; point it at a local diffusers {family} directory "
+            f"(nothing is downloaded; tools/make_tiny_model.py{family_flag} builds a tiny one)")
+    missing = [s for s in subfolders if not (path / s).is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
+            f"{pipeline} directory (expected model_index.json, {', '.join(s + '/' for s in expected)})")
+    return path
+
+
 class ModelFilesError(ValueError):
     """A model directory's files contradict each other; the message names the file to fix."""
+
+
+def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None) -> Any:
+    """`model_cls.from_pretrained(<path>/transformer)`, local files only, eval mode; `dtype` None
+    keeps the stored dtype. Weights the files lack, have extra or shape differently raise
+    ModelFilesError naming the config: diffusers leaves such weights on the meta device and only
+    warns, and the first use then fails with "Cannot copy out of meta tensor", which names nothing."""
+    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model, info = model_cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
+        ("missing_keys", "weights the config needs are absent from the files"),
+        ("unexpected_keys", "weights in the files have no place in the config"),
+        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
+    if problems:
+        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
+                              f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
+                              "saved with these weights (or the weights of this config)")
+    return model.eval()
 
 
 def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from trainer.engine.base import EMBEDDED_GUIDANCE, RolloutRequest
+from trainer.models.base import check_pipeline_dir, load_checked_transformer, standard_rollout_request
 
 #: the attention projections of every block, as diffusers names them: a double-stream block has
 #: the image stream's to_q / to_k / to_v / to_out.0 and the text stream's add_*_proj / to_add_out;
@@ -169,19 +170,8 @@ FLUX_SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "toke
 def check_model_dir(model_path, subfolders=("transformer",)):
     """The model directory as a Path, after checking it is a local diffusers FLUX.1 directory
     holding `subfolders`. Raises FileNotFoundError naming --model-path."""
-    from pathlib import Path
-
-    path = Path(model_path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"--model-path {str(model_path)!r} is not a directory; point it at a local diffusers FLUX.1 directory "
-            "(nothing is downloaded; tools/make_tiny_model.py --family flux builds a tiny one)")
-    missing = [s for s in subfolders if not (path / s).is_dir()]
-    if missing:
-        raise FileNotFoundError(
-            f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
-            f"FLUX.1 pipeline directory (expected model_index.json, {', '.join(s + '/' for s in FLUX_SUBFOLDERS)})")
-    return path
+    return check_pipeline_dir(model_path, subfolders, family="FLUX.1", family_flag=" --family flux",
+                              pipeline="FLUX.1 pipeline", expected=FLUX_SUBFOLDERS)
 
 
 def load_flux_transformer(model_path, *, dtype: torch.dtype | None = None):
@@ -190,22 +180,7 @@ def load_flux_transformer(model_path, *, dtype: torch.dtype | None = None):
     raise ModelFilesError naming the config (diffusers would leave them on meta and only warn)."""
     from diffusers import FluxTransformer2DModel
 
-    from trainer.models.base import ModelFilesError
-
-    path = check_model_dir(model_path, ("transformer",))
-    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    model, info = FluxTransformer2DModel.from_pretrained(str(path), output_loading_info=True, **kwargs)
-    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
-        ("missing_keys", "weights the config needs are absent from the files"),
-        ("unexpected_keys", "weights in the files have no place in the config"),
-        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
-    if problems:
-        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
-                              f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
-                              "saved with these weights (or the weights of this config)")
-    return model.eval()
+    return load_checked_transformer(FluxTransformer2DModel, check_model_dir(model_path, ("transformer",)), dtype)
 
 
 def has_guidance_embedding(transformer) -> bool:
@@ -391,29 +366,16 @@ class FluxAdapter:
         embedded_guidance and its true-CFG scale stays 1.0 (`_GUIDANCE_MEANING`). Raises
         ValueError for a guidance below 1, an empty / out-of-range trained-step set, a trained
         step 0 under sde_type "sde", and a sigma list that is not num_inference_steps + 1 long."""
-        from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
-                                      trained_steps_problem)
+        import dataclasses
 
-        guidance = float(getattr(sampling, "guidance_scale", FLUX_DEV_GUIDANCE))
-        n = int(sampling.num_inference_steps)
-        steps = sorted({int(i) for i in sde_indices})
-        sde_type = getattr(sampling, "sde_type", "sde")
-        for where, problem in (
-            (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
-            (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
-            (f"trained SDE steps {steps}:", step_zero_problem(steps, sde_type)),
-            ("sigmas:", sigma_count_problem(sigmas, n)),
-        ):
-            if problem:
-                raise ValueError(f"{where} {problem}")
-        shape = getattr(sampling, "init_noise_latent_shape", None)
-        return RolloutRequest(
-            prompt=prompt, group_index=int(group_index), slot=int(slot), sample_id=str(sample_id),
-            height=int(sampling.height), width=int(sampling.width), num_inference_steps=n,
-            sigmas=[float(s) for s in sigmas], sde_indices=steps, eta=float(sampling.eta), sde_type=sde_type,
-            sigma_max=float(getattr(sampling, "sigma_max", 0.99)), guidance_scale=1.0,
-            embedded_guidance=guidance, generation_seed=int(generation_seed), metadata=dict(metadata or {}),
-            init_noise_latent_shape=None if shape is None else [int(v) for v in shape])
+        # the shared invariants (guidance >= 1, trained steps, step 0, sigma count) are checked on
+        # the embedded guidance; the request then carries it there, with one DiT row (no true CFG)
+        request = standard_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                           sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                           generation_seed=generation_seed, metadata=metadata)
+        defaults = {f.name: f.default for f in dataclasses.fields(RolloutRequest)}
+        return dataclasses.replace(request, guidance_scale=1.0, embedded_guidance=request.guidance_scale,
+                                   negative_prompt=defaults["negative_prompt"], cfg_renorm=defaults["cfg_renorm"])
 
     def validate_trajectory(self, traj) -> None:
         """Raise ValueError when a trajectory does not fit this family: packed latents [B, S, L, C]
@@ -453,7 +415,7 @@ class FluxAdapter:
         dtype, as the sampler did; the conditioning, embedded guidance included, is the recorded
         one. moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32)
         of the same forward (the KL to a reference policy)."""
-        from trainer.flow_grpo import flow_sde_transition_moments, replay_transition_logp, transition_log_prob
+        from trainer.flow_grpo import replay_columns_logp
 
         device, compute_dtype = _module_device_dtype(transformer)
         lat = batch.latents
@@ -472,18 +434,8 @@ class FluxAdapter:
         conditions = {k: tiled(v) for k, v in batch.conditions.items()}
         velocity = self.velocity(transformer, x, rows(batch.timesteps), conditions, batch.height, batch.width,
                                  batch.vae_scale_factor, rollout_dtype=recorded.dtype)
-        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
-                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
-        if not moments:
-            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
-        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
-        logp = transition_log_prob(next_latents, mean, std, step[3])
-
-        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
-            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
-
-        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
-        return cols(logp), cols(mean), cols(std)
+        return replay_columns_logp(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
+                                   rows(batch.sigmas_next).to(device), sampling, b, s, moments=moments)
 
     # -- misc -----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import torch
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
 from trainer.trajectory import Trajectory
-from trainer.models.base import ModelFilesError, standard_rollout_request
+from trainer.models.base import check_pipeline_dir, load_checked_transformer, standard_rollout_request
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
 #: DiT uses the same names, so an adapter trained here loads there without a rename
@@ -43,20 +43,8 @@ _DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_ou
 def check_model_dir(model_path: str | os.PathLike, subfolders: Sequence[str] = ("transformer",)) -> Path:
     """The model directory as a Path, after checking it is a local diffusers Qwen-Image
     directory holding `subfolders`. Raises FileNotFoundError naming --model-path."""
-    path = Path(model_path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"--model-path {str(model_path)!r} is not a directory; point it at a local diffusers "
-            "Qwen-Image directory (nothing is downloaded; tools/make_tiny_model.py builds a tiny one)"
-        )
-    missing = [s for s in subfolders if not (path / s).is_dir()]
-    if missing:
-        raise FileNotFoundError(
-            f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
-            "Qwen-Image pipeline directory (expected model_index.json, transformer/, vae/, text_encoder/, "
-            "tokenizer/, scheduler/)"
-        )
-    return path
+    return check_pipeline_dir(model_path, subfolders, family="Qwen-Image", family_flag="", pipeline="Qwen-Image pipeline",
+                              expected=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
 
 
 def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None):
@@ -64,22 +52,7 @@ def load_qwen_image_transformer(model_path, *, dtype: torch.dtype | None = None)
     `dtype` None keeps the stored dtype."""
     from diffusers import QwenImageTransformer2DModel
 
-    path = check_model_dir(model_path, ("transformer",))
-    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    model, info = QwenImageTransformer2DModel.from_pretrained(str(path), output_loading_info=True, **kwargs)
-    # diffusers leaves weights the files lack on the meta device and only warns; the first use
-    # then fails with "Cannot copy out of meta tensor", which names nothing
-    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
-        ("missing_keys", "weights the config needs are absent from the files"),
-        ("unexpected_keys", "weights in the files have no place in the config"),
-        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
-    if problems:
-        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
-                         f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
-                         "saved with these weights (or the weights of this config)")
-    return model.eval()
+    return load_checked_transformer(QwenImageTransformer2DModel, check_model_dir(model_path, ("transformer",)), dtype)
 
 
 def never_trained_param_names(model: torch.nn.Module) -> list[str]:
@@ -519,7 +492,7 @@ class QwenImageAdapter:
         moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32) of
         the same forward, what the KL to a reference policy needs.
         """
-        from trainer.flow_grpo import flow_sde_transition_moments, replay_transition_logp, transition_log_prob
+        from trainer.flow_grpo import replay_columns_logp
 
         device, compute_dtype = _module_device_dtype(transformer)
         lat = batch.latents
@@ -546,18 +519,8 @@ class QwenImageAdapter:
         else:
             velocity = dit_velocity(transformer, x, rows(batch.timesteps), embeds, mask, shapes,
                                     rollout_dtype=recorded.dtype)
-        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
-                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
-        if not moments:
-            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
-        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
-        logp = transition_log_prob(next_latents, mean, std, step[3])
-
-        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
-            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
-
-        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
-        return cols(logp), cols(mean), cols(std)
+        return replay_columns_logp(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
+                                   rows(batch.sigmas_next).to(device), sampling, b, s, moments=moments)
 
     # -- misc -----------------------------------------------------------------------------
 

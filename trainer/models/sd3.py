@@ -22,7 +22,7 @@ import torch
 
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
-from trainer.models.base import ModelFilesError, split_negative, standard_rollout_request
+from trainer.models.base import check_pipeline_dir, load_checked_transformer, split_negative, standard_rollout_request
 from trainer.trajectory import Trajectory
 
 #: the attention projections of both streams of every joint block, as diffusers names them; the
@@ -56,17 +56,8 @@ TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 def check_model_dir(model_path, subfolders: Sequence[str] = ("transformer",)) -> Path:
     """The model directory as a Path after checking it is a local diffusers SD3 directory
     holding `subfolders`. Raises FileNotFoundError naming --model-path."""
-    path = Path(model_path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"--model-path {str(model_path)!r} is not a directory; point it at a local diffusers Stable Diffusion 3 "
-            "directory (nothing is downloaded; tools/make_tiny_model.py --family sd3 builds a tiny one)")
-    missing = [s for s in subfolders if not (path / s).is_dir()]
-    if missing:
-        raise FileNotFoundError(
-            f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
-            f"StableDiffusion3Pipeline directory (expected model_index.json, {', '.join(s + '/' for s in SD3_SUBFOLDERS)})")
-    return path
+    return check_pipeline_dir(model_path, subfolders, family="Stable Diffusion 3", family_flag=" --family sd3",
+                              pipeline="StableDiffusion3Pipeline", expected=SD3_SUBFOLDERS)
 
 
 def load_sd3_transformer(model_path, *, dtype: torch.dtype | None = None):
@@ -74,20 +65,7 @@ def load_sd3_transformer(model_path, *, dtype: torch.dtype | None = None):
     ModelFilesError when the weight files do not fill the config (diffusers only warns)."""
     from diffusers import SD3Transformer2DModel
 
-    path = check_model_dir(model_path, ("transformer",))
-    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    model, info = SD3Transformer2DModel.from_pretrained(str(path), output_loading_info=True, **kwargs)
-    problems = [f"{len(info[k])} {what}, e.g. {sorted(info[k])[:3]}" for k, what in (
-        ("missing_keys", "weights the config needs are absent from the files"),
-        ("unexpected_keys", "weights in the files have no place in the config"),
-        ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
-    if problems:
-        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
-                              f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
-                              "saved with these weights (or the weights of this config)")
-    return model.eval()
+    return load_checked_transformer(SD3Transformer2DModel, check_model_dir(model_path, ("transformer",)), dtype)
 
 
 def never_trained_param_names(model: torch.nn.Module) -> list[str]:
@@ -362,7 +340,7 @@ class SD3Adapter:
         parameter dtype; exact at equal dtypes. moments=True returns (logp [B, S], transition
         mean [B, S, C, h, w] fp32, std [B, S] fp32) of the same forward (the KL's inputs).
         Differentiable w.r.t. the transformer's parameters."""
-        from trainer.flow_grpo import flow_sde_transition_moments, replay_transition_logp, transition_log_prob
+        from trainer.flow_grpo import replay_columns_logp
 
         device, compute_dtype = _module_device_dtype(transformer)
         lat = batch.latents
@@ -377,18 +355,8 @@ class SD3Adapter:
         x = recorded.to(compute_dtype or recorded.dtype)
         velocity = conditioned_velocity(transformer, x, rows(batch.timesteps).to(device), conditions,
                                         guidance_scale=batch.guidance_scale if batch.guided else 1.0)
-        step = (rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device), float(sampling.eta),
-                getattr(sampling, "sde_type", "sde"), float(getattr(sampling, "sigma_max", 0.99)))
-        if not moments:
-            return replay_transition_logp(recorded, next_latents, velocity, *step).view(s, b).transpose(0, 1)
-        mean, std = flow_sde_transition_moments(recorded, velocity, *step)
-        logp = transition_log_prob(next_latents, mean, std, step[3])
-
-        def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
-            return t.view(s, b, *t.shape[1:]).transpose(0, 1)
-
-        std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
-        return cols(logp), cols(mean), cols(std)
+        return replay_columns_logp(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
+                                   rows(batch.sigmas_next).to(device), sampling, b, s, moments=moments)
 
     # -- misc -----------------------------------------------------------------------------
 
