@@ -1317,20 +1317,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         skip = set(args.skip)
         speedups = args.rollout_compile or args.rollout_precision != "default"
         variant = rollout_variant(args)
+        traj = None
         if args.compare or speedups:  # the eager engine first: every ratio comes from this process
             if "dit" not in skip:
                 phase_dit_forward(c, variant="eager")
-            phase_rollout(c, variant="eager")
+            traj = phase_rollout(c, variant="eager")
             for path in args.compare:
                 phase_compare(c, path)
+        if speedups:
             with timed(device) as t:
                 engine.enable_speedups(compile_blocks=args.rollout_compile, precision=args.rollout_precision)
             rep.emit("enable_speedups_s", t[0], "s", variant=variant)
-        if "dit" not in skip:
+        if "dit" not in skip and (speedups or traj is None):
             phase_dit_forward(c, variant=variant)
         if "checksum" not in skip:
             phase_checksum(c)
-        traj = phase_rollout(c, variant=variant)
+        if speedups or traj is None:  # the eager figures of a --compare-only run are the ones above
+            traj = phase_rollout(c, variant=variant)
         if args.flowgrpo_path is not None and args.family == "sd3":
             from tools.bench_sd3 import phase_flowgrpo
 

@@ -162,6 +162,10 @@ class NativeEngine(EngineMemoryState):
         self.last_stats: dict[str, float] = {}
         #: the DiT's name -> parameter index, see _weight_index
         self._weights_index: _WeightIndex | None = None
+        #: the speed options in force (enable_speedups adds them, never takes them away)
+        self.precision, self.compile_blocks = "default", False
+        #: id(weight parameter) -> its FP8Linear, to re-quantize exactly the layers a sync wrote
+        self._fp8_of_weight: dict[int, Any] = {}
         self.enable_speedups(compile_blocks, precision)
 
     def enable_speedups(self, compile_blocks: bool = False, precision: str = "default") -> None:
@@ -174,11 +178,6 @@ class NativeEngine(EngineMemoryState):
 
         if precision not in ("default", "fp8"):
             raise ValueError(f"precision must be 'default' or 'fp8' (--rollout-precision), got {precision!r}")
-        first = not hasattr(self, "precision")
-        if first:
-            self.precision, self.compile_blocks = "default", False
-            #: id(weight parameter) -> its FP8Linear, to re-quantize exactly the layers a sync wrote
-            self._fp8_of_weight: dict[int, FP8Linear] = {}
         blocks = repeated_blocks(self.transformer)
         if precision == "fp8" and self.precision != "fp8":
             if model_has_lora(self.transformer):
