@@ -395,3 +395,37 @@ def test_flux_bench_tiny_run_writes_finite_figures(tmp_path):
             "merged_sync_s", "adapter_sync_s", "update_s_lora", "step_s"} <= set(figures)
     assert figures["step_s"]["geometry"]["family"] == "flux" and figures["step_s"]["geometry"]["text_tokens"] == 8
     assert figures["replay_logp_max_abs_err_lora"]["value"] < 1e-4
+
+
+def test_bench_counts_one_dit_row_per_candidate_under_the_embedded_guidance(engine, adapter, sampling):
+    """FLUX's guidance_scale 3.5 is its embedded guidance, not true CFG: the bench's FLOPs (and so
+    its MFU figures) count one DiT row per candidate, where Qwen-Image's CFG 4 counts two."""
+    from types import SimpleNamespace
+
+    from tests.dist.tiny import ADAPTER as QWEN
+    from tools.bench import cfg_rows
+    from trainer.sampling import parse_sampling_config
+
+    ctx = SimpleNamespace(engine=engine, adapter=adapter, sampling=sampling, prompts=PROMPTS, sde_indices=[1, 2],
+                          args=SimpleNamespace(seed=0))
+    assert sampling.guidance_scale == 3.5 and cfg_rows(ctx) == 1
+    qwen_sampling = parse_sampling_config(dict(SAMPLING, guidance_scale=4.0))
+    assert cfg_rows(SimpleNamespace(**{**vars(ctx), "adapter": QWEN, "sampling": qwen_sampling})) == 2
+
+
+def test_flux_turns_cudnn_attention_off_on_cuda_only():
+    """FLUX's adapter asks for cuDNN attention off (its replay backward failed there on an H200);
+    the policy touches the process-wide flag on CUDA only, and families that do not ask keep it."""
+    from tests.dist.tiny import ADAPTER as QWEN
+    from trainer.models.base import apply_attention_policy
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert not apply_attention_policy(fx.FluxAdapter(), torch.device("cpu"))
+        assert not apply_attention_policy(QWEN, torch.device("cuda"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert apply_attention_policy(fx.FluxAdapter(), torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

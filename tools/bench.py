@@ -589,9 +589,12 @@ def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     c.rep.phase_memory("dit_forward")
 
 
-def cfg_rows(args) -> int:
-    """DiT rows per candidate: 2 under true CFG (conditional + unconditional), else 1."""
-    return 2 if args.guidance_scale > 1.0 else 1
+def cfg_rows(c: Ctx) -> int:
+    """DiT rows per candidate: 2 under true CFG (conditional + unconditional), else 1. Read from
+    the family's own rollout request, not from --guidance-scale: FLUX.1 turns the scale into its
+    embedded guidance and runs one row."""
+    req = build_requests(c.engine, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, c.args.seed, 0)[0]
+    return 2 if req.guidance_scale > 1.0 else 1
 
 
 def rollout(c: Ctx, rollout_id: int) -> tuple[Any, float]:
@@ -621,7 +624,7 @@ def phase_rollout(c: Ctx, variant: str = "eager") -> Any:
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"),
                variant=variant)
     c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n, variant=variant)
-    dit = c.forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(a)) * a.steps
+    dit = c.forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(c)) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops,
                variant=variant)
     if c.engine.compile_blocks:
@@ -782,7 +785,7 @@ def phase_replay(c: Ctx, actor, batch: Any, replay_fn, mode: str, *, checkpointi
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
     sec = c.rep.reduce(sum(_fwd_bwd(c, actor, batch, replay_fn) for _ in range(a.iters)) / a.iters, "max")
     transitions = a.micro_batch * len(c.sde_indices)
-    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(a), checkpointing,
+    model_f, hw_f = replay_flops(c.dit_cfg, c.image_tokens, c.text_tokens, transitions * cfg_rows(c), checkpointing,
                                  forward_flops=c.forward_flops)
     c.rep.emit(f"replay_transitions_per_s_{mode}", transitions / sec, "transitions/s", op="min", mode=mode,
                micro_batch=a.micro_batch, seconds=sec, **extra)
