@@ -245,6 +245,7 @@ def main_flux(args) -> int:
     from tools import bench as B
     from trainer.distributed import build_mesh, init_distributed
     from trainer.loop import make_replay_fn
+    from trainer.models.base import apply_attention_policy
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     if args.num_layers and args.shape == "real":
@@ -265,6 +266,7 @@ def main_flux(args) -> int:
         engine = build_flux_engine(args.shape, device, dtype, args.max_batch, args.text_tokens, seed=args.seed)
         build_s = time.perf_counter() - t0
         adapter = engine.adapter
+        apply_attention_policy(adapter, device)  # as the training loop does
         sampling = parse_sampling_config({
             "height": args.height, "width": args.width, "num_inference_steps": args.steps, "eta": args.eta,
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,

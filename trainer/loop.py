@@ -272,6 +272,7 @@ class Trainer:
         from trainer.data import PromptDataset, load_eval_sets
         from trainer.distributed import build_mesh
         from trainer.metrics import MetricsLogger
+        from trainer.models.base import apply_attention_policy
         from trainer.sampling import parse_sampling_config
         from trainer.weight_sync import WeightSyncer
 
@@ -284,6 +285,7 @@ class Trainer:
         self.num_groups = int(cfg.rollout.rollout_batch_size)
         self.sampling = parse_sampling_config(cfg.rollout.sampling_config)
         self.adapter = import_dotpath(cfg.model.model_adapter_path, "--model-adapter-path")()
+        apply_attention_policy(self.adapter, self.device)
 
         # data: the order is a pure function of (seed, rollout id), identical on every rank
         self.dataset = PromptDataset.from_jsonl(cfg.rollout.prompt_data, task=self.task)

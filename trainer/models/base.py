@@ -19,6 +19,23 @@ GENERATION_TASKS = ("t2i",)
 NEGATIVE_PREFIX = "negative_"
 
 
+def apply_attention_policy(adapter: Any, device: Any) -> bool:
+    """Turn off cuDNN's fused attention for the whole process when the family says its backward
+    fails there (`cudnn_attention = False` on the adapter; absent means allowed). Process-wide on
+    purpose: the engine samples with the same attention kernels the actor replays with. Only on
+    CUDA; returns whether it turned the backend off."""
+    import logging
+
+    import torch
+
+    if getattr(device, "type", device) != "cuda" or getattr(adapter, "cudnn_attention", True):
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    logging.getLogger(__name__).info("%s: cuDNN attention off for this process (flash / memory-efficient "
+                                     "attention instead)", getattr(adapter, "family", type(adapter).__name__))
+    return True
+
+
 def with_negative(conditions: dict, negative: dict) -> dict:
     """One conditions dict for true CFG: the conditional entries as they are plus every
     unconditional entry under NEGATIVE_PREFIX + its name. Both dicts hold [B, ...] tensors."""
@@ -169,6 +186,8 @@ class GenerativeModelAdapter(Protocol):
 
     #: text tokens the prompt encoder keeps when the engine is given no max_sequence_length
     max_sequence_length: int
+    # optional: cudnn_attention = False turns cuDNN's fused attention off in the training process
+    # (apply_attention_policy), for a family whose attention backward fails there
 
     def load_rollout_modules(self, model_path: str, *, dtype: Any, device: Any) -> dict[str, Any]:
         """The frozen pipeline from a local directory: "transformer", "vae", "text_encoder" (one

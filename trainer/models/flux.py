@@ -222,6 +222,11 @@ class FluxAdapter:
                          "eta": 0.9, "sde_type": "sde", "sde_indices": [1, 2, 3, 4]}
     #: the model directory's subfolders the engine loads
     rollout_subfolders = FLUX_SUBFOLDERS
+    #: cuDNN's fused attention is turned off in the training process (base.apply_attention_policy):
+    #: on an H200 (torch 2.11, CUDA 13) its backward failed in the LoRA replay at FLUX.1-dev's shape
+    #: (an illegal memory access with checkpointing, "mha_graph.execute ... is_good()" without);
+    #: with flash / memory-efficient attention the same replay and update ran
+    cudnn_attention = False
 
     def __init__(self, vae_scale_factor: int | None = None):
         #: set from the model directory by load_train_model
