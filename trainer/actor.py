@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from trainer.core.dtypes import resolve_dtype
 from trainer.core.names import is_lora_name, model_name
-from trainer.core.modules import REGIONAL_COMPILE_KWARGS
+from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
 from trainer.ema import ParamEMA
 from trainer.flow_grpo import grpo_clip_loss, transition_kl
@@ -134,6 +134,7 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
             # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
             blocks[i] = checkpoint_wrapper(blocks[i])
     if compile_blocks:
+        raise_recompile_limit()
         for i in range(len(blocks)):
             blocks[i] = torch.compile(blocks[i], **REGIONAL_COMPILE_KWARGS)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

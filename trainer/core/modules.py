@@ -93,3 +93,19 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 #: blocks): fixed shapes, so one graph per sampling geometry / micro-batch shape and no dynamic
 #: shape guards. Tests add backend="eager" to check the wiring without inductor's codegen time.
 REGIONAL_COMPILE_KWARGS: dict = {"dynamic": False}
+
+#: graphs one compiled block may keep before dynamo stops compiling it and runs it eagerly (with a
+#: warning only). A LoRA training step runs each compiled actor block in up to 7 variants (the
+#: no-grad anchor replay, the grad replay, its recomputation under checkpointing, train / eval
+#: mode; 7 were counted on an H200 run), which leaves one spare under dynamo's default of 8.
+COMPILED_BLOCK_GRAPH_LIMIT = 32
+
+
+def raise_recompile_limit(limit: int = COMPILED_BLOCK_GRAPH_LIMIT) -> int:
+    """Raise dynamo's per-function graph limit to at least `limit` (never lowers it); returns it."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(int(getattr(cfg, name)), int(limit)))
+    return int(getattr(cfg, name))
