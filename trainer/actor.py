@@ -137,7 +137,12 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
         raise_recompile_limit()
         for i in range(len(blocks)):
             blocks[i] = torch.compile(blocks[i], **REGIONAL_COMPILE_KWARGS)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # inputs pass as the adapter and the model give them, as in the engine's DiT: casting them to
+    # param_dtype would round, in the replay only, an fp32 timestep (SD3 pipelines pass one: 857.7
+    # -> 856 in bf16) at the root and the fp32 rope tables (FLUX) at every block, and move the
+    # replayed log-prob off the sampler's. The compute still runs in param_dtype: the weights are
+    # gathered in it
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
