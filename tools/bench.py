@@ -482,6 +482,17 @@ def actor_cfg(args, mode: str):
         grpo=GrpoConfig(eps_clip=1e-4, num_updates_per_batch=args.num_updates, micro_batch_size=args.micro_batch))
 
 
+def buffers_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with its floating buffers (SD3's sincos position table) in `dtype`, as
+    from_pretrained(dtype) leaves them when the loop loads the actor and as the engine holds its
+    own; materialise rebuilds them in fp32. Complex tables and parameters are left alone."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != dtype:
+                module._buffers[name] = buf.to(dtype)
+    return model
+
+
 def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype, *, reshard_after_forward: bool = True,
                 activation_checkpointing: bool | None = None, activation_checkpointing_every: int = 1):
     """trainer.actor.Actor over a fresh random DiT seeded like the engine's (same base weights).
@@ -495,7 +506,7 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
     if activation_checkpointing is not None:
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
-    model = fam.build_transformer(args.shape, device, dtype, seed=args.seed)
+    model = buffers_to(fam.build_transformer(args.shape, device, dtype, seed=args.seed), dtype)
     model, lora_config, never_trained = build_train_model(
         model, mesh, cfg.fsdp, cfg.lora, adapter=fam.adapter(),
         activation_checkpointing_every=activation_checkpointing_every)

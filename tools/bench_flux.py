@@ -187,15 +187,15 @@ def build_flux_actor(args, mode: str, mesh, device: torch.device, dtype: torch.d
                      activation_checkpointing_every: int = 1):
     """trainer.actor.Actor over a fresh random FLUX DiT seeded like the engine's (same base
     weights), with FluxAdapter's LoRA targets; the keywords as tools/bench.py:build_actor's."""
-    from tools.bench import actor_cfg
+    from tools import bench as B
     from trainer.actor import Actor, build_train_model
     from trainer.models.flux import FluxAdapter
 
-    cfg = actor_cfg(args, mode)
+    cfg = B.actor_cfg(args, mode)
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
     if activation_checkpointing is not None:
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
-    model = build_flux_transformer(args.shape, device, dtype, seed=args.seed)
+    model = B.buffers_to(build_flux_transformer(args.shape, device, dtype, seed=args.seed), dtype)
     model, lora_config, never_trained = build_train_model(
         model, mesh, cfg.fsdp, cfg.lora, adapter=FluxAdapter(),
         activation_checkpointing_every=activation_checkpointing_every)
