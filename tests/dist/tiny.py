@@ -99,12 +99,15 @@ def make_batch(n: int, seed: int = 0, device: str | torch.device = "cpu") -> Tra
 
 def replay(model: nn.Module, b: Trajectory, eta: float = 0.7) -> torch.Tensor:
     """logp [b, S] of each recorded transition, recomputed through `model`."""
+    from trainer.models.base import module_device_dtype
+
+    _, dt = module_device_dtype(model)  # the actor passes inputs uncast: cast them to its compute dtype
     cols = []
     rows = len(b)
     for s in range(b.num_steps):
         x = b.latents[:, s]
-        v = model(hidden_states=x, encoder_hidden_states=b.prompt_embeds,
-                  encoder_hidden_states_mask=b.prompt_embeds_mask, timestep=b.sigmas[:, s],
+        v = model(hidden_states=x.to(dt), encoder_hidden_states=b.prompt_embeds.to(dt),
+                  encoder_hidden_states_mask=b.prompt_embeds_mask, timestep=b.sigmas[:, s].to(dt),
                   img_shapes=[(1, LATENT_HW, LATENT_HW)] * rows, return_dict=False)[0]
         cols.append(replay_transition_logp(x, b.next_latents[:, s], v, b.sigmas[:, s], b.sigmas_next[:, s], eta))
     return torch.stack(cols, dim=1)

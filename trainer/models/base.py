@@ -19,6 +19,29 @@ GENERATION_TASKS = ("t2i",)
 NEGATIVE_PREFIX = "negative_"
 
 
+def module_device_dtype(module: Any) -> tuple[Any, Any]:
+    """(device, compute dtype) of a transformer for a replay's inputs: the device of its first
+    floating parameter (a DTensor's local shard under FSDP2) and, under FSDP2 mixed precision,
+    the policy's param_dtype (the dtype its weights are gathered and computed in: the actor
+    passes inputs uncast, so the replay casts them), else that parameter's dtype. (cpu, None)
+    when it has none."""
+    import torch
+
+    policy_dtype = None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()
+    if isinstance(module, FSDPModule):
+        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+        policy_dtype = getattr(policy, "param_dtype", None)
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point():
+            return local.device, policy_dtype or local.dtype
+    return torch.device("cpu"), None
+
+
 def apply_attention_policy(adapter: Any, device: Any) -> bool:
     """Turn off cuDNN's fused attention for the whole process when the family says its backward
     fails there (`cudnn_attention = False` on the adapter; absent means allowed). Process-wide on

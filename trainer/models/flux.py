@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from trainer.engine.base import EMBEDDED_GUIDANCE, RolloutRequest
-from trainer.models.base import check_pipeline_dir, load_checked_transformer, standard_rollout_request
+from trainer.models.base import (check_pipeline_dir, load_checked_transformer, module_device_dtype,
+                                 standard_rollout_request)
 
 #: the attention projections of every block, as diffusers names them: a double-stream block has
 #: the image stream's to_q / to_k / to_v / to_out.0 and the text stream's add_*_proj / to_add_out;
@@ -422,7 +423,7 @@ class FluxAdapter:
         of the same forward (the KL to a reference policy)."""
         from trainer.flow_grpo import replay_columns_logp
 
-        device, compute_dtype = _module_device_dtype(transformer)
+        device, compute_dtype = module_device_dtype(transformer)
         lat = batch.latents
         b, s = int(lat.shape[0]), int(lat.shape[1])
 
@@ -453,13 +454,3 @@ class FluxAdapter:
         from trainer.core.names import strip_wrapper_segments
 
         return strip_wrapper_segments(name)
-
-
-def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:
-    """(device, dtype) of the first floating parameter; a DTensor's local shard under FSDP2.
-    CPU / None if none."""
-    for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if local.is_floating_point():
-            return local.device, local.dtype
-    return torch.device("cpu"), None

@@ -22,7 +22,8 @@ import torch
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
 from trainer.trajectory import Trajectory
-from trainer.models.base import check_pipeline_dir, load_checked_transformer, standard_rollout_request
+from trainer.models.base import (check_pipeline_dir, load_checked_transformer, module_device_dtype,
+                                 standard_rollout_request)
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
 #: DiT uses the same names, so an adapter trained here loads there without a rename
@@ -494,7 +495,7 @@ class QwenImageAdapter:
         """
         from trainer.flow_grpo import replay_columns_logp
 
-        device, compute_dtype = _module_device_dtype(transformer)
+        device, compute_dtype = module_device_dtype(transformer)
         lat = batch.latents
         b, s = int(lat.shape[0]), int(lat.shape[1])
 
@@ -536,13 +537,3 @@ class QwenImageAdapter:
         names once wrapper segments are stripped (core.names.strip_wrapper_segments), so
         this also strips them, idempotently."""
         return strip_wrapper_segments(name)
-
-
-def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:
-    """(device, dtype) of the first floating parameter; a DTensor's local shard under FSDP2
-    (whose MixedPrecisionPolicy then casts the inputs to its compute dtype). CPU / None if none."""
-    for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if local.is_floating_point():
-            return local.device, local.dtype
-    return torch.device("cpu"), None

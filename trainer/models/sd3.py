@@ -22,7 +22,8 @@ import torch
 
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
-from trainer.models.base import check_pipeline_dir, load_checked_transformer, split_negative, standard_rollout_request
+from trainer.models.base import (check_pipeline_dir, load_checked_transformer, module_device_dtype, split_negative,
+                                 standard_rollout_request)
 from trainer.trajectory import Trajectory
 
 #: the attention projections of both streams of every joint block, as diffusers names them; the
@@ -342,7 +343,7 @@ class SD3Adapter:
         Differentiable w.r.t. the transformer's parameters."""
         from trainer.flow_grpo import replay_columns_logp
 
-        device, compute_dtype = _module_device_dtype(transformer)
+        device, compute_dtype = module_device_dtype(transformer)
         lat = batch.latents
         b, s = int(lat.shape[0]), int(lat.shape[1])
 
@@ -371,12 +372,3 @@ class SD3Adapter:
         """Training-side name -> engine name: both are diffusers names once wrapper segments are
         stripped (idempotent)."""
         return strip_wrapper_segments(name)
-
-
-def _module_device_dtype(module) -> tuple[torch.device, torch.dtype | None]:
-    """(device, dtype) of the first floating parameter (a DTensor's local shard under FSDP2)."""
-    for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if local.is_floating_point():
-            return local.device, local.dtype
-    return torch.device("cpu"), None
