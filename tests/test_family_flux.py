@@ -429,3 +429,21 @@ def test_flux_turns_cudnn_attention_off_on_cuda_only():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_max_sequence_length_sets_the_t5_window_every_prompt_is_padded_to(tiny_flux_dir, adapter):
+    """--max-sequence-length reaches the engine (the loop's engine_options), and FLUX pads every
+    prompt to it: FlowGRPO's 128 in the recipe, FluxPipeline's 512 when unset."""
+    from types import SimpleNamespace
+
+    from trainer.engine.native import NativeEngine
+    from trainer.loop import engine_options
+
+    flags = SimpleNamespace(rollout_compile=False, rollout_precision="default", max_sequence_length=None)
+    assert engine_options(flags) == {}
+    options = engine_options(SimpleNamespace(**{**vars(flags), "max_sequence_length": 24}))
+    assert options == {"max_sequence_length": 24}
+    engine = NativeEngine(str(tiny_flux_dir), device="cpu", dtype=torch.float32, adapter=adapter, **options)
+    assert engine.encode_prompt("a red ball")["prompt_embeds"].shape[0] == 24
+    assert NativeEngine(str(tiny_flux_dir), device="cpu", dtype=torch.float32,
+                        adapter=adapter).max_sequence_length == adapter.max_sequence_length == 512

@@ -151,6 +151,9 @@ ERROR_CASES = [
     (["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1, got 0"], 1),
     (["--num-rollout", "0"], ["--num-rollout must be >= 1, got 0"], 1),
     (["--engine-batch-size", "-1"], ["--engine-batch-size must be >= 0"], 1),
+    (["--max-sequence-length", "0"], ["--max-sequence-length must be >= 1, got 0"], 1),
+    (["--max-sequence-length", "2048"], ["--max-sequence-length 2048 is more than trainer.models.qwen_image.QwenImageAdapter "
+                                         "allows (1024 text tokens"], 1),
     # ours: paths
     (["--prompt-data", "{tmp}/missing.jsonl"], ["--prompt-data {tmp}/missing.jsonl: does not exist"], 1),
     (["--prompt-data", "{tmp}"], ["--prompt-data {tmp}: is not a file"], 1),

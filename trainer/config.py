@@ -306,6 +306,13 @@ class RolloutConfig:
         "on CUDA). The replay stays in the actor's dtype, so fp8 rollouts are off-policy by the "
         "FP8 rounding: see docs/PERFORMANCE.md before using it.",
     )
+    max_sequence_length: int | None = _flag(
+        None,
+        "Text tokens the prompt encoder keeps per prompt (the T5 window of SD3 / FLUX.1, to which "
+        "every prompt is padded; for Qwen-Image the most kept after its template). Unset = the "
+        "family's own: Qwen-Image 512, SD3 128, FLUX.1 512. >= 1, at most what the family's "
+        "pipeline allows (Qwen-Image 1024, SD3 and FLUX.1 512).",
+    )
 
 
 @dataclass

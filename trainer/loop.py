@@ -155,6 +155,17 @@ def _scorer_inputs(traj: Any) -> tuple[list[torch.Tensor], list[str], list[dict]
     return list(traj.images.unbind(0)), list(traj.prompts), [m or {} for m in traj.metadata]
 
 
+def engine_options(rollout: Any) -> dict[str, Any]:
+    """The engine keywords the rollout flags set, only those set: the native engine's speed
+    options (--rollout-compile, --rollout-precision; another engine need not know them) and the
+    text window (--max-sequence-length; unset: the family's own)."""
+    options = {k: v for k, v in (("compile_blocks", bool(rollout.rollout_compile)),
+                                 ("precision", rollout.rollout_precision)) if v not in (False, "default")}
+    if getattr(rollout, "max_sequence_length", None) is not None:
+        options["max_sequence_length"] = int(rollout.max_sequence_length)
+    return options
+
+
 def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
     """replay_fn(model, rows) -> logp [b, S]: every trained-step column of `rows` replayed
     through `model` with the adapter's own replay (the same math the sampler used).
@@ -310,9 +321,7 @@ class Trainer:
         #: start-up figures (load times per wave, memory after each load), logged with rollout 0's
         self.load_metrics: dict[str, float] = {}
         engine_waves: list[float] = []
-        # the native engine's speed options, passed only when set (another engine need not know them)
-        speed = {k: v for k, v in (("compile_blocks", bool(cfg.rollout.rollout_compile)),
-                                   ("precision", cfg.rollout.rollout_precision)) if v not in (False, "default")}
+        speed = engine_options(cfg.rollout)
         with Timer(self.device) as t:
             self.engine = load_in_waves(
                 lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,

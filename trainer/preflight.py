@@ -412,6 +412,16 @@ def _check_resource(res: dict, world: int | None, errors: list[str]) -> None:
         errors.append(f"--resource actor {res['actor']} = {actor} devices but the world size is {world}")
 
 
+def _text_window_limit(adapter_path: str | None) -> int | None:
+    """The shipped family adapter's max_sequence_length_limit; None for a custom adapter (not
+    imported here: preflight runs before anything is loaded) or one without a limit."""
+    if adapter_path not in PIPELINE_ADAPTERS.values():
+        return None
+    from trainer.dotpath import import_dotpath
+
+    return getattr(import_dotpath(adapter_path, "--model-adapter-path"), "max_sequence_length_limit", None)
+
+
 def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnings: list[str]) -> None:
     r, g = cfg.rollout, cfg.grpo
     ok_b = _positive_int("--rollout-batch-size", r.rollout_batch_size, errors, required=True)
@@ -421,6 +431,11 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
     _positive_int("--num-rollout", r.num_rollout, errors, required=True)
     if r.engine_batch_size < 0:
         errors.append(f"--engine-batch-size must be >= 0 (0 = auto), got {r.engine_batch_size}")
+    if r.max_sequence_length is not None and _positive_int("--max-sequence-length", r.max_sequence_length, errors):
+        limit = _text_window_limit(cfg.model.model_adapter_path)
+        if limit is not None and r.max_sequence_length > limit:
+            errors.append(f"--max-sequence-length {r.max_sequence_length} is more than {cfg.model.model_adapter_path} "
+                          f"allows ({limit} text tokens, its pipeline's limit); use at most {limit}")
     if ok_n and r.n_samples_per_prompt < 2:
         warnings.append(
             "--n-samples-per-prompt 1: a group of one has no reward variance, every advantage is 0; use 2 or more"

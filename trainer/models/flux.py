@@ -218,6 +218,8 @@ class FluxAdapter:
     lora_target_modules = FLUX_LORA_TARGETS
     #: FluxPipeline's default T5 window (and its maximum); every prompt is padded to it
     max_sequence_length = 512
+    #: the most --max-sequence-length may ask (FluxPipeline's own limit)
+    max_sequence_length_limit = 512
     #: the recipe geometry tools/sample.py uses without --sampling-config (configs/flux1dev_t2i_lora_pickscore.toml)
     sampling_defaults = {"height": 512, "width": 512, "num_inference_steps": 6, "guidance_scale": FLUX_DEV_GUIDANCE,
                          "eta": 0.9, "sde_type": "sde", "sde_indices": [1, 2, 3, 4]}

@@ -293,6 +293,8 @@ class QwenImageAdapter:
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
     #: QwenImagePipeline's text window after the template prefix
     max_sequence_length = 512
+    #: the most --max-sequence-length may ask (QwenImagePipeline's own limit)
+    max_sequence_length_limit = 1024
 
     def __init__(self, vae_scale_factor: int | None = None):
         #: set from the model directory by load_train_model; responses carry it as well

@@ -172,6 +172,8 @@ class SD3Adapter:
     #: T5 tokens per prompt: FlowGRPO's SD3 training and evaluation encode with 128
     #: (StableDiffusion3Pipeline's own default is 256)
     max_sequence_length = 128
+    #: the most --max-sequence-length may ask (StableDiffusion3Pipeline's own limit)
+    max_sequence_length_limit = 512
     rollout_subfolders = SD3_SUBFOLDERS
 
     def __init__(self, vae_scale_factor: int | None = None):
