@@ -1,0 +1,198 @@
+"""Stable Diffusion 3.5 end to end: the real training loop under torchrun (2 gloo processes) on the
+tiny SD3.5 model, sampling with true CFG (guidance 1.5, an empty negative prompt), two launches
+shared by every test here. A LoRA run of ROLLOUTS rollouts against a run resumed from its first
+checkpoint for 1 more rollout (weights, policy version, lr step and the images sampled after the
+resume identical); the long run's colour reward rises (a high learning rate, a wide clip, every
+step trained, a decoder the tiny model can move the colour of); its last checkpoint exported both
+ways and loaded back through diffusers (a merged StableDiffusion3Pipeline via
+DiffusionPipeline.from_pretrained; the PEFT adapter via the pipeline's load_lora_weights) and into
+the engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_e2e import _model_tensors, _state, _train, _write_prompts
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+
+ADAPTER_PATH = "trainer.models.sd3.SD3Adapter"
+#: the long run; the resumed one runs rollout 1 only
+ROLLOUTS = 5
+LAST = ROLLOUTS - 1
+CANDIDATES = 16
+GUIDANCE = 1.5
+
+#: 8x8 (a 4 x 4 latent grid, 16 image tokens), 4 steps, every one trained (dance: "sde" is
+#: singular at step 0), true CFG as StableDiffusion3Pipeline does it (no rescale)
+SD3_SAMPLING = f"""
+[sampling-config]
+height = 8
+width = 8
+num_inference_steps = 4
+guidance_scale = {GUIDANCE}
+negative_prompt = ""
+cfg_renorm = false
+eta = 1.0
+sde_type = "dance"
+sde_indices = [0, 1, 2, 3]
+"""
+
+
+def _recipe(tmp: Path, model_dir: Path) -> Path:
+    train = _write_prompts(tmp / "train.jsonl", ["a red ball"], "t")
+    text = f"""
+actor-num-nodes = 1
+actor-num-gpus-per-node = 2
+generation-task = "t2i"
+model-path = "{model_dir}"
+model-adapter-path = "{ADAPTER_PATH}"
+prompt-data = "{train}"
+rollout-batch-size = 1
+n-samples-per-prompt = {CANDIDATES}
+micro-batch-size = 2
+num-updates-per-batch = 2
+fsdp-param-dtype = "fp32"
+fsdp-reduce-dtype = "fp32"
+weight-sync-wire-dtype = "fp32"
+fsdp-trainable-mode = "lora"
+lora-rank = 4
+lora-alpha = 8
+lora-adapter-mode = true
+fsdp-master-dtype = "fp32"
+eps-clip = 0.2
+lr = 0.1
+weight-decay = 0.0
+clip-grad = 10.0
+reward-runtime = "cpu"
+reward-scorer-path = "color"
+save-interval = 1
+artifact-retention-rollouts = {ROLLOUTS}
+{SD3_SAMPLING}"""
+    path = tmp / "sd3_lora.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny SD3.5 model with its decoder's output scaled up and one GroupNorm group: a small
+    change of the latents moves the image's colour a lot, so a few rollouts raise the reward."""
+    from tools.tiny_sd3 import build_tiny_sd3_pipeline
+
+    return build_tiny_sd3_pipeline(tmp_path_factory.mktemp("sd3_gain") / "model", seed=0, vae_output_gain=8.0,
+                                   vae_norm_groups=1)
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sd3_e2e")
+    recipe = _recipe(tmp, model_dir)
+    a, b = tmp / "a", tmp / "b"
+    _train(recipe, a, "--num-rollout", str(ROLLOUTS))
+    # resumed from the long run's first checkpoint: what a run stopped after rollout 0 would load
+    log = _train(recipe, b, "--num-rollout", "2", "--load", str(a / "ckpt"), "--ckpt-step", "0")
+    assert "continuing at rollout 1" in log
+    return a, b
+
+
+def test_lora_resume_is_exact(runs):
+    """Iteration 1 of the uninterrupted run and of the one resumed from iteration 0: the same
+    adapter, policy version and lr step, and the rollout after the resume sampled the same images,
+    under CFG (the sidecars carry the guidance and the negative prompt's conditions)."""
+    from trainer import artifacts
+
+    a, b = runs
+    ta, tb = _model_tensors(a / "ckpt", 1), _model_tensors(b / "ckpt", 1)
+    # the adapter, plus the DiT's one persistent buffer (the fixed sin-cos position table)
+    assert ta and ta.keys() == tb.keys() and {n for n in ta if "lora_" not in n} == {"pos_embed.pos_embed"}
+    lora = [n for n in ta if "lora_" in n]
+    assert {n.split(".")[1] for n in lora} == {"0", "1"} and not any(".attn2." in n for n in lora)
+    t0 = _model_tensors(a / "ckpt", 0)
+    assert any(not torch.equal(tb[n], t0[n]) for n in lora), "rollout 1 trained"
+    assert not (b / "ckpt" / "t2i" / "iter_0000000").exists()  # b started from a's iteration 0
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    sa, sb = _state(a / "ckpt", 1), _state(b / "ckpt", 1)
+    for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
+        assert sa[key] == sb[key], key
+    assert sa["policy_version"] == 2 and sa["lr_scheduler_steps"] == 4
+    contract = json.loads((a / "ckpt" / "t2i" / "iter_0000001" / "adapter_contract.json").read_text())
+    assert contract["model_adapter_path"] == ADAPTER_PATH
+    da, db = (r / "artifacts" / "t2i" / "rollout_0000001" for r in (a, b))
+    pngs = sorted(p.name for p in da.glob("*.png"))
+    assert len(pngs) == CANDIDATES and pngs == sorted(p.name for p in db.glob("*.png"))
+    for name in pngs:
+        assert (da / name).read_bytes() == (db / name).read_bytes(), name
+    tensors, meta = artifacts.read_sidecar(next(iter(artifacts.iter_sidecars(db))))
+    assert float(meta["guidance_scale"]) == GUIDANCE
+    assert {"conditions.negative_prompt_embeds", "conditions.negative_pooled_prompt_embeds"} <= set(tensors)
+
+
+def test_tiny_sd3_learns_the_colour_reward(runs):
+    """The uninterrupted run's colour reward (the loop's TensorBoard series) rises."""
+    from trainer.metrics import read_scalars
+
+    a, _ = runs
+    rewards = [v for _, v in read_scalars(a / "tb")["reward/color_mean"]]
+    assert len(rewards) == ROLLOUTS
+    # rollout 0 samples the base model; rollouts 2.. the adapter after 2 or more updates
+    assert sum(rewards[2:]) / len(rewards[2:]) > rewards[0] + 0.03, rewards
+
+
+def _fixed_input():
+    g = torch.Generator().manual_seed(123)
+    return dict(hidden_states=torch.randn(2, 4, 4, 4, generator=g), encoder_hidden_states=torch.randn(2, 8, 32, generator=g),
+                pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([900.0, 400.0]))
+
+
+@torch.no_grad()
+def _forward(model) -> torch.Tensor:
+    return model.eval()(**_fixed_input(), return_dict=False)[0]
+
+
+def test_export_round_trip_through_diffusers_and_the_engine(runs, model_dir, tmp_path):
+    """The trained adapter of the last iteration three ways, all the same function: merged into a
+    pipeline that DiffusionPipeline.from_pretrained loads (and that samples with CFG), the PEFT
+    adapter through StableDiffusion3Pipeline.load_lora_weights, and the adapter loaded into the
+    native engine (which then holds exactly the checkpoint's LoRA tensors)."""
+    from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+
+    from tools.export_checkpoint import export_checkpoint
+    from trainer.engine.native import NativeEngine
+    from trainer.models.sd3 import SD3Adapter
+
+    a, _ = runs
+    # no --model-adapter-path: the family comes from the checkpoint's contract
+    merged = export_checkpoint(a / "ckpt", "t2i", LAST, tmp_path / "merged", form="merged",
+                               base_model_path=model_dir, verify=True)
+    adapter_info = export_checkpoint(a / "ckpt", "t2i", LAST, tmp_path / "adapter", form="adapter", verify=True)
+    assert merged["verify"]["lora_modules_checked"] > 0 and adapter_info["verify"]["peft_injection_checked"]
+
+    pipe = DiffusionPipeline.from_pretrained(str(tmp_path / "merged"), local_files_only=True)
+    assert isinstance(pipe, StableDiffusion3Pipeline)
+    want = _forward(pipe.transformer)
+    base = StableDiffusion3Pipeline.from_pretrained(str(model_dir), local_files_only=True)
+    assert (want - _forward(base.transformer)).abs().max() > 1e-4  # training moved the policy
+    base.load_lora_weights(str(tmp_path / "adapter"))  # its default file: pytorch_lora_weights.safetensors
+    torch.testing.assert_close(_forward(base.transformer), want, rtol=1e-5, atol=1e-5)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red ball", negative_prompt="", guidance_scale=GUIDANCE, height=16, width=16,
+                 num_inference_steps=2, max_sequence_length=8, output_type="pt",
+                 generator=torch.Generator().manual_seed(0)).images
+    assert image.shape == (1, 3, 16, 16) and torch.isfinite(image).all()
+
+    engine = NativeEngine(str(model_dir), device="cpu", dtype=torch.float32, adapter=SD3Adapter())
+    cfg = engine.load_lora_dir(tmp_path / "adapter")
+    assert (cfg["rank"], cfg["alpha"]) == (4, 8.0)
+    torch.testing.assert_close(_forward(engine.transformer), want, rtol=1e-5, atol=1e-5)
+    ckpt = {n: t for n, t in _model_tensors(a / "ckpt", LAST).items() if "lora_" in n}
+    params = dict(engine.transformer.named_parameters())
+    lora = {n.replace(".default", ""): p for n, p in params.items() if ".lora_" in n}
+    assert lora.keys() == {n.replace(".default", "") for n in ckpt}
+    for n, t in ckpt.items():
+        assert torch.equal(lora[n.replace(".default", "")].detach(), t.float()), n
