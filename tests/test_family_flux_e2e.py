@@ -9,16 +9,16 @@ into the engine."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_e2e import _model_tensors, _state, _train, _write_prompts
+from tests.family_e2e import assert_lora_resume_is_exact, color_rewards, lora_recipe, train_and_resume
+from tests.test_e2e import _model_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
+ADAPTER_PATH = "trainer.models.flux.FluxAdapter"
 #: the long run; the resumed one runs rollout 1 only
 ROLLOUTS = 5
 LAST = ROLLOUTS - 1
@@ -37,41 +37,6 @@ sde_indices = [0, 1, 2, 3]
 """
 
 
-def _recipe(tmp: Path, model_dir: Path) -> Path:
-    train = _write_prompts(tmp / "train.jsonl", ["a red ball"], "t")
-    text = f"""
-actor-num-nodes = 1
-actor-num-gpus-per-node = 2
-generation-task = "t2i"
-model-path = "{model_dir}"
-model-adapter-path = "trainer.models.flux.FluxAdapter"
-prompt-data = "{train}"
-rollout-batch-size = 1
-n-samples-per-prompt = {CANDIDATES}
-micro-batch-size = 2
-num-updates-per-batch = 2
-fsdp-param-dtype = "fp32"
-fsdp-reduce-dtype = "fp32"
-weight-sync-wire-dtype = "fp32"
-fsdp-trainable-mode = "lora"
-lora-rank = 4
-lora-alpha = 8
-lora-adapter-mode = true
-fsdp-master-dtype = "fp32"
-eps-clip = 0.2
-lr = 0.2
-weight-decay = 0.0
-clip-grad = 10.0
-reward-runtime = "cpu"
-reward-scorer-path = "color"
-save-interval = 1
-artifact-retention-rollouts = {ROLLOUTS}
-{FLUX_SAMPLING}"""
-    path = tmp / "flux_lora.toml"
-    path.write_text(text)
-    return path
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny FLUX model with its decoder's output scaled up: a small change of the latents moves
@@ -84,47 +49,22 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flux_e2e")
-    recipe = _recipe(tmp, model_dir)
-    a, b = tmp / "a", tmp / "b"
-    _train(recipe, a, "--num-rollout", str(ROLLOUTS))
-    # resumed from the long run's first checkpoint: what a run stopped after rollout 0 would load
-    log = _train(recipe, b, "--num-rollout", "2", "--load", str(a / "ckpt"), "--ckpt-step", "0")
-    assert "continuing at rollout 1" in log
-    return a, b
+    recipe = lora_recipe(tmp, model_dir, ADAPTER_PATH, candidates=CANDIDATES, rollouts=ROLLOUTS, lr=0.2,
+                         sampling=FLUX_SAMPLING, name="flux_lora")
+    return train_and_resume(recipe, tmp, ROLLOUTS)
 
 
 def test_lora_resume_is_exact(runs):
     """Iteration 1 of the uninterrupted run and of the one resumed from iteration 0: the same
     adapter, policy version and lr step, and the rollout after the resume sampled the same images."""
-    a, b = runs
-    ta, tb = _model_tensors(a / "ckpt", 1), _model_tensors(b / "ckpt", 1)
-    assert ta and ta.keys() == tb.keys() and all("lora_" in n for n in ta)
+    ta = assert_lora_resume_is_exact(*runs, ADAPTER_PATH, CANDIDATES)
+    assert all("lora_" in n for n in ta)
     assert any(n.startswith("single_transformer_blocks.") for n in ta)
-    t0 = _model_tensors(a / "ckpt", 0)
-    assert any(not torch.equal(t, t0[n]) for n, t in tb.items()), "rollout 1 trained"
-    assert not (b / "ckpt" / "t2i" / "iter_0000000").exists()  # b started from a's iteration 0
-    for name in ta:
-        assert torch.equal(ta[name], tb[name]), name
-    sa, sb = _state(a / "ckpt", 1), _state(b / "ckpt", 1)
-    for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
-        assert sa[key] == sb[key], key
-    assert sa["policy_version"] == 2 and sa["lr_scheduler_steps"] == 4
-    contract = json.loads((a / "ckpt" / "t2i" / "iter_0000001" / "adapter_contract.json").read_text())
-    assert contract["model_adapter_path"] == "trainer.models.flux.FluxAdapter"
-    da, db = (r / "artifacts" / "t2i" / "rollout_0000001" for r in (a, b))
-    pngs = sorted(p.name for p in da.glob("*.png"))
-    assert len(pngs) == CANDIDATES and pngs == sorted(p.name for p in db.glob("*.png"))
-    for name in pngs:
-        assert (da / name).read_bytes() == (db / name).read_bytes(), name
 
 
 def test_tiny_flux_learns_the_colour_reward(runs):
-    """The uninterrupted run's colour reward (the loop's TensorBoard series) rises."""
-    from trainer.metrics import read_scalars
-
-    a, _ = runs
-    rewards = [v for _, v in read_scalars(a / "tb")["reward/color_mean"]]
-    assert len(rewards) == ROLLOUTS
+    """The uninterrupted run's colour reward rises."""
+    rewards = color_rewards(runs[0], ROLLOUTS)
     # rollout 0 samples the base model; rollouts 2.. the adapter after 2 or more updates
     assert sum(rewards[2:]) / len(rewards[2:]) > rewards[0] + 0.01, rewards
 

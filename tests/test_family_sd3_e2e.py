@@ -10,13 +10,12 @@ the engine."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_e2e import _model_tensors, _state, _train, _write_prompts
+from tests.family_e2e import assert_lora_resume_is_exact, color_rewards, lora_recipe, train_and_resume
+from tests.test_e2e import _model_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
@@ -43,41 +42,6 @@ sde_indices = [0, 1, 2, 3]
 """
 
 
-def _recipe(tmp: Path, model_dir: Path) -> Path:
-    train = _write_prompts(tmp / "train.jsonl", ["a red ball"], "t")
-    text = f"""
-actor-num-nodes = 1
-actor-num-gpus-per-node = 2
-generation-task = "t2i"
-model-path = "{model_dir}"
-model-adapter-path = "{ADAPTER_PATH}"
-prompt-data = "{train}"
-rollout-batch-size = 1
-n-samples-per-prompt = {CANDIDATES}
-micro-batch-size = 2
-num-updates-per-batch = 2
-fsdp-param-dtype = "fp32"
-fsdp-reduce-dtype = "fp32"
-weight-sync-wire-dtype = "fp32"
-fsdp-trainable-mode = "lora"
-lora-rank = 4
-lora-alpha = 8
-lora-adapter-mode = true
-fsdp-master-dtype = "fp32"
-eps-clip = 0.2
-lr = 0.1
-weight-decay = 0.0
-clip-grad = 10.0
-reward-runtime = "cpu"
-reward-scorer-path = "color"
-save-interval = 1
-artifact-retention-rollouts = {ROLLOUTS}
-{SD3_SAMPLING}"""
-    path = tmp / "sd3_lora.toml"
-    path.write_text(text)
-    return path
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny SD3.5 model with its decoder's output scaled up and one GroupNorm group: a small
@@ -91,13 +55,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sd3_e2e")
-    recipe = _recipe(tmp, model_dir)
-    a, b = tmp / "a", tmp / "b"
-    _train(recipe, a, "--num-rollout", str(ROLLOUTS))
-    # resumed from the long run's first checkpoint: what a run stopped after rollout 0 would load
-    log = _train(recipe, b, "--num-rollout", "2", "--load", str(a / "ckpt"), "--ckpt-step", "0")
-    assert "continuing at rollout 1" in log
-    return a, b
+    recipe = lora_recipe(tmp, model_dir, ADAPTER_PATH, candidates=CANDIDATES, rollouts=ROLLOUTS, lr=0.1,
+                         sampling=SD3_SAMPLING, name="sd3_lora")
+    return train_and_resume(recipe, tmp, ROLLOUTS)
 
 
 def test_lora_resume_is_exact(runs):
@@ -106,40 +66,20 @@ def test_lora_resume_is_exact(runs):
     under CFG (the sidecars carry the guidance and the negative prompt's conditions)."""
     from trainer import artifacts
 
-    a, b = runs
-    ta, tb = _model_tensors(a / "ckpt", 1), _model_tensors(b / "ckpt", 1)
+    ta = assert_lora_resume_is_exact(*runs, ADAPTER_PATH, CANDIDATES)
     # the adapter, plus the DiT's one persistent buffer (the fixed sin-cos position table)
-    assert ta and ta.keys() == tb.keys() and {n for n in ta if "lora_" not in n} == {"pos_embed.pos_embed"}
+    assert {n for n in ta if "lora_" not in n} == {"pos_embed.pos_embed"}
     lora = [n for n in ta if "lora_" in n]
     assert {n.split(".")[1] for n in lora} == {"0", "1"} and not any(".attn2." in n for n in lora)
-    t0 = _model_tensors(a / "ckpt", 0)
-    assert any(not torch.equal(tb[n], t0[n]) for n in lora), "rollout 1 trained"
-    assert not (b / "ckpt" / "t2i" / "iter_0000000").exists()  # b started from a's iteration 0
-    for name in ta:
-        assert torch.equal(ta[name], tb[name]), name
-    sa, sb = _state(a / "ckpt", 1), _state(b / "ckpt", 1)
-    for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
-        assert sa[key] == sb[key], key
-    assert sa["policy_version"] == 2 and sa["lr_scheduler_steps"] == 4
-    contract = json.loads((a / "ckpt" / "t2i" / "iter_0000001" / "adapter_contract.json").read_text())
-    assert contract["model_adapter_path"] == ADAPTER_PATH
-    da, db = (r / "artifacts" / "t2i" / "rollout_0000001" for r in (a, b))
-    pngs = sorted(p.name for p in da.glob("*.png"))
-    assert len(pngs) == CANDIDATES and pngs == sorted(p.name for p in db.glob("*.png"))
-    for name in pngs:
-        assert (da / name).read_bytes() == (db / name).read_bytes(), name
+    db = runs[1] / "artifacts" / "t2i" / "rollout_0000001"
     tensors, meta = artifacts.read_sidecar(next(iter(artifacts.iter_sidecars(db))))
     assert float(meta["guidance_scale"]) == GUIDANCE
     assert {"conditions.negative_prompt_embeds", "conditions.negative_pooled_prompt_embeds"} <= set(tensors)
 
 
 def test_tiny_sd3_learns_the_colour_reward(runs):
-    """The uninterrupted run's colour reward (the loop's TensorBoard series) rises."""
-    from trainer.metrics import read_scalars
-
-    a, _ = runs
-    rewards = [v for _, v in read_scalars(a / "tb")["reward/color_mean"]]
-    assert len(rewards) == ROLLOUTS
+    """The uninterrupted run's colour reward rises."""
+    rewards = color_rewards(runs[0], ROLLOUTS)
     # rollout 0 samples the base model; rollouts 2.. the adapter after 2 or more updates
     assert sum(rewards[2:]) / len(rewards[2:]) > rewards[0] + 0.03, rewards
 
