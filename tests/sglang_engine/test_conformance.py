@@ -199,11 +199,14 @@ def test_building_an_engine_leaves_the_process_as_it_was(tiny_model_dir, monkeyp
     root = logging.getLogger()
     before = (_numerics_state(), torch.get_num_threads(), setproctitle.getproctitle(), list(root.handlers),
               root.level)
-    SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    sg = SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, attention_backend="torch_sdpa")
     after = (_numerics_state(), torch.get_num_threads(), setproctitle.getproctitle(), list(root.handlers),
              root.level)
     assert after == before
     assert os.environ["RANK"] == "5" and "WORLD_SIZE" not in os.environ
+    # the attention backend reaches SGLang's configuration (a GPU without FlashAttention's library
+    # runs its DiT through torch SDPA)
+    assert str(sg.server_args.attention_backend).lower() == "torch_sdpa"
 
 
 def test_lora_update_changes_both_engines_identically(tiny_model_dir, adapter):

@@ -215,10 +215,13 @@ class SGLangEngine(EngineMemoryState):
     """In-process SGLang Qwen-Image rollout engine (implements trainer.engine.base.RolloutEngine).
 
     Arguments as NativeEngine's: max_batch_size caps the candidates of one SGLang request
-    (0: every candidate of a geometry in one request)."""
+    (0: every candidate of a geometry in one request). attention_backend: SGLang's
+    ServerArgs.attention_backend (e.g. "torch_sdpa"); None leaves SGLang's own choice (on a
+    Hopper GPU its FlashAttention 3, which needs sglang-kernel's flash_ops library)."""
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
-                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None):
+                 max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None,
+                 attention_backend: str | None = None):
         # adapter: accepted like NativeEngine's; this bridge serves Qwen-Image only, through
         # SGLang's own Qwen-Image pipeline, so it has nothing to ask of it
         del adapter
@@ -281,7 +284,7 @@ class SGLangEngine(EngineMemoryState):
             self.server_args = ServerArgs.from_kwargs(
                 model_path=str(path), model_id="Qwen-Image", num_gpus=world, dp_size=world, dit_precision=name,
                 vae_precision=name, text_encoder_precisions=(name,), warmup_mode="off", log_level="warning",
-                **RESIDENT_ARGS)
+                **RESIDENT_ARGS, **({"attention_backend": attention_backend} if attention_backend else {}))
         finally:
             root.handlers[:] = saved_handlers
             root.setLevel(saved_level)
