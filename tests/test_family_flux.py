@@ -345,6 +345,93 @@ def test_preflight_refuses_the_sglang_engine_for_flux_naming_the_family(tiny_flu
            "pipeline only; this family runs on --rollout-engine-class-path native" in str(e.value)
 
 
+# ------------------------------------------------------------------------- the speed options
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """torch.compile with the "eager" backend (tests/test_rollout_speed.py's): dynamo traces and
+    guards the blocks as with inductor, without inductor's codegen time."""
+    from trainer.core import modules
+
+    monkeypatch.setitem(modules.REGIONAL_COMPILE_KWARGS, "backend", "eager")
+    yield
+    torch._dynamo.reset()
+
+
+def test_engine_speedups_compile_and_quantize_both_flux_block_kinds(tiny_flux_dir, adapter, sampling, eager_compile):
+    """--rollout-compile and --rollout-precision fp8 reach FLUX's two block lists: every
+    double-stream and every single-stream block is compiled and has only FP8 linears (the
+    embedders and the output projection stay), and the rollout runs on them."""
+    from trainer.core.fp8 import FP8Linear
+    from trainer.core.modules import repeated_blocks
+    from trainer.engine.native import NativeEngine
+
+    eng = NativeEngine(str(tiny_flux_dir), device="cpu", dtype=torch.float32, adapter=adapter, max_sequence_length=32)
+    reqs = make_requests(adapter, eng, sampling)
+    eager = eng.generate(reqs)
+    eng.enable_speedups(compile_blocks=True, precision="fp8")
+    dit = eng.transformer
+    blocks = repeated_blocks(dit)
+    assert blocks == list(dit.transformer_blocks) + list(dit.single_transformer_blocks)
+    assert {type(b).__name__ for b in blocks} == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+    for block in blocks:
+        assert block._compiled_call_impl is not None
+        linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(type(m) is FP8Linear for m in linears)
+    assert type(dit.proj_out) is torch.nn.Linear and type(dit.context_embedder) is torch.nn.Linear
+    fast = eng.generate(reqs)
+    assert eng.last_stats["new_graphs"] >= 2  # a graph per block kind at least
+    assert torch.isfinite(fast.log_probs).all() and not torch.equal(fast.latents, eager.latents)
+    assert ((fast.images - eager.images).abs().mean() < 0.05).item()  # the same images, up to FP8 rounding
+    eng.generate(reqs)
+    assert eng.last_stats["new_graphs"] == 0  # fixed shapes: no recompile
+
+
+def test_parallelize_checkpoints_compiles_and_shards_both_flux_block_lists(tiny_flux_dir, adapter, sampling, batch,
+                                                                          eager_compile):
+    """The actor's activation checkpointing, --fsdp-compile and per-block FSDP2 cover FLUX's
+    double-stream AND single-stream blocks; "every k-th block" counts along both lists; the
+    wrapped model replays the plain one's log-prob and trains the single-stream blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    from tests.dist.tiny import one_rank_mesh
+    from trainer.actor import find_block_lists, find_blocks, parallelize
+    from trainer.loop import make_replay_fn
+
+    def load():
+        return adapter.load_train_model(str(tiny_flux_dir), dtype=torch.float32)
+
+    plain = load()
+    lists = find_block_lists(plain)
+    assert len(lists) == 2 and lists[0] is plain.transformer_blocks and lists[1] is plain.single_transformer_blocks
+    assert [type(b).__name__ for b in find_blocks(plain)] == ["FluxTransformerBlock"] * 2 + \
+        ["FluxSingleTransformerBlock"] * 2
+    replay_fn = make_replay_fn(adapter, sampling)
+    rows = batch.without_images()[:2]
+    with torch.no_grad():
+        want = replay_fn(plain, rows)
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        model = parallelize(load(), mesh, activation_checkpointing=True, compile_blocks=True)
+        wrapped = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+        for block in wrapped:
+            assert isinstance(block, torch._dynamo.eval_frame.OptimizedModule)
+            assert isinstance(block._orig_mod, CheckpointWrapper) and isinstance(block, FSDPModule)
+        assert find_blocks(model) == wrapped  # still found once wrapped
+        logp = replay_fn(model, rows)
+        torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-6)
+        logp.sum().backward()
+        grads = [p.grad for p in model.single_transformer_blocks.parameters()]
+        assert grads and all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+        every3 = parallelize(load(), mesh, activation_checkpointing=True, activation_checkpointing_every=3)
+        assert [isinstance(b, CheckpointWrapper) for b in find_blocks(every3)] == [True, False, False, True]
+    finally:
+        next(gen, None)
+
+
 # ------------------------------------------------------------------------- the bench
 
 
