@@ -484,6 +484,82 @@ def test_flux_bench_tiny_run_writes_finite_figures(tmp_path):
     assert figures["replay_logp_max_abs_err_lora"]["value"] < 1e-4
 
 
+def test_flux_bench_with_the_speed_flags_writes_finite_speed_figures(tmp_path, monkeypatch, eager_compile):
+    """--rollout-compile --fsdp-compile --rollout-precision fp8 run for FLUX through the shared
+    main: the eager rollout, then the FP8 + compiled one (its speedup and rollout-to-replay gap),
+    the compiled actor's replay, update and the whole step, every figure finite; the attention
+    policy is applied before the first rollout, and the actor compiled both block lists. In
+    process, for the eager compile backend (inductor's CPU codegen takes minutes here)."""
+    import math
+
+    import tools.bench as bench
+    import trainer.models.base as base
+    from tests.dist.tiny import one_rank_mesh
+    from trainer.engine.native import NativeEngine
+
+    events, actors = [], []
+    policy, generate, build_actor = base.apply_attention_policy, NativeEngine.generate, bench.build_actor
+
+    def spy_policy(adapter, device):
+        events.append(("policy", type(adapter).__name__))
+        return policy(adapter, device)
+
+    def spy_generate(self, requests):
+        events.append(("generate", None))
+        return generate(self, requests)
+
+    def spy_actor(*args, **kwargs):
+        actors.append(build_actor(*args, **kwargs))
+        return actors[-1]
+
+    monkeypatch.setattr(base, "apply_attention_policy", spy_policy)
+    monkeypatch.setattr(NativeEngine, "generate", spy_generate)
+    monkeypatch.setattr(bench, "build_actor", spy_actor)
+    out = tmp_path / "figures.jsonl"
+    gen = one_rank_mesh()
+    next(gen)
+    try:
+        rc = bench.main(["--family", "flux", "--shape", "tiny", "--device", "cpu", "--height", "32", "--width", "32",
+                         "--steps", "2", "--sde-pool", "1", "--trained-steps", "1", "--prompts", "1", "--group-size",
+                         "2", "--micro-batch", "1", "--num-updates", "2", "--dit-batches", "1", "--iters", "1",
+                         "--text-tokens", "8", "--rollout-compile", "--fsdp-compile", "--rollout-precision", "fp8",
+                         "--out", str(out)])
+    finally:
+        next(gen, None)
+    assert rc == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(isinstance(l["value"], float) and math.isfinite(l["value"]) for l in lines)
+    by = {(l["figure"], l.get("variant")): l["value"] for l in lines}
+    fast = "fp8+compile"
+    for figure in ("rollout_images_per_s", "rollout_mfu", "dit_mfu"):
+        assert by[(figure, "eager")] > 0 and by[(figure, fast)] > 0
+    assert by[("enable_speedups_s", fast)] > 0 and by[("rollout_speedup", fast)] > 0
+    assert by[("rollout_speedup", fast)] == pytest.approx(by[("rollout_images_per_s", fast)]
+                                                          / by[("rollout_images_per_s", "eager")])
+    assert by[("rollout_new_graphs", fast)] == 0  # compiled by the warm-up rollout, then reused
+    assert 0 < by[("rollout_replay_kl", fast)] < 1e-3  # the FP8 rollout is off the actor by its rounding
+    assert ("rollout_logp_gap_mean", fast) in by
+    assert {"replay_transitions_per_s_lora", "update_s_lora", "adapter_sync_s", "step_first_s", "step_s"} <= \
+        {figure for figure, _ in by}
+    assert lines[-1]["geometry"]["family"] == "flux" and lines[-1]["geometry"]["dit_single_layers"] == 2
+    assert events[0] == ("policy", "FluxAdapter") and ("generate", None) in events
+    (actor,) = actors
+    for blocks in (actor.model.transformer_blocks, actor.model.single_transformer_blocks):
+        assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in blocks)
+
+
+def test_flux_bench_takes_the_speed_flags_and_refuses_compare(capsys):
+    """The speed flags parse for --family flux (they run: the test above); --compare stays
+    Qwen-Image's and is refused naming the family."""
+    from tools.bench import parse_args
+
+    args = parse_args(["--family", "flux", "--rollout-compile", "--fsdp-compile", "--rollout-precision", "fp8"])
+    assert args.rollout_compile and args.fsdp_compile and args.rollout_precision == "fp8"
+    with pytest.raises(SystemExit):
+        parse_args(["--family", "flux", "--compare", "diffusers"])
+    assert "--compare times Qwen-Image pipelines, not --family flux's" in capsys.readouterr().err
+
+
 def test_bench_counts_one_dit_row_per_candidate_under_the_embedded_guidance(engine, adapter, sampling):
     """FLUX's guidance_scale 3.5 is its embedded guidance, not true CFG: the bench's FLOPs (and so
     its MFU figures) count one DiT row per candidate, where Qwen-Image's CFG 4 counts two."""
