@@ -345,6 +345,93 @@ def test_preflight_refuses_the_sglang_engine_for_flux_naming_the_family(tiny_flu
            "pipeline only; this family runs on --rollout-engine-class-path native" in str(e.value)
 
 
+# ------------------------------------------------------------------------- the speed options
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """torch.compile with the "eager" backend (tests/test_rollout_speed.py's): dynamo traces and
+    guards the blocks as with inductor, without inductor's codegen time."""
+    from trainer.core import modules
+
+    monkeypatch.setitem(modules.REGIONAL_COMPILE_KWARGS, "backend", "eager")
+    yield
+    torch._dynamo.reset()
+
+
+def test_engine_speedups_compile_and_quantize_both_flux_block_kinds(tiny_flux_dir, adapter, sampling, eager_compile):
+    """--rollout-compile and --rollout-precision fp8 reach FLUX's two block lists: every
+    double-stream and every single-stream block is compiled and has only FP8 linears (the
+    embedders and the output projection stay), and the rollout runs on them."""
+    from trainer.core.fp8 import FP8Linear
+    from trainer.core.modules import repeated_blocks
+    from trainer.engine.native import NativeEngine
+
+    eng = NativeEngine(str(tiny_flux_dir), device="cpu", dtype=torch.float32, adapter=adapter, max_sequence_length=32)
+    reqs = make_requests(adapter, eng, sampling)
+    eager = eng.generate(reqs)
+    eng.enable_speedups(compile_blocks=True, precision="fp8")
+    dit = eng.transformer
+    blocks = repeated_blocks(dit)
+    assert blocks == list(dit.transformer_blocks) + list(dit.single_transformer_blocks)
+    assert {type(b).__name__ for b in blocks} == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+    for block in blocks:
+        assert block._compiled_call_impl is not None
+        linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(type(m) is FP8Linear for m in linears)
+    assert type(dit.proj_out) is torch.nn.Linear and type(dit.context_embedder) is torch.nn.Linear
+    fast = eng.generate(reqs)
+    assert eng.last_stats["new_graphs"] >= 2  # a graph per block kind at least
+    assert torch.isfinite(fast.log_probs).all() and not torch.equal(fast.latents, eager.latents)
+    assert ((fast.images - eager.images).abs().mean() < 0.05).item()  # the same images, up to FP8 rounding
+    eng.generate(reqs)
+    assert eng.last_stats["new_graphs"] == 0  # fixed shapes: no recompile
+
+
+def test_parallelize_checkpoints_compiles_and_shards_both_flux_block_lists(tiny_flux_dir, adapter, sampling, batch,
+                                                                          eager_compile):
+    """The actor's activation checkpointing, --fsdp-compile and per-block FSDP2 cover FLUX's
+    double-stream AND single-stream blocks; "every k-th block" counts along both lists; the
+    wrapped model replays the plain one's log-prob and trains the single-stream blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    from tests.dist.tiny import one_rank_mesh
+    from trainer.actor import find_block_lists, find_blocks, parallelize
+    from trainer.loop import make_replay_fn
+
+    def load():
+        return adapter.load_train_model(str(tiny_flux_dir), dtype=torch.float32)
+
+    plain = load()
+    lists = find_block_lists(plain)
+    assert len(lists) == 2 and lists[0] is plain.transformer_blocks and lists[1] is plain.single_transformer_blocks
+    assert [type(b).__name__ for b in find_blocks(plain)] == ["FluxTransformerBlock"] * 2 + \
+        ["FluxSingleTransformerBlock"] * 2
+    replay_fn = make_replay_fn(adapter, sampling)
+    rows = batch.without_images()[:2]
+    with torch.no_grad():
+        want = replay_fn(plain, rows)
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        model = parallelize(load(), mesh, activation_checkpointing=True, compile_blocks=True)
+        wrapped = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+        for block in wrapped:
+            assert isinstance(block, torch._dynamo.eval_frame.OptimizedModule)
+            assert isinstance(block._orig_mod, CheckpointWrapper) and isinstance(block, FSDPModule)
+        assert find_blocks(model) == wrapped  # still found once wrapped
+        logp = replay_fn(model, rows)
+        torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-6)
+        logp.sum().backward()
+        grads = [p.grad for p in model.single_transformer_blocks.parameters()]
+        assert grads and all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+        every3 = parallelize(load(), mesh, activation_checkpointing=True, activation_checkpointing_every=3)
+        assert [isinstance(b, CheckpointWrapper) for b in find_blocks(every3)] == [True, False, False, True]
+    finally:
+        next(gen, None)
+
+
 # ------------------------------------------------------------------------- the bench
 
 
@@ -395,6 +482,82 @@ def test_flux_bench_tiny_run_writes_finite_figures(tmp_path):
             "merged_sync_s", "adapter_sync_s", "update_s_lora", "step_s"} <= set(figures)
     assert figures["step_s"]["geometry"]["family"] == "flux" and figures["step_s"]["geometry"]["text_tokens"] == 8
     assert figures["replay_logp_max_abs_err_lora"]["value"] < 1e-4
+
+
+def test_flux_bench_with_the_speed_flags_writes_finite_speed_figures(tmp_path, monkeypatch, eager_compile):
+    """--rollout-compile --fsdp-compile --rollout-precision fp8 run for FLUX through the shared
+    main: the eager rollout, then the FP8 + compiled one (its speedup and rollout-to-replay gap),
+    the compiled actor's replay, update and the whole step, every figure finite; the attention
+    policy is applied before the first rollout, and the actor compiled both block lists. In
+    process, for the eager compile backend (inductor's CPU codegen takes minutes here)."""
+    import math
+
+    import tools.bench as bench
+    import trainer.models.base as base
+    from tests.dist.tiny import one_rank_mesh
+    from trainer.engine.native import NativeEngine
+
+    events, actors = [], []
+    policy, generate, build_actor = base.apply_attention_policy, NativeEngine.generate, bench.build_actor
+
+    def spy_policy(adapter, device):
+        events.append(("policy", type(adapter).__name__))
+        return policy(adapter, device)
+
+    def spy_generate(self, requests):
+        events.append(("generate", None))
+        return generate(self, requests)
+
+    def spy_actor(*args, **kwargs):
+        actors.append(build_actor(*args, **kwargs))
+        return actors[-1]
+
+    monkeypatch.setattr(base, "apply_attention_policy", spy_policy)
+    monkeypatch.setattr(NativeEngine, "generate", spy_generate)
+    monkeypatch.setattr(bench, "build_actor", spy_actor)
+    out = tmp_path / "figures.jsonl"
+    gen = one_rank_mesh()
+    next(gen)
+    try:
+        rc = bench.main(["--family", "flux", "--shape", "tiny", "--device", "cpu", "--height", "32", "--width", "32",
+                         "--steps", "2", "--sde-pool", "1", "--trained-steps", "1", "--prompts", "1", "--group-size",
+                         "2", "--micro-batch", "1", "--num-updates", "2", "--dit-batches", "1", "--iters", "1",
+                         "--text-tokens", "8", "--rollout-compile", "--fsdp-compile", "--rollout-precision", "fp8",
+                         "--out", str(out)])
+    finally:
+        next(gen, None)
+    assert rc == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(isinstance(l["value"], float) and math.isfinite(l["value"]) for l in lines)
+    by = {(l["figure"], l.get("variant")): l["value"] for l in lines}
+    fast = "fp8+compile"
+    for figure in ("rollout_images_per_s", "rollout_mfu", "dit_mfu"):
+        assert by[(figure, "eager")] > 0 and by[(figure, fast)] > 0
+    assert by[("enable_speedups_s", fast)] > 0 and by[("rollout_speedup", fast)] > 0
+    assert by[("rollout_speedup", fast)] == pytest.approx(by[("rollout_images_per_s", fast)]
+                                                          / by[("rollout_images_per_s", "eager")])
+    assert by[("rollout_new_graphs", fast)] == 0  # compiled by the warm-up rollout, then reused
+    assert 0 < by[("rollout_replay_kl", fast)] < 1e-3  # the FP8 rollout is off the actor by its rounding
+    assert ("rollout_logp_gap_mean", fast) in by
+    assert {"replay_transitions_per_s_lora", "update_s_lora", "adapter_sync_s", "step_first_s", "step_s"} <= \
+        {figure for figure, _ in by}
+    assert lines[-1]["geometry"]["family"] == "flux" and lines[-1]["geometry"]["dit_single_layers"] == 2
+    assert events[0] == ("policy", "FluxAdapter") and ("generate", None) in events
+    (actor,) = actors
+    for blocks in (actor.model.transformer_blocks, actor.model.single_transformer_blocks):
+        assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in blocks)
+
+
+def test_flux_bench_takes_the_speed_flags_and_refuses_compare(capsys):
+    """The speed flags parse for --family flux (they run: the test above); --compare stays
+    Qwen-Image's and is refused naming the family."""
+    from tools.bench import parse_args
+
+    args = parse_args(["--family", "flux", "--rollout-compile", "--fsdp-compile", "--rollout-precision", "fp8"])
+    assert args.rollout_compile and args.fsdp_compile and args.rollout_precision == "fp8"
+    with pytest.raises(SystemExit):
+        parse_args(["--family", "flux", "--compare", "diffusers"])
+    assert "--compare times Qwen-Image pipelines, not --family flux's" in capsys.readouterr().err
 
 
 def test_bench_counts_one_dit_row_per_candidate_under_the_embedded_guidance(engine, adapter, sampling):

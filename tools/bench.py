@@ -14,6 +14,10 @@ FlowGRPO's own SD3 rollout function, imported from that checkout, on the same mo
     torchrun --nproc-per-node 1 tools/bench.py --family sd3 --shape real --height 512 --width 512 \
         --steps 10 --guidance-scale 4.5 --flowgrpo-path runs/flow_grpo --output bench/results/sd3.jsonl
 
+--family flux times FLUX.1-dev (tools/bench_flux.py: its 11.9 B DiT, CLIP-L + T5-XXL, its FLOP model;
+--text-tokens is its T5 window). Every family runs the same phases below (family_parts says what
+differs), the speed options included; --compare is Qwen-Image's only.
+
 Nothing is read from disk: every module (the 20.4 B DiT, the VAE, the Qwen2.5-VL-7B text
 encoder) is built on the meta device from its config, materialised on the rank's device with
 `to_empty`, then given cheap random values there (`materialise`). The code being timed is the
@@ -312,27 +316,63 @@ def build_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch
 
 
 def family_parts(family: str) -> SimpleNamespace:
-    """What --family changes in the bench: the random engine and DiT builders, the adapter
-    class, the FLOP model of one DiT forward and the prompts (count -> prompts, given the engine
-    and --text-tokens), the sampling keys the family needs."""
+    """What --family changes in the bench; main runs the same phases over these for every family.
+
+    build_engine(shape, device, dtype, max_batch, seed=, text_tokens=): the random NativeEngine
+        (text_tokens: the T5 window a family pads every prompt to, FLUX's; the other families'
+        prompts set their own length);
+    build_transformer(shape, device, dtype, seed=): the DiT alone (the actor's, seeded like the engine's);
+    adapter: the adapter class; forward_flops(cfg, image_tokens, text_tokens, batch): the FLOP
+        model of one DiT forward; prompts(engine, n, text_tokens): the rollout's prompts;
+    sampling: sampling-config keys the family needs; transformer_config(shape): the DiT's config;
+    image_tokens(height, width, vae_scale_factor, dit_cfg): tokens of the DiT's image sequence;
+    geometry(dit_cfg): extra keys of every figure's geometry."""
+    def tokens(height, width, vae_scale_factor, dit_cfg):
+        return image_tokens_for(height, width, vae_scale_factor, int(dit_cfg["patch_size"]))
+
+    if family == "flux":
+        from tools import bench_flux
+        from trainer.models.flux import FluxAdapter
+
+        def flux_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=FluxAdapter.max_sequence_length):
+            return bench_flux.build_flux_engine(shape, device, dtype, max_batch_size, text_tokens, seed=seed)
+
+        return SimpleNamespace(
+            build_engine=flux_engine, build_transformer=bench_flux.build_flux_transformer, adapter=FluxAdapter,
+            forward_flops=bench_flux.flux_forward_flops,
+            prompts=lambda engine, n, text_tokens: bench_flux.flux_prompts(n), sampling={},
+            transformer_config=lambda shape: bench_flux.flux_shape_configs(shape)[0],
+            # FluxPipeline packs 2 x 2 latent patches into one token; the DiT's own patch_size is 1
+            image_tokens=lambda height, width, vae_scale_factor, dit_cfg: image_tokens_for(
+                height, width, vae_scale_factor, 2),
+            geometry=lambda dit_cfg: {"embedded_guidance": True,
+                                      "dit_single_layers": int(dit_cfg["num_single_layers"])})
     if family == "sd3":
         from tools import bench_sd3
         from trainer.models.sd3 import SD3Adapter
 
-        return SimpleNamespace(build_engine=bench_sd3.build_sd3_engine, build_transformer=bench_sd3.build_sd3_transformer,
+        def sd3_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=None):
+            return bench_sd3.build_sd3_engine(shape, device, dtype, max_batch_size, seed=seed)
+
+        return SimpleNamespace(build_engine=sd3_engine, build_transformer=bench_sd3.build_sd3_transformer,
                                adapter=SD3Adapter, forward_flops=bench_sd3.sd3_forward_flops,
                                prompts=lambda engine, n, text_tokens: bench_sd3.sd3_prompts(n),
                                sampling={"cfg_renorm": False, "negative_prompt": ""},
-                               transformer_config=bench_sd3.transformer_config)
+                               transformer_config=bench_sd3.transformer_config, image_tokens=tokens,
+                               geometry=lambda dit_cfg: {})
     from trainer.models.qwen_image import QwenImageAdapter
 
     def prompts(engine, n, text_tokens):
         encoder = engine.prompt_encoder
         return make_prompts(n, engine.tokenizer, encoder.template, encoder.template_start_idx, text_tokens)
 
-    return SimpleNamespace(build_engine=build_engine, build_transformer=build_transformer, adapter=QwenImageAdapter,
+    def qwen_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=None):
+        return build_engine(shape, device, dtype, max_batch_size, seed=seed)
+
+    return SimpleNamespace(build_engine=qwen_engine, build_transformer=build_transformer, adapter=QwenImageAdapter,
                            forward_flops=dit_forward_flops, prompts=prompts, sampling={},
-                           transformer_config=lambda shape: shape_configs(shape)[0])
+                           transformer_config=lambda shape: shape_configs(shape)[0], image_tokens=tokens,
+                           geometry=lambda dit_cfg: {})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,8 +601,6 @@ class Ctx:
     peak_tflops: float
     #: the family's FLOPs of one DiT forward (cfg, image_tokens, text_tokens, batch)
     forward_flops: Callable[..., float] = None
-    #: the family's actor builder (build_actor's signature); None: build_actor (tools/bench_flux.py sets FLUX's)
-    build_actor: Callable[..., Any] | None = None
     #: rollout_images_per_s by variant ("eager", "compile", ...), for the in-process ratios
     images_per_s: dict[str, float] = field(default_factory=dict)
 
@@ -576,18 +614,21 @@ def rollout_variant(args) -> str:
 def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     """dit_forward_s and dit_mfu at each --dit-batches size: the engine's transformer through
     the adapter's velocity call (exactly the engine's rollout call, one conditional row per
-    sample), no grad. A compiled DiT is compiled for each batch size by its first (untimed)
-    call."""
+    sample, with the embedded guidance of a guidance-distilled family: FLUX's), no grad. A
+    compiled DiT is compiled for each batch size by its first (untimed) call."""
+    from trainer.engine.base import embedded_guidance_condition
     from trainer.sampling import init_noise_shape
 
     a, e = c.args, c.engine
     cond = e.encode_prompt(c.prompts[0])
+    req = build_requests(e, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, a.seed, 0)[0]
     shape = init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor)
     for b in a.dit_batches:
         x_t = torch.randn(b, *shape)
         x = e.adapter.initial_latents(x_t, e.transformer, a.height, a.width, e.vae_scale_factor).to(c.device, c.dtype)
         t = torch.full((b,), 500.0)
         conditions = e.adapter.batch_conditions([cond] * b)  # the engine's own batching
+        conditions.update(embedded_guidance_condition(req, b, c.device))
         with torch.no_grad():
             def fwd():
                 return e.adapter.velocity(e.transformer, x, t, conditions, a.height, a.width, e.vae_scale_factor)
@@ -912,13 +953,14 @@ def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
     time, each freed before the next): parameters kept gathered after forward (noreshard),
     checkpointing every other block (ac_every2), no checkpointing (ac_none)."""
     a = c.args
-    n_blocks = int(c.dit_cfg["num_layers"])
+    # every block list the actor checkpoints (FLUX: the double- and the single-stream blocks)
+    n_blocks = int(c.dit_cfg["num_layers"]) + int(c.dit_cfg.get("num_single_layers") or 0)
     for name, (reshard, ac, every) in REPLAY_VARIANTS.items():
         ac_on = (not a.no_activation_checkpointing) if ac is None else ac
         fraction = math.ceil(n_blocks / every) / n_blocks if ac_on else 0.0
 
         def build(reshard=reshard, ac_on=ac_on, every=every):
-            return (c.build_actor or build_actor)(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
+            return build_actor(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
                                activation_checkpointing=ac_on, activation_checkpointing_every=every)
 
         replay_variant(c, name, build, batch, replay_fn, fraction, reshard_after_forward=reshard,
@@ -1032,7 +1074,7 @@ def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:
 
     Runs before any LoRA is installed in the engine (a full sync refuses a LoRA engine)."""
     a = c.args
-    actor = (c.build_actor or build_actor)(a, "full", c.mesh, c.device, c.dtype)
+    actor = build_actor(a, "full", c.mesh, c.device, c.dtype)
     c.rep.phase_memory("build_actor_full")
     phase_sync(c, actor, "full", verify=True)
     phase_sync(c, actor, "full", verify=False, label="full_sync_noverify_s")
@@ -1251,11 +1293,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.flowgrpo_path is not None and args.family != "sd3" and "flowgrpo" not in args.compare:
         p.error("--flowgrpo-path is read by --family sd3 (FlowGRPO's SD3 rollout function) or by --compare flowgrpo "
                 "(its Qwen-Image one): add one of them")
-    if args.family == "flux" and (args.rollout_compile or args.rollout_precision != "default" or args.fsdp_compile):
-        p.error("--rollout-compile / --rollout-precision / --fsdp-compile are not wired into --family flux's bench "
-                "(tools/bench_flux.py) yet")
     if args.compare and args.family != "qwen_image":
-        p.error(f"--compare times Qwen-Image pipelines; with --family {args.family} use --flowgrpo-path (sd3)")
+        p.error(f"--compare times Qwen-Image pipelines, not --family {args.family}'s (--family sd3 times FlowGRPO's "
+                "SD3 rollout with --flowgrpo-path)")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
                 f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
@@ -1267,21 +1307,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from trainer.distributed import build_mesh, init_distributed
     from trainer.loop import make_replay_fn
+    from trainer.models.base import apply_attention_policy
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     args = parse_args(argv)
-    if args.family == "flux":  # its own shapes, FLOP model and build; the phases below are shared
-        from tools.bench_flux import main_flux
-
-        return main_flux(args)
     fam = family_parts(args.family)
     if args.num_layers and args.shape == "real":
         REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
+        from tools.bench_flux import REAL_FLUX_TRANSFORMER_CONFIG
         from tools.bench_sd3 import REAL_SD3_TRANSFORMER_CONFIG
 
         REAL_SD3_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
         REAL_SD3_TRANSFORMER_CONFIG["dual_attention_layers"] = tuple(
             i for i in REAL_SD3_TRANSFORMER_CONFIG["dual_attention_layers"] if i < int(args.num_layers))
+        # N double-stream blocks and 2N single-stream ones, FLUX.1-dev's 19 : 38
+        REAL_FLUX_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
+        REAL_FLUX_TRANSFORMER_CONFIG["num_single_layers"] = 2 * int(args.num_layers)
     if args.scorers:
         return bench_scorers(args)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1295,9 +1336,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = fam.build_engine(args.shape, device, dtype, args.max_batch, seed=args.seed)
+        engine = fam.build_engine(args.shape, device, dtype, args.max_batch, seed=args.seed,
+                                  text_tokens=args.text_tokens)
         build_s = time.perf_counter() - t0
         adapter = fam.adapter(vae_scale_factor=engine.vae_scale_factor)
+        # before any rollout or replay, as the training loop does (FLUX: cuDNN attention off on CUDA)
+        apply_attention_policy(adapter, device)
         sampling = parse_sampling_config({
             "height": args.height, "width": args.width, "num_inference_steps": args.steps, "eta": args.eta,
             "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
@@ -1306,8 +1350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = fam.prompts(engine, args.prompts, args.text_tokens)
         text_tokens = int(engine.encode_prompt(prompts[0])["prompt_embeds"].shape[0])
         dit_cfg = dict(engine.transformer.config)
-        image_tokens = image_tokens_for(args.height, args.width, engine.vae_scale_factor,
-                                        int(dit_cfg["patch_size"]))
+        image_tokens = fam.image_tokens(args.height, args.width, engine.vae_scale_factor, dit_cfg)
         geometry = {"family": args.family, "shape": args.shape, "height": args.height, "width": args.width, "steps": args.steps,
                     "trained_steps": len(sde_indices), "sde_indices": sde_indices, "eta": args.eta,
                     "guidance_scale": args.guidance_scale,
@@ -1316,7 +1359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "dit_layers": int(dit_cfg["num_layers"]),
                     "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
                     "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
-                    "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype}
+                    "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype,
+                    **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
         peak = args.peak_tflops
         if peak is None:

@@ -1,24 +1,24 @@
-"""tools/bench.py --family flux: FLUX.1-dev's shapes, FLOP model, file-free build and run.
+"""tools/bench.py --family flux: FLUX.1-dev's shapes, FLOP model and file-free build.
 
     torchrun --nproc-per-node 1 tools/bench.py --family flux --shape real --height 512 --width 512 \\
         --steps 6 --sde-pool 1 2 3 4 --trained-steps 4 --eta 0.9 --prompts 6 --group-size 24 \\
         --micro-batch 3 --text-tokens 512 --output bench/results/h200x1-flux.jsonl
 
-The same phases as Qwen-Image's bench (tools/bench.py: rollout, reward, LoRA replay and update,
-merged / adapter sync, offload, the whole step; --full adds the full fine-tune ones), over a
-FLUX.1-dev pipeline of random weights built from its configs on the meta device and materialised
-on the rank's device: the 11.9 B FluxTransformer2DModel (19 double-stream, 38 single-stream
-blocks, 24 heads x 128, T5 width 4096, CLIP pooled 768, the guidance embedding), its 84 M
-AutoencoderKL, CLIP-L's text model (123 M) and the T5-XXL encoder (4.76 B). The engine, actor and
-sync are the project's, through trainer.models.flux.FluxAdapter. --text-tokens is the T5 window
+tools/bench.py:family_parts("flux") hands these pieces to the bench's main, which runs the same
+phases as for Qwen-Image and SD3 (DiT forward, rollout, reward, LoRA replay and update, merged /
+adapter sync, offload, the whole step; --full adds the full fine-tune ones; --rollout-compile,
+--rollout-precision fp8 and --fsdp-compile as for the other families: the eager rollout first,
+then the engine's speed options, rollout_speedup and the rollout-to-replay gap), over a FLUX.1-dev
+pipeline of random weights built from its configs on the meta device and materialised on the
+rank's device: the 11.9 B FluxTransformer2DModel (19 double-stream, 38 single-stream blocks, 24
+heads x 128, T5 width 4096, CLIP pooled 768, the guidance embedding), its 84 M AutoencoderKL,
+CLIP-L's text model (123 M) and the T5-XXL encoder (4.76 B). The engine, actor and sync are the
+project's, through trainer.models.flux.FluxAdapter. --text-tokens is the T5 window
 (max_sequence_length): FluxPipeline pads every prompt to it, so it is the text length the DiT
-sees (FLUX.1-dev's default 512; FlowGRPO trains at 128).
+sees (FLUX.1-dev's default 512; FlowGRPO trains at 128). --compare stays Qwen-Image's.
 """
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 import torch
 
@@ -123,14 +123,6 @@ def flux_forward_flops(cfg: dict, image_tokens: int, text_tokens: int, batch: in
     return float(batch) * (linear + attention)
 
 
-def flux_replay_flops(cfg: dict, image_tokens: int, text_tokens: int, transitions: int = 1,
-                      checkpointing: bool | float = True) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of replaying `transitions` transitions with a backward:
-    3 F and (3 + checkpointed fraction) F, the convention of tools/bench.py:replay_flops."""
-    f = flux_forward_flops(cfg, image_tokens, text_tokens, transitions)
-    return 3.0 * f, (3.0 + float(checkpointing)) * f
-
-
 # ----------------------------------------------------------------------------------------------
 # building random modules without files
 
@@ -182,155 +174,9 @@ def build_flux_engine(shape: str, device: torch.device, dtype: torch.dtype, max_
                                      max_sequence_length=max_sequence_length, adapter=FluxAdapter())
 
 
-def build_flux_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype, *,
-                     reshard_after_forward: bool = True, activation_checkpointing: bool | None = None,
-                     activation_checkpointing_every: int = 1):
-    """trainer.actor.Actor over a fresh random FLUX DiT seeded like the engine's (same base
-    weights), with FluxAdapter's LoRA targets; the keywords as tools/bench.py:build_actor's."""
-    from tools import bench as B
-    from trainer.actor import Actor, build_train_model
-    from trainer.models.flux import FluxAdapter
-
-    cfg = B.actor_cfg(args, mode)
-    cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
-    if activation_checkpointing is not None:
-        cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
-    model = B.buffers_to(build_flux_transformer(args.shape, device, dtype, seed=args.seed), dtype)
-    model, lora_config, never_trained = build_train_model(
-        model, mesh, cfg.fsdp, cfg.lora, adapter=FluxAdapter(),
-        activation_checkpointing_every=activation_checkpointing_every)
-    return Actor(model, mesh, cfg, device=device, built=True, lora_config=lora_config, never_trained=never_trained)
-
-
-# ----------------------------------------------------------------------------------------------
-# phases of their own
-
-
-def phase_flux_dit_forward(c) -> None:
-    """dit_forward_s and dit_mfu at each --dit-batches size: the engine's DiT through the adapter's
-    velocity call (the rollout's), no grad."""
-    from tools.bench import _mean_time
-
-    a, e = c.args, c.engine
-    cond = e.encode_prompt(c.prompts[0])
-    for b in a.dit_batches:
-        x = torch.randn(b, c.image_tokens, int(e.transformer.config.in_channels), device=c.device, dtype=c.dtype)
-        t = torch.full((b,), 500.0)
-        conditions = {k: v[None].expand(b, *v.shape).contiguous() for k, v in cond.items()}
-        conditions["guidance"] = torch.full((b,), float(a.guidance_scale), dtype=torch.float32, device=c.device)
-        with torch.no_grad():
-            def fwd():
-                return e.adapter.velocity(e.transformer, x, t, conditions, a.height, a.width, e.vae_scale_factor)
-            fwd()
-            sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")
-        flops = flux_forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, b)
-        c.rep.emit("dit_forward_s", sec, "s", batch=b)
-        c.rep.emit("dit_mfu", flops / sec / 1e12 / c.peak_tflops, "fraction", batch=b,
-                   tflop_per_forward=flops / 1e12, peak_tflops=c.peak_tflops)
-    c.rep.phase_memory("dit_forward")
-
-
 def flux_prompts(n: int) -> list[str]:
     """n distinct prompts naming a palette colour (ColorScorer scores each); FLUX's T5 pads each
     to max_sequence_length, so their length does not matter."""
     from tools.bench import _COLOURS
 
     return [f"a {_COLOURS[i % len(_COLOURS)]} ball number {i}" for i in range(n)]
-
-
-def main_flux(args) -> int:
-    """tools/bench.py's main for --family flux (the same phases and figures)."""
-    import torch.distributed as dist
-
-    from tools import bench as B
-    from trainer.distributed import build_mesh, init_distributed
-    from trainer.loop import make_replay_fn
-    from trainer.models.base import apply_attention_policy
-    from trainer.sampling import parse_sampling_config, resolve_sde_indices
-
-    if args.num_layers and args.shape == "real":
-        # N double-stream blocks and 2N single-stream ones, FLUX.1-dev's 19 : 38
-        REAL_FLUX_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
-        REAL_FLUX_TRANSFORMER_CONFIG["num_single_layers"] = 2 * int(args.num_layers)
-    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
-    dtype = B._DTYPES[args.dtype]
-    created = not dist.is_initialized()
-    info = init_distributed(device_type)
-    try:
-        mesh = build_mesh(device_type)
-        device = info.device
-        t0 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        engine = build_flux_engine(args.shape, device, dtype, args.max_batch, args.text_tokens, seed=args.seed)
-        build_s = time.perf_counter() - t0
-        adapter = engine.adapter
-        apply_attention_policy(adapter, device)  # as the training loop does
-        sampling = parse_sampling_config({
-            "height": args.height, "width": args.width, "num_inference_steps": args.steps, "eta": args.eta,
-            "sde_type": "sde", "sde_resample_per_rollout": True, "num_sde_steps": args.trained_steps,
-            "sde_pool": list(args.sde_pool), "guidance_scale": args.guidance_scale})
-        sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
-        prompts = flux_prompts(args.prompts)
-        text_tokens = int(engine.encode_prompt(prompts[0])["prompt_embeds"].shape[0])
-        dit_cfg = dict(engine.transformer.config)
-        image_tokens = B.image_tokens_for(args.height, args.width, engine.vae_scale_factor, 2)
-        geometry = {"family": "flux", "shape": args.shape, "height": args.height, "width": args.width,
-                    "steps": args.steps, "trained_steps": len(sde_indices), "sde_indices": sde_indices,
-                    "eta": args.eta, "guidance_scale": args.guidance_scale, "embedded_guidance": True,
-                    "prompts": args.prompts, "group_size": args.group_size,
-                    "candidates": args.prompts * args.group_size, "image_tokens": image_tokens,
-                    "dit_layers": int(dit_cfg["num_layers"]), "dit_single_layers": int(dit_cfg["num_single_layers"]),
-                    "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
-                    "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
-                    "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype}
-        rep = B.Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
-        peak = args.peak_tflops
-        if peak is None:
-            gemm = args.gemm_size if device.type == "cuda" else min(args.gemm_size, 256)
-            peak = rep.reduce(B.matmul_tflops(device, dtype, gemm, iters=50 if device.type == "cuda" else 5), "min")
-            rep.emit("matmul_tflops", peak, "TFLOP/s", gemm=gemm)
-        rep.emit("build_engine_s", build_s, "s")
-        rep.phase_memory("build_engine")
-        c = B.Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
-                  image_tokens, text_tokens, peak, forward_flops=flux_forward_flops, build_actor=build_flux_actor)
-
-        skip = set(args.skip)
-        if "dit" not in skip:
-            phase_flux_dit_forward(c)
-        if "checksum" not in skip:
-            B.phase_checksum(c)
-        traj = B.phase_rollout(c)
-        adv, valid, score_s, degenerate = B.score(c, traj)
-        rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
-        batch = traj.without_images()
-        replay_fn = make_replay_fn(adapter, sampling)
-
-        if args.full:
-            B.run_full(c, replay_fn, batch, adv, valid)
-        if args.replay_variants:
-            B.phase_replay_variants(c, batch, replay_fn)
-        actor = build_flux_actor(args, "lora", mesh, device, dtype)
-        rep.phase_memory("build_actor_lora")
-        if "merged" not in skip:
-            B.phase_sync(c, actor, "merged", verify=True)
-            B.phase_sync(c, actor, "merged", verify=False, label="merged_sync_noverify_s")
-        if "replay" not in skip:
-            B.phase_replay(c, actor, batch, replay_fn, "lora")
-        if args.profile_replay is not None:
-            B.phase_profile_replay(c, actor, batch, replay_fn, args.profile_replay)
-        if "update" not in skip:
-            B.phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
-        if args.sync_kind == "adapter" and "adapter" not in skip:
-            B.phase_sync(c, actor, "adapter")
-            B.phase_sync(c, actor, "adapter", label="adapter_sync_per_tensor_s", gather_mode="per_tensor")
-        if "offload" not in skip:
-            B.phase_offload(c, actor, "lora")
-        if "step" not in skip:
-            B.phase_step(c, actor, replay_fn, args.sync_kind)
-        return 0
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
-

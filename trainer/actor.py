@@ -55,20 +55,42 @@ class MicroBatchMismatchError(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 # small helpers
 
-def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of repeated transformer blocks (diffusers: `transformer_blocks`, whose class
-    is named in `_no_split_modules` / `_repeated_blocks`)."""
+def _unwrapped(block: nn.Module) -> nn.Module:
+    """`block` without the wrappers parallelize puts around it (torch.compile's OptimizedModule,
+    the checkpoint wrapper)."""
+    while True:
+        inner = getattr(block, "_orig_mod", None) or getattr(block, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, nn.Module):
+            return block
+        block = inner
+
+
+def _is_block(block: nn.Module, names: set[str]) -> bool:
+    """Whether `block`'s class (or a base class: fully_shard swaps in a subclass) is named in `names`."""
+    return any(k.__name__ in names for k in type(_unwrapped(block)).__mro__)
+
+
+def find_block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """Every ModuleList of repeated transformer blocks, in module order: each one whose blocks'
+    classes are named in `_no_split_modules` / `_repeated_blocks` (FLUX has two such lists,
+    `transformer_blocks` and `single_transformer_blocks`), else diffusers' `transformer_blocks`."""
     names = set(getattr(model, "_repeated_blocks", None) or []) | set(getattr(model, "_no_split_modules", None) or [])
-    for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            inner = [getattr(b, "_checkpoint_wrapped_module", b) for b in module]
-            if names and all(type(b).__name__ in names for b in inner):
-                return module
+    if names:
+        found = [m for _, m in model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) > 0 and all(_is_block(b, names) for b in m)]
+        if found:
+            return found
     blocks = getattr(model, "transformer_blocks", None)
     if isinstance(blocks, nn.ModuleList):
-        return blocks
+        return [blocks]
     raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: expected a ModuleList "
                      "`transformer_blocks` or one whose class is listed in _no_split_modules")
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of every find_block_lists list, in module order (as they
+    stand: wrapped once parallelize has run)."""
+    return [block for blocks in find_block_lists(model) for block in blocks]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,16 +148,18 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
 
     if activation_checkpointing_every < 1:
         raise ValueError(f"activation_checkpointing_every must be >= 1, got {activation_checkpointing_every}")
-    blocks = find_blocks(model)
+    # (list, index) of every block, all lists in module order: a FLUX DiT's double-stream blocks,
+    # then its single-stream ones; "every k-th block" counts along the whole sequence
+    slots = [(blocks, i) for blocks in find_block_lists(model) for i in range(len(blocks))]
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i in range(0, len(blocks), activation_checkpointing_every):
+        for blocks, i in slots[::activation_checkpointing_every]:
             # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
             blocks[i] = checkpoint_wrapper(blocks[i])
     if compile_blocks:
         raise_recompile_limit()
-        for i in range(len(blocks)):
+        for blocks, i in slots:
             blocks[i] = torch.compile(blocks[i], **REGIONAL_COMPILE_KWARGS)
     # inputs pass as the adapter and the model give them, as in the engine's DiT: casting them to
     # param_dtype would round, in the replay only, an fp32 timestep (SD3 pipelines pass one: 857.7
@@ -146,8 +170,8 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    for blocks, i in slots:
+        fully_shard(blocks[i], reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
 
