@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.sglang_engine.devices import sglang_kwargs
 from trainer.engine.sglang_engine import SGLangEngine
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
@@ -31,7 +32,7 @@ def sampling_for(sde_type="sde", eta=0.7, sde_indices=(1, 2, 4)):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    return SGLangEngine(str(tiny_model_dir), **sglang_kwargs())
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ images, prompt embeddings and log-probs differ by <= 1e-6 (different DiT impleme
 the same math: SGLang fuses the text q/k/v projection and uses its own norm/modulation ops).
 TOL below is 1e-5, ten times that. The replay (the trainer's QwenImageAdapter.replay_transition
 through a separately loaded diffusers transformer) matches each engine's recorded log-probs to
-REPLAY_TOL = 1e-5, the tolerance tests/test_engine.py uses for the native engine.
+REPLAY_TOL = 1e-5, the tolerance tests/test_engine.py uses for the native engine. The engines
+run where tests/sglang_engine/devices.py says (CPU fp32 unless SGLANG_TEST_DEVICE / _DTYPE set
+another); the tolerances are the CPU fp32 ones.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
 from trainer.core.manifest import build_manifest
 
+from tests.sglang_engine.devices import DEVICE, DTYPE, native_kwargs, sglang_kwargs
+
 TOL = 1e-5
 REPLAY_TOL = 1e-5
 PROMPTS = ["a cat", "a considerably longer prompt about a red panda drinking tea"]
@@ -35,8 +39,8 @@ def sampling_for(sde_type="sde", eta=0.7, sde_indices=(1, 2, 4)):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    sg = SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
-    na = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, max_batch_size=8)
+    sg = SGLangEngine(str(tiny_model_dir), **sglang_kwargs())
+    na = NativeEngine(str(tiny_model_dir), **native_kwargs(max_batch_size=8))
     return na, sg
 
 
@@ -118,13 +122,13 @@ def test_driver_sigmas_are_used_verbatim(engines, adapter):
 @pytest.mark.parametrize("sde_type,eta", [("sde", 0.7), ("dance", 0.3)])
 def test_replay_reproduces_each_engines_logprobs(engines, adapter, tiny_model_dir, sde_type, eta):
     sampling = sampling_for(sde_type, eta)
-    actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    actor = adapter.load_train_model(str(tiny_model_dir), dtype=DTYPE).to(DEVICE)
     for engine in engines:
         batch = engine.generate(make_requests(adapter, engines[0], sampling))
         with torch.no_grad():
             for col in range(batch.num_steps):
                 got = adapter.replay_transition(actor, batch, col, sampling)
-                torch.testing.assert_close(got, batch.log_probs[:, col], atol=REPLAY_TOL, rtol=0)
+                torch.testing.assert_close(got.cpu(), batch.log_probs[:, col].cpu(), atol=REPLAY_TOL, rtol=0)
 
 
 def _perturbed_state(tiny_model_dir, seed=3, scale=0.05):
@@ -199,7 +203,7 @@ def test_building_an_engine_leaves_the_process_as_it_was(tiny_model_dir, monkeyp
     root = logging.getLogger()
     before = (_numerics_state(), torch.get_num_threads(), setproctitle.getproctitle(), list(root.handlers),
               root.level)
-    sg = SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, attention_backend="torch_sdpa")
+    sg = SGLangEngine(str(tiny_model_dir), **sglang_kwargs(attention_backend="torch_sdpa"))
     after = (_numerics_state(), torch.get_num_threads(), setproctitle.getproctitle(), list(root.handlers),
              root.level)
     assert after == before
@@ -211,8 +215,8 @@ def test_building_an_engine_leaves_the_process_as_it_was(tiny_model_dir, monkeyp
 
 def test_lora_update_changes_both_engines_identically(tiny_model_dir, adapter):
     # fresh engines: an engine that holds LoRA refuses full syncs for the rest of its life
-    sg = SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
-    na = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, max_batch_size=8)
+    sg = SGLangEngine(str(tiny_model_dir), **sglang_kwargs())
+    na = NativeEngine(str(tiny_model_dir), **native_kwargs(max_batch_size=8))
     reqs = make_requests(adapter, na, sampling_for(), prompts=PROMPTS[:1])
     before = sg.generate(reqs)
     c0 = sg.get_weights_checksum()
@@ -251,8 +255,8 @@ def test_peft_adapter_directory_loads_identically(tiny_model_dir, adapter, tmp_p
             if "lora_" in n:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     peft_model.save_pretrained(str(tmp_path / "adapter"))
-    sg = SGLangEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
-    na = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    sg = SGLangEngine(str(tiny_model_dir), **sglang_kwargs())
+    na = NativeEngine(str(tiny_model_dir), **native_kwargs())
     c0 = sg.get_weights_checksum()
     assert sg.load_lora_dir(tmp_path / "adapter") == na.load_lora_dir(tmp_path / "adapter")
     assert sg.get_weights_checksum() == na.get_weights_checksum() != c0
