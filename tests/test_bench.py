@@ -239,7 +239,8 @@ def test_parallelize_checkpoints_only_every_kth_block():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from tests.dist.tiny import LATENT_HW, make_batch, one_rank_mesh, replay
-    from trainer.actor import find_blocks, parallelize
+    from trainer.actor import parallelize
+    from trainer.core.modules import repeated_blocks
 
     def build(**kw):
         torch.manual_seed(0)
@@ -249,7 +250,7 @@ def test_parallelize_checkpoints_only_every_kth_block():
         return parallelize(model, mesh, **kw)
 
     def wrapped(model):
-        return [i for i, b in enumerate(find_blocks(model)) if isinstance(b, CheckpointWrapper)]
+        return [i for i, b in enumerate(repeated_blocks(model)) if isinstance(b, CheckpointWrapper)]
 
     assert LATENT_HW == 4
     gen = one_rank_mesh()

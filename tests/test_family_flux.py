@@ -397,16 +397,17 @@ def test_parallelize_checkpoints_compiles_and_shards_both_flux_block_lists(tiny_
     from torch.distributed.fsdp import FSDPModule
 
     from tests.dist.tiny import one_rank_mesh
-    from trainer.actor import find_block_lists, find_blocks, parallelize
+    from trainer.actor import parallelize
+    from trainer.core.modules import repeated_block_lists, repeated_blocks
     from trainer.loop import make_replay_fn
 
     def load():
         return adapter.load_train_model(str(tiny_flux_dir), dtype=torch.float32)
 
     plain = load()
-    lists = find_block_lists(plain)
+    lists = repeated_block_lists(plain)
     assert len(lists) == 2 and lists[0] is plain.transformer_blocks and lists[1] is plain.single_transformer_blocks
-    assert [type(b).__name__ for b in find_blocks(plain)] == ["FluxTransformerBlock"] * 2 + \
+    assert [type(b).__name__ for b in repeated_blocks(plain)] == ["FluxTransformerBlock"] * 2 + \
         ["FluxSingleTransformerBlock"] * 2
     replay_fn = make_replay_fn(adapter, sampling)
     rows = batch.without_images()[:2]
@@ -420,14 +421,14 @@ def test_parallelize_checkpoints_compiles_and_shards_both_flux_block_lists(tiny_
         for block in wrapped:
             assert isinstance(block, torch._dynamo.eval_frame.OptimizedModule)
             assert isinstance(block._orig_mod, CheckpointWrapper) and isinstance(block, FSDPModule)
-        assert find_blocks(model) == wrapped  # still found once wrapped
+        assert repeated_blocks(model) == wrapped  # still found once wrapped
         logp = replay_fn(model, rows)
         torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-6)
         logp.sum().backward()
         grads = [p.grad for p in model.single_transformer_blocks.parameters()]
         assert grads and all(g is not None and bool(g.abs().sum() > 0) for g in grads)
         every3 = parallelize(load(), mesh, activation_checkpointing=True, activation_checkpointing_every=3)
-        assert [isinstance(b, CheckpointWrapper) for b in find_blocks(every3)] == [True, False, False, True]
+        assert [isinstance(b, CheckpointWrapper) for b in repeated_blocks(every3)] == [True, False, False, True]
     finally:
         next(gen, None)
 

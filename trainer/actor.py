@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from trainer.core.dtypes import resolve_dtype
 from trainer.core.names import is_lora_name, model_name
-from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit
+from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_block_lists
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
 from trainer.ema import ParamEMA
 from trainer.flow_grpo import grpo_clip_loss, transition_kl
@@ -50,47 +50,6 @@ class OffloadError(RuntimeError):
 
 class MicroBatchMismatchError(RuntimeError):
     """Ranks disagree on the micro-batch plan; running on would deadlock an FSDP collective."""
-
-
-# ----------------------------------------------------------------------------------------------
-# small helpers
-
-def _unwrapped(block: nn.Module) -> nn.Module:
-    """`block` without the wrappers parallelize puts around it (torch.compile's OptimizedModule,
-    the checkpoint wrapper)."""
-    while True:
-        inner = getattr(block, "_orig_mod", None) or getattr(block, "_checkpoint_wrapped_module", None)
-        if not isinstance(inner, nn.Module):
-            return block
-        block = inner
-
-
-def _is_block(block: nn.Module, names: set[str]) -> bool:
-    """Whether `block`'s class (or a base class: fully_shard swaps in a subclass) is named in `names`."""
-    return any(k.__name__ in names for k in type(_unwrapped(block)).__mro__)
-
-
-def find_block_lists(model: nn.Module) -> list[nn.ModuleList]:
-    """Every ModuleList of repeated transformer blocks, in module order: each one whose blocks'
-    classes are named in `_no_split_modules` / `_repeated_blocks` (FLUX has two such lists,
-    `transformer_blocks` and `single_transformer_blocks`), else diffusers' `transformer_blocks`."""
-    names = set(getattr(model, "_repeated_blocks", None) or []) | set(getattr(model, "_no_split_modules", None) or [])
-    if names:
-        found = [m for _, m in model.named_modules()
-                 if isinstance(m, nn.ModuleList) and len(m) > 0 and all(_is_block(b, names) for b in m)]
-        if found:
-            return found
-    blocks = getattr(model, "transformer_blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return [blocks]
-    raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: expected a ModuleList "
-                     "`transformer_blocks` or one whose class is listed in _no_split_modules")
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of every find_block_lists list, in module order (as they
-    stand: wrapped once parallelize has run)."""
-    return [block for blocks in find_block_lists(model) for block in blocks]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,7 +109,7 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
         raise ValueError(f"activation_checkpointing_every must be >= 1, got {activation_checkpointing_every}")
     # (list, index) of every block, all lists in module order: a FLUX DiT's double-stream blocks,
     # then its single-stream ones; "every k-th block" counts along the whole sequence
-    slots = [(blocks, i) for blocks in find_block_lists(model) for i in range(len(blocks))]
+    slots = [(blocks, i) for blocks in repeated_block_lists(model) for i in range(len(blocks))]
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

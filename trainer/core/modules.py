@@ -73,20 +73,44 @@ class ModuleTreeSnapshot:
         return len(self._modules)
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated transformer blocks, in module order: every submodule whose class is
-    named in diffusers' `_repeated_blocks` (FLUX names two kinds), else the children of a
-    `transformer_blocks` ModuleList. What regional compilation and FP8 conversion act on."""
-    names = set(getattr(model, "_repeated_blocks", None) or ())
+def _unwrapped(block: nn.Module) -> nn.Module:
+    """`block` without the wrappers put around it (torch.compile's OptimizedModule, the
+    checkpoint wrapper)."""
+    while True:
+        inner = getattr(block, "_orig_mod", None) or getattr(block, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, nn.Module):
+            return block
+        block = inner
+
+
+def _is_block(block: nn.Module, names: set[str]) -> bool:
+    """Whether `block`'s class (or a base class: fully_shard swaps in a subclass) is named in `names`."""
+    return any(k.__name__ in names for k in type(_unwrapped(block)).__mro__)
+
+
+def repeated_block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """Every ModuleList of repeated transformer blocks, in module order: each one whose blocks'
+    classes are named in diffusers' `_repeated_blocks` / `_no_split_modules` (FLUX has two such
+    lists, `transformer_blocks` and `single_transformer_blocks`), else `transformer_blocks`. Found
+    also once the blocks are wrapped (compiled, checkpointed, sharded)."""
+    names = set(getattr(model, "_repeated_blocks", None) or []) | set(getattr(model, "_no_split_modules", None) or [])
     if names:
-        found = [m for m in model.modules() if type(m).__name__ in names]
+        found = [m for _, m in model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) > 0 and all(_is_block(b, names) for b in m)]
         if found:
             return found
     blocks = getattr(model, "transformer_blocks", None)
     if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
-        return list(blocks)
-    raise ValueError(f"cannot find the repeated blocks of {type(model).__name__}: no _repeated_blocks class "
-                     "and no transformer_blocks ModuleList")
+        return [blocks]
+    raise ValueError(f"cannot find the repeated blocks of {type(model).__name__}: expected a ModuleList "
+                     "`transformer_blocks` or one whose class is listed in _repeated_blocks / _no_split_modules")
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of every repeated_block_lists list, in module order (as they stand: wrapped
+    ones wrapped). What regional compilation, FP8 conversion, activation checkpointing and
+    FSDP2's per-block units act on."""
+    return [block for blocks in repeated_block_lists(model) for block in blocks]
 
 
 #: torch.compile keyword arguments of regional compilation (the engine's and the actor's repeated
