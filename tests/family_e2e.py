@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_e2e import _model_tensors, _state, _train, _write_prompts
+from tests.test_e2e import _model_tensors, _train, _write_prompts, assert_resume_is_exact
 
 
 def lora_recipe(tmp: Path, model_dir: Path, adapter_path: str, *, candidates: int, rollouts: int, lr: float,
@@ -66,24 +66,13 @@ def assert_lora_resume_is_exact(a: Path, b: Path, adapter_path: str, candidates:
     (some LoRA tensor trained by rollout 1), policy version 2 and lr step 4, the family's adapter
     in the contract, and byte-identical images in the rollout after the resume. Returns a's
     iteration-1 tensors for the family's own checks."""
-    ta, tb = _model_tensors(a / "ckpt", 1), _model_tensors(b / "ckpt", 1)
-    assert ta and ta.keys() == tb.keys() and any("lora_" in n for n in ta)
+    ta = assert_resume_is_exact(a, b, 1, (1,), candidates, policy_version=2, lr_steps=4)
+    assert any("lora_" in n for n in ta)
     t0 = _model_tensors(a / "ckpt", 0)
-    assert any(not torch.equal(tb[n], t0[n]) for n in tb if "lora_" in n), "rollout 1 trained"
+    assert any(not torch.equal(t, t0[n]) for n, t in ta.items() if "lora_" in n), "rollout 1 trained"
     assert not (b / "ckpt" / "t2i" / "iter_0000000").exists()  # b started from a's iteration 0
-    for name in ta:
-        assert torch.equal(ta[name], tb[name]), name
-    sa, sb = _state(a / "ckpt", 1), _state(b / "ckpt", 1)
-    for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
-        assert sa[key] == sb[key], key
-    assert sa["policy_version"] == 2 and sa["lr_scheduler_steps"] == 4
     contract = json.loads((a / "ckpt" / "t2i" / "iter_0000001" / "adapter_contract.json").read_text())
     assert contract["model_adapter_path"] == adapter_path
-    da, db = (r / "artifacts" / "t2i" / "rollout_0000001" for r in (a, b))
-    pngs = sorted(p.name for p in da.glob("*.png"))
-    assert len(pngs) == candidates and pngs == sorted(p.name for p in db.glob("*.png"))
-    for name in pngs:
-        assert (da / name).read_bytes() == (db / name).read_bytes(), name
     return ta
 
 
@@ -94,3 +83,42 @@ def color_rewards(run: Path, rollouts: int) -> list[float]:
     rewards = [v for _, v in read_scalars(run / "tb")["reward/color_mean"]]
     assert len(rewards) == rollouts
     return rewards
+
+
+def assert_export_round_trip(run: Path, model_dir: Path, out: Path, iteration: int, pipeline_cls, adapter,
+                             forward, sample) -> None:
+    """Checkpoint `iteration` of `run` exported both ways and loaded three ways, all the same
+    function (`forward`: the transformer's output on a fixed input): the merged pipeline through
+    DiffusionPipeline.from_pretrained (a `pipeline_cls`, which `sample(pipe)` samples: finite
+    images), the PEFT adapter through the base pipeline's load_lora_weights, and the adapter
+    loaded into the native engine with `adapter`, which then holds exactly the checkpoint's LoRA
+    tensors. The family comes from the checkpoint's contract (no --model-adapter-path)."""
+    from diffusers import DiffusionPipeline
+
+    from tools.export_checkpoint import export_checkpoint
+    from trainer.engine.native import NativeEngine
+
+    merged = export_checkpoint(run / "ckpt", "t2i", iteration, out / "merged", form="merged",
+                               base_model_path=model_dir, verify=True)
+    adapter_info = export_checkpoint(run / "ckpt", "t2i", iteration, out / "adapter", form="adapter", verify=True)
+    assert merged["verify"]["lora_modules_checked"] > 0 and adapter_info["verify"]["peft_injection_checked"]
+
+    pipe = DiffusionPipeline.from_pretrained(str(out / "merged"), local_files_only=True)
+    assert isinstance(pipe, pipeline_cls)
+    want = forward(pipe.transformer)
+    base = pipeline_cls.from_pretrained(str(model_dir), local_files_only=True)
+    assert (want - forward(base.transformer)).abs().max() > 1e-4  # training moved the policy
+    base.load_lora_weights(str(out / "adapter"))  # its default file: pytorch_lora_weights.safetensors
+    torch.testing.assert_close(forward(base.transformer), want, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(sample(pipe)).all()
+
+    engine = NativeEngine(str(model_dir), device="cpu", dtype=torch.float32, adapter=adapter)
+    cfg = engine.load_lora_dir(out / "adapter")
+    assert (cfg["rank"], cfg["alpha"]) == (4, 8.0)
+    torch.testing.assert_close(forward(engine.transformer), want, rtol=1e-5, atol=1e-5)
+    ckpt = {n: t for n, t in _model_tensors(run / "ckpt", iteration).items() if "lora_" in n}
+    params = dict(engine.transformer.named_parameters())
+    lora = {n.replace(".default", ""): p for n, p in params.items() if ".lora_" in n}
+    assert lora.keys() == {n.replace(".default", "") for n in ckpt}
+    for n, t in ckpt.items():
+        assert torch.equal(lora[n.replace(".default", "")].detach(), t.float()), n

@@ -122,6 +122,29 @@ def _state(ckpt: Path, iteration: int) -> dict:
     return json.loads((ckpt / "t2i" / f"iter_{iteration:07d}" / "trainer_state.json").read_text())
 
 
+def assert_resume_is_exact(a: Path, b: Path, iteration: int, rollouts, candidates: int, *, policy_version: int,
+                           lr_steps: int) -> dict[str, torch.Tensor]:
+    """Runs a (uninterrupted) and b (resumed) agree at checkpoint `iteration`: the same model
+    tensors, policy version (`policy_version`), lr step (`lr_steps`) and rollout id, and the same
+    `candidates` PNGs, byte for byte, in each rollout of `rollouts`. Returns a's tensors."""
+    ta, tb = _model_tensors(a / "ckpt", iteration), _model_tensors(b / "ckpt", iteration)
+    assert ta.keys() == tb.keys() and ta
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    sa, sb = _state(a / "ckpt", iteration), _state(b / "ckpt", iteration)
+    for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
+        assert sa[key] == sb[key], key
+    assert sa["policy_version"] == policy_version and sa["lr_scheduler_steps"] == lr_steps
+    for rollout in rollouts:
+        da = a / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
+        db = b / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
+        pngs = sorted(p.name for p in da.glob("*.png"))
+        assert len(pngs) == candidates and pngs == sorted(p.name for p in db.glob("*.png"))
+        for name in pngs:
+            assert (da / name).read_bytes() == (db / name).read_bytes(), f"rollout {rollout} {name}"
+    return ta
+
+
 @pytest.mark.parametrize("mode", ["full", "lora", "full-ema"])
 def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     recipe = _recipe(tmp_path, tiny_model_dir, mode)
@@ -131,27 +154,13 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     log = _train(recipe, b, "--num-rollout", "4", "--load", str(b / "ckpt"))
     assert "continuing at rollout 2" in log
 
-    # same weights, policy version and lr step after rollout 3
-    ta, tb = _model_tensors(a / "ckpt", 3), _model_tensors(b / "ckpt", 3)
-    assert ta.keys() == tb.keys() and ta
-    for name in ta:
-        assert torch.equal(ta[name], tb[name]), name
-    sa, sb = _state(a / "ckpt", 3), _state(b / "ckpt", 3)
-    for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
-        assert sa[key] == sb[key], key
-    assert sa["policy_version"] == 4 and sa["lr_scheduler_steps"] == 8
+    # same weights, policy version and lr step after rollout 3, and the resumed run sampled
+    # exactly what the uninterrupted one sampled after the resume point
+    ta = assert_resume_is_exact(a, b, 3, (2, 3), 8, policy_version=4, lr_steps=8)
     if mode == "lora":
         assert all("lora_" in n for n in ta), "a LoRA checkpoint stores only the adapter"
         contract = json.loads((a / "ckpt" / "t2i" / "iter_0000003" / "adapter_contract.json").read_text())
         assert contract["lora_rank"] == 4 and contract["lora_alpha"] == 8
-    # the resumed run sampled exactly what the uninterrupted one sampled after the resume point
-    for rollout in (2, 3):
-        da = a / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
-        db = b / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
-        pngs = sorted(p.name for p in da.glob("*.png"))
-        assert len(pngs) == 8 and pngs == sorted(p.name for p in db.glob("*.png"))
-        for name in pngs:
-            assert (da / name).read_bytes() == (db / name).read_bytes(), f"rollout {rollout} {name}"
 
     keys = _dcp_keys(a / "ckpt", 3)
     if mode != "full-ema":  # EMA off: the checkpoint holds the model and the optimizer only

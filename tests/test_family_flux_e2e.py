@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.family_e2e import assert_lora_resume_is_exact, color_rewards, lora_recipe, train_and_resume
-from tests.test_e2e import _model_tensors
+from tests.family_e2e import (assert_export_round_trip, assert_lora_resume_is_exact, color_rewards, lora_recipe,
+                               train_and_resume)
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
@@ -88,37 +88,14 @@ def test_export_round_trip_through_diffusers_and_the_engine(runs, model_dir, tmp
     that DiffusionPipeline.from_pretrained loads (and that samples), the PEFT adapter through
     FluxPipeline.load_lora_weights, and the adapter synced into the native engine (sync parity:
     the engine then holds exactly the checkpoint's LoRA tensors)."""
-    from diffusers import DiffusionPipeline, FluxPipeline
+    from diffusers import FluxPipeline
 
-    from tools.export_checkpoint import export_checkpoint
-    from trainer.engine.native import NativeEngine
     from trainer.models.flux import FluxAdapter
 
-    a, _ = runs
-    # no --model-adapter-path: the family comes from the checkpoint's contract
-    merged = export_checkpoint(a / "ckpt", "t2i", LAST, tmp_path / "merged", form="merged",
-                               base_model_path=model_dir, verify=True)
-    adapter_info = export_checkpoint(a / "ckpt", "t2i", LAST, tmp_path / "adapter", form="adapter", verify=True)
-    assert merged["verify"]["lora_modules_checked"] > 0 and adapter_info["verify"]["peft_injection_checked"]
+    def sample(pipe):
+        image = pipe("a red ball", height=32, width=32, num_inference_steps=2, max_sequence_length=8,
+                     output_type="pt", generator=torch.Generator().manual_seed(0)).images
+        assert image.shape == (1, 3, 32, 32)
+        return image
 
-    pipe = DiffusionPipeline.from_pretrained(str(tmp_path / "merged"), local_files_only=True)
-    assert isinstance(pipe, FluxPipeline)
-    want = _forward(pipe.transformer)
-    base = FluxPipeline.from_pretrained(str(model_dir), local_files_only=True)
-    assert (want - _forward(base.transformer)).abs().max() > 1e-4  # training moved the policy
-    base.load_lora_weights(str(tmp_path / "adapter"))  # its default file: pytorch_lora_weights.safetensors
-    torch.testing.assert_close(_forward(base.transformer), want, rtol=1e-5, atol=1e-5)
-    image = pipe("a red ball", height=32, width=32, num_inference_steps=2, max_sequence_length=8,
-                 output_type="pt", generator=torch.Generator().manual_seed(0)).images
-    assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
-
-    engine = NativeEngine(str(model_dir), device="cpu", dtype=torch.float32, adapter=FluxAdapter())
-    cfg = engine.load_lora_dir(tmp_path / "adapter")
-    assert (cfg["rank"], cfg["alpha"]) == (4, 8.0)
-    torch.testing.assert_close(_forward(engine.transformer), want, rtol=1e-5, atol=1e-5)
-    ckpt = _model_tensors(a / "ckpt", LAST)
-    params = dict(engine.transformer.named_parameters())
-    lora = {n.replace(".default", ""): p for n, p in params.items() if ".lora_" in n}
-    assert lora.keys() == {n.replace(".default", "") for n in ckpt}
-    for n, t in ckpt.items():
-        assert torch.equal(lora[n.replace(".default", "")].detach(), t.float()), n
+    assert_export_round_trip(runs[0], model_dir, tmp_path, LAST, FluxPipeline, FluxAdapter(), _forward, sample)
