@@ -57,14 +57,22 @@ setup_sglang() {
   want="$(cat setup.cfg pyproject.toml requirements/sglang-cpu.txt | sha256sum | cut -c1-16)"
   venv_current "$SGL_VENV" "$want" && return 0
   echo "[setup-sglang] creating $SGL_VENV" >&2
+  # About 7 GB once installed (torch 2.14.1 comes with its CUDA libraries), and as much again
+  # in downloads while pip runs; nothing is cached, so the downloads go when it ends.
+  local free_gb
+  free_gb=$(df -Pk "$(dirname "$SGL_VENV")" | awk 'NR == 2 { print int($4 / 1048576) }')
+  if [ "$free_gb" -lt 12 ]; then
+    echo "[setup-sglang] warning: ${free_gb} GB free on the disk of $SGL_VENV; creating it needs about 12 GB." >&2
+    echo "[setup-sglang] free some space, or point SGL_VENV at a larger disk, if pip fails with 'No space left on device'." >&2
+  fi
   new_venv "$SGL_VENV"
   # torch first, at sglang 0.5.23's own pin. The project's CPU torch 2.13 cannot run it:
   # sglang imports torchvision unconditionally, and the torchvision build for torch 2.13
   # on the package index is a CUDA one that fails to import next to a CPU torch.
-  "$SGL_PY" -m pip install -q "torch==2.14.1" "torchvision==0.29.1" >&2
-  "$SGL_PY" -m pip install -q -e ".[test]" >&2
+  "$SGL_PY" -m pip install -q --no-cache-dir "torch==2.14.1" "torchvision==0.29.1" >&2
+  "$SGL_PY" -m pip install -q --no-cache-dir -e ".[test]" >&2
   # sglang and what its diffusion runtime imports, --no-deps: see the file's header
-  "$SGL_PY" -m pip install -q --no-deps -r requirements/sglang-cpu.txt >&2
+  "$SGL_PY" -m pip install -q --no-cache-dir --no-deps -r requirements/sglang-cpu.txt >&2
   echo "$want" > "$SGL_VENV/.setup-stamp"
   echo "[setup-sglang] done in $((SECONDS - t0)) s, $(du -sh "$SGL_VENV" | cut -f1): $("$SGL_PY" -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)' 2>/dev/null)" >&2
 }
