@@ -26,6 +26,12 @@
 # - Of its 1.2 GB, 1.1 GB is FlashAttention 3 (flash_ops.abi3.so); with attention_backend
 #   "torch_sdpa" nothing loads it. The Blackwell build (sm100/) and two attention libraries
 #   for other models (infllm, flashmla) are left out too: 15 MB compressed remain.
+#   sgl_kernel/__init__ loads only sm90/common_ops and spatial_ops; FA3, FlashMLA and InfLLM
+#   load at their first call (sgl_kernel.flash_attn, flash_mla, infllm_v2._loader; sglang's
+#   kernels/ops/attention/flash_attention_v3.py imports FA3 inside a function).
+# - Not known until it runs on a GPU: which backends sglang.kernels.ops.diffusion picks for the
+#   Qwen-Image DiT's fused ops on sm90. Most are Triton; some are JIT (apache-tvm-ffi, built at
+#   the first call, which may need nvcc) or CuTe-DSL (nvidia-cutlass-dsl, not carried).
 # - opencv is imported only by video and 3D stages; imageio-ffmpeg (a 68 MB ffmpeg binary) is
 #   imported at start-up and called only to write videos, so a small stand-in takes its place.
 #   tests/sglang_engine passes on CPU with cv2 unimportable and that stand-in.
