@@ -86,9 +86,10 @@ def color_rewards(run: Path, rollouts: int) -> list[float]:
 
 
 def assert_export_round_trip(run: Path, model_dir: Path, out: Path, iteration: int, pipeline_cls, adapter,
-                             forward, sample) -> None:
+                             fixed_input, sample) -> None:
     """Checkpoint `iteration` of `run` exported both ways and loaded three ways, all the same
-    function (`forward`: the transformer's output on a fixed input): the merged pipeline through
+    function (the transformer's output on the keyword arguments `fixed_input()` returns, the
+    same ones at every call): the merged pipeline through
     DiffusionPipeline.from_pretrained (a `pipeline_cls`, which `sample(pipe)` samples: finite
     images), the PEFT adapter through the base pipeline's load_lora_weights, and the adapter
     loaded into the native engine with `adapter`, which then holds exactly the checkpoint's LoRA
@@ -97,6 +98,10 @@ def assert_export_round_trip(run: Path, model_dir: Path, out: Path, iteration: i
 
     from tools.export_checkpoint import export_checkpoint
     from trainer.engine.native import NativeEngine
+
+    @torch.no_grad()
+    def forward(model) -> torch.Tensor:
+        return model.eval()(**fixed_input(), return_dict=False)[0]
 
     merged = export_checkpoint(run / "ckpt", "t2i", iteration, out / "merged", form="merged",
                                base_model_path=model_dir, verify=True)

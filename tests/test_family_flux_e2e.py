@@ -78,11 +78,6 @@ def _fixed_input():
                 guidance=guidance_tensor(3.5, 2), txt_ids=text_ids(8), img_ids=latent_image_ids(4, 4))
 
 
-@torch.no_grad()
-def _forward(model) -> torch.Tensor:
-    return model.eval()(**_fixed_input(), return_dict=False)[0]
-
-
 def test_export_round_trip_through_diffusers_and_the_engine(runs, model_dir, tmp_path):
     """The trained adapter of the last iteration three ways, all the same function: merged into a pipeline
     that DiffusionPipeline.from_pretrained loads (and that samples), the PEFT adapter through
@@ -98,4 +93,4 @@ def test_export_round_trip_through_diffusers_and_the_engine(runs, model_dir, tmp
         assert image.shape == (1, 3, 32, 32)
         return image
 
-    assert_export_round_trip(runs[0], model_dir, tmp_path, LAST, FluxPipeline, FluxAdapter(), _forward, sample)
+    assert_export_round_trip(runs[0], model_dir, tmp_path, LAST, FluxPipeline, FluxAdapter(), _fixed_input, sample)

@@ -90,11 +90,6 @@ def _fixed_input():
                 pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([900.0, 400.0]))
 
 
-@torch.no_grad()
-def _forward(model) -> torch.Tensor:
-    return model.eval()(**_fixed_input(), return_dict=False)[0]
-
-
 def test_export_round_trip_through_diffusers_and_the_engine(runs, model_dir, tmp_path):
     """The trained adapter of the last iteration three ways, all the same function: merged into a
     pipeline that DiffusionPipeline.from_pretrained loads (and that samples with CFG), the PEFT
@@ -112,5 +107,5 @@ def test_export_round_trip_through_diffusers_and_the_engine(runs, model_dir, tmp
         assert image.shape == (1, 3, 16, 16)
         return image
 
-    assert_export_round_trip(runs[0], model_dir, tmp_path, LAST, StableDiffusion3Pipeline, SD3Adapter(), _forward,
+    assert_export_round_trip(runs[0], model_dir, tmp_path, LAST, StableDiffusion3Pipeline, SD3Adapter(), _fixed_input,
                              sample)
