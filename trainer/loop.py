@@ -161,7 +161,7 @@ def engine_options(rollout: Any) -> dict[str, Any]:
     text window (--max-sequence-length; unset: the family's own)."""
     options = {k: v for k, v in (("compile_blocks", bool(rollout.rollout_compile)),
                                  ("precision", rollout.rollout_precision)) if v not in (False, "default")}
-    if getattr(rollout, "max_sequence_length", None) is not None:
+    if rollout.max_sequence_length is not None:
         options["max_sequence_length"] = int(rollout.max_sequence_length)
     return options
 
@@ -321,12 +321,12 @@ class Trainer:
         #: start-up figures (load times per wave, memory after each load), logged with rollout 0's
         self.load_metrics: dict[str, float] = {}
         engine_waves: list[float] = []
-        speed = engine_options(cfg.rollout)
+        options = engine_options(cfg.rollout)
         with Timer(self.device) as t:
             self.engine = load_in_waves(
                 lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,
                                    max_batch_size=int(cfg.rollout.engine_batch_size or 0),
-                                   revision=cfg.model.model_revision, adapter=self.adapter, **speed),
+                                   revision=cfg.model.model_revision, adapter=self.adapter, **options),
                 int(cfg.fsdp.fsdp_load_wave_size or 0), engine_waves)
         self._record_load("engine", t, engine_waves)
 
