@@ -88,3 +88,20 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_fails_preflight(base, monkeypatch
     assert [p for p in got if "compute capability >= 8.9" in p and "8.0 (NVIDIA A100)" in p], got
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert not [p for p in problems(base + ["--rollout-precision", "fp8"]) if "compute capability" in p]
+
+
+def test_sglang_attention_backend_reaches_the_engine_and_only_that_engine(base, monkeypatch):  # noqa: F811
+    """--sglang-attention-backend is an SGLang engine keyword (a GPU install without sglang-kernel's
+    FlashAttention library runs torch_sdpa); with another engine preflight names the flag."""
+    from trainer.config import load_config
+    from trainer.loop import engine_options
+
+    monkeypatch.setattr(preflight, "_sglang_importable", lambda: True)
+    flag = ["--sglang-attention-backend", "torch_sdpa"]
+    assert not problems(base + ["--rollout-engine-class-path", "sglang"] + flag)
+    got = problems(base + ["--rollout-engine-class-path", "native"] + flag)
+    assert [p for p in got if p.startswith("--sglang-attention-backend torch_sdpa needs --rollout-engine-class-path "
+                                           "sglang")], got
+    cfg = load_config(base + ["--rollout-engine-class-path", "sglang"] + flag)
+    assert engine_options(cfg.rollout)["attention_backend"] == "torch_sdpa"
+    assert "attention_backend" not in engine_options(load_config(base).rollout)

@@ -306,6 +306,13 @@ class RolloutConfig:
         "on CUDA). The replay stays in the actor's dtype, so fp8 rollouts are off-policy by the "
         "FP8 rounding: see docs/PERFORMANCE.md before using it.",
     )
+    sglang_attention_backend: str | None = _flag(
+        None,
+        "The SGLang engine's attention backend (SGLang's own names, e.g. 'torch_sdpa', 'fa'). "
+        "Unset = SGLang's choice, which on a Hopper GPU is FlashAttention 3 from sglang-kernel's "
+        "flash_ops library: a GPU install without that library needs 'torch_sdpa'. Only with "
+        "--rollout-engine-class-path sglang.",
+    )
     max_sequence_length: int | None = _flag(
         None,
         "Text tokens the prompt encoder keeps per prompt (the T5 window of SD3 / FLUX.1, to which "

@@ -243,6 +243,9 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                 errors.append(
                     f"--rollout-engine-class-path {engine} with --sampling-config sde_type 'cps': the SGLang engine's "
                     "bridge is checked for 'sde' and 'dance' only; use --rollout-engine-class-path native for 'cps'")
+    if r.sglang_attention_backend and engine and resolve_engine_path(engine) != ENGINE_SHORT_NAMES["sglang"]:
+        errors.append(f"--sglang-attention-backend {r.sglang_attention_backend} needs --rollout-engine-class-path "
+                      f"sglang (this run's engine is {engine}); drop the flag")
 
 
 def _check_fp8_device(cfg: RunConfig, errors: list[str]) -> None:

@@ -13,7 +13,9 @@
 #   report  the runs' TensorBoard scalars as JSON.
 # Usage: bash tests/gpu/real_width.sh OUT_DIR PHASE [PHASE ...]   (phases run in the order given)
 # Env: WORK (default /tmp/rw: model, data, runs), LAYERS (DiT blocks, default 30), SHAPE (real |
-# tiny: the same flow with the tiny model, on CPU or GPU), NUM_ROLLOUT (5), RESUME_ROLLOUT (7).
+# tiny: the same flow with the tiny model, on CPU or GPU), NUM_ROLLOUT (5), RESUME_ROLLOUT (7),
+# TRAIN_FLAGS (added to every training launch, e.g. "--rollout-engine-class-path sglang
+# --sglang-attention-backend torch_sdpa" for the SGLang engine; its packages on PYTHONPATH).
 # Wheels for packages the machine lacks (e.g. diffusers) are taken from .whl/ when present.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -47,7 +49,7 @@ train() {  # train NAME LOG NUM_ROLLOUT [flags...]: one run of the 1-device reci
     --prompt-data "$DATA/train.jsonl" --eval-prompt-data probe "$DATA/eval.jsonl" \
     --eval-interval 5 --num-rollout "$n" --save-interval 5 --fsdp-debug-fingerprint \
     --artifact-root "$RUNS/$name/artifacts" --save "$RUNS/$name/checkpoints" \
-    --tensorboard-dir "$RUNS/$name/tensorboard" "${GEOM[@]}" "$@" >> "$OUT/$logname.log" 2>&1 || rc=$?
+    --tensorboard-dir "$RUNS/$name/tensorboard" "${GEOM[@]}" ${TRAIN_FLAGS:-} "$@" >> "$OUT/$logname.log" 2>&1 || rc=$?
   grep -E "logp parity|fingerprint|loaded the|resumed|Traceback|Error|error:|^\[rollout|failed" "$OUT/$logname.log" | tail -30 || true
   echo "[$logname] exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$logname.log"
   return $rc

@@ -7,6 +7,8 @@
 #                                                 into $SGL_SITE (default /tmp/sgl-site)
 #   bash tests/gpu/sglang_cuda.sh check           on the GPU machine: sgl_kernel's two CUDA ops
 #                                                 against PyTorch, and the engine's contract
+#   bash tests/gpu/sglang_cuda.sh test [DTYPE..]  on the GPU machine: tests/sglang_engine on CUDA
+#                                                 (fp32 then bf16 by default; torch_sdpa attention)
 #
 # install and check expect the project's own dependencies importable there already (diffusers
 # and the rest, e.g. from carried wheels on PYTHONPATH). Then: export PYTHONPATH=$SGL_SITE:
@@ -100,7 +102,37 @@ def get_ffmpeg_exe():
     raise RuntimeError("imageio-ffmpeg is not installed here: video output is unavailable")
 EOF
   fi
+  # SGLang finds the trainer's plugin only through an installed distribution's entry points
+  # (importlib.metadata): a dist-info with setup.cfg's entry point, beside the wheels
+  "$PY" - "$SGL_SITE" <<'EOF'
+import configparser, pathlib, sys
+cfg = configparser.ConfigParser()
+cfg.read("setup.cfg")
+group = "sglang.multimodal_gen.plugins"
+entry = cfg["options.entry_points"][group].strip()
+dist = pathlib.Path(sys.argv[1]) / "flowgrpo_trainer-0.0.0.dist-info"
+dist.mkdir(parents=True, exist_ok=True)
+(dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flowgrpo-trainer\nVersion: 0.0.0\n")
+(dist / "entry_points.txt").write_text(f"[{group}]\n{entry}\n")
+print(f"[install] entry point {group}: {entry}")
+EOF
   echo "[install] ${#todo[@]} wheels into $SGL_SITE"
+}
+
+suite() {
+  # tests/sglang_engine on this GPU, once per dtype given (default: fp32 then bf16), with torch_sdpa
+  local dtypes=("$@")
+  [ $# -gt 0 ] || dtypes=(fp32 bf16)
+  local rc=0 dt
+  for dt in "${dtypes[@]}"; do
+    echo "== tests/sglang_engine on cuda, $dt"
+    SGLANG_TEST_DEVICE=cuda SGLANG_TEST_DTYPE=$dt SGLANG_TEST_ATTENTION_BACKEND=${SGLANG_TEST_ATTENTION_BACKEND:-torch_sdpa} \
+      PYTHONPATH="$SGL_SITE:$PWD:${PYTHONPATH:-}" "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/sglang_engine \
+      -o 'norecursedirs=.*' > "/tmp/sglang-suite-$dt.log" 2>&1 || rc=1
+    grep '^\[diffs\]' "/tmp/sglang-suite-$dt.log" | sort | uniq -c | sort -rn | head -12 || true
+    grep -v '^\[diffs\]' "/tmp/sglang-suite-$dt.log" | tail -25
+  done
+  return $rc
 }
 
 check() {
@@ -139,5 +171,6 @@ case "${1:-}" in
   fetch) shift; fetch "$@" ;;
   install) shift; install "$@" ;;
   check) check ;;
-  *) sed -n 2,12p "$0"; exit 2 ;;
+  test) shift; suite "$@" ;;
+  *) sed -n 2,14p "$0"; exit 2 ;;
 esac

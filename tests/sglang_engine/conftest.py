@@ -15,3 +15,10 @@ def tiny_model_dir(tmp_path_factory):
     from tools.make_tiny_model import build_tiny_pipeline
 
     return build_tiny_pipeline(tmp_path_factory.mktemp("tiny_qwen_image") / "model", seed=0)
+
+
+def pytest_configure(config):
+    # fp32 on CUDA: the comparisons measure the engines, not TF32 (devices.py says why)
+    from tests.sglang_engine.devices import exact_numerics
+
+    exact_numerics()

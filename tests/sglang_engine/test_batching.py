@@ -4,8 +4,9 @@ in the same order, as one request per candidate.
 
 Measured on the 2-core CPU machine (tiny model, fp32, 64x64, 6 steps, two prompts of different
 lengths, three candidates each, sde and dance): batched vs one-per-request differ by <= 7.2e-7 in
-latents and images and <= 6e-8 in log-probs; the prompt embeddings and masks are identical. TOL
-is 1e-5, as in test_conformance.py.
+latents and images and <= 6e-8 in log-probs; the prompt embeddings and masks are identical. The
+tolerances are those of test_conformance.py (tests/sglang_engine/devices.py: 1e-5 in fp32; in
+bf16 a batch of other rows may take other GEMM tilings, so bf16's rounding bounds).
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.sglang_engine.devices import sglang_kwargs
+from tests.sglang_engine.devices import sglang_kwargs, tol
 from trainer.engine.sglang_engine import SGLangEngine
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
 
-TOL = 1e-5
 PROMPTS = ["a cat", "a considerably longer prompt about a red panda drinking tea"]
 TENSORS = ("latents", "next_latents", "log_probs", "images", "sigmas", "sigmas_next", "timesteps", "slots",
            "group_indices", "policy_versions")
@@ -68,7 +68,7 @@ def generate(engine, reqs, max_batch_size, seen):
         engine.max_batch_size = 0
 
 
-def assert_same(one, batched, tol=TOL):
+def assert_same(one, batched):
     assert one.sample_ids == batched.sample_ids
     for k in LISTS:
         assert getattr(one, k) == getattr(batched, k), k
@@ -79,7 +79,7 @@ def assert_same(one, batched, tol=TOL):
     for k, x, y in pairs:
         assert x.shape == y.shape and x.dtype == y.dtype, k
         diffs[k] = (x.float() - y.float()).abs().max().item()
-    assert all(d <= tol for d in diffs.values()), diffs
+    assert all(d <= tol(k) for k, d in diffs.items()), diffs
     return diffs
 
 

@@ -45,6 +45,10 @@ TIMESTEP_STAGE_TARGET = ("sglang.multimodal_gen.runtime.pipelines_core.stages.ti
                          "TimestepPreparationStage.forward")
 TEXT_POSTPROCESS_TARGET = "sglang.multimodal_gen.configs.pipeline_configs.qwen_image.qwen_image_postprocess_text"
 HOOK_TARGETS = (PREPARE_ROLLOUT_TARGET, TIMESTEP_STAGE_TARGET, TEXT_POSTPROCESS_TARGET)
+#: SGLang's fused norm ops whose CUDA kernels are CuTe-DSL (the `cutlass` package of
+#: nvidia-cutlass-dsl); hooked only where that package is absent (see cutedsl_fallback_hook)
+CUTEDSL_NORM_TARGETS = tuple(f"sglang.multimodal_gen.runtime.layers.layernorm.{cls}.forward_cuda"
+                             for cls in ("_NormScaleShift", "_ScaleResidualNormScaleShift"))
 
 #: the sgl_kernel CPU ops SGLang's Qwen-Image DiT calls on CPU (runtime/layers/layernorm.py)
 CPU_OPS = {
@@ -308,6 +312,37 @@ def register_hooks() -> None:
     HookRegistry.register(TEXT_POSTPROCESS_TARGET, text_postprocess_hook, HookType.AROUND)
 
 
+def cutedsl_available() -> bool:
+    """The CuTe-DSL package SGLang's fused CUDA norm kernels are written in is importable (a
+    spec lookup, nothing imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def cutedsl_fallback_hook(original, self, *args, **kwargs):
+    """AROUND the fused norms' forward_cuda where nvidia-cutlass-dsl is not installed: their
+    PyTorch forward_native, the path SGLang itself takes for widths its kernel does not cover
+    (hidden % 256 != 0, e.g. the tiny test model). Same math, fp32 statistics, unfused."""
+    return self.forward_native(*args, **kwargs)
+
+
+def register_cutedsl_fallbacks() -> list[str]:
+    """On a CUDA machine without nvidia-cutlass-dsl, SGLang's Qwen-Image DiT at real width (3072,
+    a multiple of 256) would import `cutlass` at its first fused norm and fail the request: route
+    those two ops to their native forward instead, once, with a warning. Returns the targets."""
+    import torch
+    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry, HookType
+
+    if not torch.cuda.is_available() or cutedsl_available():
+        return []
+    for target in CUTEDSL_NORM_TARGETS:
+        HookRegistry.register(target, cutedsl_fallback_hook, HookType.AROUND)
+    log.warning("nvidia-cutlass-dsl is not installed: SGLang's fused norm / scale-shift ops run their "
+                "PyTorch forward (same math, unfused); install nvidia-cutlass-dsl for SGLang's own kernels")
+    return list(CUTEDSL_NORM_TARGETS)
+
+
 def unapplied_hooks() -> list[str]:
     """The trainer's hook targets SGLang has not patched (after apply_plugin_hooks)."""
     from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
@@ -319,3 +354,4 @@ def register() -> None:
     """The entry point SGLang calls once per process (plugins.load_plugins)."""
     register_cpu_ops()
     register_hooks()
+    register_cutedsl_fallbacks()
