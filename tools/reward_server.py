@@ -128,6 +128,7 @@ class _BoundedServer(ThreadingHTTPServer):
     them is answered 503 at once (the client retries 503 with backoff) instead of a new thread."""
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog: socketserver's 5 makes a burst of ranks wait for SYN retries
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
         self._slots = threading.BoundedSemaphore(max_connections)
