@@ -22,7 +22,8 @@ GOOD = json.dumps({"prompt": "a red panda", "metadata": {"task": "t2i", "sample_
 @pytest.mark.parametrize("line, needle", [
     ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
     ('{"prompt": "a", "metadata": {"task": "t2i", "sample_id": "x", "n": ' + "7" * 5000 + "}}", "4300 digits"),
-    ('{"prompt": "a",, "metadata": {}}', "not valid JSON (Expecting property name enclosed in double quotes at column 16)"),
+    ('{"prompt": "a",, "metadata": {}}', "not valid JSON (Expecting property name enclosed in double quotes at "
+                                         "column 16)"),
     ("\ufeff" + GOOD, "byte-order mark"),
 ])
 def test_hostile_lines_are_file_line_errors(tmp_path, line, needle):

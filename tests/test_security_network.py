@@ -97,7 +97,7 @@ def vm_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def assert_still_serves(url, **env):
+def assert_still_serves(url):
     out = RemoteScorer(url, timeout_s=10, max_retries=0)(*batch())
     assert out["color"].tolist() == pytest.approx([1.0, 1.0])
 

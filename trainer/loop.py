@@ -561,8 +561,8 @@ class Trainer:
             raise RunError(
                 f"{self.failed_rollouts_in_a_row} consecutive rollouts (up to rollout {k}) in which every group failed "
                 f"to score: the scorer returns no finite reward (--reward-scorer-path {self.cfg.reward.reward_scorer_path}"
-                f", --reward-endpoint {redact_url(self.cfg.reward.reward_endpoint)}); fix it and resume with --load, or raise "
-                f"--reward-max-failed-rollouts (0 = never stop)")
+                f", --reward-endpoint {redact_url(self.cfg.reward.reward_endpoint)}); fix it and resume with --load, "
+                f"or raise --reward-max-failed-rollouts (0 = never stop)")
 
     def _due(self, k: int, interval: int | None) -> bool:
         last = k == int(self.cfg.rollout.num_rollout) - 1

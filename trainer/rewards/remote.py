@@ -153,7 +153,8 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits()) -> tupl
     if not isinstance(req, dict):
         raise RequestError("request body must be a JSON object")
     if req.get("protocol", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-        raise RequestError(f"unsupported protocol {str(req.get('protocol'))[:50]!r}; this server speaks {PROTOCOL_VERSION}")
+        raise RequestError(f"unsupported protocol {str(req.get('protocol'))[:50]!r}; this server speaks "
+                           f"{PROTOCOL_VERSION}")
     prompts, images, metadata = req.get("prompts"), req.get("images"), req.get("metadata")
     if not isinstance(prompts, list) or not isinstance(images, list):
         raise RequestError('request needs "prompts" and "images" lists')

@@ -108,8 +108,8 @@ class VlmJudgeScorer:
     ):
         del model_path, device  # the model lives behind the endpoint
         if not str(reward_judge_endpoint).startswith(("http://", "https://")):
-            raise ValueError(f"--reward-judge-endpoint={redact_url(reward_judge_endpoint)!r} must be an http(s):// URL, "
-                             "e.g. http://host:8000/v1/chat/completions")
+            raise ValueError(f"--reward-judge-endpoint={redact_url(reward_judge_endpoint)!r} must be an http(s):// "
+                             "URL, e.g. http://host:8000/v1/chat/completions")
         try:
             reward_judge_prompt_template.format(prompt="x")
         except (KeyError, IndexError, ValueError) as e:
