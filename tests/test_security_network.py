@@ -267,7 +267,8 @@ INFO = json.dumps({"protocol": 1, "components": ["color"]}).encode()
 
 
 def answer(conn, body: bytes, status: str = "200 OK", extra: bytes = b""):
-    conn.sendall(b"HTTP/1.1 " + status.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+    """Write one HTTP answer to a socket (or a handler's wfile)."""
+    (conn.sendall if hasattr(conn, "sendall") else conn.write)(b"HTTP/1.1 " + status.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
                  + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body)
 
 
@@ -391,3 +392,30 @@ def test_urls_lose_their_credentials_in_records_and_logs(tmp_path, capsys, monke
         with pytest.raises(RunError) as err:
             build_reward_manager(cfg.reward, "cpu")
     assert "HTTP 401" in str(err.value) and SECRET not in str(err.value) and f"127.0.0.1:{port}" in str(err.value)
+
+
+
+def test_url_userinfo_is_sent_as_basic_auth_and_a_token_wins(monkeypatch):
+    headers = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            headers.append(self.headers.get("Authorization"))
+            answer(self.wfile, INFO)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        url = f"http://user:p%40ss@127.0.0.1:{server.server_address[1]}/score"
+        monkeypatch.delenv(TOKEN_ENV, raising=False)
+        RemoteScorer(url, timeout_s=5, max_retries=0).info()
+        monkeypatch.setenv(TOKEN_ENV, SECRET)
+        RemoteScorer(url, timeout_s=5, max_retries=0).info()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert headers == ["Basic " + base64.b64encode(b"user:p@ss").decode(), f"Bearer {SECRET}"]

@@ -9,7 +9,8 @@ A network peer is untrusted input (docs/security.md), so an exchange:
 - follows no redirect: a 3xx is an error naming the endpoint (following one turned a POST into a
   GET whose answer would have been trained on);
 - sends ``Authorization: Bearer <token>`` when a token is given (read from the environment by the
-  callers, never from a URL, so it reaches no log or record).
+  callers, so it reaches no log or record); without one, a URL's ``user:password@`` is sent as
+  HTTP Basic authentication (and redacted wherever the URL is shown).
 
 `loads_bounded` parses a JSON answer turning RecursionError (deep nesting) and the
 int-too-long ValueError into one ValueError that says what was wrong.
@@ -17,6 +18,7 @@ int-too-long ValueError into one ValueError that says what was wrong.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import socket
@@ -24,7 +26,7 @@ import ssl
 import threading
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from trainer.core.redact import redact_url
 
@@ -95,6 +97,9 @@ def exchange(
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Connection": "close"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    elif parts.username is not None:  # a URL's user:password@ means HTTP Basic authentication
+        creds = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(creds).decode("ascii")
     start = time.monotonic()
     watchdog.start()
     try:
