@@ -26,6 +26,7 @@ from PIL import Image
 from tools.reward_server import ServerLimits, is_loopback, make_server
 from trainer.rewards.base import ImageBatch
 from trainer.rewards.color import ColorScorer, color_palette
+from trainer.rewards.manager import RewardManager
 from trainer.rewards.remote import RemoteScorer, RewardEndpointError
 from trainer.rewards.transport import TOKEN_ENV, HttpFailure, exchange
 from trainer.rewards.vlm_judge import VlmJudgeScorer
@@ -311,11 +312,13 @@ def test_malformed_answers_are_counted_failures_naming_the_endpoint(body, needle
         answer(conn, INFO if method == b"GET" else body)
 
     with raw_server(respond) as url:
-        scorer = RemoteScorer(url, timeout_s=5, max_retries=2, backoff_s=5, max_response_bytes=300_000)
+        manager = RewardManager("remote", endpoint=url, remote_max_retries=2, remote_backoff_s=5)
+        manager.scorer.max_response_bytes = 300_000
         with caplog.at_level("WARNING", logger="trainer.rewards.remote"):
             t0 = time.monotonic()
-            out = scorer(*batch())
-        assert torch.isnan(out["color"]).all() and scorer.pop_failures() == {"malformed": 2}
+            out = manager.score(*batch())
+        assert torch.isnan(out.components["color"]).all()
+        assert out.failure_metrics() == {"reward/failed_candidates_malformed": 2.0}
         assert time.monotonic() - t0 < 3  # not retried
         assert url in caplog.text and needle in caplog.text, caplog.text
 
