@@ -467,8 +467,17 @@ def test_remote_scores_must_be_finite_numbers():
 
 @contextlib.contextmanager
 def _scripted_server(answers: list[tuple[int, str, bytes]]):
-    """An HTTP server answering each POST with the next (status, content type, body)."""
+    """An HTTP server answering each POST with the next (status, content type, body), and GET
+    with the protocol's info (one component, "color")."""
     class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            body = json.dumps({"protocol": 1, "components": ["color"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def do_POST(self):  # noqa: N802 - the http.server API
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             status, ctype, body = answers.pop(0)
@@ -497,8 +506,9 @@ def _batch(n: int = 2):
     return ImageBatch.from_any(torch.rand(n, 3, 4, 4)), ["a red ball"] * n, [{}] * n
 
 
-def test_misbehaving_reward_server_answers_are_clear_errors():
-    from trainer.rewards.base import RewardError
+def test_misbehaving_reward_server_answers_are_clear_errors(caplog):
+    """A malformed 200 answer fails the batch's groups (NaN, counted, logged naming the endpoint)
+    and the run goes on; a server that keeps failing is an error naming the endpoint."""
     from trainer.rewards.remote import RemoteScorer, RewardEndpointError
 
     answers = [(200, "text/html", b"<html>proxy login</html>"),
@@ -506,10 +516,12 @@ def test_misbehaving_reward_server_answers_are_clear_errors():
                *[(500, "application/json", b'{"error": "scorer crashed"}')] * 2]
     with _scripted_server(answers) as url:
         scorer = RemoteScorer(url, timeout_s=5, max_retries=1, backoff_s=0.01)
-        with pytest.raises(RewardEndpointError, match=f"reward endpoint {url} returned a body that is not JSON"):
-            scorer.score(*_batch())
-        with pytest.raises(RewardError, match="returned 3 values for component 'color', expected 2"):
-            scorer.score(*_batch())
+        with caplog.at_level("WARNING", logger="trainer.rewards.remote"):
+            assert torch.isnan(scorer.score(*_batch())["color"]).all()
+            assert torch.isnan(scorer.score(*_batch())["color"]).all()
+        assert f"reward endpoint {url} returned a body that is not JSON" in caplog.text
+        assert "returned 3 values for component 'color', expected 2" in caplog.text
+        assert scorer.pop_failures() == {"malformed": 4}
         with pytest.raises(RewardEndpointError, match="failed 2 attempt.*HTTP 500: scorer crashed"):
             scorer.score(*_batch())
 

@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.data import (DataError, content_hash, normalize_prompt, read_jsonl, stable_sample_id, where,
-                          write_jsonl)
+from trainer.data import (MAX_LINE_BYTES, DataError, content_hash, iter_lines_bounded, normalize_prompt, read_jsonl,
+                          stable_sample_id, where, write_jsonl)
 from trainer.cli import existing_path, run_tool, tool_parser  # noqa: E402
 from trainer.models.base import GENERATION_TASKS
 
@@ -108,7 +108,10 @@ def convert_prompts(input_path: str, column: str | None) -> RawPrompts:
             yield f"{input_path}:{lineno}", value
     else:
         with open(input_path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
+            for lineno, raw in iter_lines_bounded(f):
+                if raw is None:
+                    raise DataError(f"{where(input_path, lineno)}: line longer than {MAX_LINE_BYTES} bytes; "
+                                    "a prompt is one line of at most a few thousand characters")
                 try:
                     line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # drop a BOM
                 except UnicodeDecodeError as e:

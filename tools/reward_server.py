@@ -1,24 +1,37 @@
 """Serve any reward scorer over HTTP, for --reward-runtime remote.
 
-    python tools/reward_server.py --reward-scorer-path trainer.rewards.pickscore.PickScoreScorer \
-        --reward-model-path /models/PickScore_v1 --host 0.0.0.0 --port 8000 --device cuda:0
+    FLOWGRPO_REWARD_TOKEN=... python tools/reward_server.py --reward-scorer-path pickscore \
+        --reward-model-path /models/PickScore_v1 --host 10.0.0.5 --port 8000 --device cuda:0
 
-then train with --reward-runtime remote --reward-endpoint http://<host>:8000/score.
-The protocol is documented in trainer/rewards/remote.py (and docs/rewards.md). Standard library
-http.server only; requests are scored one at a time (scorers need not be thread-safe), while
-GETs (health / info) are answered concurrently. --port 0 picks a free port; the first line on
-stdout is always "listening on http://HOST:PORT/score".
+then train with --reward-runtime remote --reward-endpoint http://10.0.0.5:8000/score and the same
+FLOWGRPO_REWARD_TOKEN in the trainer's environment. The protocol is documented in
+trainer/rewards/remote.py (and docs/rewards.md); deployment advice and every limit in
+docs/security.md. Standard library http.server only; requests are scored one at a time (scorers
+need not be thread-safe), while GETs (health / info) are answered concurrently. --port 0 picks a
+free port; the first line on stdout is always "listening on http://HOST:PORT/score".
+
+What a peer can make this server hold is bounded: --max-connections handler threads (more
+connections are answered 503), each with its request body (--max-request-mb) which must arrive
+within --request-timeout-s, and --max-decodes requests decoded or scored at once, each at most
+--max-request-pixels (every PNG's size is read from its header before anything is decoded; other
+image formats are refused).
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
+import time
 import traceback
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -29,86 +42,321 @@ if __package__ in (None, ""):  # run as a script: this checkout's trainer, not a
 
 from trainer.cli import ToolError, existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.rewards.base import SHIPPED_SCORERS, build_scorer, check_scores  # noqa: E402
-from trainer.rewards.remote import PROTOCOL_VERSION, decode_request, encode_response  # noqa: E402
+from trainer.rewards.remote import (PROTOCOL_VERSION, RequestError, RequestLimits, decode_request,  # noqa: E402
+                                    encode_response)
+from trainer.rewards.transport import TOKEN_ENV  # noqa: E402
 
 log = logging.getLogger("reward_server")
 
+#: after refusing a request early (401, 413), how long / how much of its body is read and dropped,
+#: so that the client finishes sending and reads the answer instead of a connection reset
+DRAIN_SECONDS = 5.0
+DRAIN_MAX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's resource bounds (the flags of the same names; docs/security.md)."""
+
+    #: largest request body, in MiB; a batch of 32 PNGs at 512x512 is ~15 MB
+    max_request_mb: float = 64.0
+    #: pixels of one image, and of all the images of one request
+    max_image_pixels: int = RequestLimits.max_image_pixels
+    max_request_pixels: int = RequestLimits.max_request_pixels
+    #: requests decoded or scored at once: their decoded pixels are what is in memory
+    max_decodes: int = 2
+    #: open connections (one handler thread each); more are answered 503
+    max_connections: int = 32
+    #: seconds in which a request (line, headers, body) must arrive; an idle or trickling
+    #: connection is dropped then
+    request_timeout_s: float = 30.0
+
+    def check(self) -> None:
+        """ValueError naming the flag of a bound that is not positive."""
+        for name in ("max_request_mb", "max_image_pixels", "max_request_pixels", "max_decodes", "max_connections",
+                     "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+
+
+class _Reaper:
+    """Shuts down connections whose request has not arrived by its deadline: one thread for all
+    of them. A per-read socket timeout alone lets a client that trickles a byte at a time hold
+    its handler thread forever."""
+
+    def __init__(self) -> None:
+        self._deadlines: dict[socket.socket, float] = {}
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, sock: socket.socket, seconds: float) -> None:
+        with self._cv:
+            self._deadlines[sock] = time.monotonic() + seconds
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name="reward-server-reaper", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def disarm(self, sock: socket.socket) -> None:
+        with self._cv:
+            self._deadlines.pop(sock, None)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._stopped:
+                now = time.monotonic()
+                for sock in [s for s, t in self._deadlines.items() if t <= now]:
+                    del self._deadlines[sock]
+                    try:  # the handler's blocked read returns: it closes the connection
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                nearest = min(self._deadlines.values(), default=None)
+                self._cv.wait(None if nearest is None else max(nearest - now, 0.01))
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with at most `max_connections` handler threads: a connection beyond
+    them is answered 503 at once (the client retries 503 with backoff) instead of a new thread."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: socketserver's 5 makes a burst of ranks wait for SYN retries
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.reaper = _Reaper()
+        super().__init__(address, handler)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.reaper.stop()
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps({"error": "the reward server is at --max-connections; retry later"}).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address `host` names is a loopback address ("" and 0.0.0.0 are not)."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
 
 def make_server(
-    scorer: Any, host: str = "127.0.0.1", port: int = 0, scorer_path: str = "", max_request_mb: float = 512.0
+    scorer: Any, host: str = "127.0.0.1", port: int = 0, scorer_path: str = "", max_request_mb: float | None = None,
+    *, limits: ServerLimits | None = None, token: str | None = None,
 ) -> ThreadingHTTPServer:
-    """An HTTP server (not yet serving) for `scorer`; call serve_forever() / shutdown()."""
+    """An HTTP server (not yet serving) for `scorer`; call serve_forever() / shutdown().
+
+    `limits` bounds what peers can make it hold (`max_request_mb` overrides its body limit);
+    with `token`, every request must carry ``Authorization: Bearer <token>`` (else 401)."""
+    limits = limits or ServerLimits()
+    if max_request_mb is not None:
+        limits = ServerLimits(**{**limits.__dict__, "max_request_mb": float(max_request_mb)})
+    limits.check()
+    request_limits = RequestLimits(limits.max_image_pixels, limits.max_request_pixels)
     lock = threading.Lock()
+    decodes = threading.BoundedSemaphore(limits.max_decodes)
+    max_bytes = int(limits.max_request_mb * 1024 * 1024)
     info = json.dumps({
         "protocol": PROTOCOL_VERSION,
         "scorer": scorer_path or type(scorer).__module__ + "." + type(scorer).__qualname__,
         "components": list(scorer.components),
         "required_tracks": list(getattr(scorer, "required_tracks", ("image",))),
+        "limits": {"max_request_bytes": max_bytes, "max_image_pixels": limits.max_image_pixels,
+                   "max_request_pixels": limits.max_request_pixels},
     }).encode()
-    max_bytes = int(max_request_mb * 1024 * 1024)
+    expected = f"Bearer {token}".encode() if token else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = limits.request_timeout_s  # per socket operation (StreamRequestHandler.setup)
 
-        def _send(self, code: int, body: bytes) -> None:
+        def handle_one_request(self) -> None:
+            # the whole request (line, headers, body) must arrive within --request-timeout-s
+            self.server.reaper.arm(self.connection, limits.request_timeout_s)
+            try:
+                super().handle_one_request()
+            finally:
+                self.server.reaper.disarm(self.connection)
+
+        def _send(self, code: int, body: bytes, close: bool = False) -> None:
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(body)
+            self.wfile.flush()
 
         def _error(self, code: int, message: str) -> None:
             self._send(code, json.dumps({"error": message}).encode())
 
+        def _refuse(self, code: int, message: str, unread: int) -> None:
+            """Answer before reading the body, then read and drop it (bounded), so the client
+            gets this answer rather than a reset connection."""
+            self.server.reaper.disarm(self.connection)
+            self._send(code, json.dumps({"error": message}).encode(), close=True)
+            end = time.monotonic() + DRAIN_SECONDS
+            left = min(max(unread, 0), DRAIN_MAX_BYTES)
+            try:
+                while left > 0 and time.monotonic() < end:
+                    self.connection.settimeout(max(0.05, end - time.monotonic()))
+                    chunk = self.rfile.read1(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except OSError:
+                pass
+
+        def _authorized(self) -> bool:
+            if expected is None:
+                return True
+            given = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
+            return hmac.compare_digest(given, expected)
+
+        def _unauthorized_message(self) -> str:
+            return (f"missing or wrong bearer token: this server requires the token in {TOKEN_ENV}; set the "
+                    "same variable in the client's environment")
+
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+            self.server.reaper.disarm(self.connection)
+            if not self._authorized():
+                return self._refuse(401, self._unauthorized_message(), 0)
             self._send(200, info)
 
         def do_POST(self) -> None:  # noqa: N802
             try:
-                length = int(self.headers.get("Content-Length") or 0)
+                self._post()
+            except Exception as e:  # noqa: BLE001 - a request must get an answer, never a dropped connection
+                log.error("request failed:\n%s", traceback.format_exc())
+                try:
+                    self._error(500, f"{type(e).__name__}: {e}")
+                except OSError:
+                    pass
+
+        def _post(self) -> None:
+            raw_length = self.headers.get("Content-Length")
+            try:
+                length = int(raw_length or 0)
             except ValueError:  # unanswered, the client would see a dropped connection and retry it
-                return self._error(400, f"Content-Length {self.headers.get('Content-Length')!r} is not an integer")
+                return self._refuse(400, f"Content-Length {raw_length[:50]!r} is not an integer", 0)
+            if not self._authorized():
+                return self._refuse(401, self._unauthorized_message(), length)
             if length <= 0:
-                return self._error(411, "a POST needs a JSON body with Content-Length")
+                return self._refuse(411, "a POST needs a JSON body with Content-Length", 0)
             if length > max_bytes:
-                return self._error(413, f"request of {length} bytes exceeds --max-request-mb={max_request_mb}")
-            try:
-                images, prompts, metadata = decode_request(self.rfile.read(length))
-            except ValueError as e:
-                return self._error(400, str(e))
-            try:
-                with lock:
-                    scores = scorer.score(images, prompts, metadata)
-                body = encode_response(check_scores(scores, len(images), f"scorer {scorer_path}"))
-            except Exception as e:
-                log.error("scoring failed:\n%s", traceback.format_exc())
-                return self._error(500, f"{type(e).__name__}: {e}")
-            self._send(200, body)
+                return self._refuse(413, f"request too large: {length} bytes exceeds --max-request-mb="
+                                         f"{limits.max_request_mb:g} ({max_bytes} bytes); send fewer images per "
+                                         "request or raise the server's --max-request-mb", length)
+            body = self.rfile.read(length)
+            self.server.reaper.disarm(self.connection)  # the request is in: scoring takes what it takes
+            if len(body) < length:
+                self.close_connection = True
+                return
+            # decoded pixels are what grows memory: only --max-decodes requests hold them at once
+            with decodes:
+                try:
+                    images, prompts, metadata = decode_request(body, request_limits)
+                except RequestError as e:
+                    return self._error(e.status, str(e))
+                del body
+                try:
+                    with lock:
+                        scores = scorer.score(images, prompts, metadata)
+                    answer = encode_response(check_scores(scores, len(images), f"scorer {scorer_path}"))
+                except Exception as e:  # noqa: BLE001 - the scorer's failure is the client's 500
+                    log.error("scoring failed:\n%s", traceback.format_exc())
+                    return self._error(500, f"{type(e).__name__}: {e}")
+            self._send(200, answer)
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return _BoundedServer((host, port), Handler, limits.max_connections)
+
+
+def check_bind(host: str, token: str | None, allow_unauthenticated: bool) -> None:
+    """ToolError when `host` is reachable from other machines and nothing authenticates requests."""
+    if token or allow_unauthenticated or is_loopback(host):
+        return
+    raise ToolError(
+        f"--host {host or '(all interfaces)'} is reachable from other machines and {TOKEN_ENV} is not set, so "
+        f"anyone who can reach the port could use this scorer and its device. Set {TOKEN_ENV} to a secret in the "
+        "environment of this server and of the trainer, or pass --allow-unauthenticated on a network only you "
+        "use (docs/security.md)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = ServerLimits()
     p = tool_parser("reward_server", __doc__.split("\n\n")[0])
     p.add_argument(
         "--reward-scorer-path", required=True,
         help="dotpath of a scorer class or function, or a shipped short name "
-             f"({', '.join(sorted(SHIPPED_SCORERS))})",
+             f"({', '.join(sorted(SHIPPED_SCORERS))}); a dotpath names code that is imported and run",
     )
     p.add_argument("--reward-model-path", default=None, type=existing_dir,
                    help="local model directory for scorers that need weights")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for every interface)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help=f"interface to bind; anything but loopback needs {TOKEN_ENV} set or --allow-unauthenticated")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
     p.add_argument(
         "--device", default="cpu", help='the device the scorer is built on and scores on: "cpu" or a torch device '
                                         "such as cuda:0"
     )
-    p.add_argument("--max-request-mb", type=float, default=512.0, help="largest accepted request body")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help=f"serve a non-loopback --host without {TOKEN_ENV} (a network only you use)")
+    p.add_argument("--max-request-mb", type=float, default=d.max_request_mb,
+                   help="largest request body in MiB (> 0); larger requests are answered 413")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="largest image, width x height (> 0), read from the PNG header before decoding")
+    p.add_argument("--max-request-pixels", type=int, default=d.max_request_pixels,
+                   help="pixels of all images of one request together (> 0)")
+    p.add_argument("--max-decodes", type=int, default=d.max_decodes,
+                   help="requests decoded or scored at once (> 0); each holds up to --max-request-pixels x 3 bytes")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections, one thread each (> 0); more are answered 503 and retried by the client; "
+                        "at least the number of training ranks that score here")
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                   help="seconds in which a whole request must arrive (> 0); slower or idle connections are dropped")
     return p.parse_args(argv)
 
 
@@ -119,11 +367,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    limits = ServerLimits(args.max_request_mb, args.max_image_pixels, args.max_request_pixels, args.max_decodes,
+                          args.max_connections, args.request_timeout_s)
+    try:
+        limits.check()
+    except ValueError as e:
+        raise ToolError(str(e)) from None
+    token = os.environ.get(TOKEN_ENV) or None
+    check_bind(args.host, token, args.allow_unauthenticated)
+    if not is_loopback(args.host) and not token:
+        log.warning("serving %s without a token (--allow-unauthenticated): anyone who can reach the port can "
+                    "use this scorer", args.host or "all interfaces")
     try:
         scorer = build_scorer(args.reward_scorer_path, args.reward_model_path, args.device)
     except (ValueError, TypeError) as e:  # an unknown scorer name or class: the message names the flag
         raise ToolError(str(e)) from None
-    server = make_server(scorer, args.host, args.port, args.reward_scorer_path, args.max_request_mb)
+    server = make_server(scorer, args.host, args.port, args.reward_scorer_path, limits=limits, token=token)
     host, port = server.server_address[:2]
     print(f"listening on http://{host}:{port}/score", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())

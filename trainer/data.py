@@ -46,6 +46,14 @@ REQUIRED_METADATA_KEYS = ("task", "sample_id")
 #: would otherwise cost host memory and tokenizer time on every rollout, then be cut off silently.
 MAX_PROMPT_CHARS = 10_000
 
+#: longest line read from a prompt file, in bytes: a valid line holds at most MAX_PROMPT_CHARS of
+#: prompt (up to 6 bytes each when JSON-escaped) plus metadata, far below this. A longer line is
+#: reported without ever being held in memory whole (a multi-GB line must not be read to find out).
+MAX_LINE_BYTES = 1 << 20
+
+#: the command that turns a plain-text prompt list (one prompt per line) into a prompt file
+PLAIN_TEXT_FIX = "flowgrpo-prepare-data --source prompts --input {path} --output PROMPTS.jsonl"
+
 # A sample id names a record in logs, artifact metadata and the split hash: one token, no spaces.
 _SAMPLE_ID_RE = re.compile(r"^[^\s]+$")
 
@@ -94,14 +102,63 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
     return n
 
 
+def iter_lines_bounded(f: Any, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes | None]]:
+    """Yield ``(line_number, raw_line)`` from a binary file, 1-based; ``raw_line`` is None for a
+    line longer than ``max_bytes``, whose rest is skipped in bounded chunks, never held whole."""
+    lineno = 0
+    while True:
+        raw = f.readline(max_bytes + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > max_bytes and not (len(raw) == max_bytes + 1 and raw.endswith(b"\n")):
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(1 << 16)
+            yield lineno, None
+            continue
+        yield lineno, raw
+
+
+def parse_json_line(text: str, path: str | os.PathLike = "FILE") -> tuple[Any, str | None]:
+    """``(object, None)`` for one JSON line, or ``(None, what is wrong)`` with a 1-based column;
+    a line that does not start like a JSON value is reported as plain text with the command that
+    converts such a file (PLAIN_TEXT_FIX). Nesting too deep and integers over Python's digit limit
+    are reported too, not raised."""
+    if text.startswith("\ufeff"):
+        return None, "starts with a UTF-8 byte-order mark; save the file as UTF-8 without one"
+    start = len(text) - len(text.lstrip())
+    first = text[start:start + 1]
+    if first not in ("{", "["):
+        try:  # a bare string / number / literal parses but is not a record; anything else is text
+            return json.loads(text), None
+        except (ValueError, RecursionError):
+            pass
+        return None, (f"not JSON: the line starts with {text.strip()[:40]!r} at column {start + 1}, so the file "
+                      "looks like plain text (one JSON object per line is expected). Convert a plain-text prompt "
+                      f"list with: {PLAIN_TEXT_FIX.format(path=os.fspath(path))}")
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e.msg} at column {e.colno}); fix or delete the line"
+    except RecursionError:
+        return None, "not a usable JSON object: it nests too deeply to parse; fix or delete the line"
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        return None, f"not a usable JSON object ({str(e)[:120]}); fix or delete the line"
+
+
 def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line_number, object, error)`` for every line of a JSONL file (1-based lines).
 
     ``error`` is None for a parsed line; otherwise ``object`` is None and ``error`` says what is
-    wrong (bad JSON, blank line, bad UTF-8). Nothing is skipped: every line is accounted for.
+    wrong (bad JSON, plain text, a line over MAX_LINE_BYTES, blank line, bad UTF-8). Nothing is
+    skipped: every line is accounted for, and memory stays bounded whatever the file holds.
     """
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in iter_lines_bounded(f):
+            if raw is None:
+                yield lineno, None, (f"line longer than {MAX_LINE_BYTES} bytes (a prompt may hold at most "
+                                     f"{MAX_PROMPT_CHARS} characters); shorten or delete it")
+                continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -110,12 +167,8 @@ def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any, str | 
             if not text.strip():
                 yield lineno, None, "blank line; delete it (one JSON object per line)"
                 continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield lineno, None, f"not valid JSON ({e.msg} at column {e.colno}); fix or delete the line"
-                continue
-            yield lineno, obj, None
+            obj, error = parse_json_line(text, path)
+            yield lineno, obj, error
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
@@ -183,6 +236,9 @@ def record_problems(obj: Any, tasks: Iterable[str] = GENERATION_TASKS) -> list[s
     ``<image>`` / ``<video>`` placeholder counts.
     """
     tasks = tuple(tasks)
+    if isinstance(obj, str):
+        return ["expected a JSON object, got a string: a plain-text prompt list is converted with "
+                + PLAIN_TEXT_FIX.format(path="FILE")]
     if not isinstance(obj, dict):
         return [f"expected a JSON object, got {type(obj).__name__}"]
     problems = []

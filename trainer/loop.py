@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from trainer.core.redact import redact_url, redact_urls
 from trainer.dotpath import import_dotpath
 
 log = logging.getLogger("trainer")
@@ -255,7 +256,7 @@ def build_reward_manager(reward: Any, device: Any, held_out: tuple[str, str | No
     if held_out is not None:
         where = f"--eval-reward-scorers entry {held_out[0]}" + (f"={held_out[1]}" if held_out[1] else "")
     elif remote:
-        where = f"--reward-endpoint {reward.reward_endpoint}"
+        where = f"--reward-endpoint {redact_url(reward.reward_endpoint)}"
     else:
         where = f"--reward-scorer-path {reward.reward_scorer_path} (--reward-model-path {reward.reward_model_path})"
     try:
@@ -397,6 +398,7 @@ class Trainer:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = Path(cfg.artifacts.artifact_root) / "recipes" / f"{name}-{stamp}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
+        record = redact_urls(record)  # a credential in an endpoint URL must not reach the record
         atomic_write_bytes(path, (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode(), overwrite=True)
         return path
 
@@ -562,8 +564,8 @@ class Trainer:
             raise RunError(
                 f"{self.failed_rollouts_in_a_row} consecutive rollouts (up to rollout {k}) in which every group failed "
                 f"to score: the scorer returns no finite reward (--reward-scorer-path {self.cfg.reward.reward_scorer_path}"
-                f", --reward-endpoint {self.cfg.reward.reward_endpoint}); fix it and resume with --load, or raise "
-                f"--reward-max-failed-rollouts (0 = never stop)")
+                f", --reward-endpoint {redact_url(self.cfg.reward.reward_endpoint)}); fix it and resume with --load, "
+                f"or raise --reward-max-failed-rollouts (0 = never stop)")
 
     def _due(self, k: int, interval: int | None) -> bool:
         last = k == int(self.cfg.rollout.num_rollout) - 1

@@ -58,7 +58,10 @@ class MetricsLogger:
         """The run's name and its resolved config, as the `run` text of TensorBoard's Text tab."""
         if not self.enabled:
             return
-        body = json.dumps(config, indent=2, sort_keys=True, default=str)
+        from trainer.core.redact import redact_urls
+
+        # a credential in an endpoint URL must not reach everyone who can open the run's events
+        body = json.dumps(redact_urls(config), indent=2, sort_keys=True, default=str)
         # four-space indent: TensorBoard renders text as markdown, this keeps the JSON verbatim
         self._writer.add_text("run", f"**{name}**\n\n" + textwrap.indent(body, "    "), step)
         self._writer.flush()

@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     if world is None and not preflight_only:
         world = 1
     if preflight_only and rank0:
-        print(json.dumps(cfg.to_dict(), indent=2))
+        from trainer.core.redact import redact_urls
+
+        print(json.dumps(redact_urls(cfg.to_dict()), indent=2))
     try:
         warnings = validate(cfg, world, torchrun=torchrun)
     except PreflightError as exc:

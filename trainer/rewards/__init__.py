@@ -15,6 +15,7 @@ Modules (import what you need; this package imports nothing heavy on its own):
                 JpegIncompressibilityScorer "jpeg_incompressibility"
   color         ColorScorer                component "color"; color_palette(), color_prompts()
   remote        the HTTP JSON protocol and RemoteScorer (--reward-runtime remote)
+  transport     one bounded HTTP exchange with a reward peer (deadline, size cap, no redirects, token)
   manager       RewardManager / reward_manager_from_config: runtimes cpu / colocate / remote, batching
   post_process  post_process / compute_advantages / gather_scores -> RewardResult (reward/* metrics)
   watch         the reward-hacking watch: image statistics, held-out scores, the suspect rule

@@ -6,45 +6,91 @@ for this trainer:
     POST <endpoint>            Content-Type: application/json
       {"protocol": 1,
        "prompts":  ["a red cube", ...],                  # B strings
-       "metadata": [{"sample_id": "..."}, ...],           # B JSON objects
+       "metadata": [{"sample_id": "..."}, ...],           # B JSON objects (or null / omitted)
        "images":   ["<base64 PNG, RGB 8-bit>", ...]}      # B images, lossless (same pixels as the rollout PNGs)
     200 -> {"<component>": [B numbers or null], ...}     # null = could not score this image (NaN)
                                                           # anything but a finite number counts as null
     4xx/5xx -> {"error": "<message>"}
 
-    GET <endpoint>  -> {"protocol": 1, "scorer": "<dotpath>", "components": [...], "required_tracks": [...]}
+    GET <endpoint>  -> {"protocol": 1, "scorer": "<dotpath>", "components": [...], "required_tracks": [...],
+                        "limits": {"max_request_bytes": ..., "max_image_pixels": ..., "max_request_pixels": ...}}
+
+With FLOWGRPO_REWARD_TOKEN set, every request carries ``Authorization: Bearer <token>``.
 
 Strict JSON has no NaN, so a non-finite score travels as null and comes back as NaN (its group
 then fails, visibly). The client retries connection errors, timeouts, HTTP 429 and 5xx a bounded
-number of times with exponential backoff (backoff_s * 2**attempt), never a 4xx (a bad request
-does not get better), and then raises RewardEndpointError naming the endpoint.
+number of times with exponential backoff (backoff_s * 2**attempt), never a 4xx or a redirect (they
+repeat themselves), and then raises RewardEndpointError naming the endpoint. An answer that is
+not a valid score table (not JSON, too large, nested too deeply, a component the server did not
+declare, a wrong length) is not retried either: the batch scores NaN, so its groups fail and are
+counted (reward/failed_groups, reward/failed_candidates_malformed), and the run goes on.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import logging
 import math
-import socket
+import os
+import struct
+import threading
 import time
-import urllib.error
-import urllib.request
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
+from trainer.core.redact import redact_url
 from trainer.rewards.base import ImageBatch, RewardError, check_scores
+from trainer.rewards.transport import TOKEN_ENV, HttpFailure, exchange, loads_bounded
 
 PROTOCOL_VERSION = 1
 
 logger = logging.getLogger(__name__)
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# what a refused image most likely is, for the message (magic bytes -> format name)
+_OTHER_FORMATS = (
+    (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"), (b"%!PS", "EPS"), (b"\xc5\xd0\xd3\xc6", "EPS"), (b"\x00\x00\x00\x0cjP", "JPEG 2000"),
+    (b"P1", "PBM/PGM/PPM"), (b"P2", "PBM/PGM/PPM"), (b"P3", "PBM/PGM/PPM"), (b"P4", "PBM/PGM/PPM"),
+    (b"P5", "PBM/PGM/PPM"), (b"P6", "PBM/PGM/PPM"), (b"P7", "PAM"), (b"\x00\x00\x01\x00", "ICO"),
+)
+
 
 class RewardEndpointError(RewardError):
     """The remote reward endpoint could not be reached or answered with an error."""
+
+
+class MalformedAnswer(RewardEndpointError):
+    """The endpoint answered 200 with something that is not a valid score table."""
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `status` is the HTTP status to answer (400 or 413)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may make the server decode (tools/reward_server.py flags of the same names).
+
+    A PNG of 20000 x 20000 black pixels is a few KB on the wire and 1.2 GB decoded, so the body
+    size alone bounds nothing: the pixels are checked from the PNG header before any decoding.
+    """
+
+    #: pixels of one image (4096 x 4096; 48 MB as RGB)
+    max_image_pixels: int = 4096 * 4096
+    #: pixels of all the images of one request together (64 Mi, e.g. 64 images of 1024 x 1024; 192 MB as RGB)
+    max_request_pixels: int = 64 * 1024 * 1024
 
 
 def encode_png_b64(image: np.ndarray) -> str:
@@ -56,12 +102,30 @@ def encode_png_b64(image: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def decode_png_b64(data: str) -> np.ndarray:
-    """base64 PNG/any PIL-readable image -> uint8 [H, W, 3] (RGB)."""
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's signature and IHDR chunk, without decoding anything;
+    ValueError naming the format when `data` is not a PNG."""
+    if not data.startswith(PNG_MAGIC):
+        fmt = next((name for magic, name in _OTHER_FORMATS if data.startswith(magic)), None)
+        if fmt is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+            fmt = "WEBP"
+        raise ValueError(f"is {fmt or 'not an image format this server reads'}, not PNG; only PNG is accepted")
+    if len(data) < 24 or data[12:16] != b"IHDR":
+        raise ValueError("is a truncated PNG (no IHDR header)")
+    return struct.unpack(">II", data[16:24])
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """PNG bytes -> uint8 [H, W, 3] (RGB). Only Pillow's PNG reader is tried."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as im:
+    with Image.open(io.BytesIO(data), formats=("PNG",)) as im:
         return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
+
+
+def decode_png_b64(data: str) -> np.ndarray:
+    """base64 PNG -> uint8 [H, W, 3] (RGB)."""
+    return decode_png(base64.b64decode(data, validate=True))
 
 
 def encode_request(images: ImageBatch, prompts: list[str], metadata: list[dict]) -> bytes:
@@ -77,27 +141,62 @@ def encode_request(images: ImageBatch, prompts: list[str], metadata: list[dict])
     return json.dumps(body, default=str).encode("utf-8")
 
 
-def decode_request(body: bytes) -> tuple[ImageBatch, list[str], list[dict]]:
-    """Parse and validate a POST body; raises ValueError with what is wrong."""
+def decode_request(body: bytes, limits: RequestLimits = RequestLimits()) -> tuple[ImageBatch, list[str], list[dict]]:
+    """Parse and validate a POST body; RequestError (400, or 413 for too many pixels) with what is wrong.
+
+    Every image's size is read from its PNG header and checked against `limits` before the first
+    one is decoded, so a decompression bomb costs nothing."""
     try:
-        req = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"request body is not JSON: {e}") from e
+        req = loads_bounded(body, "request body")
+    except ValueError as e:
+        raise RequestError(str(e)) from None
     if not isinstance(req, dict):
-        raise ValueError("request body must be a JSON object")
+        raise RequestError("request body must be a JSON object")
     if req.get("protocol", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-        raise ValueError(f"unsupported protocol {req.get('protocol')!r}; this server speaks {PROTOCOL_VERSION}")
-    prompts, images = req.get("prompts"), req.get("images")
+        raise RequestError(f"unsupported protocol {str(req.get('protocol'))[:50]!r}; this server speaks "
+                           f"{PROTOCOL_VERSION}")
+    prompts, images, metadata = req.get("prompts"), req.get("images"), req.get("metadata")
     if not isinstance(prompts, list) or not isinstance(images, list):
-        raise ValueError('request needs "prompts" and "images" lists')
-    metadata = req.get("metadata") or [{} for _ in prompts]
+        raise RequestError('request needs "prompts" and "images" lists')
+    if metadata is None:
+        metadata = [{} for _ in prompts]
+    if not isinstance(metadata, list):
+        raise RequestError(f'"metadata" must be a list of objects, got {type(metadata).__name__}')
     if not (len(prompts) == len(images) == len(metadata)):
-        raise ValueError(f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata entries")
-    try:
-        arrays = [decode_png_b64(s) for s in images]
-    except Exception as e:
-        raise ValueError(f"an image is not a base64-encoded PNG: {e}") from e
-    return ImageBatch(arrays), [str(p) for p in prompts], [dict(m or {}) for m in metadata]
+        raise RequestError(f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata entries")
+    for i, (p, m, im) in enumerate(zip(prompts, metadata, images)):
+        if not isinstance(p, str):
+            raise RequestError(f"prompt {i} must be a string, got {type(p).__name__}")
+        if m is not None and not isinstance(m, dict):
+            raise RequestError(f"metadata {i} must be an object, got {type(m).__name__}")
+        if not isinstance(im, str):
+            raise RequestError(f"image {i} must be a base64 string, got {type(im).__name__}")
+    raw: list[bytes] = []
+    total = 0
+    for i, s in enumerate(images):
+        try:
+            data = base64.b64decode(s, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise RequestError(f"image {i} is not base64: {e}") from None
+        try:
+            w, h = png_size(data)
+        except ValueError as e:
+            raise RequestError(f"image {i} {e}") from None
+        if w * h > limits.max_image_pixels:
+            raise RequestError(f"image {i} is {w}x{h} = {w * h} pixels, more than --max-image-pixels="
+                               f"{limits.max_image_pixels}", 413)
+        total += w * h
+        if total > limits.max_request_pixels:
+            raise RequestError(f"the images hold more than --max-request-pixels={limits.max_request_pixels} "
+                               f"pixels together (image {i} reaches {total}); send fewer images per request", 413)
+        raw.append(data)
+    arrays = []
+    for i, data in enumerate(raw):
+        try:
+            arrays.append(decode_png(data))
+        except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a corrupt PNG
+            raise RequestError(f"image {i} is not a readable PNG: {type(e).__name__}: {str(e)[:200]}") from None
+    return ImageBatch(arrays), list(prompts), [dict(m or {}) for m in metadata]
 
 
 def encode_response(scores: Mapping[str, torch.Tensor]) -> bytes:
@@ -108,110 +207,153 @@ def encode_response(scores: Mapping[str, torch.Tensor]) -> bytes:
     return json.dumps(out).encode("utf-8")
 
 
-def decode_response(body: bytes, batch_size: int, endpoint: str) -> dict[str, torch.Tensor]:
-    """Parse a 200 response into fp32 tensors [B] (null -> NaN); raises RewardEndpointError."""
+def decode_response(body: bytes, batch_size: int, endpoint: str,
+                    components: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Parse a 200 response into fp32 tensors [B] (null -> NaN); MalformedAnswer naming the
+    endpoint when it is not {component: [B values]} over the declared `components` (when given)."""
+    where = f"reward endpoint {redact_url(endpoint)}"
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RewardEndpointError(f"reward endpoint {endpoint} returned a body that is not JSON: {e}") from e
+        data = loads_bounded(body, "the answer")
+    except ValueError as e:
+        raise MalformedAnswer(f"{where} returned a body that is not JSON: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
-        raise RewardEndpointError(
-            f"reward endpoint {endpoint} must return {{component: [numbers]}}, got {str(data)[:200]}"
-        )
+        raise MalformedAnswer(f"{where} must return {{component: [numbers]}}, got {str(data)[:200]}")
+    if components is not None:
+        unknown = sorted(set(data) - set(components))
+        if unknown:
+            raise MalformedAnswer(f"{where} returned component(s) {[u[:50] for u in unknown[:5]]} it did not "
+                                  f"declare (its GET lists {list(components)})")
+    for name, v in data.items():
+        if len(v) != batch_size:
+            raise MalformedAnswer(f"{where} returned {len(v)} values for component {name[:50]!r}, "
+                                  f"expected {batch_size} (one per image)")
     scores = {k: [_reward_value(x) for x in v] for k, v in data.items()}
-    bad = sum(1 for k, v in data.items() for x in v if x is not None and not _is_finite_number(x))
+    bad = [x for v in data.values() for x in v if x is not None and not _is_finite_number(x)]
     if bad:
-        logger.warning("reward endpoint %s returned %d score(s) that are not finite numbers (e.g. %r); their groups "
-                       "fail (reward/failed_groups)", endpoint, bad,
-                       next(x for v in data.values() for x in v if x is not None and not _is_finite_number(x)))
-    return check_scores(scores, batch_size, f"reward endpoint {endpoint}")
+        logger.warning("%s returned %d score(s) that are not finite numbers (e.g. %.80r); their groups "
+                       "fail (reward/failed_groups)", where, len(bad), bad[0])
+    return check_scores(scores, batch_size, where)
 
 
 def _is_finite_number(x: Any) -> bool:
     # bool is an int subclass in Python: `true` must not become a reward of 1.0
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer beyond float range
+        return False
 
 
 def _reward_value(x: Any) -> float:
-    """A JSON score -> float; null, strings ("0"), booleans and non-finite values -> NaN, which
-    fails the image's group instead of passing for a real score."""
+    """A JSON score -> float; null, strings ("0"), booleans, non-finite values and integers
+    beyond float range -> NaN, which fails the image's group instead of passing for a real score."""
     return float(x) if _is_finite_number(x) else math.nan
 
 
 class RemoteScorer:
     """A scorer that POSTs each batch to `endpoint` (module docstring for the protocol).
 
-    timeout_s bounds one HTTP exchange; max_retries is the number of retries after the first
-    attempt; backoff_s the first wait (doubling).
+    timeout_s is one deadline for a whole HTTP exchange (connect, send, answer), per attempt;
+    max_retries is the number of retries after the first attempt; backoff_s the first wait
+    (doubling). The bearer token comes from the environment variable FLOWGRPO_REWARD_TOKEN.
     """
 
     required_tracks = ("image",)
 
-    def __init__(self, endpoint: str, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 1.0):
+    def __init__(self, endpoint: str, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 1.0,
+                 max_response_bytes: int | None = None):
         if not endpoint or not endpoint.startswith(("http://", "https://")):
             raise ValueError(
-                f"--reward-endpoint={endpoint!r} must be an http(s):// URL, e.g. http://host:8000/score"
+                f"--reward-endpoint={redact_url(endpoint)!r} must be an http(s):// URL, e.g. http://host:8000/score"
             )
         self.endpoint = endpoint
+        #: the endpoint as messages show it (no credentials)
+        self.name = redact_url(endpoint)
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
+        self.max_response_bytes = max_response_bytes
+        self.token = os.environ.get(TOKEN_ENV) or None
         self._info: dict | None = None
+        self._failures: Counter = Counter()
+        self._lock = threading.Lock()
 
     def _exchange(self, data: bytes | None) -> bytes:
         """One request (GET if data is None, else POST) with bounded retries."""
         attempts = self.max_retries + 1
         start = time.monotonic()
         last = ""
+        kwargs = {} if self.max_response_bytes is None else {"max_response_bytes": self.max_response_bytes}
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            req = urllib.request.Request(
-                self.endpoint, data=data, method="GET" if data is None else "POST",
-                headers={"Content-Type": "application/json"},
-            )
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    return resp.read()
-            except urllib.error.HTTPError as e:
-                detail = _error_detail(e)
-                last = f"HTTP {e.code}: {detail}"
-                if e.code != 429 and e.code < 500:
-                    raise RewardEndpointError(
-                        f"reward endpoint {self.endpoint} (--reward-endpoint) rejected the request: {last}"
-                    ) from None
-            except (urllib.error.URLError, socket.timeout, ConnectionError, TimeoutError) as e:
-                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                return exchange(self.endpoint, data, self.timeout_s, token=self.token, **kwargs)
+            except HttpFailure as f:
+                last = str(f)
+                if f.kind == "malformed":
+                    raise MalformedAnswer(f"reward endpoint {self.name} (--reward-endpoint): {f}") from None
+                if not f.retryable:
+                    raise RewardEndpointError(self._rejected(f, data)) from None
         raise RewardEndpointError(
-            f"reward endpoint {self.endpoint} (--reward-endpoint) failed {attempts} attempt(s) over "
+            f"reward endpoint {self.name} (--reward-endpoint) failed {attempts} attempt(s) over "
             f"{time.monotonic() - start:.1f}s; last error: {last}. Check that the reward server is running "
             f"and reachable (python tools/reward_server.py --reward-scorer-path ... --host ... --port ...)."
         )
 
+    def _rejected(self, f: HttpFailure, data: bytes | None) -> str:
+        """The message for an answer that another attempt would not change."""
+        msg = f"reward endpoint {self.name} (--reward-endpoint) rejected the request: {f}"
+        if f.status == 413:
+            return (f"{msg}. The request was too large ({len(data or b'')} bytes): score fewer images per "
+                    "request or raise the server's --max-request-mb / --max-request-pixels")
+        if f.status in (401, 403):
+            return (f"{msg}. Set {TOKEN_ENV} in the trainer's environment to the server's token "
+                    f"({'it is set, but the server did not accept it' if self.token else 'it is not set'})")
+        return msg
+
     def info(self) -> dict:
-        """The server's GET answer: scorer dotpath, components, required tracks (cached)."""
+        """The server's GET answer: scorer dotpath, components, required tracks, limits (cached)."""
         if self._info is None:
             try:
-                self._info = json.loads(self._exchange(None))
-            except json.JSONDecodeError as e:
-                raise RewardEndpointError(f"reward endpoint {self.endpoint}: GET did not return JSON: {e}") from e
+                info = loads_bounded(self._exchange(None), "the GET answer")
+            except ValueError as e:
+                raise RewardEndpointError(f"reward endpoint {self.name}: {e}") from None
+            comps = info.get("components") if isinstance(info, dict) else None
+            if not isinstance(comps, list) or not all(isinstance(c, str) for c in comps):
+                raise RewardEndpointError(f"reward endpoint {self.name}: its GET answer must hold a "
+                                          f'"components" list of names, got {str(info)[:200]}')
+            self._info = info
         return self._info
 
     @property
     def components(self) -> tuple[str, ...]:
-        return tuple(self.info().get("components", ()))
+        return tuple(self.info()["components"])
 
     def score(self, images: ImageBatch, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
-        body = self._exchange(encode_request(images, prompts, metadata))
-        return decode_response(body, len(images), self.endpoint)
+        """Scores of one batch; a malformed answer is logged, counted and scored NaN (module docstring)."""
+        components = self.components
+        data = encode_request(images, prompts, metadata)
+        limits = self.info().get("limits")
+        limit = limits.get("max_request_bytes") if isinstance(limits, dict) else None
+        if isinstance(limit, int) and not isinstance(limit, bool) and len(data) > limit:
+            raise RewardEndpointError(
+                f"reward endpoint {self.name} (--reward-endpoint): request too large: {len(images)} images make "
+                f"{len(data)} bytes, more than the server's --max-request-mb ({limit} bytes); score fewer images "
+                "per request or raise the server's limit")
+        try:
+            return decode_response(self._exchange(data), len(images), self.endpoint, components)
+        except MalformedAnswer as e:
+            with self._lock:
+                self._failures["malformed"] += len(images)
+            logger.warning("%s; the batch's %d candidates score NaN and their groups are left out", e, len(images))
+            return {c: torch.full((len(images),), math.nan) for c in components}
 
     __call__ = score
 
-
-def _error_detail(e: urllib.error.HTTPError) -> str:
-    try:
-        body: Any = json.loads(e.read() or b"{}")
-        return str(body.get("error", body)) if isinstance(body, dict) else str(body)
-    except Exception:
-        return str(e.reason)
-
+    def pop_failures(self) -> dict[str, int]:
+        """Candidates lost to malformed answers since the last call (the manager reports them)."""
+        with self._lock:
+            out, self._failures = dict(self._failures), Counter()
+        return out

@@ -15,6 +15,12 @@ default). A request that times out or fails (connection error, HTTP 429 / 5xx) i
 update and counted (reward/failed_groups), and the reason is counted too
 (reward/failed_candidates_<reason>: timeout, http, connection, malformed); the run goes on.
 
+The judge is a network peer, so its answers are untrusted (docs/security.md): --reward-judge-timeout-s
+is one deadline for the whole request, an answer over 1 MB, one that is not a chat completion
+(deep nesting, huge numbers, wrong types included) counts as malformed, and a redirect is not
+followed (http). With FLOWGRPO_JUDGE_TOKEN set, it is sent as ``Authorization: Bearer <token>``
+(vLLM / SGLang `--api-key`); the endpoint is logged without userinfo or query string.
+
 Nothing is loaded here: the model is the server's business. --reward-judge-model is the served
 model name (omitted from the request when unset; SGLang and recent vLLM then use the one model
 they serve).
@@ -24,20 +30,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
-import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from trainer.config import RewardConfig
+from trainer.core.redact import redact_url
 from trainer.rewards.base import ImageBatch
 from trainer.rewards.remote import encode_png_b64
+from trainer.rewards.transport import JUDGE_TOKEN_ENV, HttpFailure, exchange, loads_bounded
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +51,30 @@ _DEFAULTS = RewardConfig()  # the flags' defaults are the constructor's, declare
 DEFAULT_ENDPOINT = _DEFAULTS.reward_judge_endpoint
 DEFAULT_TEMPLATE = _DEFAULTS.reward_judge_prompt_template
 DEFAULT_SCORE_REGEX = _DEFAULTS.reward_judge_score_regex
+#: largest chat-completion answer read (a score in a few tokens is < 1 KB; reasoning text a few KB)
+MAX_JUDGE_RESPONSE_BYTES = 1024 * 1024
+#: characters of the answer text searched for the score (--reward-judge-max-tokens bounds an honest one)
+MAX_ANSWER_CHARS = 16_384
 
 
 class _Failed(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason = reason
+
+
+def _answer_text(body: bytes) -> str:
+    """The assistant's text of a chat-completion answer; _Failed("malformed") when the body is not one."""
+    try:
+        data = loads_bounded(body, "the answer")
+        content = data["choices"][0]["message"]["content"]
+    except ValueError as e:
+        raise _Failed("malformed", str(e)) from None
+    except (KeyError, IndexError, TypeError) as e:
+        raise _Failed("malformed", f"not a chat-completion response ({type(e).__name__}: {e})") from None
+    if content is not None and not isinstance(content, str):
+        raise _Failed("malformed", f"message content is {type(content).__name__}, not text")
+    return (content or "")[:MAX_ANSWER_CHARS]
 
 
 class VlmJudgeScorer:
@@ -84,8 +108,8 @@ class VlmJudgeScorer:
     ):
         del model_path, device  # the model lives behind the endpoint
         if not str(reward_judge_endpoint).startswith(("http://", "https://")):
-            raise ValueError(f"--reward-judge-endpoint={reward_judge_endpoint!r} must be an http(s):// URL, "
-                             "e.g. http://host:8000/v1/chat/completions")
+            raise ValueError(f"--reward-judge-endpoint={redact_url(reward_judge_endpoint)!r} must be an http(s):// "
+                             "URL, e.g. http://host:8000/v1/chat/completions")
         try:
             reward_judge_prompt_template.format(prompt="x")
         except (KeyError, IndexError, ValueError) as e:
@@ -102,6 +126,10 @@ class VlmJudgeScorer:
             if int(v) < 1:
                 raise ValueError(f"--reward-judge-{flag} must be >= 1, got {v}")
         self.endpoint, self.model = reward_judge_endpoint, reward_judge_model
+        #: the endpoint as messages show it (no credentials); the API key comes from the environment
+        self.name = redact_url(reward_judge_endpoint)
+        self.token = os.environ.get(JUDGE_TOKEN_ENV) or None
+        self.max_response_bytes = MAX_JUDGE_RESPONSE_BYTES
         self.template = reward_judge_prompt_template
         self.lo, self.hi = float(reward_judge_score_min), float(reward_judge_score_max)
         self.max_concurrency = int(reward_judge_max_concurrency)
@@ -142,25 +170,16 @@ class VlmJudgeScorer:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            req = urllib.request.Request(self.endpoint, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    data = json.loads(resp.read())
-                return str(data["choices"][0]["message"]["content"] or "")
-            except urllib.error.HTTPError as e:
-                last = _Failed("http", f"HTTP {e.code}")
-                if e.code != 429 and e.code < 500:
+                answer = exchange(self.endpoint, body, self.timeout_s, token=self.token,
+                                  max_response_bytes=self.max_response_bytes)
+            except HttpFailure as f:
+                reason = f.kind if f.kind in ("timeout", "connection", "malformed") else "http"
+                last = _Failed(reason, str(f))
+                if not f.retryable:
                     raise last from None
-            except (socket.timeout, TimeoutError) as e:
-                last = _Failed("timeout", f"no answer within {self.timeout_s}s ({e})")
-            except urllib.error.URLError as e:
-                reason = "timeout" if isinstance(e.reason, (socket.timeout, TimeoutError)) else "connection"
-                last = _Failed(reason, str(e.reason))
-            except (ConnectionError, OSError) as e:
-                last = _Failed("connection", f"{type(e).__name__}: {e}")
-            except (ValueError, KeyError, IndexError, TypeError) as e:
-                raise _Failed("malformed", f"not a chat-completion response: {e}") from None
+                continue
+            return _answer_text(answer)
         assert last is not None
         raise last
 
@@ -170,7 +189,7 @@ class VlmJudgeScorer:
         except _Failed as f:
             with self._lock:
                 self._failures[f.reason] += 1
-            log.warning("VLM judge %s: candidate not scored (%s: %s); its group is left out", self.endpoint, f.reason, f)
+            log.warning("VLM judge %s: candidate not scored (%s: %s); its group is left out", self.name, f.reason, f)
             return float("nan")
 
     # -- the scorer protocol --------------------------------------------------------------------
