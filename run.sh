@@ -139,6 +139,10 @@ case $cmd in
   train)
     [[ $# -ge 1 ]] || { echo "usage: bash run.sh train RECIPE.toml [--flag value ...]" >&2; exit 2; }
     recipe=$1; shift
+    if [[ $recipe == -* ]]; then
+      echo "usage: bash run.sh train RECIPE.toml [--flag value ...]: the recipe comes first (bash run.sh train RECIPE.toml --help lists every flag)" >&2
+      exit 2
+    fi
     NPROC=${NPROC:-$(nproc_default)}
     if [[ ${USE_CURRENT_ENV:-0} == 1 ]]; then
       # a cluster image or a checkout shared by several nodes: never pip-install at launch

@@ -45,6 +45,8 @@ def test_run_sh_without_or_with_an_unknown_subcommand_prints_usage_and_exits_2()
                                    "train, demo") and "bash run.sh train RECIPE.toml" in bogus.stderr
     helped = run_sh("help")
     assert helped.returncode == 0 and "bash run.sh demo" in helped.stdout
+    flags_first = run_sh("train", "--lr", "1e-4")
+    assert flags_first.returncode == 2 and "the recipe comes first" in flags_first.stderr
 
 
 def test_a_bad_train_launch_lists_its_problems_and_exits_2_before_torchrun(tmp_path):
