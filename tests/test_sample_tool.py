@@ -215,6 +215,14 @@ def test_lora_takes_a_checkpoint_and_refuses_anything_else_before_loading(tmp_pa
         assert all((a == b).all() for a, b in zip(outs["peft"], outs[name]))
 
     _no_model_load(monkeypatch)
+    full = _lora_checkpoint(peft, tmp_path / "full_save", iteration=5)
+    (full / "adapter_contract.json").write_text(json.dumps({"mode": "full"}))
+    assert main(base + ["--output", str(tmp_path / "x"), "--lora", str(full)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == (
+        f"sample: error: --lora {full} is a full fine-tune checkpoint, not a LoRA one: export it with "
+        f"`flowgrpo-export --form merged --save-dir {tmp_path / 'full_save'} --iteration 5 --output-dir DIR` and pass "
+        "DIR as --model-path")
     (tmp_path / "neither").mkdir()
     assert main(base + ["--output", str(tmp_path / "x"), "--lora", str(tmp_path / "neither")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

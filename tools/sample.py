@@ -158,9 +158,19 @@ def lora_source(path: str, task: str) -> tuple[str, int | None] | None:
 def adapter_from_checkpoint(save_dir: str, iteration: int | None, task: str, adapter_path: str, out: Path) -> Path:
     """The checkpoint's LoRA as a PEFT adapter directory under `out`, written by the export's own
     code (tools/export_checkpoint.py --form adapter): small, and read without the base model."""
-    from tools.export_checkpoint import ExportError, export_checkpoint
+    from tools.export_checkpoint import ExportError, contract_mode, export_checkpoint, find_checkpoint
+    from trainer.checkpoint import CONTRACT
 
     try:
+        d, found = find_checkpoint(save_dir, task, iteration)
+        try:
+            full = contract_mode(json.loads((d / CONTRACT).read_text())) == "full"
+        except (OSError, ValueError):
+            full = False  # the export names a missing or damaged contract
+        if full:
+            raise ToolError(f"--lora {d} is a full fine-tune checkpoint, not a LoRA one: export it with "
+                            f"`flowgrpo-export --form merged --save-dir {save_dir} --iteration {found} --output-dir DIR` "
+                            "and pass DIR as --model-path")
         export_checkpoint(save_dir, task, iteration, out, form="adapter", model_adapter_path=adapter_path)
     except ExportError as e:
         raise ToolError(f"--lora: {e}") from None

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     preflight_only = "--preflight-only" in argv
     quiet = preflight_only and "--quiet" in argv
-    argv = [a for a in argv if a not in ("--preflight-only", "--quiet")]
+    # --quiet means something only to --preflight-only; alone it stays an unknown flag
+    argv = [a for a in argv if a != "--preflight-only" and not (quiet and a == "--quiet")]
     rank0 = _is_rank0()
     try:
         cfg = load_config(argv)
