@@ -82,8 +82,43 @@ nproc_default() {
   if [[ $n -gt 0 ]]; then echo "$n"; else echo 2; fi
 }
 
-cmd=${1:-help}
-shift || true
+usage() { sed -n '2,8p' "$ROOT/run.sh" | sed 's/^# \{0,1\}//'; }
+
+# The world the ranks will form: NPROC per node times torchrun's --nnodes when TORCHRUN_ARGS fixes
+# it; empty when it is elastic (a range), so preflight checks the recipe's own world instead.
+launch_world() {
+  local nodes=1
+  if [[ " ${TORCHRUN_ARGS:-} " =~ [[:space:]]--nnodes[=[:space:]]+([^[:space:]]+) ]]; then
+    nodes=${BASH_REMATCH[1]}
+    [[ $nodes =~ ^[0-9]+$ ]] || return 0
+  fi
+  echo $((NPROC * nodes))
+}
+
+# Config and preflight, once, in one process, before torchrun starts: a bad launch then prints its
+# list of problems and exits 2, instead of a traceback per rank and torchrun's exit 1. Preflight
+# loads no weights, so a good launch pays one short process start. --help / --version /
+# --preflight-only are answered by this one process too, and nothing is launched.
+launch_check() {  # python recipe [trainer flags]
+  local py=$1 recipe=$2 world a status=0
+  shift 2
+  world=$(launch_world)
+  for a in "$@"; do
+    if [[ $a == -h || $a == --help || $a == --version || $a == --preflight-only ]]; then
+      env ${world:+WORLD_SIZE=$world} "$py" -m trainer.train --config "$recipe" "$@" || status=$?
+      exit "$status"
+    fi
+  done
+  env ${world:+WORLD_SIZE=$world} "$py" -m trainer.train --config "$recipe" "$@" --preflight-only --quiet \
+    || exit $?
+}
+
+if [[ $# -eq 0 ]]; then
+  usage >&2
+  exit 2
+fi
+cmd=$1
+shift
 case $cmd in
   setup)
     setup ;;
@@ -104,21 +139,28 @@ case $cmd in
   train)
     [[ $# -ge 1 ]] || { echo "usage: bash run.sh train RECIPE.toml [--flag value ...]" >&2; exit 2; }
     recipe=$1; shift
+    if [[ $recipe == -* ]]; then
+      echo "usage: bash run.sh train RECIPE.toml [--flag value ...]: the recipe comes first (bash run.sh train RECIPE.toml --help lists every flag)" >&2
+      exit 2
+    fi
     NPROC=${NPROC:-$(nproc_default)}
     if [[ ${USE_CURRENT_ENV:-0} == 1 ]]; then
       # a cluster image or a checkout shared by several nodes: never pip-install at launch
       py=${PYTHON:-python3}
       "$py" -c 'import torch, diffusers, transformers, peft' 2>/dev/null || {
         echo "USE_CURRENT_ENV=1: $py cannot import torch, diffusers, transformers and peft; install the project there (pip install -e .) or unset USE_CURRENT_ENV to use .venv" >&2; exit 2; }
+      launch_check "$py" "$recipe" "$@"
       exec "$py" -m torch.distributed.run --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} -m trainer.train --config "$recipe" "$@"
     fi
     setup
+    launch_check "$PY" "$recipe" "$@"
     exec "$VENV/bin/torchrun" --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} -m trainer.train --config "$recipe" "$@" ;;
   demo)
     setup
     exec bash "$ROOT/tools/demo.sh" "$@" ;;
   help|-h|--help)
-    sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' ;;
+    usage ;;
   *)
-    echo "unknown command '$cmd'; use one of: setup, test, setup-sglang, test-sglang, train, demo" >&2; exit 2 ;;
+    { echo "unknown command '$cmd'; use one of: setup, test, setup-sglang, test-sglang, train, demo"; usage; } >&2
+    exit 2 ;;
 esac

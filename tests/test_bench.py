@@ -485,3 +485,42 @@ def test_flowgrpo_path_is_checked():
 
     with pytest.raises(ValueError, match="--flowgrpo-path .*sd3_pipeline_with_logprob.py"):
         import_flowgrpo_rollout(ROOT / "docs")
+
+
+def test_the_default_shape_is_the_tiny_one():
+    """`flowgrpo-bench` with no arguments must not build a 20 B model on whatever host it runs on."""
+    from tools.bench import parse_args
+
+    args = parse_args([])
+    assert (args.shape, args.height, args.width) == ("tiny", 64, 64)
+    real = parse_args(["--shape", "real"])
+    assert (real.shape, real.height, real.width) == ("real", 384, 384)
+
+
+@pytest.mark.parametrize("family, need_gb", [("qwen_image", 197.1), ("sd3", 40.6), ("flux", 115.1)])
+def test_a_real_shape_that_cannot_fit_is_refused_before_anything_is_allocated(family, need_gb, monkeypatch, capsys):
+    """The estimate comes from the shape on the meta device: the engine (DiT, VAE, text encoders)
+    and the actor's DiT, here in fp32 on CPU, against 16 GB said to be available."""
+    import tools.bench as bench
+
+    monkeypatch.setattr(bench, "available_bytes", lambda device_type: (16 * 10**9, "available on this host"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench.main(["--family", family, "--shape", "real", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"bench: error: --shape real --family {family} needs at least "
+                                               f"{need_gb} GB for its parameters alone")
+    assert "but 16.0 GB is available on this host" in err[0] and "Use --shape tiny (the default)" in err[0]
+
+
+def test_memory_estimate_counts_every_rank_on_a_host_and_one_shard_on_a_gpu():
+    from tools.bench import memory_estimate, real_param_counts
+
+    dit, rest = real_param_counts()
+    assert (dit, rest) == (20_430_401_088, pytest.approx(8.42e9, rel=2e-3))
+    # one H200 in bf16: about 98.6 GB of parameters, under its 141 GB
+    assert memory_estimate(dit, rest, 2, "cuda", 1) / 1e9 == pytest.approx(98.6, abs=0.1)
+    assert memory_estimate(100, 10, 2, "cuda", 4) == (100 + 10 + 25) * 2
+    assert memory_estimate(100, 10, 4, "cpu", 2) == (2 * 110 + 100) * 4

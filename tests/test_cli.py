@@ -109,3 +109,82 @@ def test_a_present_loop_gets_the_config(recipe_env, monkeypatch):
     # a bad config never reaches the loop
     assert train.main(["--config", str(LORA), "--kl-coef", "1"]) == 2
     assert len(seen) == 2
+
+
+DEMO = ROOT / "configs" / "tiny_cpu_demo.toml"
+
+
+def _own_data(tmp_path: Path, model: Path) -> list[str]:
+    """The demo recipe pointed at one's own model and data (its eval set stays the demo's)."""
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "a red circle", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
+    return ["--config", str(DEMO), "--model-path", str(model), "--prompt-data", str(prompts),
+            "--artifact-root", str(tmp_path / "artifacts"), "--save", str(tmp_path / "ckpt"),
+            "--tensorboard-dir", str(tmp_path / "tb"), "--preflight-only"]
+
+
+def test_the_demo_recipe_is_reusable_without_its_eval_set(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """The demo's eval file exists only after the demo ran: the error names the way out, and
+    `--eval-prompt-data none` drops the eval set together with the recipe's --eval-interval."""
+    monkeypatch.setenv("EXP_DIR", str(tmp_path / "no-demo-here"))
+    for k in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    argv = _own_data(tmp_path, tiny_model_dir)
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "Generative RL config validation failed:"
+    assert len(err) == 2 and err[1].startswith("  - --eval-prompt-data held_out ") and \
+        err[1].endswith("or pass --eval-prompt-data none to train without evaluation"), err
+    assert train.main(argv + ["--eval-prompt-data", "none"]) == 0
+    out = capsys.readouterr().out
+    body, _, last = out.rstrip().rpartition("\n")
+    assert last == "preflight ok"
+    resolved = json.loads(body)
+    assert resolved["eval"]["eval_prompt_data"] == [] and resolved["eval"]["eval_interval"] is None
+    # --eval-interval 0 is no way to turn it off, and says which is
+    assert train.main(argv + ["--eval-interval", "0"]) == 2
+    assert "--eval-interval must be >= 1, got 0; to train without evaluation pass --eval-prompt-data none" in \
+        capsys.readouterr().err
+
+
+def test_num_rollout_is_a_total_on_resume(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """Resuming after rollouts 0-1 with --num-rollout 2 (or 1) would train nothing: refused at
+    preflight, from the checkpoint directory's markers alone (nothing is loaded)."""
+    monkeypatch.setenv("EXP_DIR", str(tmp_path))
+    for k in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    it = tmp_path / "ckpt" / "t2i" / "iter_0000001"
+    it.mkdir(parents=True)
+    (it / "COMMITTED").write_text("1\n")
+    argv = _own_data(tmp_path, tiny_model_dir) + ["--eval-prompt-data", "none", "--load", str(tmp_path / "ckpt")]
+    assert train.main(argv + ["--num-rollout", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "Generative RL config validation failed:" and len(err) == 2
+    assert err[1].startswith(f"  - --num-rollout 2 is the run's total number of rollouts, and the checkpoint resumed "
+                             f"from --load {tmp_path / 'ckpt'} (iteration 1) has already run rollouts 0-1 (2)")
+    assert "Pass --num-rollout 4 to train 2 more" in err[1]
+    assert train.main(argv + ["--num-rollout", "3"]) == 0
+    capsys.readouterr()
+
+
+def test_task_defaults_to_t2i_and_the_family_comes_from_model_index(tmp_path, monkeypatch, capsys,
+                                                                    tiny_sd3_model_dir):
+    """No --generation-task, no --model-adapter-path: t2i and the SD3 adapter, as the tools pick
+    them; and a geometry the tiny SD3 DiT cannot draw is refused before anything loads, naming the
+    largest size and the config it comes from."""
+    monkeypatch.setenv("EXP_DIR", str(tmp_path))
+    for k in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    argv = [a for a in _own_data(tmp_path, tiny_sd3_model_dir)] + ["--eval-prompt-data", "none"]
+    assert train.main(argv) == 0  # the demo's 32 x 32 fits
+    resolved = json.loads(capsys.readouterr().out.rstrip().rpartition("\n")[0])
+    assert resolved["model"]["generation_task"] == "t2i"
+    assert resolved["model"]["model_adapter_path"] == "trainer.models.sd3.SD3Adapter"
+    assert train.main(argv + ["--sampling-config.height", "384", "--sampling-config.width", "33"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "Generative RL config validation failed:" and len(err) == 3, err
+    assert err[1] == (f"  - --sampling-config height 384 is more than --model-path {tiny_sd3_model_dir} can draw: "
+                      "transformer/config.json's pos_embed_max_size 96 x patch_size 1 x vae/config.json's scale "
+                      "factor 2 allow at most 192 pixels; use height <= 192")
+    assert err[2].startswith("  - --sampling-config width 33 is not a multiple of 2 (vae/config.json's scale factor 2 "
+                             "x transformer/config.json's patch_size 1")

@@ -110,7 +110,8 @@ def test_reference_defaults():
     assert (c.reward.reward_runtime, c.reward.reward_scorer_path) == ("cpu", None)
     assert (c.sync.weight_sync_mode, c.sync.weight_sync_wire_dtype, c.sync.weight_sync_bucket_size_mb) == ("full", "bf16", 512)
     assert c.model.train_backend == "fsdp"  # deliberate: only fsdp exists here
-    assert c.model.generation_task is None and c.model.model_path is None
+    # t2i like every tool: the task a model directory of any shipped family draws
+    assert c.model.generation_task == "t2i" and c.model.model_path is None
 
 
 def test_preflight_and_config_import_no_torch():
@@ -146,12 +147,30 @@ def test_dict_flags_from_toml_tables_and_cli_json(tmp_path):
     cfg = load_config(["--config", str(r)])
     assert cfg.rollout.sampling_config == {"height": 256, "eta": 0.7}
     assert cfg.reward.reward_component_weights == {"pickscore": 1.0, "ocr": 0.5}
-    # a dict flag on the CLI replaces the recipe's whole value (no merge)
-    cfg = load_config(["--config", str(r), "--sampling-config", '{"width": 128}'])
-    assert cfg.rollout.sampling_config == {"width": 128}
+    # a dict flag on the CLI merges its keys over the recipe's value (null removes one, none drops it)
+    cfg = load_config(["--config", str(r), "--sampling-config", '{"width": 128, "eta": null}'])
+    assert cfg.rollout.sampling_config == {"height": 256, "width": 128}
+    cfg = load_config(["--config", str(r), "--reward-component-weights", '{"ocr": null, "jpeg": 2}'])
+    assert cfg.reward.reward_component_weights == {"pickscore": 1.0, "jpeg": 2}
+    assert load_config(["--config", str(r), "--sampling-config", "none"]).rollout.sampling_config is None
 
 
-def test_list_and_pair_flags():
+def test_dict_flag_keys_one_at_a_time(tmp_path):
+    """--sampling-config.KEY VALUE, FlowGRPO's --config.sample.num_steps=10: the value is JSON when it
+    parses, else a string; several keys (and a JSON object) collect into one patch over the recipe."""
+    r = write(tmp_path, '[sampling-config]\nheight = 256\neta = 0.7\nsde_indices = [1, 2]\n')
+    cfg = load_config(["--config", str(r), "--sampling-config.num_inference_steps", "10",
+                       "--sampling-config.sde_type=dance", "--sampling-config.sde_indices", "[1, 3]",
+                       "--sampling-config.eta", "null"])
+    assert cfg.rollout.sampling_config == {"height": 256, "num_inference_steps": 10, "sde_type": "dance",
+                                           "sde_indices": [1, 3]}
+    with pytest.raises(ConfigError, match="--lr.x sets one key of a dict-valued flag, and --lr is not one"):
+        load_config(["--lr.x", "1"])
+    with pytest.raises(ConfigError, match=r"--sampling-config.eta takes one value"):
+        load_config(["--sampling-config.eta", "1", "2"])
+
+
+def test_list_and_pair_flags(tmp_path):
     cfg = load_config([
         "--reward-required-components", '["pickscore", "ocr"]',
         "--lora-target-modules", "attn.to_q", "attn.to_k",
@@ -162,6 +181,11 @@ def test_list_and_pair_flags():
     assert cfg.eval.eval_prompt_data == [("a", "a.jsonl"), ("b", "b.jsonl")]
     with pytest.raises(ConfigError, match="NAME PATH pairs, got an odd number"):
         load_config(["--eval-prompt-data", "a", "a.jsonl", "b"])
+    # none drops a recipe's eval sets, and the eval schedule that needs them
+    r = write(tmp_path, 'eval-prompt-data = ["a", "a.jsonl"]\neval-interval = 4\n')
+    cfg = load_config(["--config", str(r), "--eval-prompt-data", "none"])
+    assert (cfg.eval.eval_prompt_data, cfg.eval.eval_interval) == ([], None)
+    assert load_config(["--config", str(r), "--eval-prompt-data=none", "--eval-interval", "2"]).eval.eval_interval == 2
 
 
 def test_eval_pairs_in_toml_flat_or_nested(tmp_path):

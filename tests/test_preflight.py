@@ -379,13 +379,16 @@ def _without(argv: list[str], flag: str, nvalues: int) -> list[str]:
 
 def test_model_directory_and_adapter_of_different_families_are_refused(base, tmp_path):
     """model_index.json names the family: a StableDiffusion3Pipeline directory with the Qwen-Image
-    adapter (the default) is refused before anything loads, naming the adapter to use; the
-    right adapter passes."""
+    adapter given explicitly is refused before anything loads, naming the adapter to use; the
+    right adapter passes, and without --model-adapter-path it is the one chosen."""
     model = tmp_path / "models" / "Qwen-Image"
     (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
-    found = [p for p in problems(base) if "--model-adapter-path" in p]
+    qwen = ["--model-adapter-path", "trainer.models.qwen_image.QwenImageAdapter"]
+    found = [p for p in problems(base + qwen) if "--model-adapter-path" in p]
     assert len(found) == 1 and "StableDiffusion3Pipeline" in found[0] and "trainer.models.sd3.SD3Adapter" in found[0]
     assert problems(base + ["--model-adapter-path", "trainer.models.sd3.SD3Adapter"]) == []
+    assert problems(base) == []
+    assert load_config(base).model.model_adapter_path == "trainer.models.sd3.SD3Adapter"
 
 
 def test_sglang_engine_with_a_family_it_does_not_bridge_is_refused(base):

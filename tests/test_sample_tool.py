@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,106 @@ def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir, capsys):
     # a missing model directory, or one that is not a pipeline, fails before anything loads
     fails(["--model-path", str(tmp_path / "nomodel")] + base[2:], "argument --model-path: .*nomodel does not exist")
     fails(["--model-path", str(tmp_path)] + base[2:], "--model-path .* has no model_index.json")
+
+
+def _no_model_load(monkeypatch) -> None:
+    """Fail the test if the tool gets as far as loading the model."""
+    from trainer.engine import native
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(native.NativeEngine, "__init__", refuse)
+
+
+def test_a_geometry_the_model_cannot_draw_is_refused_before_it_loads(tmp_path, tiny_sd3_model_dir, capsys,
+                                                                     monkeypatch):
+    """The tiny SD3 DiT's position table is 96 patches: its default 384 x 384 is named with the
+    largest size and the configs it comes from, before any weights load."""
+    from tools.sample import main
+
+    _no_model_load(monkeypatch)
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    assert main(["--model-path", str(tiny_sd3_model_dir), "--prompt-data", str(prompts),
+                 "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == (
+        f"sample: error: --sampling-config height 384 is more than --model-path {tiny_sd3_model_dir} can draw: "
+        "transformer/config.json's pos_embed_max_size 96 x patch_size 1 x vae/config.json's scale factor 2 allow at "
+        "most 192 pixels; use height <= 192; --sampling-config width 384 is more than --model-path "
+        f"{tiny_sd3_model_dir} can draw: transformer/config.json's pos_embed_max_size 96 x patch_size 1 x "
+        "vae/config.json's scale factor 2 allow at most 192 pixels; use width <= 192")
+
+
+def test_sampling_config_keys_merge_over_the_family_geometry(tmp_path, tiny_model_dir, capsys):
+    """Keys without sde_indices keep the family's trained steps (they used to fail after the model
+    loaded); --sampling-config.KEY sets one key."""
+    from tools.sample import main
+    from trainer.artifacts import read_sidecar
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    assert main(["--model-path", str(tiny_model_dir), "--prompt-data", str(prompts), "--output", str(tmp_path / "o"),
+                 "--sampling-config", '{"height": 64, "width": 64, "num_inference_steps": 8}',
+                 "--sampling-config.num_inference_steps", "6", "--sampling-config.width=32"]) == 0
+    assert "trained steps [1, 3, 5]" in capsys.readouterr().out
+    _, meta = read_sidecar(sorted((tmp_path / "o" / "t2i" / "rollout_0000000").glob("*.safetensors"))[0])
+    recorded = json.loads(meta["sampling"])
+    assert (recorded["height"], recorded["width"], recorded["num_inference_steps"], recorded["sde_indices"]) == \
+        (64, 32, 6, [1, 3, 5])
+
+
+def _lora_checkpoint(peft_dir: Path, save: Path, iteration: int = 3) -> Path:
+    """A committed LoRA checkpoint iteration holding the PEFT adapter's tensors, in the trainer's
+    layout (DCP "model.*" entries under peft's names, the contract with rank and alpha)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    it = save / "t2i" / f"iter_{iteration:07d}"
+    (it / "fsdp").mkdir(parents=True)
+    tensors = {k.removeprefix("base_model.model.").replace(".weight", ".default.weight"): v
+               for k, v in load_file(str(peft_dir / "adapter_model.safetensors")).items()}
+    with warnings.catch_warnings():  # one process is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": tensors}, storage_writer=dcp.FileSystemWriter(str(it / "fsdp")), no_dist=True)
+    (it / "adapter_contract.json").write_text(json.dumps({"mode": "lora", "lora_rank": 4, "lora_alpha": 8}))
+    (it / "trainer_state.json").write_text(json.dumps({"rollout_id": iteration, "policy_version": iteration}))
+    (it / "COMMITTED").write_text(f"{iteration}\n")
+    return it
+
+
+def test_lora_takes_a_checkpoint_and_refuses_anything_else_before_loading(tmp_path, tiny_model_dir, capsys,
+                                                                         monkeypatch):
+    """A LoRA run's checkpoint (its iteration, or its --save directory) samples exactly as the
+    adapter exported from it; a directory that is neither is refused before the model loads,
+    pointing at flowgrpo-export --form adapter."""
+    from PIL import Image
+
+    from tools.sample import main
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    base = ["--model-path", str(tiny_model_dir), "--prompt-data", str(prompts), "--sampling-config", SMALL]
+    peft = _lora_dir(tiny_model_dir, tmp_path / "peft")
+    it = _lora_checkpoint(peft, tmp_path / "save")
+    outs = {}
+    for name, lora in (("peft", peft), ("iteration", it), ("save", tmp_path / "save")):
+        assert main(base + ["--output", str(tmp_path / name), "--lora", str(lora)]) == 0, capsys.readouterr().err
+        assert f"loaded LoRA {lora} (rank 4, alpha 8" in capsys.readouterr().out
+        outs[name] = [np.asarray(Image.open(f)) for f in sorted((tmp_path / name / "t2i" / "rollout_0000000").glob("*.png"))]
+    assert len(outs["peft"]) == 3
+    for name in ("iteration", "save"):  # the same adapter, so the same images
+        assert all((a == b).all() for a, b in zip(outs["peft"], outs[name]))
+
+    _no_model_load(monkeypatch)
+    full = _lora_checkpoint(peft, tmp_path / "full_save", iteration=5)
+    (full / "adapter_contract.json").write_text(json.dumps({"mode": "full"}))
+    assert main(base + ["--output", str(tmp_path / "x"), "--lora", str(full)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == (
+        f"sample: error: --lora {full} is a full fine-tune checkpoint, not a LoRA one: export it with "
+        f"`flowgrpo-export --form merged --save-dir {tmp_path / 'full_save'} --iteration 5 --output-dir DIR` and pass "
+        "DIR as --model-path")
+    (tmp_path / "neither").mkdir()
+    assert main(base + ["--output", str(tmp_path / "x"), "--lora", str(tmp_path / "neither")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"sample: error: --lora {tmp_path / 'neither'} is neither a PEFT "
+                                               "adapter directory") and "flowgrpo-export --form adapter" in err[0]

@@ -2,7 +2,12 @@
 
     torchrun --nproc-per-node 1 tools/bench.py --shape real --output bench/results/h200x1.jsonl
     torchrun --nproc-per-node 2 tools/bench.py --shape real --full --output bench/results/h200x2.jsonl
-    python tools/bench.py --shape tiny --device cpu --height 64 --width 64 ...   (smoke test)
+    python tools/bench.py                                  (smoke test: the tiny shape, on CPU here)
+
+--shape defaults to tiny, the family's test model: the real shape is a deliberate choice of a GPU
+machine, and it is refused before anything is allocated when its parameters alone cannot fit in the
+device's free memory (host RAM on CPU) -- a 20 B model built on a shared CPU host would otherwise
+grow until the kernel's OOM killer ends it and disturbs everything else running there.
 
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
 other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch).
@@ -325,6 +330,7 @@ def family_parts(family: str) -> SimpleNamespace:
     adapter: the adapter class; forward_flops(cfg, image_tokens, text_tokens, batch): the FLOP
         model of one DiT forward; prompts(engine, n, text_tokens): the rollout's prompts;
     sampling: sampling-config keys the family needs; transformer_config(shape): the DiT's config;
+    real_param_counts(): (DiT, VAE + text encoders) parameters of the real shape, counted on meta;
     image_tokens(height, width, vae_scale_factor, dit_cfg): tokens of the DiT's image sequence;
     geometry(dit_cfg): extra keys of every figure's geometry."""
     def tokens(height, width, vae_scale_factor, dit_cfg):
@@ -339,6 +345,7 @@ def family_parts(family: str) -> SimpleNamespace:
 
         return SimpleNamespace(
             build_engine=flux_engine, build_transformer=bench_flux.build_flux_transformer, adapter=FluxAdapter,
+            real_param_counts=bench_flux.real_param_counts,
             forward_flops=bench_flux.flux_forward_flops,
             prompts=lambda engine, n, text_tokens: bench_flux.flux_prompts(n), sampling={},
             transformer_config=lambda shape: bench_flux.flux_shape_configs(shape)[0],
@@ -356,6 +363,7 @@ def family_parts(family: str) -> SimpleNamespace:
 
         return SimpleNamespace(build_engine=sd3_engine, build_transformer=bench_sd3.build_sd3_transformer,
                                adapter=SD3Adapter, forward_flops=bench_sd3.sd3_forward_flops,
+                               real_param_counts=bench_sd3.real_param_counts,
                                prompts=lambda engine, n, text_tokens: bench_sd3.sd3_prompts(n),
                                sampling={"cfg_renorm": False, "negative_prompt": ""},
                                transformer_config=bench_sd3.transformer_config, image_tokens=tokens,
@@ -371,6 +379,7 @@ def family_parts(family: str) -> SimpleNamespace:
 
     return SimpleNamespace(build_engine=qwen_engine, build_transformer=build_transformer, adapter=QwenImageAdapter,
                            forward_flops=dit_forward_flops, prompts=prompts, sampling={},
+                           real_param_counts=real_param_counts,
                            transformer_config=lambda shape: shape_configs(shape)[0], image_tokens=tokens,
                            geometry=lambda dit_cfg: {})
 
@@ -1215,8 +1224,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family", choices=FAMILIES, default="qwen_image",
                    help="model family: qwen_image (Qwen-Image), sd3 (Stable Diffusion 3.5 Medium) or flux "
                         "(FLUX.1-dev, tools/bench_flux.py)")
-    p.add_argument("--shape", choices=SHAPES, default="real",
-                   help="real: Qwen-Image 20.4 B / SD3.5-Medium 2.24 B / FLUX.1-dev 11.9 B; tiny: the family's test model")
+    p.add_argument("--shape", choices=SHAPES, default="tiny",
+                   help="tiny: the family's test model (the default: seconds on a CPU, safe on a shared host); "
+                        "real: Qwen-Image 20.4 B / SD3.5-Medium 2.24 B / FLUX.1-dev 11.9 B, a GPU's job: refused "
+                        "before anything is allocated when its parameters cannot fit in free memory")
     p.add_argument("--flowgrpo-path", type=Path, default=None, metavar="DIR",
                    help="a local FlowGRPO checkout, imported at run time and timed on the same modules (nothing "
                         "is copied): --family sd3 times its SD3 rollout function (flow_grpo/diffusers_patch/"
@@ -1226,8 +1237,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="unset: bf16 on cuda, fp32 on cpu")
     p.add_argument("--output", "--out", dest="out", type=Path, default=None,
                    help="JSON-lines file the figures are appended to")
-    p.add_argument("--height", type=int, default=384, help="image height; a multiple of 16 (real) / 8 (tiny)")
-    p.add_argument("--width", type=int, default=384, help="image width")
+    p.add_argument("--height", type=int, default=None,
+                   help="image height; a multiple of 16 (real) / 8 (tiny); unset: 384 (real), 64 (tiny)")
+    p.add_argument("--width", type=int, default=None, help="image width; unset: as --height's default")
     p.add_argument("--steps", type=int, default=12, help="denoising steps per image")
     p.add_argument("--trained-steps", type=int, default=3, help="SDE steps drawn from --sde-pool per rollout")
     p.add_argument("--sde-pool", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="SDE step pool")
@@ -1285,6 +1297,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-replay", type=Path, default=None, metavar="PATH",
                    help="profile one LoRA replay micro-batch (forward + backward) and write the op table to PATH")
     args = p.parse_args(argv)
+    size = 384 if args.shape == "real" else 64  # the tiny SD3 DiT draws at most 192 pixels a side
+    args.height = size if args.height is None else args.height
+    args.width = size if args.width is None else args.width
     if "flowgrpo" in args.compare and (args.flowgrpo_path is None or args.guidance_scale <= 1.0):
         p.error("--compare flowgrpo needs --flowgrpo-path (a local FlowGRPO checkout) and --guidance-scale > 1 "
                 "(FlowGRPO's Qwen-Image rollout function always runs true CFG)")
@@ -1300,6 +1315,64 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
                 f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
     return args
+
+
+def meta_param_count(factory: Callable[[], torch.nn.Module]) -> int:
+    """Parameters of `factory()`, built on the meta device: no memory, no init."""
+    return sum(p.numel() for p in _meta_build(factory, torch.float32).parameters())
+
+
+def real_param_counts() -> tuple[int, int]:
+    """(DiT, VAE + text encoder) parameters of the real Qwen-Image shape (after --num-layers)."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tools.make_tiny_model import build_tokenizer
+
+    _, vae, _, _ = shape_configs("real")
+    text = text_encoder_config("real", build_tokenizer())
+    return (dit_param_counts(shape_configs("real")[0])["total"],
+            meta_param_count(lambda: AutoencoderKLQwenImage(**vae))
+            + meta_param_count(lambda: Qwen2_5_VLForConditionalGeneration(text)))
+
+
+def available_bytes(device_type: str) -> tuple[int, str]:
+    """(free bytes, where the figure comes from) of this rank's device: the GPU's free memory, or
+    the host's MemAvailable on CPU."""
+    if device_type == "cuda":
+        free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
+        return int(free), f"free on {torch.cuda.get_device_name(int(os.environ.get('LOCAL_RANK', '0')))}"
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024, "available on this host (/proc/meminfo MemAvailable)"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "available on this host"
+
+
+def memory_estimate(dit: int, rest: int, dtype_bytes: int, device_type: str, world: int) -> int:
+    """A lower bound of the bytes the real-shape bench holds at once, parameters only: every rank's
+    engine (its DiT, VAE and text encoders) plus the actor's DiT, sharded over the ranks. On CPU
+    every rank lives on this one host; on CUDA each has its own device."""
+    if device_type == "cuda":
+        return (dit + rest + -(-dit // world)) * dtype_bytes
+    return (world * (dit + rest) + dit) * dtype_bytes
+
+
+def memory_problem(args: argparse.Namespace, fam: SimpleNamespace, device_type: str, dtype: torch.dtype) -> str | None:
+    """Why --shape real cannot run here (None when it may): its parameters alone, estimated from the
+    shape on the meta device before anything is allocated, exceed the free memory."""
+    dit, rest = fam.real_param_counts()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    size = torch.empty((), dtype=dtype).element_size()
+    need = memory_estimate(dit, rest, size, device_type, world)
+    have, where = available_bytes(device_type)
+    if need <= have:
+        return None
+    gb = 1e9
+    return (f"--shape real --family {args.family} needs at least {need / gb:.1f} GB for its parameters alone (the "
+            f"engine's {dit / 1e9:.2f} B DiT + {rest / 1e9:.2f} B VAE and text encoders, and the actor's DiT, in "
+            f"{args.dtype}{f' on each of {world} ranks' if world > 1 else ''}), but {have / gb:.1f} GB is {where}. "
+            "Use --shape tiny (the default) for a smoke test, or run --shape real on a GPU with that much free "
+            "memory (--num-layers N builds a shallower real-width DiT)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1328,6 +1401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
     dtype = _DTYPES[args.dtype]
+    if args.shape == "real":
+        problem = memory_problem(args, fam, device_type, dtype)
+        if problem:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"bench: error: {problem}", file=sys.stderr)
+            return 2
     created = not dist.is_initialized()
     info = init_distributed(device_type)
     try:

@@ -59,6 +59,20 @@ def flux_shape_configs(shape: str) -> tuple[dict, dict, dict, dict]:
     raise ValueError(f"--shape must be one of ('real', 'tiny'), got {shape!r}")
 
 
+def real_param_counts() -> tuple[int, int]:
+    """(DiT, VAE + CLIP + T5) parameters of FLUX.1-dev's real shape (after --num-layers), counted on
+    the meta device: the bench's memory estimate before it allocates."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from tools.bench import meta_param_count
+
+    dit, vae, clip, t5 = flux_shape_configs("real")
+    return (meta_param_count(lambda: FluxTransformer2DModel(**dit)),
+            meta_param_count(lambda: AutoencoderKL(**vae)) + meta_param_count(lambda: CLIPTextModel(CLIPTextConfig(**clip)))
+            + meta_param_count(lambda: T5EncoderModel(T5Config(**t5))))
+
+
 # ----------------------------------------------------------------------------------------------
 # the FLOP model (pure; written down here: flux_param_counts and flux_forward_flops)
 

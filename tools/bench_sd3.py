@@ -46,6 +46,21 @@ REAL_T5 = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=2
 SD3_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
 
 
+def real_param_counts() -> tuple[int, int]:
+    """(DiT, VAE + the three text encoders) parameters of SD3.5-Medium's real shape (after
+    --num-layers), counted on the meta device: the bench's memory estimate before it allocates."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from tools.bench import meta_param_count
+
+    return (meta_param_count(lambda: SD3Transformer2DModel(**REAL_SD3_TRANSFORMER_CONFIG)),
+            meta_param_count(lambda: AutoencoderKL(**REAL_SD3_VAE_CONFIG))
+            + sum(meta_param_count(lambda c=c: CLIPTextModelWithProjection(CLIPTextConfig(**c)))
+                  for c in (REAL_CLIP_L, REAL_CLIP_G))
+            + meta_param_count(lambda: T5EncoderModel(T5Config(**REAL_T5))))
+
+
 def transformer_config(shape: str) -> dict:
     from tools.tiny_sd3 import TINY_SD3_TRANSFORMER_CONFIG
 

@@ -1,7 +1,8 @@
 """Sample a prompt file with a model (or a checkpoint's LoRA) and write the rollout artifacts.
 
     python tools/sample.py --model-path DIR --prompt-data FILE.jsonl --output-dir OUT \\
-        [--n-samples-per-prompt K] [--sampling-config JSON] [--lora PATH] [--generation-seed N]
+        [--n-samples-per-prompt K] [--sampling-config JSON] [--sampling-config.KEY VALUE ...]
+        [--lora PATH] [--generation-seed N]
 
 Runs exactly the training rollout path (the native engine, the model family's adapter, the
 rollout driver) on one process and writes, per prompt, one trajectory sidecar and K PNGs under
@@ -9,10 +10,17 @@ OUT/<task>/rollout_<id>/ -- the quickest way to look at what a model or a checkp
 produces. Prompt lines are the training schema:
 {"prompt": "...", "metadata": {"task": "t2i", "sample_id": "..."}}.
 
-The sampling config must name trained SDE steps (the sidecar records them); without
---sampling-config the family's recipe geometry is used: for Qwen-Image 384x384, 12 steps, eta
-0.7, sde_indices [1, 3, 5]; for FLUX.1 (--model-adapter-path trainer.models.flux.FluxAdapter)
-512x512, 6 steps, embedded guidance 3.5, eta 0.9, sde_indices [1, 2, 3, 4].
+The sampling config must name trained SDE steps (the sidecar records them). It starts from the
+family's recipe geometry: for Qwen-Image 384x384, 12 steps, eta 0.7, sde_indices [1, 3, 5]; for
+FLUX.1 512x512, 6 steps, embedded guidance 3.5, eta 0.9, sde_indices [1, 2, 3, 4]; the keys of
+--sampling-config (a JSON object) and of --sampling-config.KEY VALUE replace that geometry's one
+by one, as the trainer's do over a recipe (null removes a key). A geometry the model cannot draw
+(larger than an SD3 DiT's position-embedding table, not a multiple of the VAE's scale factor) is
+refused before the model loads, naming the largest size it supports.
+
+--lora takes a PEFT adapter directory (flowgrpo-export --form adapter writes one) or a LoRA
+run's checkpoint: an iter_<N> directory, or the --save directory (its newest committed
+iteration of --task), whose adapter is read from the checkpoint as the export reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,11 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="artifact root; files go to OUTPUT_DIR/<task>/rollout_<id>/")
     p.add_argument("--n-samples-per-prompt", type=int, default=1, help="candidates per prompt (>= 1)")
     p.add_argument("--sampling-config", default=None,
-                   help="JSON object of --sampling-config keys (must name trained SDE steps); unset: the "
-                        "family's recipe geometry (FLUX.1: 512x512, 6 steps, guidance 3.5), for Qwen-Image "
-                        f"{json.dumps(DEFAULT_SAMPLING)}".replace("%", "%%"))
+                   help="JSON object of --sampling-config keys, merged over the family's recipe geometry (FLUX.1: "
+                        f"512x512, 6 steps, guidance 3.5; Qwen-Image and SD3: {json.dumps(DEFAULT_SAMPLING)}); "
+                        "one key at a time: --sampling-config.num_inference_steps 10".replace("%", "%%"))
     p.add_argument("--lora", default=None, type=existing_dir,
-                   help="PEFT adapter directory to sample with (adapter_config.json + adapter_model.safetensors)")
+                   help="LoRA to sample with: a PEFT adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors), or a LoRA run's checkpoint (an iter_<N> directory, or the "
+                        "--save directory: its newest committed iteration)")
     p.add_argument("--generation-seed", type=int, default=1234, help="base seed of every candidate's noise")
     p.add_argument("--task", "--generation-task", dest="task", default="t2i",
                    help="generation task (names the artifact subdirectory)")
@@ -70,12 +81,100 @@ def read_prompts(path: str, task: str) -> list[dict]:
     return [rec.to_dict() for rec in PromptDataset.from_jsonl(path, task=task)]
 
 
+def split_dict_keys(argv: list[str], flag: str) -> tuple[list[str], dict]:
+    """(argv without the `--<flag>.KEY VALUE` / `--<flag>.KEY=VALUE` tokens, {KEY: VALUE}); values
+    are JSON when they parse, as the trainer's command line reads them (config.dict_key_value)."""
+    from trainer.config import dict_key_value
+
+    rest, keys = [], {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if not tok.startswith(f"--{flag}."):
+            rest.append(tok)
+            continue
+        key, eq, value = tok[len(flag) + 3:].partition("=")
+        if not eq:
+            if i >= len(argv) or not key:
+                raise ToolError(f"{tok} needs a value (e.g. --{flag}.num_inference_steps 10)")
+            value, i = argv[i], i + 1
+        keys[key] = dict_key_value(value)
+    return rest, keys
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, sampling_keys = split_dict_keys(argv, "sampling-config")
+    except ToolError as e:
+        print(f"sample: error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
+    args.sampling_keys = sampling_keys
     from trainer.artifacts import ArtifactError
     from trainer.data import DataError
 
     return run_tool("sample", lambda: _sample(args), (DataError, ArtifactError))
+
+
+def sampling_geometry(args: argparse.Namespace, adapter) -> dict:
+    """The family's recipe geometry with --sampling-config's keys, then --sampling-config.KEY's,
+    merged over it (config.merge_dict_flag: the trainer's rule for a dict flag over a recipe)."""
+    from trainer.config import merge_dict_flag
+
+    geometry = dict(getattr(adapter, "sampling_defaults", DEFAULT_SAMPLING))
+    if args.sampling_config is not None:
+        try:
+            given = json.loads(args.sampling_config)
+        except json.JSONDecodeError as e:
+            raise ToolError(f"--sampling-config is not valid JSON ({e}); pass a JSON object such as "
+                            '\'{"num_inference_steps": 12, "eta": 0.7}\'') from None
+        if not isinstance(given, dict):
+            raise ToolError(f"--sampling-config must be a JSON object (a dict of keys), got {type(given).__name__}")
+        geometry = merge_dict_flag(geometry, given)
+    return merge_dict_flag(geometry, args.sampling_keys)
+
+
+def lora_source(path: str, task: str) -> tuple[str, int | None] | None:
+    """Where --lora's weights are: None for a PEFT adapter directory, else (save dir, iteration or
+    None for the newest) of a checkpoint. ToolError, before anything loads, for anything else."""
+    d = Path(path)
+    if (d / "adapter_config.json").is_file():
+        return None
+    tail = d.name[len("iter_"):]
+    if d.name.startswith("iter_") and tail.isdigit():
+        if d.parent.name != task:
+            raise ToolError(f"--lora {path} is a checkpoint of task {d.parent.name!r}, not --task {task}")
+        return str(d.parent.parent), int(tail)
+    if (d / task).is_dir() and any(p.name.startswith("iter_") for p in (d / task).iterdir()):
+        return str(d), None
+    raise ToolError(f"--lora {path} is neither a PEFT adapter directory (adapter_config.json + "
+                    "adapter_model.safetensors) nor a LoRA checkpoint (an iter_<N> directory, or a --save directory "
+                    f"holding {task}/iter_*); write an adapter with `flowgrpo-export --form adapter --save-dir SAVE "
+                    "--iteration N --output-dir DIR`, or pass the checkpoint itself")
+
+
+def adapter_from_checkpoint(save_dir: str, iteration: int | None, task: str, adapter_path: str, out: Path) -> Path:
+    """The checkpoint's LoRA as a PEFT adapter directory under `out`, written by the export's own
+    code (tools/export_checkpoint.py --form adapter): small, and read without the base model."""
+    from tools.export_checkpoint import ExportError, contract_mode, export_checkpoint, find_checkpoint
+    from trainer.checkpoint import CONTRACT
+
+    try:
+        d, found = find_checkpoint(save_dir, task, iteration)
+        try:
+            full = contract_mode(json.loads((d / CONTRACT).read_text())) == "full"
+        except (OSError, ValueError):
+            full = False  # the export names a missing or damaged contract
+        if full:
+            raise ToolError(f"--lora {d} is a full fine-tune checkpoint, not a LoRA one: export it with "
+                            f"`flowgrpo-export --form merged --save-dir {save_dir} --iteration {found} --output-dir DIR` "
+                            "and pass DIR as --model-path")
+        export_checkpoint(save_dir, task, iteration, out, form="adapter", model_adapter_path=adapter_path)
+    except ExportError as e:
+        raise ToolError(f"--lora: {e}") from None
+    return out
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -92,39 +191,47 @@ def _sample(args: argparse.Namespace) -> int:
     from trainer.config import adapter_for_model_dir
     from trainer.dotpath import import_dotpath
     from trainer.engine.native import NativeEngine
+    from trainer.models.base import geometry_problems
     from trainer.rollout import generate_rollout
     from trainer.sampling import parse_sampling_config
 
+    adapter_path = args.model_adapter_path or adapter_for_model_dir(args.model_path)
     try:
-        adapter = import_dotpath(args.model_adapter_path or adapter_for_model_dir(args.model_path),
-                                 "--model-adapter-path")()
+        adapter = import_dotpath(adapter_path, "--model-adapter-path")()
     except ValueError as e:  # the message names the flag and the dotpath
         raise ToolError(str(e)) from None
-    try:  # unset: the family's own recipe geometry (an adapter's sampling_defaults), else DEFAULT_SAMPLING
-        sampling = parse_sampling_config(args.sampling_config if args.sampling_config is not None
-                                         else getattr(adapter, "sampling_defaults", DEFAULT_SAMPLING))
+    try:
+        sampling = parse_sampling_config(sampling_geometry(args, adapter))
     except ValueError as e:  # the message names --sampling-config and the key
         raise ToolError(str(e)) from None
+    problems = geometry_problems(adapter, args.model_path, sampling.height, sampling.width)
+    if problems:
+        raise ToolError("\n".join(problems))
+    checkpoint = lora_source(args.lora, args.task) if args.lora else None
     prompts = read_prompts(args.prompt_data, args.task)
     target = artifacts.rollout_dir(args.output_dir, args.task, args.rollout_id)
     if target.exists() and any(target.iterdir()) and not args.overwrite:
         raise ToolError(f"{target} already holds artifacts; choose another --output-dir / --rollout-id or pass "
                         "--overwrite")
 
-    t0 = time.perf_counter()
-    engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.engine_batch_size,
-                          adapter=adapter)
-    lora_hash = None
-    if args.lora:
-        from trainer.engine.base import WeightSyncError
+    with tempfile.TemporaryDirectory(prefix="sample-lora-") as tmp:
+        lora_dir = args.lora
+        if checkpoint is not None:
+            lora_dir = str(adapter_from_checkpoint(*checkpoint, args.task, adapter_path, Path(tmp) / "adapter"))
+        t0 = time.perf_counter()
+        engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype,
+                              max_batch_size=args.engine_batch_size, adapter=adapter)
+        lora_hash = None
+        if lora_dir:
+            from trainer.engine.base import WeightSyncError
 
-        try:
-            cfg = engine.load_lora_dir(args.lora)
-        except (OSError, ValueError, WeightSyncError) as e:  # the message names the adapter file
-            raise ToolError(f"--lora {args.lora}: {e}") from None
-        lora_hash = f"lora:{Path(args.lora).resolve()}"
-        print(f"loaded LoRA {args.lora} (rank {cfg['rank']}, alpha {cfg['alpha']})")
-    t_load = time.perf_counter() - t0
+            try:
+                cfg = engine.load_lora_dir(lora_dir)
+            except (OSError, ValueError, WeightSyncError) as e:  # the message names the adapter file
+                raise ToolError(f"--lora {args.lora}: {e}") from None
+            lora_hash = f"lora:{Path(args.lora).resolve()}"
+            print(f"loaded LoRA {args.lora} (rank {cfg['rank']}, alpha {cfg['alpha']})")
+        t_load = time.perf_counter() - t0
     out = generate_rollout(engine, adapter, prompts, rollout_id=args.rollout_id, sampling=sampling,
                            group_size=args.n_samples_per_prompt, generation_seed=args.generation_seed,
                            artifact_root=args.output_dir, task=args.task, retention=0,

@@ -217,9 +217,9 @@ class ModelConfig:
         hints={"megatron": "only FSDP2 over torchrun ranks exists here; remove the flag or set it to fsdp"},
     )
     generation_task: str | None = _flag(
-        None,
-        "Generation task; required, must be one of GENERATION_TASKS ('t2i'). Also names the "
-        "artifact and checkpoint subdirectory.",
+        "t2i",
+        "Generation task; must be one of GENERATION_TASKS ('t2i', the default, as in every tool). "
+        "Also names the artifact and checkpoint subdirectory.",
     )
     model_path: str | None = _flag(
         None,
@@ -233,8 +233,9 @@ class ModelConfig:
     )
     model_adapter_path: str = _flag(
         DEFAULT_MODEL_ADAPTER,
-        "Dotpath module.Class of the model adapter; required. A new model family is a new "
-        "adapter plus its task in GENERATION_TASKS.",
+        "Dotpath module.Class of the model adapter. Unset = the family --model-path's "
+        "model_index.json names (QwenImagePipeline, StableDiffusion3Pipeline, FluxPipeline), "
+        "else Qwen-Image's. A new model family is a new adapter plus its task in GENERATION_TASKS.",
     )
 
 
@@ -276,7 +277,9 @@ class RolloutConfig:
     )
     sampling_config: dict | None = _flag(
         None,
-        "Sampling geometry as a JSON object (TOML: a table); required. Keys: height, width, "
+        "Sampling geometry as a JSON object (TOML: a table); required. The command line's keys "
+        "merge over the recipe's table (null removes a key; none drops the table), also one at a "
+        "time: --sampling-config.num_inference_steps 10. Keys: height, width, "
         "num_inference_steps, guidance_scale (1.0, or > 1 for true CFG with negative_prompt and "
         "cfg_renorm), eta (set it explicitly), sde_type, "
         "sde_indices / sde_pool / num_sde_steps / sde_timestep_fraction (must never train "
@@ -286,7 +289,10 @@ class RolloutConfig:
         None, "Training prompt set (JSONL, one {\"prompt\": ...} per line); required, must exist."
     )
     num_rollout: int | None = _flag(
-        None, "Number of rollouts (training steps) to run; required, >= 1."
+        None,
+        "Total number of rollouts (training steps) of the run, counted from rollout 0; required, "
+        ">= 1. A total, not a count of more steps: a resume (--load) runs the rollouts after the "
+        "loaded iteration up to it, so it must exceed that iteration + 1.",
     )
     engine_batch_size: int = _flag(
         0,
@@ -532,7 +538,8 @@ class RewardConfig:
     reward_component_weights: dict[str, float] | None = _flag(
         None,
         "{component: weight} (JSON object; TOML table) combining the group-normalised "
-        "components into one advantage; weights must be finite numbers.",
+        "components into one advantage; weights must be finite numbers. Command-line keys merge "
+        "over the recipe's (null removes a component).",
     )
     reward_endpoint: str | None = _flag(
         None,
@@ -700,11 +707,14 @@ class CheckpointConfig:
 class EvalConfig:
     eval_prompt_data: list[tuple[str, str]] = _flag(
         help="Held-out prompt sets as NAME PATH pairs (CLI: --eval-prompt-data pickscore "
-        "eval.jsonl [NAME PATH ...]; TOML: a flat list or a list of pairs); files must exist.",
+        "eval.jsonl [NAME PATH ...]; TOML: a flat list or a list of pairs); files must exist. "
+        "'none' drops the recipe's eval sets and turns evaluation off (the recipe's "
+        "--eval-interval and --eval-reward-scorers go with them).",
         factory=list,
     )
     eval_interval: int | None = _flag(
-        None, "Evaluate every N rollouts; must be >= 1 and needs --eval-prompt-data."
+        None, "Evaluate every N rollouts; must be >= 1 and needs --eval-prompt-data. Unset (none) = "
+        "no evaluation."
     )
     n_samples_per_eval_prompt: int = _flag(
         1, "Candidates per eval prompt; must be >= 1."
@@ -1041,7 +1051,9 @@ def _checked_choice(spec: FlagSpec, value: str, origin: str) -> str:
 
 
 def _coerce_pairs(value: Any, where: str) -> list[tuple[str, str]]:
-    """[name, path, name, path, ...] or [[name, path], ...] -> [(name, path), ...]."""
+    """[name, path, name, path, ...] or [[name, path], ...] -> [(name, path), ...]; 'none' -> []."""
+    if value in ("none", ["none"]):
+        return []
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, list) and all(isinstance(x, list) for x in value):
@@ -1181,7 +1193,9 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
 
     Forms: `--flag value`, `--flag=value`; a bool flag alone means true and may take an
     explicit true/false; list flags take several values or one JSON list;
-    --eval-prompt-data takes NAME PATH pairs; dict flags take one JSON object.
+    --eval-prompt-data takes NAME PATH pairs (or none); dict flags take one JSON object, or one
+    key at a time as `--flag.key value` (dict_key_value), collected into one object (over the
+    flag's own value when it comes earlier on the line).
     """
     config: str | None = None
     out: dict[str, Any] = {}
@@ -1200,6 +1214,7 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             else:
                 raise ConfigError("command line: --config needs a recipe path")
             continue
+        name, dot, key = name.partition(".")
         spec = _lookup(name, "command line", as_flag=True)
         if eq:
             values = [inline]
@@ -1208,8 +1223,45 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             while i < len(argv) and not argv[i].startswith("--"):
                 values.append(argv[i])
                 i += 1
+        if dot:
+            if spec.kind != "dict" or not key:
+                raise ConfigError(f"command line: --{name}.{key} sets one key of a dict-valued flag, and {spec.flag} "
+                                  "is not one (or the key is missing); pass the flag's value on its own")
+            if len(values) != 1:
+                raise ConfigError(f"command line: {spec.flag}.{key} takes one value, got {values!r}")
+            if not isinstance(out.get(spec.name, {}), dict):
+                raise ConfigError(f"command line: {spec.flag}.{key} after {spec.flag} none; drop one of them")
+            out[spec.name] = {**out.get(spec.name, {}), key: dict_key_value(values[0])}
+            continue
+        # a flag given twice: the last value wins, as for every flag (its keys then merge over the recipe's)
         out[spec.name] = _cli_value(spec, values)
     return config, out
+
+
+def dict_key_value(text: str) -> Any:
+    """The value of `--flag.key text`: JSON when it parses (10, 0.7, true, null, [1, 3]), else the
+    text itself (`--sampling-config.sde_type dance`)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def merge_dict_flag(base: dict | None, patch: dict | None) -> dict | None:
+    """A dict-valued flag given again (the command line over the recipe, a tool's flag over its
+    defaults): `patch`'s keys replace `base`'s one by one and the others stay, so
+    `{"num_inference_steps": 10}` changes the step count and keeps the geometry, as FlowGRPO's
+    `--config.sample.num_steps=10` does. A key whose value is null (None) is removed (back to its
+    default). `patch` None (the flag set to none) drops the whole value."""
+    if patch is None:
+        return None
+    merged = dict(base or {})
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _cli_value(spec: FlagSpec, values: list[str]) -> Any:
@@ -1251,11 +1303,15 @@ def finalize(cfg: RunConfig) -> RunConfig:
     - generative_advantage_std_mode unset -> 'none' with --disable-grpo-std-normalization,
       else 'group';
     - lr_decay_iters unset -> num_rollout x num_updates_per_batch (all optimizer steps);
+    - model_adapter_path not set -> the family --model-path's model_index.json names
+      (adapter_for_model_dir), else the default family's;
     - short names -> dotpaths: --rollout-engine-class-path native/sglang and
       --reward-scorer-path pickscore/ocr/..., so downstream code only sees dotpaths.
     Contradictions between explicit values are left for preflight to report.
     """
     r = cfg.rollout
+    if "model_adapter_path" not in cfg.explicit and cfg.model.model_path:
+        cfg.model.model_adapter_path = adapter_for_model_dir(cfg.model.model_path)
     if r.global_batch_size is None and r.rollout_batch_size and r.n_samples_per_prompt:
         r.global_batch_size = r.rollout_batch_size * r.n_samples_per_prompt
     if "weight_sync_mode" not in cfg.explicit and cfg.lora.lora_adapter_mode:
@@ -1279,9 +1335,22 @@ def load_config(argv: list[str], env: dict[str, str] | None = None) -> RunConfig
     parse problem. Semantic checks are preflight's job (trainer.preflight.validate).
     """
     recipe_path, cli = parse_cli(list(argv))
-    flat: dict[str, Any] = read_recipe(recipe_path, env, skip=frozenset(cli)) if recipe_path else {}
-    flat.update(cli)
+    # a dict flag on the command line merges over the recipe's value, so that one is read too
+    skip = frozenset(name for name in cli if FLAGS[name].kind != "dict")
+    flat: dict[str, Any] = read_recipe(recipe_path, env, skip=skip) if recipe_path else {}
+    for name, value in cli.items():
+        flat[name] = merge_dict_flag(flat.get(name), value) if FLAGS[name].kind == "dict" else value
+    if cli.get("eval_prompt_data") == []:
+        # `--eval-prompt-data none` turns evaluation off: the recipe's eval schedule and held-out
+        # scorers, which need an eval set, go with it unless the command line sets them again
+        for name in EVAL_SET_FLAGS:
+            if name not in cli:
+                flat.pop(name, None)
     return finalize(_build(flat, explicit=frozenset(flat)))
+
+
+#: flags that mean something only with an eval set (dropped with `--eval-prompt-data none`)
+EVAL_SET_FLAGS = ("eval_interval", "eval_reward_scorers")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1316,11 +1385,13 @@ def recipe_world_size(cfg: RunConfig) -> int | None:
 def format_help() -> str:
     """Every flag with its type, default and constraint, grouped by section."""
     lines = [
-        "usage: python -m trainer.train --config RECIPE.toml [--flag value ...] [--preflight-only]",
+        "usage: python -m trainer.train --config RECIPE.toml [--flag value ...] [--preflight-only [--quiet]]",
         "",
         "Recipe keys are these flag names (dashes or underscores), at the top level or under the [section]",
         "that lists them here; --config also takes a run's recipe record (JSON). The command line overrides",
-        "the recipe.",
+        "the recipe; a dict flag's keys merge over the recipe's table (--sampling-config '{\"eta\": 1.0}' or",
+        "--sampling-config.eta 1.0; null removes a key). --preflight-only checks and prints the resolved config,",
+        "--quiet only the problems.",
     ]
     for sec in SECTIONS:
         lines += ["", f"[{sec}]"]

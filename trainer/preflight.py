@@ -89,6 +89,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     _check_sampling(cfg, errors)
     _check_colocate(cfg, world, errors)
     _check_geometry(cfg, world, errors, warnings)
+    _check_model_bounds(cfg, errors)
     _check_grpo(cfg, errors)
     _check_optim(cfg, errors, warnings)
     _check_reward(cfg, errors)
@@ -134,8 +135,9 @@ def _positive_int(flag: str, value: int | None, errors: list[str], *, minimum: i
     return True
 
 
-def _need_existing(flag: str, value: str | None, kind: str, errors: list[str], *, required: bool) -> None:
-    """`kind` is 'dir' or 'file'."""
+def _need_existing(flag: str, value: str | None, kind: str, errors: list[str], *, required: bool,
+                   alternative: str = "") -> None:
+    """`kind` is 'dir' or 'file'; `alternative` is added to the fix of a missing path."""
     what = "directory" if kind == "dir" else "file"
     if not value:
         if required:
@@ -145,7 +147,8 @@ def _need_existing(flag: str, value: str | None, kind: str, errors: list[str], *
     ok = p.is_dir() if kind == "dir" else p.is_file()
     if not ok:
         state = "is not a " + what if p.exists() else "does not exist"
-        errors.append(f"{flag} {value}: {state}; point it at an existing local {what} (nothing is downloaded)")
+        errors.append(f"{flag} {value}: {state}; point it at an existing local {what} (nothing is downloaded)"
+                      + (f", {alternative}" if alternative else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,14 +418,23 @@ def _check_resource(res: dict, world: int | None, errors: list[str]) -> None:
         errors.append(f"--resource actor {res['actor']} = {actor} devices but the world size is {world}")
 
 
-def _text_window_limit(adapter_path: str | None) -> int | None:
-    """The shipped family adapter's max_sequence_length_limit; None for a custom adapter (not
-    imported here: preflight runs before anything is loaded) or one without a limit."""
+def _check_model_bounds(cfg: RunConfig, errors: list[str]) -> None:
+    """What the model directory can draw (its family adapter's geometry_bounds, read from its JSON
+    configs) against the sampling geometry and the text window, before any weights load. Only
+    for the shipped families: a custom adapter is not imported here."""
+    r, adapter_path = cfg.rollout, cfg.model.model_adapter_path
     if adapter_path not in PIPELINE_ADAPTERS.values():
-        return None
+        return
     from trainer.dotpath import import_dotpath
+    from trainer.models.base import geometry_problems
 
-    return getattr(import_dotpath(adapter_path, "--model-adapter-path"), "max_sequence_length_limit", None)
+    try:
+        sampling = parse_sampling_config(r.sampling_config)
+    except ValueError:  # reported by _check_sampling
+        sampling = None
+    window = r.max_sequence_length if r.max_sequence_length is not None and r.max_sequence_length >= 1 else None
+    errors.extend(geometry_problems(import_dotpath(adapter_path, "--model-adapter-path"), cfg.model.model_path,
+                                    sampling and sampling.height, sampling and sampling.width, window))
 
 
 def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnings: list[str]) -> None:
@@ -434,11 +446,8 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
     _positive_int("--num-rollout", r.num_rollout, errors, required=True)
     if r.engine_batch_size < 0:
         errors.append(f"--engine-batch-size must be >= 0 (0 = auto), got {r.engine_batch_size}")
-    if r.max_sequence_length is not None and _positive_int("--max-sequence-length", r.max_sequence_length, errors):
-        limit = _text_window_limit(cfg.model.model_adapter_path)
-        if limit is not None and r.max_sequence_length > limit:
-            errors.append(f"--max-sequence-length {r.max_sequence_length} is more than {cfg.model.model_adapter_path} "
-                          f"allows ({limit} text tokens, its pipeline's limit); use at most {limit}")
+    if r.max_sequence_length is not None:
+        _positive_int("--max-sequence-length", r.max_sequence_length, errors)
     if ok_n and r.n_samples_per_prompt < 2:
         warnings.append(
             "--n-samples-per-prompt 1: a group of one has no reward variance, every advantage is 0; use 2 or more"
@@ -654,8 +663,13 @@ def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list
     if len(set(names)) != len(names):
         errors.append(f"--eval-prompt-data names must be unique, got {names}")
     for name, path in e.eval_prompt_data:
-        _need_existing(f"--eval-prompt-data {name}", path, "file", errors, required=True)
-    if e.eval_interval is not None:
+        # a recipe's eval set may not exist where the recipe is reused (the demo's is made by its run)
+        _need_existing(f"--eval-prompt-data {name}", path, "file", errors, required=True,
+                       alternative="or pass --eval-prompt-data none to train without evaluation")
+    if e.eval_interval is not None and e.eval_interval < 1:
+        errors.append(f"--eval-interval must be >= 1, got {e.eval_interval}; to train without evaluation pass "
+                      "--eval-prompt-data none (or --eval-interval none)")
+    elif e.eval_interval is not None:
         if _positive_int("--eval-interval", e.eval_interval, errors) and not e.eval_prompt_data:
             errors.append("--eval-interval needs --eval-prompt-data NAME PATH")
     elif e.eval_prompt_data:
@@ -705,6 +719,8 @@ def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
     if loadable and committed and ck.ckpt_step is not None and ck.ckpt_step not in committed:
         errors.append(f"--ckpt-step {ck.ckpt_step} is not a committed iteration of --load {ck.load}; "
                       f"committed: {committed}")
+    elif loadable and committed:
+        _check_rollouts_left(cfg, ck.ckpt_step if ck.ckpt_step is not None else committed[-1], errors)
     save_dir = ck.save if ck.save and Path(ck.save).is_dir() else None
     # uncommitted directories alone are a crashed first save: nothing to resume or to keep
     earlier = ci.committed_iterations(save_dir, task) if save_dir else []
@@ -726,6 +742,19 @@ def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
         resume = f"resume with --load {ck.save}, or" if earlier else "its run left no committed checkpoint:"
         errors.append(f"TensorBoard directory {tb} already holds an earlier run's events and --load is not set: {resume} "
                       f"pass another --tensorboard-dir (or delete {tb}) to start over")
+
+
+def _check_rollouts_left(cfg: RunConfig, iteration: int, errors: list[str]) -> None:
+    """A resume from `iteration` (the rollout id its checkpoint was saved after) continues at
+    iteration + 1 and stops before --num-rollout, which counts every rollout of the run: a total
+    that is not larger would load everything and train nothing."""
+    total = cfg.rollout.num_rollout
+    done = iteration + 1
+    if total is not None and 1 <= total <= done:
+        errors.append(f"--num-rollout {total} is the run's total number of rollouts, and the checkpoint resumed from "
+                      f"--load {cfg.checkpoint.load} (iteration {iteration}) has already run rollouts 0-{iteration} "
+                      f"({done}): nothing would be trained. Pass --num-rollout {done + total} to train {total} more, "
+                      "or any total above " + str(done))
 
 
 def _check_output_paths(cfg: RunConfig, errors: list[str]) -> None:

@@ -3,8 +3,10 @@
 Normally launched by `bash run.sh train RECIPE` (torchrun, one process per device).
 Stages: parse the config, run preflight, then hand over to the training loop.
 With --preflight-only it prints the resolved config as JSON followed by
-`preflight ok` (exit 0), or the list of violations (exit 2). Config and preflight
-errors always exit 2, before anything heavy is imported.
+`preflight ok` (exit 0), or the list of violations (exit 2); --quiet leaves out
+everything but the violations (the launcher's check: `bash run.sh train` runs it once,
+in one process, before torchrun starts the ranks). Config and preflight errors always
+exit 2, before any weights load.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(version())
         return 0
     preflight_only = "--preflight-only" in argv
-    argv = [a for a in argv if a != "--preflight-only"]
+    quiet = preflight_only and "--quiet" in argv
+    # --quiet means something only to --preflight-only; alone it stays an unknown flag
+    argv = [a for a in argv if a != "--preflight-only" and not (quiet and a == "--quiet")]
     rank0 = _is_rank0()
     try:
         cfg = load_config(argv)
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     torchrun = world is not None
     if world is None and not preflight_only:
         world = 1
-    if preflight_only and rank0:
+    if preflight_only and rank0 and not quiet:
         from trainer.core.redact import redact_urls
 
         print(json.dumps(redact_urls(cfg.to_dict()), indent=2))
@@ -81,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
-    if rank0:
+    if rank0 and not quiet:
         for w in warnings:
             print(f"preflight warning: {w}", file=sys.stderr)
     if preflight_only:
-        if rank0:
+        if rank0 and not quiet:
             print("preflight ok")
         return 0
     # The loop is imported only after preflight so a bad config never pays for torch.

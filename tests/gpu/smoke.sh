@@ -39,7 +39,7 @@ echo "== 3. the training loop on cuda bf16, $NPROC process(es)"
 $PY -m torch.distributed.run --nproc-per-node "$NPROC" -m trainer.train --config configs/tiny_cpu_demo.toml \
   --model-path "$W/tiny" --prompt-data "$W/prompts.jsonl" --eval-prompt-data demo "$W/three.jsonl" \
   --actor-num-gpus-per-node "$NPROC" --rollout-batch-size 4 --n-samples-per-prompt 4 --micro-batch-size 2 \
-  --num-rollout 3 --eval-interval 2 --n-samples-per-eval-prompt 2 --reward-scorer-path color --reward-component-weights '{"color": 1.0}' --fsdp-param-dtype bf16 --fsdp-master-dtype fp32 --weight-sync-wire-dtype bf16 \
+  --num-rollout 3 --eval-interval 2 --n-samples-per-eval-prompt 2 --reward-scorer-path color --reward-component-weights '{"color": 1.0, "named_color": null}' --fsdp-param-dtype bf16 --fsdp-master-dtype fp32 --weight-sync-wire-dtype bf16 \
   --fsdp-activation-checkpointing --fsdp-debug-fingerprint --offload-train --offload-rollout \
   --artifact-root "$W/run/artifacts" --save "$W/run/ckpt" --tensorboard-dir "$W/run/tb" 2>&1 \
   | grep -E "logp parity|fingerprint|rollout [0-9]|summary|Error|error|Traceback" | tee "$OUT/loop.txt"

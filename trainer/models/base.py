@@ -8,6 +8,7 @@ prompt encoding, latent layout, velocity, decode). docs/architecture.md lists it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -90,6 +91,67 @@ def check_pipeline_dir(model_path: Any, subfolders: Sequence[str], *, family: st
             f"--model-path {str(path)!r} has no {', '.join(s + '/' for s in missing)} subfolder: not a diffusers "
             f"{pipeline} directory (expected model_index.json, {', '.join(s + '/' for s in expected)})")
     return path
+
+
+@dataclass(frozen=True)
+class GeometryBounds:
+    """What a model directory can draw, read from its JSON configs (no weights): each family's
+    `geometry_bounds(model_path)` fills it, `geometry_problems` checks a geometry against it.
+
+    multiple: height and width must be multiples of it (VAE scale factor x the latent packing /
+    patch size), or None when unknown; max_size: the largest height or width in pixels, or None
+    when the family has no such limit; max_sequence_length: the most text tokens the family's
+    pipeline encodes; why_multiple / why_max: the configs and values those numbers come from."""
+
+    multiple: int | None = None
+    max_size: int | None = None
+    max_sequence_length: int | None = None
+    why_multiple: str = ""
+    why_max: str = ""
+
+
+def read_config_json(model_path: Any, sub: str) -> dict | None:
+    """`<model_path>/<sub>/config.json` as a dict, or None when it is absent or unreadable (loading
+    the model reports that, naming the file)."""
+    import json
+
+    try:
+        data = json.loads((Path(model_path) / sub / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def geometry_problems(adapter: Any, model_path: Any, height: int | None, width: int | None,
+                      max_sequence_length: int | None = None) -> list[str]:
+    """Why `model_path` cannot draw height x width with `max_sequence_length` text tokens, as one
+    line per problem naming the --sampling-config key or the flag, the largest value the model
+    supports and the config it comes from; [] when it can (or when the adapter, a class or an
+    instance, has no `geometry_bounds`). Reads JSON only: preflight and the tools run it before
+    any weights load, where diffusers would otherwise fail after minutes of loading."""
+    bounds_of = getattr(adapter, "geometry_bounds", None)
+    if bounds_of is None:
+        return []
+    b: GeometryBounds = bounds_of(model_path)
+    cls = adapter if isinstance(adapter, type) else type(adapter)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    problems = []
+    for key, value in (("height", height), ("width", width)):
+        if value is None:
+            continue
+        if b.max_size is not None and value > b.max_size:
+            problems.append(f"--sampling-config {key} {value} is more than --model-path {model_path} can draw: "
+                            f"{b.why_max} allow at most {b.max_size} pixels; use {key} <= {b.max_size}")
+        elif b.multiple and value % b.multiple:
+            lower = max(b.multiple, value - value % b.multiple)
+            problems.append(f"--sampling-config {key} {value} is not a multiple of {b.multiple} ({b.why_multiple} "
+                            f"of --model-path {model_path}); use e.g. {lower}")
+    if max_sequence_length is not None and b.max_sequence_length is not None and \
+            max_sequence_length > b.max_sequence_length:
+        problems.append(f"--max-sequence-length {max_sequence_length} is more than {name} allows "
+                        f"({b.max_sequence_length} text tokens, its pipeline's limit); use at most "
+                        f"{b.max_sequence_length}")
+    return problems
 
 
 class ModelFilesError(ValueError):
@@ -211,6 +273,9 @@ class GenerativeModelAdapter(Protocol):
     max_sequence_length: int
     # optional: cudnn_attention = False turns cuDNN's fused attention off in the training process
     # (apply_attention_policy), for a family whose attention backward fails there
+    # optional: a classmethod geometry_bounds(model_path) -> GeometryBounds, read from the model
+    # directory's JSON configs only: what it can draw, checked before any weights load
+    # (geometry_problems)
 
     def load_rollout_modules(self, model_path: str, *, dtype: Any, device: Any) -> dict[str, Any]:
         """The frozen pipeline from a local directory: "transformer", "vae", "text_encoder" (one

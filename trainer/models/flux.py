@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from trainer.engine.base import EMBEDDED_GUIDANCE, RolloutRequest
-from trainer.models.base import (check_pipeline_dir, load_checked_transformer, module_device_dtype,
-                                 standard_rollout_request)
+from trainer.models.base import (GeometryBounds, check_pipeline_dir, load_checked_transformer, module_device_dtype,
+                                 read_config_json, standard_rollout_request)
 
 #: the attention projections of every block, as diffusers names them: a double-stream block has
 #: the image stream's to_q / to_k / to_v / to_out.0 and the text stream's add_*_proj / to_add_out;
@@ -234,6 +234,16 @@ class FluxAdapter:
     def __init__(self, vae_scale_factor: int | None = None):
         #: set from the model directory by load_train_model
         self.vae_scale_factor = vae_scale_factor
+
+    @classmethod
+    def geometry_bounds(cls, model_path) -> GeometryBounds:
+        """Sizes are multiples of the VAE scale factor x 2 (FluxPipeline packs 2 x 2 latent patches);
+        the rotary embedding has no practical size limit. From vae/config.json."""
+        vae = read_config_json(model_path, "vae")
+        vsf = None if vae is None or "block_out_channels" not in vae else vae_scale_factor_from_config(vae)
+        return GeometryBounds(multiple=None if vsf is None else 2 * vsf,
+                              max_sequence_length=cls.max_sequence_length_limit,
+                              why_multiple=f"vae/config.json's scale factor {vsf} x 2 for the 2 x 2 latent packing")
 
     # -- loading --------------------------------------------------------------------------
 

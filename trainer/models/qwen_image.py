@@ -22,8 +22,8 @@ import torch
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
 from trainer.trajectory import Trajectory
-from trainer.models.base import (check_pipeline_dir, load_checked_transformer, module_device_dtype,
-                                 standard_rollout_request)
+from trainer.models.base import (GeometryBounds, check_pipeline_dir, load_checked_transformer, module_device_dtype,
+                                 read_config_json, standard_rollout_request)
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
 #: DiT uses the same names, so an adapter trained here loads there without a rename
@@ -299,6 +299,16 @@ class QwenImageAdapter:
     def __init__(self, vae_scale_factor: int | None = None):
         #: set from the model directory by load_train_model; responses carry it as well
         self.vae_scale_factor = vae_scale_factor
+
+    @classmethod
+    def geometry_bounds(cls, model_path) -> GeometryBounds:
+        """Sizes are multiples of the VAE scale factor x 2 (QwenImagePipeline packs 2 x 2 latent
+        patches); the rotary embedding has no practical size limit. From vae/config.json."""
+        vae = read_config_json(model_path, "vae")
+        vsf = None if vae is None else vae_scale_factor_from_config(vae)
+        return GeometryBounds(multiple=None if vsf is None else 2 * vsf,
+                              max_sequence_length=cls.max_sequence_length_limit,
+                              why_multiple=f"vae/config.json's scale factor {vsf} x 2 for the 2 x 2 latent packing")
 
     # -- loading --------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ import torch
 
 from trainer.core.names import model_name, strip_wrapper_segments
 from trainer.engine.base import RolloutRequest
-from trainer.models.base import (check_pipeline_dir, load_checked_transformer, module_device_dtype, split_negative,
-                                 standard_rollout_request)
+from trainer.models.base import (GeometryBounds, check_pipeline_dir, load_checked_transformer, module_device_dtype,
+                                 read_config_json, split_negative, standard_rollout_request)
 from trainer.trajectory import Trajectory
 
 #: the attention projections of both streams of every joint block, as diffusers names them; the
@@ -178,6 +178,25 @@ class SD3Adapter:
 
     def __init__(self, vae_scale_factor: int | None = None):
         self.vae_scale_factor = vae_scale_factor
+
+    @classmethod
+    def geometry_bounds(cls, model_path) -> GeometryBounds:
+        """Sizes are multiples of the VAE scale factor x the DiT's patch size, and at most
+        pos_embed_max_size patches a side (the DiT's position-embedding table; diffusers refuses
+        more with "Height (...) cannot be greater than pos_embed_max_size"). From vae/config.json
+        and transformer/config.json."""
+        vae, dit = read_config_json(model_path, "vae"), read_config_json(model_path, "transformer")
+        vsf = None if vae is None or "block_out_channels" not in vae else vae_scale_factor_from_config(vae)
+        patch = int(dit.get("patch_size", 2)) if dit else None
+        table = dit.get("pos_embed_max_size") if dit else None
+        known = vsf is not None and patch is not None
+        return GeometryBounds(
+            multiple=vsf * patch if known else None,
+            max_size=int(table) * patch * vsf if known and table else None,
+            max_sequence_length=cls.max_sequence_length_limit,
+            why_multiple=f"vae/config.json's scale factor {vsf} x transformer/config.json's patch_size {patch}",
+            why_max=(f"transformer/config.json's pos_embed_max_size {table} x patch_size {patch} x vae/config.json's "
+                     f"scale factor {vsf}"))
 
     # -- loading --------------------------------------------------------------------------
 
