@@ -227,16 +227,23 @@ def test_quiet_third_party_silences_loading_bars_and_chatter(monkeypatch):
     """One call quietens transformers' and diffusers' bars and warnings; a user's own verbosity
     variable wins."""
     import os
+    import warnings
 
     import transformers.utils.logging as tlog
 
     import trainer.cli as cli
 
+    def loud() -> None:
+        # huggingface_hub warns when its own switch (read once, at import) stays off: that is fine here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tlog.enable_progress_bar()
+        tlog.set_verbosity_warning()
+
     for k in cli._QUIET_ENV:  # setenv first: undo then restores whatever was there
         monkeypatch.setenv(k, "")
         monkeypatch.delenv(k)
-    tlog.enable_progress_bar()
-    tlog.set_verbosity_warning()
+    loud()
     try:
         cli.quiet_third_party()
         assert os.environ["TRANSFORMERS_VERBOSITY"] == "error" and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
@@ -246,6 +253,4 @@ def test_quiet_third_party_silences_loading_bars_and_chatter(monkeypatch):
         cli.quiet_third_party()
         assert tlog.get_verbosity() == tlog.WARNING  # left as the user has it
     finally:
-        os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
-        tlog.enable_progress_bar()
-        tlog.set_verbosity_warning()
+        loud()
