@@ -117,6 +117,9 @@ def main(argv=None) -> int:
 def _grid(args) -> int:
     import torch
 
+    from trainer.cli import quiet_third_party
+
+    quiet_third_party(load=True)  # it loads a pipeline: diffusers' bars read no environment switch
     from trainer import artifacts
     from trainer.config import load_config
     from trainer.data import load_eval_sets
