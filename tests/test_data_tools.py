@@ -352,7 +352,7 @@ def test_inspect_finds_planted_train_problem(clean_split, capsys, planted, where
     append(train, planted)
     rc, out = run_inspect(capsys, "--train", str(train), "--eval", str(ev))
     file, line = where_.split(":")
-    assert rc == 1 and "FAILED: 1 error(s)" in out
+    assert rc == 2 and "FAILED: 1 error(s)" in out
     assert f"error: {tmp_path / (file + '.jsonl')}:{line}: " in out and needle in out
 
 
@@ -361,7 +361,7 @@ def test_inspect_finds_leakage_by_id_and_by_prompt(clean_split, capsys):
     train_rows = read_jsonl(train)
     append(ev, rec("entirely new prompt", "t2"), rec(train_rows[3]["prompt"].upper().lower(), "fresh"))
     rc, out = run_inspect(capsys, "--train", str(train), "--eval", str(ev))
-    assert rc == 1
+    assert rc == 2
     assert f"{ev}:4: leakage: sample_id 't2' is also in {train}:3" in out
     assert f"{ev}:5: leakage: the same prompt is also in {train}:4" in out
 
@@ -373,7 +373,7 @@ def test_inspect_decode_media_finds_undecodable_file(clean_split, capsys):
     rc, out = run_inspect(capsys, "--train", str(train), "--eval", str(ev))
     assert rc == 0  # exists: only --decode-media opens it
     rc, out = run_inspect(capsys, "--train", str(train), "--eval", str(ev), "--decode-media")
-    assert rc == 1 and f"{ev}:4: images file 'm/bad.png' does not decode" in out
+    assert rc == 2 and f"{ev}:4: images file 'm/bad.png' does not decode" in out
 
 
 def test_inspect_empty_file_and_duplicate_prompt_warning(clean_split, capsys):
@@ -382,7 +382,7 @@ def test_inspect_empty_file_and_duplicate_prompt_warning(clean_split, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     rc, out = run_inspect(capsys, "--train", str(train), "--eval", str(ev), str(empty))
-    assert rc == 1 and f"error: {empty}: the file is empty" in out
+    assert rc == 2 and f"error: {empty}: the file is empty" in out
     assert f"warning: {train}:8: same prompt as line 1" in out and "1 error(s), 1 warning(s)" in out
 
 
@@ -409,4 +409,86 @@ def test_cli_pipeline_prepare_curate_inspect(tmp_path):
             "--decode-media")
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
     p = cli("inspect_data.py", "--train", str(out / "pp_train.jsonl"), "--eval", str(out / "pp_train.jsonl"))
-    assert p.returncode == 1 and "leakage" in p.stdout
+    assert p.returncode == 2 and "leakage" in p.stdout
+
+
+# ----------------------------------------------------------------------------- one rule for every data tool
+
+
+def _err_lines(capsys):
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_curate_prefix_gets_a_separator(tmp_path):
+    """--prefix pickapic and --prefix pickapic_ name the same files (docs/data.md's names)."""
+    src = write_jsonl(tmp_path / "raw.jsonl", [rec(p, f"s{i}") for i, p in enumerate(many_prompts(30))])
+    for prefix, out in (("pickapic", "a"), ("pickapic_", "b")):
+        assert curate_data.main(["--input", str(src), "--output-dir", str(tmp_path / out), "--prefix", prefix,
+                                 "--eval-size", "5", "--eval-subset-sizes", "2", "--no-check-media"]) == 0
+        assert sorted(os.listdir(tmp_path / out)) == ["pickapic_eval.jsonl", "pickapic_eval2.jsonl",
+                                                      "pickapic_train.jsonl"]
+    assert curate_data.output_names("pp-", [])[0] == "pp-train.jsonl"
+    assert curate_data.output_names("", [])[0] == "train.jsonl"
+
+
+def test_output_paths_that_cannot_be_written_are_one_line_errors(tmp_path, capsys):
+    """An --output that is a directory, under a file, or an --output-dir that is a file: exit 2,
+    one line naming the flag, nothing written, no .tmp left behind."""
+    src = tmp_path / "p.txt"
+    src.write_text("a red ball\na blue cube\n")
+    (tmp_path / "adir").mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        (prepare_data, ["--source", "prompts", "--input", str(src), "--output", str(tmp_path / "adir")],
+         "flowgrpo-prepare-data: error: --output", "is a directory"),
+        (prepare_data, ["--source", "prompts", "--input", str(src), "--output", str(afile / "x.jsonl")],
+         "flowgrpo-prepare-data: error: --output", "is a file, not a directory"),
+        (curate_data, ["--input", str(src), "--output-dir", str(afile)],
+         "flowgrpo-curate-data: error: --output-dir", "is a file, not a directory"),
+    ]
+    for tool, argv, head, what in cases:
+        assert tool.main(argv) == 2
+        lines = _err_lines(capsys)
+        assert len(lines) == 1 and lines[0].startswith(head) and what in lines[0], lines
+    assert sorted(os.listdir(tmp_path)) == ["adir", "afile", "p.txt"]
+    assert os.listdir(tmp_path / "adir") == []
+    # curate: an output file name taken by a directory
+    raw = write_jsonl(tmp_path / "raw.jsonl", [rec(p, f"s{i}") for i, p in enumerate(many_prompts(20))])
+    (tmp_path / "cur" / "x_train.jsonl").mkdir(parents=True)
+    assert curate_data.main(["--input", str(raw), "--output-dir", str(tmp_path / "cur"), "--prefix", "x",
+                             "--eval-size", "4", "--no-check-media"]) == 2
+    lines = _err_lines(capsys)
+    assert len(lines) == 1 and "x_train.jsonl is a directory" in lines[0], lines
+
+
+def test_prepare_replaces_a_stale_tmp_and_a_failed_rename_leaves_none(tmp_path, capsys):
+    from trainer.data import write_jsonl as write_rows
+
+    src = tmp_path / "p.txt"
+    src.write_text("a red ball\n")
+    out = tmp_path / "o.jsonl"
+    (tmp_path / "o.jsonl.tmp").write_text("half a line from a killed run")
+    assert prepare_data.main(["--source", "prompts", "--input", str(src), "--output", str(out)]) == 0
+    assert "o.jsonl.tmp is left from an interrupted run; it is replaced" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["o.jsonl", "p.txt"] and len(read_jsonl(out)) == 1
+    # the rename itself fails (the target is a non-empty directory): the .tmp goes too
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "keep").write_text("")
+    with pytest.raises(OSError):
+        write_rows(tmp_path / "d", [{"a": 1}])
+    assert not (tmp_path / "d.tmp").exists()
+
+
+def test_inspect_takes_either_file_set_and_needs_one(clean_split, capsys):
+    _, train, ev = clean_split
+    assert inspect_data.main(["--eval", str(ev)]) == 0
+    assert inspect_data.main(["--train", str(train)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        inspect_data.main([])
+    assert e.value.code == 2
+    lines = _err_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith("flowgrpo-inspect-data: error: give --train"), lines
+    append(ev, "{oops")
+    assert inspect_data.main(["--eval", str(ev)]) == 2  # bad data: the input-error status, like a bad flag

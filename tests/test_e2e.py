@@ -32,6 +32,10 @@ EXPECTED_SERIES = [
     "perf/train_transitions_per_s", "perf/train_samples_per_s",
     "perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time", "perf/step_time",
     "eval/demo/color_mean", "eval/other/color_mean",
+    # beyond the reference: the trained (weighted) reward, eval spreads, rollout throughput
+    "reward/weighted_total_mean", "reward/weighted_total_std", "reward/color_group_std_mean",
+    "eval/demo/color_std", "eval/demo/weighted_total_mean", "perf/rollout_images_per_s",
+    "perf/rollout_images_per_s_per_gpu",
     # the reward-hacking watch, and a held-out scorer computed only at eval
     "reward/stat_dark_fraction", "reward/stat_group_diversity", "reward/stat_jpeg_bytes_per_pixel",
     "reward/hacking_suspect", "reward/watch_trained_rise", "eval/demo/jpeg_compressibility_mean",
@@ -147,12 +151,14 @@ def assert_resume_is_exact(a: Path, b: Path, iteration: int, rollouts, candidate
 
 @pytest.mark.parametrize("mode", ["full", "lora", "full-ema"])
 def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
-    recipe = _recipe(tmp_path, tiny_model_dir, mode)
+    # the full-FT runs also evaluate the base model before rollout 0 (--eval-base)
+    recipe = _recipe(tmp_path, tiny_model_dir, mode, extra="eval-base = true" if mode == "full" else "")
     a, b = tmp_path / "a", tmp_path / "b"
     log_a = _train(recipe, a, "--num-rollout", "4")
     _train(recipe, b, "--num-rollout", "2")
     log = _train(recipe, b, "--num-rollout", "4", "--load", str(b / "ckpt"))
     assert "continuing at rollout 2" in log
+    assert ("base model eval:" in log_a) == (mode == "full") and "base model eval:" not in log  # not on a resume
 
     # same weights, policy version and lr step after rollout 3, and the resumed run sampled
     # exactly what the uninterrupted one sampled after the resume point
@@ -193,17 +199,24 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     # the first update of every rollout starts at ratio 1: ratio_min <= 1 <= ratio_max
     for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
         assert lo <= 1.0 <= hi
+    # the base model's eval (--eval-base) at step 0, then every eval; its images apart
+    assert [s for s, _ in scalars["eval/demo/color_mean"]] == [0, 1, 3]
+    assert len(list((a / "artifacts" / "eval_base" / "eval" / "t2i" / "demo" / "rollout_0000000").glob("*.png"))) == 4
     # TensorBoard beyond scalars: the run is named after the recipe (full.toml), rollout grids
-    # every rollout, each eval prompt under one tag at every eval (rollouts 1 and 3); rank 0
-    # logs the eval prompts whose candidates it generated (the first of each set here)
+    # every rollout, each eval prompt under one tag at every eval (the base at 0, rollouts 1 and
+    # 3), whichever rank generated it (the demo set's second prompt is rank 1's), the per-prompt
+    # table, and the reward / advantage histograms
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     assert [p.name for p in (a / "tb").iterdir()] == ["full"]
-    acc = EventAccumulator(str(a / "tb" / "full"), size_guidance={"images": 0, "tensors": 0})
+    acc = EventAccumulator(str(a / "tb" / "full"), size_guidance={"images": 0, "tensors": 0, "histograms": 0})
     acc.Reload()
     assert [e.step for e in acc.Images("rollout/candidates")] == [0, 1, 2, 3]
-    for tag in ("eval/demo/prompt_000", "eval/other/prompt_000"):
-        assert [e.step for e in acc.Images(tag)] == [1, 3], tag
+    for tag in ("eval/demo/prompt_000", "eval/demo/prompt_001", "eval/other/prompt_000"):
+        assert [e.step for e in acc.Images(tag)] == [0, 1, 3], tag
+    assert "eval/demo/per_prompt/text_summary" in acc.Tags()["tensors"]
+    for tag in ("reward/color_hist", "reward/weighted_total_hist", "reward/advantage_hist"):
+        assert [e.step for e in acc.Histograms(tag)] == [0, 1, 2, 3], tag
     assert "full" in acc.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
     # the progress bars stay out of a log file: no carriage-return frames in the captured output
     assert "\r" not in log_a

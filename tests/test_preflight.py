@@ -206,7 +206,7 @@ ERROR_CASES = [
     (["--rollout-num-gpus", "4"], ["--rollout-num-gpus 4 != world size 2"], 1),
     (["--actor-num-nodes", "0"], ["--actor-num-nodes must be >= 1"], 1),
     (["--use-fault-tolerance"], ["--use-fault-tolerance is rejected"], 1),
-    (["--use-wandb"], ["--use-wandb is rejected"], 1),
+    (["--use-wandb"], ["--use-wandb is rejected", "wandb sync --sync-tensorboard <tensorboard-dir>/<recipe name>"], 1),
     (["--use-clearml"], ["--use-clearml is rejected"], 1),
     # ours: sampling config problems folded in
     (["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 0.5})],

@@ -289,3 +289,24 @@ def test_adv_clip_max_flag_reaches_post_process_and_preflight():
         with pytest.raises(PreflightError) as exc:  # the bare config has other problems too
             validate(load_config(["--adv-clip-max", value]), 1, torchrun=False)
         assert any(p.startswith("--adv-clip-max") for p in exc.value.problems) is refused
+
+
+def test_weighted_total_and_each_components_raw_group_std():
+    """reward/weighted_total_* is sum_c w_c * raw_c over the valid candidates; every component's
+    reward/<c>_group_std_mean is its own raw spread, also for one left out of the weights."""
+    a = torch.tensor([0.0, 1.0, 2.0, 4.0])        # groups [0, 1], [2, 4]: stds 0.5, 1.0
+    b = torch.tensor([10.0, 10.0, 0.0, 2.0])      # stds 0, 1
+    extra = torch.tensor([0.0, 3.0, 0.0, 0.0])    # not trained on: stds 1.5, 0
+    res = compute_advantages({"a": a, "b": b, "extra": extra}, 2, component_weights={"a": 2.0, "b": 0.5})
+    m = res.metrics
+    total = 2.0 * a + 0.5 * b                     # [5, 7, 4, 9]
+    assert m["reward/weighted_total_mean"] == pytest.approx(float(total.mean()))
+    assert m["reward/weighted_total_min"] == 4.0 and m["reward/weighted_total_max"] == 9.0
+    assert m["reward/a_group_std_mean"] == pytest.approx(0.75)
+    assert m["reward/b_group_std_mean"] == pytest.approx(0.5)
+    assert m["reward/extra_group_std_mean"] == pytest.approx(0.75)
+    assert m["reward/group_std_mean"] == pytest.approx((1.0 + 2.5) / 2)  # the weighted reward's
+    # a failed group (NaN in a weighted component) is left out of the total's figures: [2, 6] remain
+    failed = compute_advantages({"a": torch.tensor([0.0, float("nan"), 2.0, 4.0]), "b": b}, 2,
+                                component_weights={"a": 1.0, "b": 1.0})
+    assert failed.metrics["reward/weighted_total_min"] == 2.0 and failed.metrics["reward/weighted_total_max"] == 6.0

@@ -170,14 +170,14 @@ def run_score(argv):
 
 
 def score_fails(argv, match):
-    """The tool's bad-input path: exit 2 and one `score: error:` line on stderr matching `match`."""
+    """The tool's bad-input path: exit 2 and one `flowgrpo-score: error:` line on stderr matching `match`."""
     from tools import score
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert score.main(argv) == 2
     line = err.getvalue().strip()
-    assert line.startswith("score: error: ") and "\n" not in line and re.search(match, line), line
+    assert line.startswith("flowgrpo-score: error: ") and "\n" not in line and re.search(match, line), line
 
 
 def test_score_tool_matches_artifact_names_and_order(tmp_path):

@@ -93,7 +93,7 @@ def test_lora_changes_the_samples_and_output_is_never_overwritten(tmp_path, tiny
 
 
 def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir, capsys):
-    """Each bad input: exit 2 and one line `sample: error: ...` naming the flag or file."""
+    """Each bad input: exit 2 and one line `flowgrpo-sample: error: ...` naming the flag or file."""
     from tools.sample import main
 
     def fails(argv: list[str], match: str) -> None:
@@ -103,7 +103,7 @@ def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir, capsys):
             code = e.code
         err = capsys.readouterr().err
         last = err.strip().splitlines()[-1]  # model loading may print progress before it
-        assert code == 2 and last.startswith("sample: error: ") and "Traceback" not in err, err
+        assert code == 2 and last.startswith("flowgrpo-sample: error: ") and "Traceback" not in err, err
         assert re.search(match, last), last
 
     prompts = write_prompts(tmp_path / "prompts.jsonl")

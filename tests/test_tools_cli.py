@@ -18,11 +18,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# tool module -> the script name its errors start with
+# tool module -> the console script its usage line and errors name (setup.cfg)
 TOOLS = {
-    "sample": "sample", "score": "score", "export_checkpoint": "export_checkpoint", "prepare_data": "prepare_data",
-    "curate_data": "curate_data", "inspect_data": "inspect_data", "make_tiny_model": "make_tiny_model",
-    "plot_rewards": "plot_rewards", "reward_server": "reward_server", "bench": "bench",
+    "sample": "flowgrpo-sample", "score": "flowgrpo-score", "export_checkpoint": "flowgrpo-export",
+    "prepare_data": "flowgrpo-prepare-data", "curate_data": "flowgrpo-curate-data",
+    "inspect_data": "flowgrpo-inspect-data", "make_tiny_model": "flowgrpo-make-tiny-model",
+    "plot_rewards": "flowgrpo-plot-rewards", "reward_server": "flowgrpo-reward-server", "bench": "flowgrpo-bench",
 }
 
 
@@ -186,3 +187,70 @@ def test_scripts_import_this_checkouts_trainer(tmp_path):
         proc = subprocess.run([sys.executable, str(ROOT / "tools" / f"{module}.py"), "--version"], cwd=tmp_path,
                               env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and proc.stdout.startswith("flowgrpo-trainer"), (module, proc.stderr[-2000:])
+
+
+def test_usage_lines_name_the_console_scripts(capsys):
+    """setup.cfg's script names, trainer.cli's map and every --help usage line agree."""
+    import trainer.cli as cli
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    scripts = dict(line.replace(" ", "").split("=", 1)
+                   for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines())
+    from_cfg = {target.split(":")[0].removeprefix("tools."): name for name, target in scripts.items()
+                if target.startswith("tools.")}
+    assert cli.CONSOLE_SCRIPTS == from_cfg == TOOLS
+    for module in sorted(TOOLS):
+        assert _help(module, capsys).startswith(f"usage: {TOOLS[module]} "), module
+
+
+def test_help_of_the_light_tools_imports_no_torch():
+    """--help answers before any heavy import: torch / diffusers / transformers stay unloaded (they
+    cost 1-3 s), for every tool whose work does not need them to build its parser."""
+    light = ["inspect_data", "curate_data", "prepare_data", "plot_rewards", "score", "demo_grid"]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {light!r}:\n"
+        "    try:\n"
+        "        importlib.import_module('tools.' + m).main(['--help'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (m, e.code)\n"
+        "heavy = [h for h in ('torch', 'diffusers', 'transformers') if h in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_quiet_third_party_silences_loading_bars_and_chatter(monkeypatch):
+    """One call quietens transformers' and diffusers' bars and warnings; a user's own verbosity
+    variable wins."""
+    import os
+    import warnings
+
+    import transformers.utils.logging as tlog
+
+    import trainer.cli as cli
+
+    def loud() -> None:
+        # huggingface_hub warns when its own switch (read once, at import) stays off: that is fine here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tlog.enable_progress_bar()
+        tlog.set_verbosity_warning()
+
+    for k in cli._QUIET_ENV:  # setenv first: undo then restores whatever was there
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    loud()
+    try:
+        cli.quiet_third_party()
+        assert os.environ["TRANSFORMERS_VERBOSITY"] == "error" and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+        assert not tlog.is_progress_bar_enabled() and tlog.get_verbosity() == tlog.ERROR
+        tlog.set_verbosity_warning()
+        monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
+        cli.quiet_third_party()
+        assert tlog.get_verbosity() == tlog.WARNING  # left as the user has it
+    finally:
+        loud()

@@ -5,8 +5,11 @@
         --no-check-media
 
 writes pickapic_train.jsonl, pickapic_eval.jsonl, pickapic_eval64.jsonl, pickapic_eval256.jsonl.
-Without --eval-size the split is by --eval-fraction and the files are <prefix>train.jsonl /
-<prefix>eval.jsonl (plus any requested subsets).
+Without --eval-size the split is by --eval-fraction and the files are <prefix>_train.jsonl /
+<prefix>_eval.jsonl (plus any requested subsets). A prefix is joined to the name with "_" unless
+it already ends in "_", "-" or "." (--prefix pickapic and --prefix pickapic_ both give
+pickapic_train.jsonl); no prefix gives train.jsonl. Output files are replaced (atomically; the
+report says which ones were).
 
 Every step is deterministic, never RNG:
 
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.cli import existing_file, run_tool, tool_parser  # noqa: E402
+from trainer.cli import ToolError, existing_file, output_dir, run_tool, tool_parser  # noqa: E402
 from trainer.data import (DataError, PromptRecord, count_words, iter_jsonl_lines, parse_record,
                           record_content_hash, resolve_media_path, split_unit, where, write_jsonl)
 
@@ -61,8 +64,19 @@ class CurateReport:
     stale: list[str] = field(default_factory=list)
 
 
+#: a prefix ending in one of these is used as it is; any other gets "_" before the name
+PREFIX_SEPARATORS = ("_", "-", ".")
+
+
+def name_prefix(prefix: str) -> str:
+    """The prefix as it starts a file name: "pickapic" -> "pickapic_", "pickapic_" and "" unchanged."""
+    return prefix if not prefix or prefix.endswith(PREFIX_SEPARATORS) else prefix + "_"
+
+
 def output_names(prefix: str, subset_sizes: list[int]) -> tuple[str, str, list[str]]:
-    """The curated file names (the layout Relax uses): <prefix>train.jsonl, <prefix>eval.jsonl, <prefix>eval<A>.jsonl."""
+    """The curated file names: <prefix>_train.jsonl, <prefix>_eval.jsonl, <prefix>_eval<A>.jsonl
+    (name_prefix adds the separator)."""
+    prefix = name_prefix(prefix)
     return f"{prefix}train.jsonl", f"{prefix}eval.jsonl", [f"{prefix}eval{a}.jsonl" for a in subset_sizes]
 
 
@@ -164,6 +178,11 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
     src = os.path.abspath(input_path)
     if any(os.path.abspath(p) == src for p in out_paths):
         raise DataError(f"--input {input_path} would be overwritten by an output; use another --output-dir or --prefix")
+    output_dir("--output-dir", out_dir)
+    taken = [p for p in out_paths if os.path.isdir(p)]
+    if taken:
+        raise DataError(f"--output-dir {out_dir}: {', '.join(taken)} is a directory where an output file goes; "
+                        "remove it or choose another --output-dir or --prefix")
 
     report = CurateReport()
     records = load_records(input_path)
@@ -207,7 +226,8 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
     report.train = report.written[out_paths[0]]
     report.eval = report.written[out_paths[1]]
     written = {os.path.abspath(p) for p in out_paths}
-    report.stale = sorted(p for p in glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(prefix)}eval*.jsonl"))
+    pattern = f"{glob.escape(name_prefix(prefix))}eval*.jsonl"
+    report.stale = sorted(p for p in glob.glob(os.path.join(glob.escape(out_dir), pattern))
                           if os.path.abspath(p) not in written)
     return report
 
@@ -216,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = tool_parser("curate_data", __doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, type=existing_file, help="the prompt JSONL to curate (e.g. prepare_data.py's output)")
     p.add_argument("--output-dir", "--out-dir", dest="output_dir", required=True,
-                   help="directory for <prefix>train.jsonl, <prefix>eval.jsonl, ...")
-    p.add_argument("--prefix", default="", help="file name prefix, e.g. 'pickapic_' (unset: none)")
+                   help="directory for <prefix>_train.jsonl, <prefix>_eval.jsonl, ... (created if missing)")
+    p.add_argument("--prefix", default="",
+                   help="file name prefix: 'pickapic' (or 'pickapic_') writes pickapic_train.jsonl (unset: train.jsonl)")
     p.add_argument("--min-prompt-words", type=int, default=0,
                    help="drop prompts with fewer words (media placeholders not counted); the Pick-a-Pic "
                         "preset is 6: one- and two-word captions give almost no intra-group reward variance")
@@ -235,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_tool("curate_data", lambda: _curate(args), (DataError,))
+    return run_tool("curate_data", lambda: _curate(args), (DataError, ToolError))
 
 
 def _curate(args: argparse.Namespace) -> int:

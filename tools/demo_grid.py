@@ -21,20 +21,26 @@ the same prompts and seeds change over the run.
 
 from __future__ import annotations
 
+# torch and PIL are imported where they are used: --help answers without loading torch
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from PIL import Image, ImageDraw, ImageFont  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 from trainer.cli import ToolError, existing_file, run_tool, tool_parser  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _load_pngs(directory: Path, groups: int, n: int) -> list[torch.Tensor]:
     """Images [3, H, W] in [0, 1] of groups x n candidates, in (group, slot) order."""
+    import torch
+    from PIL import Image
+
     from trainer.artifacts import image_name
 
     out = []
@@ -55,6 +61,8 @@ def draw_grid(prompts: list[str], sides: dict[str, list[torch.Tensor]], scores: 
     """One row per prompt; per side (e.g. {"base": ..., "after": ...}) its n images of that
     prompt, labelled with their scores. sides[label] holds len(prompts) * n images in
     (prompt, sample) order."""
+    from PIL import Image, ImageDraw, ImageFont
+
     font = ImageFont.load_default()
     first = next(iter(sides.values()))
     h, w = first[0].shape[1] * scale, first[0].shape[2] * scale
@@ -107,6 +115,11 @@ def main(argv=None) -> int:
 
 
 def _grid(args) -> int:
+    import torch
+
+    from trainer.cli import quiet_third_party
+
+    quiet_third_party(load=True)  # it loads a pipeline: diffusers' bars read no environment switch
     from trainer import artifacts
     from trainer.config import load_config
     from trainer.data import load_eval_sets

@@ -1,7 +1,10 @@
-"""Check prompt files before a run: exit 0 when clean, 1 with a per-problem report otherwise.
+"""Check prompt files before a run: exit 0 when clean, 2 with a per-problem report otherwise.
 
     python tools/inspect_data.py --train data/processed/t2i/pickapic_train.jsonl \\
         --eval data/processed/t2i/pickapic_eval256.jsonl --decode-media
+
+Either flag alone checks its files on their own (--eval alone: no leakage check, there is no
+train file to compare with); give both for the leakage check.
 
 Errors (each reported as ``file:line: what``):
 
@@ -11,7 +14,8 @@ Errors (each reported as ``file:line: what``):
 - ``<image>`` / ``<video>`` placeholder counts that differ from the ``images`` / ``videos`` lists;
 - a referenced media file that does not exist (with --decode-media: that does not decode);
 - a sample id used twice in one file;
-- train/eval leakage: an eval record whose sample id, or whose prompt (content hash), is in train;
+- train/eval leakage (both flags given): an eval record whose sample id, or whose prompt (content
+  hash), is in train;
 - an empty file.
 
 Warnings (reported, exit status unaffected): the same prompt twice within one file.
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.cli import existing_file, tool_parser  # noqa: E402
+from trainer.cli import EXIT_USAGE, existing_file, run_tool, tool_parser  # noqa: E402
 from trainer.data import (PromptRecord, find_leakage, iter_jsonl_lines, parse_record, record_content_hash,
                           record_problems, resolve_media_path, where)
 
@@ -128,21 +132,26 @@ def leakage_errors(train: FileScan, other: FileScan) -> list[str]:
     return errors
 
 
-def inspect(train_path: str, eval_paths: list[str], decode_media: bool = False) -> tuple[list[str], list[str], list[FileScan]]:
-    """(errors, warnings, scans) for a train file and its eval files."""
-    train = scan_file(train_path, decode_media)
-    scans = [train] + [scan_file(p, decode_media) for p in eval_paths]
+def inspect(train_path: str | None, eval_paths: list[str], decode_media: bool = False) -> tuple[list[str], list[str], list[FileScan]]:
+    """(errors, warnings, scans) for a train file and its eval files; either may be absent (None /
+    []), and leakage is checked only when both are there."""
+    train = scan_file(train_path, decode_media) if train_path else None
+    evals = [scan_file(p, decode_media) for p in eval_paths]
+    scans = ([train] if train else []) + evals
     errors = [e for s in scans for e in s.errors]
     warnings = [w for s in scans for w in s.warnings]
-    for s in scans[1:]:
-        errors.extend(leakage_errors(train, s))
+    if train is not None:
+        for s in evals:
+            errors.extend(leakage_errors(train, s))
     return errors, warnings, scans
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser("inspect_data", __doc__.split("\n\n")[0])
-    p.add_argument("--train", required=True, type=existing_file, help="the training prompt JSONL")
-    p.add_argument("--eval", required=True, nargs="+", type=existing_file, help="eval prompt JSONL file(s), checked for leakage against --train")
+    p.add_argument("--train", default=None, type=existing_file,
+                   help="the training prompt JSONL (at least one of --train / --eval is required)")
+    p.add_argument("--eval", default=[], nargs="+", type=existing_file,
+                   help="eval prompt JSONL file(s), checked for leakage against --train when it is given")
     p.add_argument("--decode-media", action="store_true", help="also decode every referenced media file")
     p.add_argument("--max-report", type=int, default=DEFAULT_MAX_REPORT,
                    help="print at most this many errors and warnings each (the counts are always complete)")
@@ -150,7 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.train and not args.eval:
+        parser.error("give --train FILE, --eval FILE [FILE ...], or both (both: also checks train/eval leakage)")
+    if args.max_report < 0:
+        parser.error(f"--max-report must be >= 0, got {args.max_report}")
+    return run_tool("inspect_data", lambda: _inspect(args))
+
+
+def _inspect(args) -> int:
     errors, warnings, scans = inspect(args.train, args.eval, args.decode_media)
     for label, items in (("error", errors), ("warning", warnings)):
         for line in items[:args.max_report]:
@@ -160,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in scans:
         print(f"inspect_data: {s.path}: {s.lines} line(s), {len(s.records)} valid record(s)")
     if errors:
+        # bad data is bad input, like a bad flag: the same status as every tool's input errors
         print(f"inspect_data: FAILED: {len(errors)} error(s), {len(warnings)} warning(s)")
-        return 1
+        return EXIT_USAGE
     print(f"inspect_data: OK ({len(warnings)} warning(s))")
     return 0
 

@@ -16,7 +16,9 @@ Every prompt is whitespace-normalised. Its sample id is ``<id-prefix>_<16 hex of
 hash>`` (trainer.data.stable_sample_id): stable across file names, shards and row order. Identical
 prompts therefore share an id, so repeats are written once and counted as duplicates. Empty prompts
 are skipped and counted; a malformed JSONL line or a missing column is an error naming the file
-(and line). The output is byte-for-byte reproducible.
+(and line). The output is byte-for-byte reproducible, written to ``<output>.tmp`` and renamed
+over ``--output`` when complete: a failed run removes the ``.tmp``; one left by a killed run is
+reported and replaced by the next run.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from trainer.data import (MAX_LINE_BYTES, DataError, content_hash, iter_lines_bounded, normalize_prompt, read_jsonl,
                           stable_sample_id, where, write_jsonl)
-from trainer.cli import existing_path, run_tool, tool_parser  # noqa: E402
+from trainer.cli import ToolError, existing_path, output_file, run_tool, tool_parser  # noqa: E402
 from trainer.models.base import GENERATION_TASKS
 
 #: rows per pyarrow record batch: bounds memory whatever the file size
@@ -184,10 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_tool("prepare_data", lambda: _prepare(args), (DataError,))
+    return run_tool("prepare_data", lambda: _prepare(args), (DataError, ToolError))
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    output_file("--output", args.output)
+    tmp = args.output + ".tmp"
+    if os.path.isdir(tmp):
+        raise DataError(f"--output {args.output}: {tmp} (the temporary file this tool writes first) is a directory; "
+                        "remove it or choose another --output")
+    if os.path.exists(tmp):
+        # only this tool writes <output>.tmp, and only until the rename: it is a killed run's
+        print(f"prepare_data: note: {tmp} is left from an interrupted run; it is replaced")
     counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix)
     print(f"prepare_data: read {counts['read']} prompt(s) from {args.input}; wrote {counts['written']} "
           f"record(s) to {args.output}")

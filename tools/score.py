@@ -107,7 +107,8 @@ def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]] | None) 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from trainer.rewards.base import SHIPPED_SCORERS
+    # the config's copy of the shipped names: trainer.rewards imports torch, and --help must not wait for it
+    from trainer.config import SCORER_SHORT_NAMES as SHIPPED_SCORERS
 
     p = tool_parser("score", __doc__.split("\n\n")[0])
     p.add_argument(

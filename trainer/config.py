@@ -175,7 +175,8 @@ UNSUPPORTED_FLAGS: dict[str, Unsupported] = {
     # checkpoints, trackers and debug dumps
     "save_hf": Unsupported("export a committed checkpoint offline with tools/export_checkpoint.py"),
     "async_save": Unsupported("the checkpoint write is synchronous", rejected=False),
-    "use_wandb": Unsupported(_TRACKER),
+    "use_wandb": Unsupported(_TRACKER + "; to see a run in W&B, sync its event files during or after the run: "
+                             "wandb sync --sync-tensorboard <tensorboard-dir>/<recipe name> (docs/training.md)"),
     "use_clearml": Unsupported(_TRACKER),
     "use_metrics_service": Unsupported(_TRACKER),
     "load_debug_rollout_data": Unsupported(
@@ -721,6 +722,10 @@ class EvalConfig:
     )
     eval_use_ema: bool = _flag(
         False, "Evaluate with the EMA weights (training rollouts keep the live ones); needs --ema-decay > 0."
+    )
+    eval_base: bool = _flag(
+        False, "Also evaluate the base model before rollout 0 (logged at step 0, images under "
+        "<artifact-root>/eval_base/); not on a resume; does nothing without --eval-prompt-data."
     )
 
 

@@ -79,8 +79,8 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
     """Write ``rows`` as canonical JSON lines ending in "\\n"; returns the row count.
 
     Written to ``<path>.tmp`` and renamed over ``path`` only when complete, so a crash never
-    leaves a half-written prompt file under the real name; if ``rows`` (or the write) raises, the
-    ``.tmp`` file is removed and the error propagates.
+    leaves a half-written prompt file under the real name; if ``rows``, the write or the rename
+    raises, the ``.tmp`` file is removed and the error propagates.
     """
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -94,11 +94,13 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
                 n += 1
             f.flush()
             os.fsync(f.fileno())
+        # inside the try: a rename that fails (``path`` is a directory, a read-only mount) must
+        # not leave the .tmp behind either
+        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.isfile(tmp):
             os.remove(tmp)
         raise
-    os.replace(tmp, path)
     return n
 
 

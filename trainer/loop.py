@@ -277,6 +277,14 @@ def build_reward_manager(reward: Any, device: Any, held_out: tuple[str, str | No
 
 #: eval prompts per set whose images go to TensorBoard at each eval (each a row of its candidates)
 EVAL_IMAGE_PROMPTS = 16
+#: eval prompts per set listed in the per-prompt table (TensorBoard text, eval/<set>/per_prompt)
+EVAL_TABLE_PROMPTS = 256
+#: the rollout grid (rollout/candidates): this many prompts, one row each, of this many candidates
+ROLLOUT_GRID_PROMPTS = 4
+ROLLOUT_GRID_CANDIDATES = 8
+#: long side of an eval image as it is sent to rank 0 for TensorBoard (the grid shows tiles
+#: of at most metrics.TILE_SIDE[1] pixels: a full-size image would cross the wire for nothing)
+EVAL_THUMB_SIDE = 256
 
 class Trainer:
     """Everything one rank holds: the actor, the engine, the scorer, the data order."""
@@ -470,6 +478,8 @@ class Trainer:
         m["perf/reward_time"] = t.elapsed
         m.update(t.memory("reward"))
         m.update(reward.metrics)
+        m.update(rollout_throughput(self.num_groups * self.group_size, m["perf/rollout_time"], self.world))
+        self._log_histograms(k, reward)
         m.update(scored.failure_metrics())
         self.components = sorted(reward.components)
         self._watch_failed_rollout(k, len(reward.failed_groups))
@@ -588,29 +598,54 @@ class Trainer:
         return {"debug/logp_parity_max_abs": worst}
 
     def _log_images(self, k: int, out: Any, reward: Any) -> None:
+        """rollout/candidates: up to ROLLOUT_GRID_PROMPTS of rank 0's prompts, one row each (the
+        prompt wrapped above it), up to ROLLOUT_GRID_CANDIDATES candidates per row, each tile
+        captioned with its slot and scores."""
         traj = out.trajectory
         if self.rank != 0 or traj is None:
             return
-        shown = range(min(8, len(traj)))
-        captions = []
-        for i in shown:
-            g, slot = int(traj.group_indices[i]), int(traj.slots[i])
-            scores = ", ".join(f"{c}={float(v[g * self.group_size + slot]):.4f}"
-                               for c, v in sorted(reward.components.items()))
-            captions.append(f"g{g} s{slot} {scores} | {traj.prompts[i]}")
-        self.metrics.log_image_grid(k, "rollout/candidates", [traj.images[i] for i in shown], captions)
+        rows = []
+        for g in sorted(set(traj.group_indices.tolist()))[:ROLLOUT_GRID_PROMPTS]:
+            shown = traj.rows_of_group(g)[:ROLLOUT_GRID_CANDIDATES]
+            captions = [f"s{int(traj.slots[i])} " + _score_text(reward.components, g * self.group_size + int(traj.slots[i]))
+                        for i in shown]
+            rows.append((f"group {g}: {traj.prompts[shown[0]]}", [traj.images[i] for i in shown], captions))
+        self.metrics.log_rows_grid(k, "rollout/candidates", rows)
+
+    def _log_histograms(self, k: int, reward: Any) -> None:
+        """reward/<component>_hist, reward/weighted_total_hist and reward/advantage_hist over the
+        rollout's valid candidates (TensorBoard's Histograms tab): the shape a mean hides."""
+        from trainer.rewards.post_process import weighted_total
+
+        if self.rank != 0:
+            return
+        valid = reward.valid
+        hists = {f"reward/{c}_hist": v for c, v in reward.components.items()}
+        if bool(valid.any()):
+            hists["reward/weighted_total_hist"] = weighted_total(reward.components, reward.weights)[valid]
+            hists["reward/advantage_hist"] = reward.advantages[valid]
+        self.metrics.log_histograms(k, hists)
 
     # -- eval and checkpoints --------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, k: int) -> dict[str, float]:
+    def evaluate(self, k: int, base: bool = False) -> dict[str, float]:
         """Each eval set with the deterministic sde_indices (no per-rollout redraw), so the
-        figure is comparable across steps; eval/<name>/<component>_mean."""
-        from trainer.rewards.post_process import gather_scores
+        figure is comparable across steps: eval/<name>/<component>_mean and _std over the set's
+        images (and eval/<name>/weighted_total_*, the training reward), a per-prompt table and
+        the first prompts' images (module helpers below).
+
+        base: the base model's eval before rollout 0 (--eval-base): images under
+        <artifact-root>/eval_base/. Its seeds are the eval's own (--generation-seed, per
+        candidate, on private generators), so it draws nothing from the training RNG streams."""
+        from trainer.rewards.post_process import gather_scores, resolve_weights, weighted_total
         from trainer.rollout import generate_rollout
 
         cfg = self.cfg
         n = int(cfg.eval.n_samples_per_eval_prompt)
         manager = self.reward_manager
+        root = cfg.artifacts.artifact_root
+        if base and root:
+            root = str(Path(root) / "eval_base")
         out_m: dict[str, float] = {}
         for name, ds in self.eval_sets.items():
             records = [ds[i] for i in range(len(ds))]
@@ -619,13 +654,17 @@ class Trainer:
             task_dir = self.task if len(self.eval_sets) == 1 else f"{self.task}/{name}"
             out = generate_rollout(self.engine, self.adapter, records, rollout_id=k, sampling=self.sampling,
                                    group_size=n, generation_seed=int(cfg.rollout.generation_seed),
-                                   artifact_root=cfg.artifacts.artifact_root, task=task_dir,
+                                   artifact_root=root, task=task_dir,
                                    retention=int(cfg.artifacts.artifact_retention_rollouts), eval=True,
                                    weight_manifest_hash=self._manifest_hash())
             inputs = _scorer_inputs(out.trajectory)
             scored = manager.score(*inputs)
             idx = [g * n + s for g, s in out.candidates]
             comps = gather_scores(scored.components, idx, len(records) * n)
+            # the training reward's weighted total, from the trained scorer's components only
+            weights = resolve_weights(comps, cfg.reward.reward_required_components,
+                                      cfg.reward.reward_component_weights)
+            trained = {"weighted_total": weighted_total(comps, weights)} if set(weights) <= set(comps) else {}
             for held in self.eval_reward_managers:  # held out: scored here, never trained on
                 part = held.score(*inputs)
                 held_comps = gather_scores(part.components, idx, len(records) * n)
@@ -634,28 +673,31 @@ class Trainer:
                 if self.watch is not None:
                     self.watch.observe_eval(means, stds)
                 comps.update({c: v for c, v in held_comps.items() if c not in comps})
-            for c, v in comps.items():
-                finite = v[torch.isfinite(v)]
-                out_m[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
+            out_m.update(eval_set_metrics(name, {**comps, **trained}))
+            self.metrics.log_text(k, f"eval/{name}/per_prompt",
+                                  per_prompt_table([r.prompt for r in records], {**comps, **trained}, n,
+                                                   EVAL_TABLE_PROMPTS))
             self._log_eval_images(k, name, out.trajectory, comps, n)
         return out_m
 
     def _log_eval_images(self, k: int, set_name: str, traj: Any, comps: dict[str, torch.Tensor], n: int) -> None:
         """One image per eval prompt, its n candidates side by side with their scores, under the
         tag eval/<set>/prompt_<index>: the prompt and its seeds are the same at every eval, so
-        TensorBoard's slider on that tag shows the same candidates changing over training. Rank 0
-        logs the prompts whose candidates it generated (the first 1/world of the set, contiguous),
-        at most EVAL_IMAGE_PROMPTS of them."""
-        if self.rank != 0 or traj is None:
+        TensorBoard's slider on that tag shows the same candidates changing over training. The
+        first EVAL_IMAGE_PROMPTS prompts of the set, whichever rank generated them: each rank
+        sends its share to rank 0 as small uint8 thumbnails (collective: every rank calls it)."""
+        rows = _eval_thumbnails(traj, EVAL_IMAGE_PROMPTS)
+        gathered = gather_to_rank0(rows)
+        if self.rank != 0:
             return
-        for g in sorted(set(traj.group_indices.tolist()))[:EVAL_IMAGE_PROMPTS]:
-            shown = traj.rows_of_group(g)
-            captions = []
-            for i in shown:
-                slot = int(traj.slots[i])
-                scores = ", ".join(f"{c}={float(v[g * n + slot]):.4f}" for c, v in sorted(comps.items()))
-                captions.append(f"s{slot} {scores} | {traj.prompts[i]}")
-            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}", [traj.images[i] for i in shown],
+        by_group: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+        for part in gathered:
+            for g, slot, prompt, thumb in part:
+                by_group.setdefault(g, []).append((slot, prompt, thumb))
+        for g in sorted(by_group)[:EVAL_IMAGE_PROMPTS]:
+            shown = sorted(by_group[g], key=lambda t: t[0])
+            captions = [f"s{slot} {_score_text(comps, g * n + slot)} | {prompt}" for slot, prompt, _ in shown]
+            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}", [t for _, _, t in shown],
                                         captions, cols=len(shown))
 
     def save(self, k: int) -> None:
@@ -686,6 +728,19 @@ class Trainer:
         if not ok:
             self.checkpoint_failures += 1
 
+    def evaluate_base(self) -> dict[str, float]:
+        """--eval-base: the eval sets through the model as loaded, before any update, logged at
+        step 0 so every eval curve starts at the base. Run before rollout 0 only (a resumed run
+        has its base eval already)."""
+        with Timer(self.device) as t:
+            m = self.evaluate(0, base=True)
+        m["perf/eval_base_time"] = t.elapsed
+        self.metrics.log(0, m)
+        if self.rank == 0:
+            log.info("base model eval: %s", ", ".join(f"{key}={v:.4g}" for key, v in sorted(m.items())
+                                                      if key.endswith("_mean")))
+        return m
+
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         from tqdm import tqdm
@@ -694,6 +749,8 @@ class Trainer:
         if self.cfg.colocate.offload_train and not self.actor.offloaded:
             # the engine owns the device from the first rollout on (after any resume sync)
             self.actor.offload()
+        if self.cfg.eval.eval_base and self.eval_sets and self.start_rollout == 0:
+            self.evaluate_base()
         bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=not self._progress_bars,
                    dynamic_ncols=True, leave=True)
         history = []
@@ -712,6 +769,81 @@ class Trainer:
         return {"history": history, "components": self.components, "stopped": self.stop_reason}
 
 
+def rollout_throughput(num_candidates: int, rollout_time: float, world_size: int) -> dict[str, float]:
+    """perf/rollout_images_per_s (the job's: every candidate of the rollout over the rollout's
+    wall time, rank 0's clock) and perf/rollout_images_per_s_per_gpu (that / world size);
+    nothing for a zero time."""
+    if not rollout_time > 0:
+        return {}
+    rate = num_candidates / rollout_time
+    return {"perf/rollout_images_per_s": rate, "perf/rollout_images_per_s_per_gpu": rate / max(int(world_size), 1)}
+
+
+def eval_set_metrics(name: str, comps: dict[str, torch.Tensor]) -> dict[str, float]:
+    """eval/<name>/<component>_mean and _std (population) over the finite scores of the set."""
+    out = {}
+    for c, v in comps.items():
+        finite = v[torch.isfinite(v)].double()
+        out[f"eval/{name}/{c}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
+        out[f"eval/{name}/{c}_std"] = float(finite.std(unbiased=False)) if finite.numel() else float("nan")
+    return out
+
+
+def per_prompt_table(prompts: list[str], comps: dict[str, torch.Tensor], n: int, limit: int) -> str:
+    """A markdown table, one row per eval prompt (the first `limit`): index, prompt, and each
+    component's mean over its n candidates (comps: [len(prompts) * n], prompt-major)."""
+    names = sorted(comps)
+    head = "| # | prompt | " + " | ".join(f"{c} (mean of {n})" for c in names) + " |"
+    lines = [head, "|---|---|" + "---|" * len(names)]
+    for g, prompt in enumerate(prompts[:limit]):
+        cells = []
+        for c in names:
+            v = comps[c][g * n:(g + 1) * n]
+            v = v[torch.isfinite(v)]
+            cells.append(f"{float(v.mean()):.4f}" if v.numel() else "n/a")
+        text = " ".join(prompt.split()).replace("|", "\\|")
+        lines.append(f"| {g} | {text} | " + " | ".join(cells) + " |")
+    if len(prompts) > limit:
+        lines.append(f"\n(the first {limit} of {len(prompts)} prompts)")
+    return "\n".join(lines)
+
+
+def _score_text(comps: dict[str, torch.Tensor], index: int) -> str:
+    return ", ".join(f"{c}={float(v[index]):.3f}" for c, v in sorted(comps.items()))
+
+
+def _eval_thumbnails(traj: Any, max_group: int) -> list[tuple[int, int, str, torch.Tensor]]:
+    """(group, slot, prompt, uint8 [3, h, w] image of long side <= EVAL_THUMB_SIDE) for this
+    rank's candidates of groups below `max_group`."""
+    if traj is None:
+        return []
+    out = []
+    for i, g in enumerate(traj.group_indices.tolist()):
+        if g >= max_group:
+            continue
+        im = traj.images[i].detach().float().cpu()
+        side = max(im.shape[-2:])
+        if side > EVAL_THUMB_SIDE:
+            size = [max(1, round(d * EVAL_THUMB_SIDE / side)) for d in im.shape[-2:]]
+            im = torch.nn.functional.interpolate(im[None], size=size, mode="area")[0]
+        out.append((int(g), int(traj.slots[i]), str(traj.prompts[i]),
+                    (im.clamp(0, 1) * 255 + 0.5).to(torch.uint8)))
+    return out
+
+
+def gather_to_rank0(obj: Any) -> list[Any]:
+    """[every rank's obj] on rank 0 ([] elsewhere); [obj] without a process group. Collective.
+    Only this job's own ranks send (their images), so pickling is safe here."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    rank = dist.get_rank()
+    out = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out if rank == 0 else []
+
+
 def silence_known_harmless_warnings() -> None:
     """FSDP2 warns once per forward that the sharded root transformer "returned a view tensor"
     (its last linear projection reshapes), because an in-place op on that output would skip the
@@ -726,12 +858,14 @@ def silence_known_harmless_warnings() -> None:
 
 def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
     """First-vs-last figures of each reward component: the mean of reward/<c>_mean over the
-    first and the last `window` rollouts, and the mean within-group std (the learning signal)."""
+    first and the last `window` rollouts, and the mean within-group std of the component's raw
+    score (reward/<c>_group_std_mean: the learning signal it carries)."""
     out = {}
     for c in components:
         series = [h[f"reward/{c}_mean"] for h in history if f"reward/{c}_mean" in h]
-        stds = [h.get(f"reward/{c}_group_std_mean", h.get("reward/group_std_mean")) for h in history]
-        stds = [s for s in stds if s is not None]
+        # the component's own raw spread: the weighted reward's (reward/group_std_mean) would show
+        # a component's weight, or another component's spread
+        stds = [h[f"reward/{c}_group_std_mean"] for h in history if f"reward/{c}_group_std_mean" in h]
         if not series:
             continue
         w = min(window, len(series))
@@ -759,6 +893,9 @@ def run(cfg: Any, recipe: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     silence_known_harmless_warnings()
+    from trainer.cli import quiet_third_party
+
+    quiet_third_party(load=True)  # before the model loads: its loading bars would fill train.log
     code = 0
     info = None
     try:

@@ -76,6 +76,35 @@ class MetricsLogger:
         self._writer.add_text(tag + "/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self._writer.flush()
 
+    def log_rows_grid(self, step: int, tag: str, rows: Sequence[tuple[str, Sequence[Any], Sequence[str]]]) -> None:
+        """One image of several prompts, one row each: (title, images, captions) per row, the title
+        (the prompt, wrapped, never cut) above the row's tiles; the titles and captions also go
+        to the Text tab as `<tag>/captions`."""
+        if not self.enabled or not rows:
+            return
+        self._writer.add_image(tag, prompt_rows_grid(rows), step, dataformats="HWC")
+        text = "\n\n".join(f"**{title}**  \n" + "  \n".join(caps) for title, _, caps in rows)
+        self._writer.add_text(tag + "/captions", text, step)
+        self._writer.flush()
+
+    def log_histograms(self, step: int, values: dict[str, Any]) -> None:
+        """TensorBoard histograms (tag -> 1-D values); non-finite entries are left out."""
+        if not self.enabled:
+            return
+        for tag, v in values.items():
+            a = np.asarray(v.detach().float().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float64).ravel()
+            a = a[np.isfinite(a)]
+            if a.size:
+                self._writer.add_histogram(tag, a, step)
+        self._writer.flush()
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """Markdown text (a table, a note) under `tag` in TensorBoard's Text tab."""
+        if not self.enabled:
+            return
+        self._writer.add_text(tag, text, step)
+        self._writer.flush()
+
     def console_line(self, rollout_id: int, metrics: dict[str, Any], components: Sequence[str] = ()) -> str:
         parts = [f"rollout {rollout_id}"]
         keys = [(c, f"reward/{c}_mean") for c in components] + list(self.console_keys)
@@ -105,6 +134,10 @@ def _is_number(v: Any) -> bool:
 
 
 def _to_uint8_hwc(im: Any) -> np.ndarray:
+    """[3, H, W] floats in [0, 1] (or uint8 0-255) -> HWC uint8."""
+    if getattr(im, "dtype", None) is not None and str(im.dtype) in ("torch.uint8", "uint8"):
+        a = im.cpu().numpy() if hasattr(im, "cpu") else np.asarray(im)
+        return np.ascontiguousarray(a.transpose(1, 2, 0))
     a = im.detach().float().cpu().numpy() if hasattr(im, "detach") else np.asarray(im, dtype=np.float32)
     return np.clip(a.transpose(1, 2, 0) * 255.0 + 0.5, 0, 255).astype(np.uint8)
 
@@ -152,6 +185,66 @@ def captioned_grid(images: Sequence[Any], captions: Sequence[str], cols: int | N
             lines[-1] = lines[-1][: max(chars - 3, 1)] + "..."
         for j, line in enumerate(lines):
             draw.text((x + 2, y + th + 2 + j * line_h), line, fill="black", font=font)
+    return np.asarray(canvas)
+
+
+#: a row title's lines at most (a prompt longer than this many wrapped lines ends in "...")
+TITLE_LINES = 6
+
+
+def prompt_rows_grid(rows: Sequence[tuple[str, Sequence[Any], Sequence[str]]], tile_side: tuple[int, int] = TILE_SIDE,
+                     caption_lines: int = CAPTION_LINES, title_lines: int = TITLE_LINES) -> np.ndarray:
+    """One HWC uint8 array: per row (title, images, captions), the title wrapped across the
+    row's width on a grey strip, then the row's [3, H, W] images in [0, 1] side by side, each
+    with its caption (wrapped, at most `caption_lines` lines) under it."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    if not rows:
+        raise ValueError("no rows to draw")
+    for title, images, captions in rows:
+        if len(images) != len(captions) or not images:
+            raise ValueError(f"row {title!r}: {len(images)} images and {len(captions)} captions")
+    arrs = [[_to_uint8_hwc(im) for im in images] for _, images, _ in rows]
+    h = max(a.shape[0] for row in arrs for a in row)
+    w = max(a.shape[1] for row in arrs for a in row)
+    scale = min(max(tile_side[0] / max(h, w), 1.0), tile_side[1] / max(h, w))
+    tw, th = max(1, round(w * scale)), max(1, round(h * scale))
+    font = ImageFont.load_default()
+    line_h = font.getbbox("Ag")[3] + 3
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 "
+    per_char = max(font.getlength(alphabet), 1.0) / len(alphabet)
+    gap = 4
+    cols = max(len(row) for row in arrs)
+    width = cols * (tw + gap) - gap
+    tile_chars = max(4, int((tw - 4) / per_char))
+    title_chars = max(8, int((width - 8) / per_char))
+
+    def wrapped(text: str, chars: int, limit: int) -> list[str]:
+        lines = textwrap.wrap(str(text), chars) or [""]
+        if len(lines) > limit:
+            lines = lines[:limit]
+            lines[-1] = lines[-1][: max(chars - 3, 1)] + "..."
+        return lines
+
+    titles = [wrapped(title, title_chars, title_lines) for title, _, _ in rows]
+    heights = [len(t) * line_h + 6 + th + caption_lines * line_h + 4 + gap for t in titles]
+    canvas = Image.new("RGB", (width, sum(heights)), "white")
+    draw = ImageDraw.Draw(canvas)
+    y = 0
+    for (title, _, captions), row, lines, height in zip(rows, arrs, titles, heights):
+        strip = len(lines) * line_h + 6
+        draw.rectangle((0, y, width, y + strip - 2), fill=(232, 232, 232))
+        for j, line in enumerate(lines):
+            draw.text((4, y + 3 + j * line_h), line, fill="black", font=font)
+        for i, (a, caption) in enumerate(zip(row, captions)):
+            x = i * (tw + gap)
+            tile = Image.fromarray(a)
+            if tile.size != (tw, th):
+                tile = tile.resize((tw, th), Image.NEAREST if scale > 1 else Image.BILINEAR)
+            canvas.paste(tile, (x, y + strip))
+            for j, line in enumerate(wrapped(caption, tile_chars, caption_lines)):
+                draw.text((x + 2, y + strip + th + 2 + j * line_h), line, fill="black", font=font)
+        y += height
     return np.asarray(canvas)
 
 

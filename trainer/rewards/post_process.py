@@ -85,6 +85,15 @@ def _stats(prefix: str, values: torch.Tensor, out: dict[str, float]) -> None:
     out[f"{prefix}_max"] = float(v.max())
 
 
+def resolve_weights(components: Mapping[str, Any], required_components: Sequence[str] | None = None,
+                    component_weights: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The components trained on and their weights: --reward-component-weights when given, else
+    1.0 for every required component, or, with none required, for every component."""
+    if component_weights:
+        return {k: float(v) for k, v in component_weights.items()}
+    return {k: 1.0 for k in (list(required_components or []) or sorted(components))}
+
+
 def compute_advantages(
     components: Mapping[str, torch.Tensor],
     group_size: int,
@@ -115,10 +124,7 @@ def compute_advantages(
             f"{total} scored candidates cannot be split into groups of {group_size} (--n-samples-per-prompt)"
         )
     required = list(required_components or [])
-    if component_weights:
-        weights = {k: float(v) for k, v in component_weights.items()}
-    else:
-        weights = {k: 1.0 for k in (required or sorted(comps))}
+    weights = resolve_weights(comps, required, component_weights)
     used = sorted(set(required) | set(weights))
     absent = [c for c in used if c not in comps]
     if absent:
@@ -154,6 +160,9 @@ def compute_advantages(
     metrics: dict[str, float] = {}
     for c in sorted(comps):
         _stats(f"reward/{c}", comps[c], metrics)
+    # what the advantages are normalised from: sum_c weight_c * raw_c, per candidate
+    total_reward = weighted_total(comps, weights)
+    _stats("reward/weighted_total", total_reward[valid], metrics)
     if adv_valid.numel():
         metrics["reward/advantage_mean"] = float(adv_valid.double().mean())
         metrics["reward/advantage_std"] = math.sqrt(variance)
@@ -165,10 +174,13 @@ def compute_advantages(
         # The key diagnostic: the spread GRPO has to learn from, on the weighted raw reward.
         raw = sum(weights[c] * comps[c].double().view(num_groups, group_size)[valid_groups] for c in weights)
         metrics["reward/group_std_mean"] = float(raw.std(dim=1, unbiased=False).mean())
-        if len(weights) > 1:
-            for c in weights:
-                g = comps[c].double().view(num_groups, group_size)[valid_groups]
-                metrics[f"reward/{c}_group_std_mean"] = float(g.std(dim=1, unbiased=False).mean())
+        # each component's own spread, on its raw scale (weighted or not): the weighted figure
+        # above says nothing about a component left out of the weights
+        for c in sorted(comps):
+            g = comps[c].double().view(num_groups, group_size)[valid_groups]
+            ok = torch.isfinite(g).all(dim=1)
+            if ok.any():
+                metrics[f"reward/{c}_group_std_mean"] = float(g[ok].std(dim=1, unbiased=False).mean())
     metrics["reward/degenerate"] = 1.0 if degenerate else 0.0
     if score_time is not None:
         metrics["reward/score_time"] = float(score_time)
@@ -183,6 +195,16 @@ def compute_advantages(
         degenerate=degenerate,
         weights=weights,
     )
+
+
+def weighted_total(components: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> torch.Tensor:
+    """sum_c weights[c] * components[c]: fp32 [N] per candidate (NaN where a weighted component is),
+    the one reward the advantages are computed from, before any normalisation."""
+    total = None
+    for c, w in weights.items():
+        term = float(w) * torch.as_tensor(components[c]).detach().double().reshape(-1)
+        total = term if total is None else total + term
+    return total.float()
 
 
 def post_process(
