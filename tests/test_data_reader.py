@@ -168,4 +168,4 @@ def test_write_jsonl_failure_keeps_the_old_file_and_leaves_no_tmp(tmp_path):
     with pytest.raises(DataError, match="mid-way"):
         write_jsonl(path, rows())
     assert path.read_bytes() == before
-    assert not (tmp_path / "p.jsonl.tmp").exists()
+    assert list(tmp_path.iterdir()) == [path]  # no temporary left behind, whatever its name

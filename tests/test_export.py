@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,10 +191,52 @@ def test_bf16_merged_export_keeps_the_dtype_asked_for(trained, tiny_model_dir, t
 
 # ---------------------------------------------------------------- refusals and errors
 
-def test_lora_merged_without_base_is_refused_with_the_reason(trained, tmp_path):
-    with pytest.raises(ex.ExportError, match="needs --base-model-path.*nothing to fold it into"):
-        export(trained, "lora", tmp_path / "out", form="merged")
-    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+def test_lora_merged_takes_the_recorded_base_and_says_so(trained, tiny_model_dir, tmp_path, capsys):
+    """No --base-model-path: the base the checkpoint records; the output names where it came from."""
+    rc = ex.main(["--save-dir", str(trained["lora_save"]), "--output-dir", str(tmp_path / "m"), "--form", "merged",
+                  "--verify"])
+    out = capsys.readouterr().out
+    contract = trained["lora_save"] / "t2i" / "iter_0000001" / "adapter_contract.json"
+    assert rc == 0 and f"base model {tiny_model_dir.resolve()}: as recorded in {contract}" in out
+    info = json.loads((tmp_path / "m" / "export_info.json").read_text())
+    assert info["base_model_path_from"] == str(contract) and info["verify"]["lora_modules_changed"] == 14
+    assert_reproduces(forward(base_transformer(tmp_path / "m")), trained, "lora")
+
+
+def test_lora_merged_without_a_usable_base_is_refused_with_the_reason(trained, tmp_path):
+    save, d = copy_save(trained, "lora", tmp_path)
+    contract = json.loads((d / "adapter_contract.json").read_text())
+    contract["base_model_path"] = str(tmp_path / "moved")
+    (d / "adapter_contract.json").write_text(json.dumps(contract))
+    with pytest.raises(ex.ExportError, match=r"needs --base-model-path: .*nothing to fold it into.*moved\?"):
+        ex.export_checkpoint(save, "t2i", 1, tmp_path / "out", form="merged")
+    del contract["base_model_path"]
+    (d / "adapter_contract.json").write_text(json.dumps(contract))
+    with pytest.raises(ex.ExportError, match="needs --base-model-path.*nothing to fold it into.*records "
+                                             "base_model_path"):
+        ex.export_checkpoint(save, "t2i", 1, tmp_path / "out", form="merged")
+    assert [p.name for p in tmp_path.iterdir()] == ["save"]
+
+
+def test_export_files_follow_the_umask_and_are_synced_before_the_rename(trained, tmp_path, monkeypatch):
+    synced = []
+    real = ex.fsync_tree
+
+    def record(root):
+        synced.append((Path(root), sorted(p.name for p in Path(root).iterdir())))
+        return real(root)
+
+    monkeypatch.setattr(ex, "fsync_tree", record)
+    old = os.umask(0o022)
+    try:
+        export(trained, "lora", tmp_path / "a", form="adapter")
+    finally:
+        os.umask(old)
+    [(staging, names)] = synced
+    assert staging.parent == tmp_path and staging.name.startswith(".a.partial-") and not staging.exists()
+    assert names == sorted(p.name for p in (tmp_path / "a").iterdir())  # everything was there when synced
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [tmp_path / "a", *(tmp_path / "a").iterdir()]}
+    assert set(modes.values()) == {"0o644", "0o755"} and modes["a"] == "0o755", modes
 
 
 def test_full_checkpoint_has_no_adapter_form(trained, tmp_path):
@@ -338,9 +381,9 @@ def test_cli_exports_and_reports_errors(trained, tmp_path, capsys):
                   "--form", "adapter", "--verify"])  # --iteration omitted: the newest committed one
     assert rc == 0 and "(verified)" in capsys.readouterr().out
     assert json.loads((tmp_path / "a" / "export_info.json").read_text())["iteration"] == 1
-    rc = ex.main(["--save-dir", str(trained["lora_save"]), "--iteration", "1", "--output-dir", str(tmp_path / "b"),
+    rc = ex.main(["--save-dir", str(trained["lora_save"]), "--iteration", "7", "--output-dir", str(tmp_path / "b"),
                   "--form", "merged"])
-    assert rc == 2 and "needs --base-model-path" in capsys.readouterr().err
+    assert rc == 2 and "iter_0000007 does not exist" in capsys.readouterr().err
 
 
 def test_sharded_base_keeps_its_shard_layout(trained, tiny_model_dir, tmp_path):

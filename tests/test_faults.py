@@ -296,9 +296,9 @@ def _alive(pid: int) -> bool:
 
 
 def _torchrun(tmp: Path, model_dir: Path, *args: str, env: dict | None = None,
-              module: str = "trainer.train") -> subprocess.Popen:
+              module: str = "trainer.train", launcher_args: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", module, "--config", str(_recipe(tmp, model_dir)),
+           "--master-port", str(free_port()), *launcher_args, "-m", module, "--config", str(_recipe(tmp, model_dir)),
            *_outputs(tmp), "--save-interval", "1", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -350,7 +350,10 @@ def test_kill_9_at_each_point_of_a_save_resumes_from_the_last_commit(tmp_path, t
     """A rank SIGKILLed after its shards, after the sidecars, and after COMMITTED but before the
     markers (one launch each, each resuming the previous): the job goes down and resume always
     continues after the newest COMMITTED iteration. The last resume, stopped by SIGTERM to its
-    torchrun after its next commit, takes every rank down within seconds, that commit intact."""
+    torchrun after its next commit, takes every rank down within seconds, that commit intact.
+    Then that commit's DCP .metadata is deleted: a resume with the ranks' output redirected away
+    from the console (torchrun --redirects 3) still shows the error naming the file, through
+    torchrun's own failure report, whichever rank failed first."""
     save = tmp_path / "run" / "ckpt"
     resume: list[str] = []
     before: list[int] = []
@@ -384,6 +387,12 @@ def test_kill_9_at_each_point_of_a_save_resumes_from_the_last_commit(tmp_path, t
         assert state["rollout_id"] == 4
     finally:
         _kill_leftovers([launcher.pid, *ranks])
+    newest = ck.iteration_dir(save, "t2i", ck.committed_iterations(save, "t2i")[-1])
+    (newest / "fsdp" / ".metadata").unlink()
+    proc = _torchrun(tmp_path, tiny_model_dir, "--num-rollout", "200", *resume, launcher_args=("--redirects", "3"))
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1, out[-3000:]
+    assert f"error: {newest / 'fsdp' / '.metadata'} is missing although {newest.name} is COMMITTED" in out, out[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,9 +426,11 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
     assert _load(tmp_path, model, opt, iteration=1)["rollout_id"] == 1
     d = ck.iteration_dir(tmp_path, "t2i", 2)
     rng = d / "rng_rank0.pt"
-    rng.write_bytes(rng.read_bytes()[:100])
+    good = rng.read_bytes()
+    rng.write_bytes(good[:100])
     with pytest.raises(ck.CheckpointError, match=f"{rng} cannot be read"):
         _load(tmp_path, model, opt)
+    rng.write_bytes(good)  # the RNG file is checked first, before anything loads
     shard = sorted((d / "fsdp").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:10])
     with pytest.raises(ck.CheckpointError, match=f"{shard} has 10 bytes, the metadata needs"):

@@ -254,3 +254,35 @@ def test_quiet_third_party_silences_loading_bars_and_chatter(monkeypatch):
         assert tlog.get_verbosity() == tlog.WARNING  # left as the user has it
     finally:
         loud()
+
+
+def test_make_tiny_model_never_overwrites_without_being_told(tmp_path, capsys):
+    """A non-empty --output-dir (say, a real model directory) is refused with nothing changed; a
+    file is a one-line error; --overwrite replaces the contents once the new model is complete."""
+    real = tmp_path / "real_model"
+    (real / "transformer").mkdir(parents=True)
+    weights = real / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(b"the real weights")
+    before = sorted((p.relative_to(real), p.stat().st_mtime_ns) for p in real.rglob("*"))
+    line = _one_line_error("make_tiny_model", ["--output-dir", str(real)], capsys, "--output-dir", str(real),
+                           "not empty", "--overwrite")
+    assert "nothing was written" in line
+    assert sorted((p.relative_to(real), p.stat().st_mtime_ns) for p in real.rglob("*")) == before
+    assert weights.read_bytes() == b"the real weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["real_model"]  # no staging left either
+
+    a_file = tmp_path / "model.txt"
+    a_file.write_text("x")
+    _one_line_error("make_tiny_model", ["--output-dir", str(a_file)], capsys, str(a_file), "is a file")
+    assert a_file.read_text() == "x"
+
+    code, out, _ = _run("make_tiny_model", ["--output-dir", str(real), "--family", "sd3", "--overwrite"], capsys)
+    assert code == 0 and "wrote tiny Stable Diffusion 3.5 pipeline" in out
+    assert weights.read_bytes() != b"the real weights" and json.loads((real / "model_index.json").read_text())["_class_name"] == \
+        "StableDiffusion3Pipeline"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.txt", "real_model"]
+    # the model follows the umask, safetensors' own 0600 included
+    from trainer.core.files import dir_mode, file_mode
+
+    assert {oct(p.stat().st_mode & 0o777) for p in real.rglob("*") if p.is_file()} == {oct(file_mode())}
+    assert oct(real.stat().st_mode & 0o777) == oct(dir_mode())

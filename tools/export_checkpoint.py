@@ -1,8 +1,7 @@
 """Export a committed training checkpoint as a diffusers pipeline or as a PEFT adapter.
 
     python tools/export_checkpoint.py --form merged \\
-        --save-dir runs/ckpt --task t2i --iteration 100 --output-dir out/merged \\
-        --base-model-path /models/Qwen-Image --verify
+        --save-dir runs/ckpt --task t2i --iteration 100 --output-dir out/merged --verify
     python tools/export_checkpoint.py --form adapter \\
         --save-dir runs/ckpt --task t2i --iteration 100 --output-dir out/adapter --verify
 
@@ -10,7 +9,8 @@ It reads the DCP shards of `<save-dir>/<task>/iter_<7 digits>/fsdp/` offline, in
 (no torchrun), and trusts only an iteration with a COMMITTED marker.
 
 --form merged   a directly loadable diffusers pipeline directory. Every base component except
-                transformer/ comes from --base-model-path (copied by default, see --components);
+                transformer/ comes from the base model (--base-model-path, else the one the
+                checkpoint records; copied by default, see --components);
                 transformer/ is written with the base's own file layout (same shard files, same
                 tensor names, same dtypes unless --dtype) holding the trained weights:
                   full fine-tune: the checkpoint's tensors (a weight the checkpoint lacks, e.g. a
@@ -36,8 +36,12 @@ It reads the DCP shards of `<save-dir>/<task>/iter_<7 digits>/fsdp/` offline, in
                 the base's as above. A checkpoint without EMA state is refused.
 
 The output is written into a hidden staging directory next to --output-dir, verified there
-(--verify) and renamed into place only when complete: an interrupted export never leaves a
-half-written --output-dir, and an existing non-empty --output-dir is refused.
+(--verify), fsynced and renamed into place only when complete: an interrupted export never
+leaves a half-written --output-dir, and an existing non-empty --output-dir is refused. Written
+files follow the umask, like every other output of the project.
+
+A checkpoint directory is trusted input (DCP's .metadata is a pickle); its JSON files still
+never choose code: a recorded model adapter is used only when it is a registered family adapter.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +67,7 @@ if __package__ in (None, ""):  # run as a script: make `trainer` importable
 from trainer.cli import existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
 from trainer.core.dtypes import DTYPES  # noqa: E402
+from trainer.core.files import dir_mode, file_mode, fsync_dir, fsync_tree  # noqa: E402
 from trainer.core.names import is_lora_name, strip_wrapper_segments  # noqa: E402
 from trainer.weight_sync import merge_lora  # noqa: E402
 
@@ -440,6 +446,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
+    path.chmod(file_mode())  # safetensors creates its files 0600; an export follows the umask (docs/export.md)
 
 
 def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str],
@@ -812,27 +819,42 @@ def load_model_adapter(dotpath: str):
 
 def resolve_adapter_path(save_dir, task: str, iteration: int | None, base_model_path=None) -> str:
     """The model adapter of a checkpoint when --model-adapter-path is not given: the one its run
-    recorded (adapter_contract.json "model_adapter_path"), else the family that the base's
-    model_index.json names (config.PIPELINE_ADAPTERS; the given base, else the recorded one), else
-    the default family's."""
-    from trainer.config import adapter_for_model_dir
+    recorded (adapter_contract.json "model_adapter_path") when that is a registered family
+    adapter (config.PIPELINE_ADAPTERS), else the family that the base's model_index.json names
+    (the given base, else the recorded one), else the default family's.
+
+    A data file never chooses code to import: a recorded dotpath outside the registry is refused,
+    and only an explicit --model-adapter-path imports it."""
+    from trainer.config import PIPELINE_ADAPTERS, adapter_for_model_dir
 
     ckpt = load_checkpoint(save_dir, task, iteration)
     recorded = ckpt.contract.get("model_adapter_path")
     if recorded:
+        families = sorted(set(PIPELINE_ADAPTERS.values()))
+        if recorded not in families:
+            raise ExportError(
+                f"{ckpt.path / CONTRACT} records the model adapter {str(recorded)[:200]!r}, which is not one of the "
+                f"registered family adapters ({', '.join(families)}); a checkpoint's files never choose code to "
+                "import. Pass --model-adapter-path explicitly (the module it names is imported: give it only for "
+                "code you trust)")
         return str(recorded)
     base = base_model_path or recorded_base_path(ckpt)
     return adapter_for_model_dir(base) if base else DEFAULT_ADAPTER
 
 
-def recorded_base_path(ckpt: Checkpoint) -> str | None:
-    """The base model directory the run trained on, as its trainer_state.json records it
-    (checkpoints of older runs may have it in adapter_contract.json instead)."""
-    for record in (ckpt.trainer_state, ckpt.contract):
+def recorded_base(ckpt: Checkpoint) -> tuple[str | None, Path | None]:
+    """(the base model directory the run trained on, the file that records it): its
+    trainer_state.json, else (checkpoints of older runs) its adapter_contract.json."""
+    for record, name in ((ckpt.trainer_state, TRAINER_STATE), (ckpt.contract, CONTRACT)):
         for key in ("base_model_path", "model_path"):
             if record.get(key):
-                return str(record[key])
-    return None
+                return str(record[key]), ckpt.path / name
+    return None, None
+
+
+def recorded_base_path(ckpt: Checkpoint) -> str | None:
+    """The base model directory the run trained on, as its checkpoint records it (recorded_base)."""
+    return recorded_base(ckpt)[0]
 
 
 def _check_output_dir(output_dir: Path) -> None:
@@ -848,11 +870,12 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
     """Export one committed iteration (see the module docstring). Returns the export_info dict,
     which is also written to <output_dir>/export_info.json.
 
-    base_model_path: required for --form merged on a LoRA checkpoint; for a full fine-tune it
-    defaults to the base path recorded in adapter_contract.json. dtype: None keeps the base's
-    dtype per tensor (merged) or the checkpoint's (adapter). model_adapter_path: None takes the
-    adapter the run recorded in adapter_contract.json, else the family of the base's
-    model_index.json (resolve_adapter_path)."""
+    base_model_path: the base pipeline (--form merged needs one); None takes the path the
+    checkpoint records (trainer_state.json, else adapter_contract.json), and export_info.json's
+    "base_model_path_from" says which. dtype: None keeps the base's dtype per tensor (merged) or
+    the checkpoint's (adapter). model_adapter_path: None takes the registered family adapter the
+    run recorded in adapter_contract.json, else the family of the base's model_index.json
+    (resolve_adapter_path)."""
     if form not in FORMS:
         raise ExportError(f"--form must be one of {FORMS}, got {form!r}")
     out = Path(output_dir)
@@ -864,36 +887,37 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
     lora = lora_settings(ckpt, getattr(adapter, "lora_target_modules", ())) if ckpt.mode == "lora" else None
 
     base: Path | None = Path(base_model_path) if base_model_path else None
+    base_source = "--base-model-path" if base is not None else None
     if form == "merged" and base is None:
-        if ckpt.mode == "lora":
-            raise ExportError(
-                f"--form merged of the LoRA checkpoint {ckpt.path} needs --base-model-path: a LoRA checkpoint holds "
-                "only the adapter (lora_A/lora_B), so without the base weights there is nothing to fold it into, "
-                "and the 'transformer' written would be made of adapter tensors. Pass the base model directory "
-                "the run trained on (its --model-path), or use --form adapter.")
-        recorded = recorded_base_path(ckpt)
+        why = ("a LoRA checkpoint holds only the adapter (lora_A/lora_B), so without the base weights there is "
+               "nothing to fold it into" if ckpt.mode == "lora" else
+               "the pipeline's other components and the transformer config come from it")
+        recorded, record = recorded_base(ckpt)
         if recorded is None:
-            raise ExportError(f"--form merged needs --base-model-path (the pipeline's other components and the "
-                              f"transformer config come from it), and {ckpt.path / TRAINER_STATE} records no "
-                              "base_model_path: pass the run's --model-path")
+            raise ExportError(f"--form merged of {ckpt.path} needs --base-model-path: {why}, and neither "
+                              f"{ckpt.path / TRAINER_STATE} nor {ckpt.path / CONTRACT} records base_model_path. Pass "
+                              "the base model directory the run trained on (its --model-path)"
+                              + (", or use --form adapter." if ckpt.mode == "lora" else "."))
         if not Path(recorded).is_dir():
-            raise ExportError(f"{ckpt.path / TRAINER_STATE} records the base model {recorded}, which is not a "
-                              "directory (moved?): pass --base-model-path")
-        base = Path(recorded)
-        log.info("using the base model recorded in %s: %s", ckpt.path / TRAINER_STATE, base)
+            raise ExportError(f"--form merged of {ckpt.path} needs --base-model-path: {why}, and the base model "
+                              f"{recorded} that {record} records is not a directory (moved?). Pass the base model "
+                              "directory the run trained on")
+        base, base_source = Path(recorded), str(record)
+        log.info("using the base model recorded in %s: %s", record, base)
     if form == "adapter" and ckpt.mode != "lora":
         raise ExportError(f"--form adapter needs a LoRA checkpoint, but {ckpt.path} is a full fine-tune: "
                           "use --form merged")
     if base is not None and not base.is_dir():
         raise ExportError(f"--base-model-path {str(base)!r} is not a directory")
     if form == "adapter" and base is None and recorded_base_path(ckpt):
-        recorded = Path(recorded_base_path(ckpt))
-        base = recorded if recorded.is_dir() else None
+        recorded, record = recorded_base(ckpt)
+        if Path(recorded).is_dir():
+            base, base_source = Path(recorded), str(record)
 
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh, unpredictable name: nothing planted beside --output-dir is followed or deleted
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging.chmod(dir_mode())  # mkdtemp makes it 0700; the export follows the umask like every other output
     info: dict[str, Any] = {
         "form": form,
         "source": str(ckpt.path),
@@ -904,6 +928,7 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
         "rollout_id": ckpt.trainer_state.get("rollout_id"),
         "adapter_contract": ckpt.contract,
         "base_model_path": None if base is None else str(base.resolve()),
+        "base_model_path_from": base_source,
         "dtype": dtype or ("base" if form == "merged" else "checkpoint"),
     }
     if ema:
@@ -928,11 +953,14 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
                     log.warning("--verify: no base model (pass --base-model-path), so the peft injection check "
                                 "was skipped; the file was checked against the checkpoint")
         (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
+        # the rename publishes the directory: its files must be on disk first, or a crash right
+        # after it could leave a complete-looking export with empty or partial files
+        fsync_tree(staging)
         _check_output_dir(out)  # nothing appeared there meanwhile
         if out.exists():
             out.rmdir()
-        out.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging, out)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -950,11 +978,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--form", choices=FORMS, default="merged",
                    help="merged: a diffusers pipeline directory; adapter: a HF-PEFT adapter (LoRA checkpoints only)")
     p.add_argument("--model-adapter-path", default=None,
-                   help="dotted path of the model adapter class (unset: the one the run recorded in "
-                        "adapter_contract.json, else the family of the base's model_index.json)")
+                   help="dotted path of the model adapter class; names code that is imported, so trusted input "
+                        "(unset: the family adapter the run recorded in adapter_contract.json, which must be a "
+                        "registered one, else the family of the base's model_index.json)")
     p.add_argument("--base-model-path", default=None, type=existing_dir,
-                   help="the local base pipeline directory the run trained on; required for --form merged of a "
-                        "LoRA checkpoint (unset for a full fine-tune: the path the run recorded in trainer_state.json)")
+                   help="the local base pipeline directory the run trained on (unset: the path the checkpoint "
+                        "records in trainer_state.json; --form merged needs one)")
     p.add_argument("--verify", action="store_true",
                    help="reload what was written and check names, shapes and values against the checkpoint")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
@@ -981,6 +1010,8 @@ def _export(args: argparse.Namespace) -> int:
                              verify=args.verify, dtype=args.dtype, components=args.components, ema=args.ema)
     checked = " (verified)" if "verify" in info else ""
     print(f"exported {info['source']} ({info['mode']}) as {info['form']} to {args.output_dir}{checked}")
+    if info.get("base_model_path") and info.get("base_model_path_from") != "--base-model-path":
+        print(f"base model {info['base_model_path']}: as recorded in {info['base_model_path_from']}")
     return 0
 
 

@@ -5,7 +5,10 @@ model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/; sd3
 tools/tiny_sd3.py) so that every consumer loads it through the same code path as the real
 model. It is what the tests and the demo run on.
 
-    python tools/make_tiny_model.py --output-dir tiny [--family qwen_image|sd3|flux] [--seed 0]
+    python tools/make_tiny_model.py --output-dir tiny [--family qwen_image|sd3|flux] [--seed 0] [--overwrite]
+
+A non-empty --output-dir is refused unless --overwrite (then its contents are replaced once the
+new model is complete); the build goes to a hidden directory beside it first.
 
 The Qwen-Image builder is this file's; each other family's lives in tools/tiny_<family>.py.
 
@@ -222,10 +225,54 @@ def build_family(family: str, output_dir, seed: int = 0, vae_output_gain: float 
     return getattr(importlib.import_module(module), fn)(output_dir, seed=seed, vae_output_gain=vae_output_gain)
 
 
+def check_output_dir(path: Path, overwrite: bool) -> None:
+    """Refuse an --output-dir that is a file or a link, or a non-empty directory unless
+    --overwrite: pointed at a real model directory, a build would replace its weights."""
+    from trainer.cli import ToolError
+
+    if path.is_symlink():
+        raise ToolError(f"--output-dir {path} is a symbolic link; pass a real directory path")
+    if path.exists() and not path.is_dir():
+        raise ToolError(f"--output-dir {path} is a file, not a directory; choose another path")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ToolError(f"--output-dir {path} is not empty; nothing was written. Choose a new directory, or pass "
+                        "--overwrite to replace its contents with the tiny random-weight model")
+
+
+def build_into(family: str, out: Path, *, seed: int, vae_output_gain: float, overwrite: bool) -> Path:
+    """Build in a fresh directory beside `out`, then put it in place: an interrupted build never
+    leaves a half-written --output-dir, and with --overwrite the old contents go only once the
+    new model is complete."""
+    import shutil
+    import tempfile
+
+    from trainer.core.files import follow_umask
+
+    check_output_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        build_family(family, staging, seed=seed, vae_output_gain=vae_output_gain)
+        follow_umask(staging)  # mkdtemp's 0700 and safetensors' 0600 would hide the model from the group
+        check_output_dir(out, overwrite)  # nothing appeared there meanwhile
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
 def main(argv=None) -> int:
+    from trainer.cli import run_tool
+
     parser = tool_parser("make_tiny_model", __doc__)
     parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
-                        help="directory to write the pipeline to (created)")
+                        help="directory to write the pipeline to (created; must not exist or be empty, unless "
+                             "--overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the contents of a non-empty --output-dir instead of refusing")
     parser.add_argument("--family", default="qwen_image", choices=sorted(BUILDERS),
                         help="model family of the pipeline (qwen_image: QwenImagePipeline; sd3: "
                              "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT; flux: "
@@ -235,9 +282,14 @@ def main(argv=None) -> int:
                         help="scale of the VAE decoder's output convolution (1: plain random init); "
                              "the demo uses 8 so that image colours depend visibly on the latents")
     args = parser.parse_args(argv)
-    path = build_family(args.family, args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
-    print(f"wrote tiny {BUILDERS[args.family][2]} pipeline to {path}")
-    return 0
+
+    def build() -> int:
+        path = build_into(args.family, Path(args.output_dir), seed=args.seed, vae_output_gain=args.vae_output_gain,
+                          overwrite=args.overwrite)
+        print(f"wrote tiny {BUILDERS[args.family][2]} pipeline to {path}")
+        return 0
+
+    return run_tool("make_tiny_model", build)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ and string metadata: the format tag, task, rollout id, group index, prompt, samp
 sampling config and its fingerprint, the weight-manifest hash, and `candidates`: one small JSON
 manifest per candidate (policy version, sampling fingerprint, weight-manifest hash, sample id).
 
-Every file is written to `<name>.tmp`, fsynced, then atomically renamed (and the directory
-fsynced), so a crash never leaves a file under its real name that is not complete.
+Every file is written to an exclusively created `<name>.<random>.tmp`, fsynced, then atomically
+renamed (and the directory fsynced), so a crash never leaves a file under its real name that is
+not complete, and a link planted in the directory is never followed.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ import json
 import logging
 import os
 import re
+from glob import escape as glob_escape
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
+from trainer.core.files import TMP_SUFFIX, atomic_writer, fsync_dir
 from trainer.trajectory import Trajectory, trimmed_condition
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,15 @@ class ArtifactError(RuntimeError):
 
 
 def task_root(root, task: str, *, eval: bool = False) -> Path:
-    """<root>/<task> for training rollouts, <root>/eval/<task> for evaluation."""
+    """<root>/<task> for training rollouts, <root>/eval/<task> for evaluation.
+
+    `task` is a relative path of plain names ("t2i", or "t2i/<eval set>" for one of several
+    eval sets); anything that could leave the root ("..", an absolute path, an empty part) is
+    refused, since retention deletes rollout directories under what this returns."""
+    parts = str(task).replace("\\", "/").split("/")
+    if str(task).startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"artifact task path {task!r} must be relative names without '.' or '..' parts: it "
+                         f"would leave the artifact root {root}")
     return Path(root) / "eval" / task if eval else Path(root) / task
 
 
@@ -93,44 +104,21 @@ def image_path(root, task: str, rollout_id: int, group_index: int, slot: int, *,
 # ----------------------------------------------------------------------------- atomic writes
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:  # some filesystems do not allow opening a directory; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path, data: bytes, *, overwrite: bool = False) -> Path:
-    """Write `data` to `path` via `<path>.tmp` -> fsync -> os.replace -> fsync(dir).
+    """Write `data` to `path` through an exclusively created temporary beside it -> fsync ->
+    os.replace -> fsync(dir) (trainer.core.files.atomic_writer).
 
-    On any failure the .tmp file is removed and nothing exists under `path` that was not there
-    before. Refuses to replace an existing file unless `overwrite` (two writers for one file is
-    a bug, not something to paper over)."""
+    On any failure the temporary is removed and nothing exists under `path` that was not there
+    before; a symlink planted at any temporary name is never followed. Refuses to replace an
+    existing file unless `overwrite` (two writers for one file is a bug, not something to paper
+    over). The file follows the umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and not overwrite:
+    if (path.exists() or path.is_symlink()) and not overwrite:
         raise FileExistsError(f"{path} already exists; artifacts are never overwritten silently (remove it, or "
                               "use a new rollout id / output directory)")
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+    with atomic_writer(path) as f:
+        f.write(data)
     return path
 
 
@@ -151,7 +139,8 @@ def read_sidecar(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
     path = Path(path)
     if not path.is_file():
-        hint = " (a .tmp of it exists: the write never completed)" if path.with_name(path.name + ".tmp").exists() else ""
+        leftover = any(path.parent.glob(glob_escape(path.name) + "*" + TMP_SUFFIX)) if path.parent.is_dir() else False
+        hint = " (a .tmp of it exists: the write never completed)" if leftover else ""
         raise ArtifactError(f"trajectory sidecar {path} does not exist{hint}; regenerate the rollout")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -351,15 +340,24 @@ def prune_stale_artifacts(root, task: str, keep: int, *, eval: bool = False, up_
     (--artifact-retention-rollouts). Directories of later ids (left by an attempt that got
     further before a resume from an earlier checkpoint) are neither counted nor removed here:
     counted, they would make the resumed run reap its own newest rollouts; prepare_rollout_dir
-    replaces each when the run reaches its id."""
+    replaces each when the run reaches its id.
+
+    A directory that cannot be removed is logged as an error and left (the run goes on; the next
+    call tries again), the rule checkpoint rotation follows too: only new outputs are essential."""
     if keep <= 0:
         return []
     dirs = [(i, d) for i, d in list_rollout_dirs(root, task, eval=eval) if up_to is None or i <= up_to]
     stale = [d for _, d in dirs[:-keep]] if len(dirs) > keep else []
+    removed = []
     for d in stale:
-        shutil.rmtree(d)
+        try:
+            shutil.rmtree(d)
+        except OSError as e:  # cleanup of old outputs never stops a run (like checkpoint rotation)
+            log.error("artifact retention could not remove %s (it stays; the next rollout tries again): %r", d, e)
+            continue
+        removed.append(d)
         log.debug("artifact retention: removed %s", d)
-    return stale
+    return removed
 
 
 def prepare_rollout_dir(root, task: str, rollout_id: int, *, eval: bool = False) -> Path:

@@ -4,7 +4,8 @@ Layout (one directory per iteration, i.e. per rollout id):
 
     <save>/<task>/iter_0000020/
         fsdp/                       DCP shards (model + optimizer, + "ema.*" when --ema-decay > 0)
-        rng_rank0.pt ...            per-rank RNG state
+        rng_rank0.pt ...            per-rank RNG state: tensors and numbers (RNG_FORMAT), read with
+                                    torch.load(weights_only=True), never as an arbitrary pickle
         trainer_state.json          rollout id, policy version, lr_scheduler_steps, ...
         weight_sync_manifest.json
         adapter_contract.json
@@ -15,6 +16,9 @@ Layout (one directory per iteration, i.e. per rollout id):
 The write order is fixed (shards -> RNG -> JSON sidecars -> COMMITTED -> markers -> rotation) and COMMITTED
 is written only after a MIN all-reduce confirms every rank wrote its part, so a crash at any
 point leaves either a complete checkpoint or one that resume ignores.
+
+A checkpoint directory is trusted input, like a recipe: DCP's own .metadata file is a pickle
+that torch.distributed.checkpoint unpickles. Resume and export only checkpoints you wrote.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.artifacts import atomic_write_bytes
+from trainer.core.files import fsync_dir
 from trainer.ema import EMA_PREFIX
 from trainer.checkpoint_index import (  # noqa: F401 - re-exported: the checkpoint API in one module
     COMMITTED,
@@ -87,6 +92,9 @@ def rotate_checkpoints(save_root: str | os.PathLike, task: str, keep: int) -> li
 
     Called only after a new checkpoint is COMMITTED: a kill or a failed write at any moment
     then still leaves `keep` committed checkpoints (deleting first would leave none with keep 1).
+    An old iteration loses its COMMITTED marker (durably) before any shard goes, so a kill inside
+    the deletion leaves an uncommitted directory, which resume ignores and the next rotation
+    removes, never a committed one with shards missing.
     """
     removed: list[int] = []
     found = iteration_dirs(save_root, task)
@@ -99,27 +107,118 @@ def rotate_checkpoints(save_root: str | os.PathLike, task: str, keep: int) -> li
             shutil.rmtree(iteration_dir(save_root, task, it))
     if keep > 0:
         for it in committed[:-keep]:
-            shutil.rmtree(iteration_dir(save_root, task, it))
+            _remove_committed(iteration_dir(save_root, task, it))
             removed.append(it)
     return removed
 
 
+def _remove_committed(d: Path) -> None:
+    """Uncommit `d` (unlink COMMITTED, fsync the directory), then delete it."""
+    (d / COMMITTED).unlink(missing_ok=True)
+    fsync_dir(d)
+    shutil.rmtree(d)
+
+
+#: the per-rank RNG file's format: tensors and plain numbers only, so torch.load(weights_only=True)
+#: reads it and no file handed to --load can make the loader run code
+RNG_FORMAT = "flowgrpo-rng/2"
+
+
 def _rng_state() -> dict[str, Any]:
+    """Every generator resume must restore, as tensors and plain numbers (see RNG_FORMAT)."""
+    py_version, py_internal, py_gauss = random.getstate()
+    np_algorithm, np_key, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "format": RNG_FORMAT,
+        "python": {"version": int(py_version), "state": torch.tensor(py_internal, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+        "numpy": {"algorithm": str(np_algorithm), "key": torch.from_numpy(np_key.astype(np.int64)),
+                  "pos": int(np_pos), "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 
 
+def _rng_bytes() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(_rng_state(), buf)
+    return buf.getvalue()
+
+
+def _old_format_globals() -> list:
+    """What the RNG files of earlier versions need beyond plain data: numpy's uint32 key array.
+    Reconstructing an array calls no other code, so these alone keep weights_only's guarantee."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray
+
+    reconstruct = multiarray._reconstruct
+    return [(reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct"),
+            np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_rng_file(path: Path) -> dict[str, Any]:
+    """The RNG state in `path`, read with torch.load(weights_only=True): plain data only, never an
+    arbitrary pickled object. Raises CheckpointError naming the file when it is damaged or holds
+    anything else (a pickle that would run code is refused unread, and the refusal names what
+    it asked for)."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_old_format_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # noqa: BLE001 - the names only decorate the message
+            names = []
+        asks = f" (it names {', '.join(sorted(names)[:4])})" if names else ""
+        raise CheckpointError(
+            f"{path} holds Python objects other than RNG state{asks}; loading them could run code, so it is not "
+            f"read. A checkpoint is trusted input: resume only checkpoints you wrote. To resume this one anyway "
+            f"without its RNG state (the run continues, not bit-identically), delete the rng_rank*.pt files of "
+            f"{path.parent}; or resume an earlier iteration with --ckpt-step N") from None
+    except Exception as e:  # noqa: BLE001 - a truncated file raises a raw zip error
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+                              f"damaged: resume an earlier iteration with --ckpt-step N") from None
+    if not isinstance(state, dict) or "torch" not in state or "python" not in state or "numpy" not in state:
+        raise CheckpointError(f"{path} is not an RNG state file (no python / numpy / torch entries); the checkpoint "
+                              f"is damaged: resume an earlier iteration with --ckpt-step N")
+    return state
+
+
+def _parse_rng_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The generator states in `state` (RNG_FORMAT, or the tuples earlier versions wrote), each
+    tried on a scratch generator first, so that a bad file is refused before anything is loaded."""
+    try:
+        py, npy = state["python"], state["numpy"]
+        if state.get("format") == RNG_FORMAT:
+            py = (int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss_next"])
+            npy = (str(npy["algorithm"]), npy["key"].numpy().astype(np.uint32), int(npy["pos"]),
+                   int(npy["has_gauss"]), float(npy["cached_gaussian"]))
+        random.Random().setstate(py)
+        np.random.RandomState().set_state(npy)
+        torch.Generator().set_state(state["torch"])
+        cuda = list(state.get("cuda") or [])
+        if not all(isinstance(t, torch.Tensor) for t in cuda):
+            raise TypeError("the cuda entry is not a list of tensors")
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"{path} does not hold a usable RNG state ({type(e).__name__}: {e}); the checkpoint "
+                              f"is damaged: resume an earlier iteration with --ckpt-step N") from None
+    return {"python": py, "numpy": npy, "torch": state["torch"], "cuda": cuda}
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the generators from _parse_rng_state's result."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -211,7 +310,7 @@ def save_checkpoint(
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / "fsdp")))
-        torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
+        atomic_write_bytes(out / f"rng_rank{rank}.pt", _rng_bytes())
     except BaseException as e:  # CheckpointException derives from BaseException
         if isinstance(e, KeyboardInterrupt):
             raise
@@ -314,8 +413,22 @@ def load_checkpoint(
     trainer_state = _read_json(d / TRAINER_STATE)
     assert_resumable(_read_json(d / CONTRACT), adapter_contract, d / CONTRACT)
 
+    # read and check this rank's RNG file before anything is loaded in place
+    rng_file = d / f"rng_rank{_rank()}.pt"
+    rng = None
+    if trainer_state.get("world_size") != _world():
+        logger.warning("RNG state not restored from %s (world size %s -> %s)", d, trainer_state.get("world_size"),
+                       _world())
+    elif not rng_file.is_file():
+        logger.warning("RNG state not restored: %s is missing; the run continues, not bit-identically", rng_file)
+    else:
+        rng = _parse_rng_state(read_rng_file(rng_file), rng_file)
+
     state = _dcp_state(model, optimizer, trainable_only, ema)
 
+    if not (d / "fsdp" / ".metadata").is_file():
+        raise CheckpointError(f"{d / 'fsdp' / '.metadata'} is missing although {d.name} is COMMITTED: the checkpoint "
+                              f"is damaged; resume an earlier iteration with --ckpt-step N or start fresh")
     reader = FileSystemReader(str(d / "fsdp"))
     try:
         metadata = reader.read_metadata()
@@ -355,16 +468,8 @@ def load_checkpoint(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
 
-    rng_file = d / f"rng_rank{_rank()}.pt"
-    if trainer_state.get("world_size") == _world() and rng_file.is_file():
-        try:
-            rng = torch.load(rng_file, weights_only=False)
-        except Exception as e:  # noqa: BLE001 - a truncated file raises a raw zip error
-            raise CheckpointError(f"{rng_file} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
-                                  f"damaged: resume an earlier iteration with --ckpt-step N") from None
+    if rng is not None:
         _set_rng_state(rng)
-    else:
-        logger.warning("RNG state not restored from %s (world size %s -> %s)", d, trainer_state.get("world_size"), _world())
     return trainer_state
 
 

@@ -236,7 +236,8 @@ class ModelConfig:
         DEFAULT_MODEL_ADAPTER,
         "Dotpath module.Class of the model adapter. Unset = the family --model-path's "
         "model_index.json names (QwenImagePipeline, StableDiffusion3Pipeline, FluxPipeline), "
-        "else Qwen-Image's. A new model family is a new adapter plus its task in GENERATION_TASKS.",
+        "else Qwen-Image's. A new model family is a new adapter plus its task in GENERATION_TASKS. "
+        "The module is imported: name only code you trust.",
     )
 
 
@@ -245,7 +246,7 @@ class RolloutConfig:
     rollout_engine_class_path: str = _flag(
         "native",
         "Rollout engine: 'native' (diffusers + our SDE sampler), 'sglang', or a module.Class "
-        "dotpath.",
+        "dotpath (imported: name only code you trust).",
     )
     # kept for Relax's command line; UNSUPPORTED_FLAGS says why
     rollout_function_path: str | None = _unsupported(None)
@@ -523,8 +524,8 @@ class RewardConfig:
     reward_scorer_path: str | None = _flag(
         None,
         "Scorer short name (pickscore, clipscore, aesthetic, hpsv21, vlm_judge, ocr, "
-        "jpeg_compressibility, jpeg_incompressibility, color) or module.Class dotpath; required "
-        "unless --reward-runtime remote.",
+        "jpeg_compressibility, jpeg_incompressibility, color) or module.Class dotpath (imported: name "
+        "only code you trust); required unless --reward-runtime remote.",
     )
     reward_model_path: str | None = _flag(
         None,
@@ -580,8 +581,9 @@ class RewardConfig:
     eval_reward_scorers: list[str] | None = _flag(
         None,
         "Held-out scorers computed only at eval, never trained on (JSON list of 'name' or "
-        "'name=/local/model/dir', e.g. [\"aesthetic=/models/aesthetic\", \"jpeg_compressibility\"]); "
-        "needs --eval-prompt-data. Each appears as eval/<set>/<component>_mean.",
+        "'name=/local/model/dir', e.g. [\"aesthetic=/models/aesthetic\", \"jpeg_compressibility\"]; a name is "
+        "a scorer short name or a dotpath, imported: name only code you trust); needs --eval-prompt-data. Each "
+        "appears as eval/<set>/<component>_mean.",
     )
     no_hacking_watch: bool = _flag(
         False, "Skip the per-rollout image statistics and the reward/hacking_suspect rule."
@@ -1396,7 +1398,8 @@ def format_help() -> str:
         "that lists them here; --config also takes a run's recipe record (JSON). The command line overrides",
         "the recipe; a dict flag's keys merge over the recipe's table (--sampling-config '{\"eta\": 1.0}' or",
         "--sampling-config.eta 1.0; null removes a key). --preflight-only checks and prints the resolved config,",
-        "--quiet only the problems.",
+        "--quiet only the problems. A recipe, a recipe record and every dotpath flag name code that the run",
+        "imports: use only ones you trust.",
     ]
     for sec in SECTIONS:
         lines += ["", f"[{sec}]"]

@@ -78,29 +78,27 @@ def canonical_json(obj: Any) -> str:
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
     """Write ``rows`` as canonical JSON lines ending in "\\n"; returns the row count.
 
-    Written to ``<path>.tmp`` and renamed over ``path`` only when complete, so a crash never
-    leaves a half-written prompt file under the real name; if ``rows``, the write or the rename
-    raises, the ``.tmp`` file is removed and the error propagates.
+    Written to an exclusively created temporary beside ``path`` (never a link planted there)
+    and renamed over ``path`` only when complete and fsynced, so a crash never leaves a
+    half-written prompt file under the real name; if ``rows`` (or the write) raises, the
+    temporary is removed and the error propagates.
     """
+    import io
+
+    from trainer.core.files import atomic_writer
+
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
     n = 0
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+    with atomic_writer(path) as raw:
+        f = io.TextIOWrapper(raw, encoding="utf-8", newline="\n", write_through=True)
+        try:
             for row in rows:
                 f.write(canonical_json(row))
                 f.write("\n")
                 n += 1
-            f.flush()
-            os.fsync(f.fileno())
-        # inside the try: a rename that fails (``path`` is a directory, a read-only mount) must
-        # not leave the .tmp behind either
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.isfile(tmp):
-            os.remove(tmp)
-        raise
+        finally:
+            f.detach()  # the writer flushes, fsyncs and closes the file itself
     return n
 
 

@@ -889,6 +889,7 @@ def run(cfg: Any, recipe: str | None = None) -> int:
     from trainer.data import DataError
     from trainer.distributed import init_distributed, shutdown_and_exit
     from trainer.models.base import ModelFilesError
+    from trainer.train import report_fatal
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -918,11 +919,11 @@ def run(cfg: Any, recipe: str | None = None) -> int:
             code = 3  # the requested rollouts were not all run: let a scheduler see it
     except (RunError, CheckpointError, DataError, ModelFilesError) as e:  # the message says it all
         rank = info.rank if info is not None else os.environ.get("RANK", "?")
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        report_fatal(rank, f"error: {e}")
         code = 1
     except BaseException:  # noqa: BLE001 - report, then take the whole job down
         rank = info.rank if info is not None else os.environ.get("RANK", "?")
-        print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        report_fatal(rank, f"training failed:\n{traceback.format_exc()}")
         code = 1
     if code not in (0, 3):
         sys.stdout.flush()

@@ -662,6 +662,7 @@ def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list
     names = [n for n, _ in e.eval_prompt_data]
     if len(set(names)) != len(names):
         errors.append(f"--eval-prompt-data names must be unique, got {names}")
+    errors.extend(eval_name_problems(names))
     for name, path in e.eval_prompt_data:
         # a recipe's eval set may not exist where the recipe is reused (the demo's is made by its run)
         _need_existing(f"--eval-prompt-data {name}", path, "file", errors, required=True,
@@ -737,6 +738,7 @@ def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
             errors.append(f"--ckpt-step {ck.ckpt_step} resumes before committed iterations {newer} of --save {ck.save}, "
                           "which the resumed run would write again: pass a new, empty --save to branch off from "
                           f"iteration {ck.ckpt_step} (nothing is overwritten)")
+    _check_artifact_root_reuse(cfg, earlier, errors)
     tb = tensorboard_dir(cfg)
     if tb and not ck.load and Path(tb).is_dir() and any(Path(tb).glob("events.out.tfevents*")):
         resume = f"resume with --load {ck.save}, or" if earlier else "its run left no committed checkpoint:"
@@ -755,6 +757,49 @@ def _check_rollouts_left(cfg: RunConfig, iteration: int, errors: list[str]) -> N
                       f"--load {cfg.checkpoint.load} (iteration {iteration}) has already run rollouts 0-{iteration} "
                       f"({done}): nothing would be trained. Pass --num-rollout {done + total} to train {total} more, "
                       "or any total above " + str(done))
+
+
+#: an eval set's name becomes a directory (<artifact root>/eval/<task>/<name>/) and a metric tag
+_EVAL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ROLLOUT_DIR_RE = re.compile(r"^rollout_\d{7,}$")
+
+
+def eval_name_problems(names: list[str]) -> list[str]:
+    """An eval set name is one plain path component: "../x" or "a/b" would put its rollouts (and
+    retention's deletions) outside <artifact root>/eval/<task>/."""
+    return [f"--eval-prompt-data name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with a "
+            "letter or digit (it names a directory under the artifact root and a metric tag)"
+            for name in names if not _EVAL_NAME_RE.match(str(name))]
+
+
+def _rollout_dirs_in(root: Path, task: str) -> list[Path]:
+    """rollout_* directories an earlier run of `task` left under `root` (training, eval, and each
+    eval set's own directory)."""
+    found = []
+    for base in (root / task, root / "eval" / task):
+        if not base.is_dir():
+            continue
+        for entry in base.iterdir():
+            if _ROLLOUT_DIR_RE.match(entry.name) and entry.is_dir():
+                found.append(entry)
+            elif entry.is_dir() and base.name == task and base.parent.name == "eval":
+                found.extend(p for p in entry.iterdir() if _ROLLOUT_DIR_RE.match(p.name) and p.is_dir())
+    return sorted(found)
+
+
+def _check_artifact_root_reuse(cfg: RunConfig, earlier: list[int], errors: list[str]) -> None:
+    """A fresh start (no --load) would replace an earlier run's rollout directories of the same
+    ids: refused like a --save holding checkpoints; a resume (--load) continues them."""
+    root, ck = cfg.artifacts.artifact_root, cfg.checkpoint
+    if ck.load or not root or not Path(root).is_dir():
+        return
+    found = _rollout_dirs_in(Path(root), cfg.model.generation_task)
+    if found:
+        resume = f"resume with --load {ck.save}, or" if earlier else "its run left no committed checkpoint:"
+        shown = ", ".join(str(p.relative_to(root)) for p in found[:3]) + (", ..." if len(found) > 3 else "")
+        errors.append(f"--artifact-root {root} already holds rollouts of an earlier run ({shown}) and --load is not "
+                      f"set: {resume} choose a new --artifact-root (or delete those directories) to start over; "
+                      "nothing is overwritten")
 
 
 def _check_output_paths(cfg: RunConfig, errors: list[str]) -> None:

@@ -46,6 +46,26 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+def report_fatal(rank: int | str, text: str) -> None:
+    """A rank's fatal error, on its stderr at once and in torchrun's error file for the rank
+    (TORCHELASTIC_ERROR_FILE), so the launcher's failure report shows it under "Root Cause" even
+    when the ranks' output is redirected (torchrun --redirects / --log-dir) or interleaved with
+    the others' shutdown: whichever rank fails first, its message reaches the console."""
+    import time
+
+    line = f"[rank {rank}] {text}"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:  # the message is on stderr already
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     die_with_launcher()
