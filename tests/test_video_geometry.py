@@ -133,3 +133,25 @@ def test_the_geometry_imports_without_torch():
             "from trainer import video\n"
             "assert video.candidate_noise_shape(81, 480, 832) == (16, 21, 60, 104)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))
+
+
+# ------------------------------------------------------------------------- frame sampling
+
+
+@pytest.mark.parametrize("frames, rule, expected", [
+    (33, {"every": 4}, [0, 4, 8, 12, 16, 20, 24, 28, 32]),
+    (5, {"every": 4}, [0, 4]),
+    (81, {"count": 5}, [0, 20, 40, 60, 80]),
+    (9, {"count": 4}, [0, 3, 5, 8]),
+    (5, {"count": 8}, [0, 1, 2, 3, 4]),
+    (9, {"count": 1}, [4]),
+    (1, {"every": 3}, [0]),
+])
+def test_frame_sampling_rules(frames, rule, expected):
+    assert video.sample_frame_indices(frames, **rule) == expected
+
+
+@pytest.mark.parametrize("rule", [{}, {"every": 2, "count": 2}, {"every": 0}, {"count": 0}, {"count": 2.0}])
+def test_frame_sampling_needs_exactly_one_valid_rule(rule):
+    with pytest.raises(ValueError):
+        video.sample_frame_indices(9, **rule)

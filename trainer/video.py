@@ -131,3 +131,30 @@ def latent_bytes(latent_shape: tuple[int, ...], num_states: int = 1, bytes_per_e
     for s in latent_shape:
         n *= int(s)
     return n * int(num_states) * int(bytes_per_element)
+
+
+def sample_frame_indices(num_frames: int, *, every: int | None = None, count: int | None = None) -> list[int]:
+    """The frames a scorer (or a frame strip) looks at, by one declared rule:
+
+    every=k  -> 0, k, 2k, ... (< num_frames): FlowGRPO's video OCR reward reads every 4th frame;
+    count=n  -> n frames evenly spaced from the first to the last, both included
+                (round(i * (F - 1) / (n - 1))); n >= F gives every frame, n == 1 the middle one.
+
+    Exactly one of the two must be given; both are deterministic in num_frames alone, so a
+    candidate is scored on the same frames in the rollout and in any re-scoring."""
+    if not _is_int(num_frames) or num_frames < 1:
+        raise ValueError(f"num_frames must be an integer >= 1, got {num_frames!r}")
+    if (every is None) == (count is None):
+        raise ValueError("give exactly one frame-sampling rule: every=k (every k-th frame) or count=n "
+                         "(n evenly spaced frames)")
+    if every is not None:
+        if not _is_int(every) or every < 1:
+            raise ValueError(f"frame sampling 'every' must be an integer >= 1, got {every!r}")
+        return list(range(0, num_frames, every))
+    if not _is_int(count) or count < 1:
+        raise ValueError(f"frame sampling 'count' must be an integer >= 1, got {count!r}")
+    if count >= num_frames:
+        return list(range(num_frames))
+    if count == 1:
+        return [(num_frames - 1) // 2]
+    return [round(i * (num_frames - 1) / (count - 1)) for i in range(count)]
