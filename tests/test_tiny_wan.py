@@ -111,3 +111,17 @@ def test_real_configs_have_the_published_sizes():
     # the DiT reads the text encoder's width; the tiny model keeps that coupling
     assert WAN21_T2V_14B_TRANSFORMER_CONFIG["text_dim"] == WAN21_UMT5_XXL_CONFIG["d_model"]
     assert TINY_WAN_TRANSFORMER_CONFIG["in_channels"] == WAN21_VAE_CONFIG["z_dim"]
+
+
+def test_the_wan_bench_runs_on_the_tiny_configuration(tmp_path):
+    """tools/bench_wan.py end to end on the CPU (--tiny): every figure it promises, LoRA replay
+    with and without activation checkpointing."""
+    from tools.bench_wan import main as bench
+
+    out = tmp_path / "wan.jsonl"
+    assert bench(["--tiny", "--iters", "1", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["figure"] for r in recs] == ["rollout_videos_per_s", "vae_decode", "replay_transition", "replay_transition"]
+    assert recs[1]["frames_out"] == 5 and recs[0]["value"] > 0
+    assert [r["activation_checkpointing"] for r in recs[2:]] == [True, False]
+    assert all(r["status"] == "ok" and r["rows"] == 2 and r["lora_params"] > 0 for r in recs[2:])
