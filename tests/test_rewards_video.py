@@ -151,6 +151,9 @@ def test_bad_wrapper_settings_are_refused():
         FramewiseScorer(scorer=FunctionScorer(brightness, "b"), reduction="median")
     with pytest.raises(ValueError, match="every"):
         FramewiseScorer(scorer=FunctionScorer(brightness, "b"), every=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        FramewiseScorer(scorer=FunctionScorer(brightness, "b"), every=4, count=8)
+    assert FramewiseScorer(scorer=FunctionScorer(brightness, "b")).describe() == "b on 8 evenly spaced frames, mean per video"
     with pytest.raises(ValueError, match="image scorer"):
         FramewiseScorer(scorer=TemporalConsistencyScorer())
 

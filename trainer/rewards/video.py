@@ -40,6 +40,8 @@ from trainer.rewards.vlm_judge import DEFAULT_TEMPLATE, VlmJudgeScorer
 from trainer.video import sample_frame_indices
 
 REDUCTIONS = ("mean", "min")
+#: frames FramewiseScorer samples when no rule is given: 8 evenly spaced (first and last included)
+DEFAULT_FRAME_COUNT = 8
 
 
 class VideoBatch:
@@ -129,7 +131,8 @@ class FramewiseScorer:
 
     `scorer` is an image scorer object, or a dotpath / shipped short name built with
     (model_path, device) like --reward-scorer-path. Frames: every=k (every k-th from the first)
-    or count=n (n evenly spaced, first and last included); reduction "mean" (the clip's typical
+    or count=n (n evenly spaced, first and last included; 8 when neither is given, both is an
+    error); reduction "mean" (the clip's typical
     frame) or "min" (its worst sampled frame: one bad frame sinks the clip). Each inner component
     c becomes "video_<c>" (mean) or "video_<c>_min". Every sampled frame of the batch goes to the
     inner scorer in one call, with its candidate's prompt and a copy of its metadata carrying
@@ -138,11 +141,11 @@ class FramewiseScorer:
     required_tracks = ("video",)
 
     def __init__(self, model_path: str | None = None, device: str = "cpu", *, scorer: Any = "ocr",
-                 reduction: str = "mean", every: int | None = None, count: int | None = 8):
+                 reduction: str = "mean", every: int | None = None, count: int | None = None):
         if reduction not in REDUCTIONS:
             raise ValueError(f"frame reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if every is not None and count == 8:
-            count = None  # every= given: the default count steps aside
+        if every is None and count is None:
+            count = DEFAULT_FRAME_COUNT
         self.indices_of = _frame_rule(every, count)
         self.every, self.count, self.reduction = every, count, reduction
         self.inner = build_scorer(scorer, model_path, device) if isinstance(scorer, str) else scorer
