@@ -19,7 +19,14 @@ from PIL import Image
 from tools.reward_server import ServerLimits, make_server
 from trainer.rewards.base import ImageBatch
 from trainer.rewards.color import ColorScorer
-from trainer.rewards.remote import RemoteScorer, RequestError, RequestLimits, RewardEndpointError, decode_request, encode_request
+from trainer.rewards.remote import (
+    RemoteScorer,
+    RequestError,
+    RequestLimits,
+    RewardEndpointError,
+    decode_request,
+    encode_request,
+)
 from trainer.rewards.video import TemporalConsistencyScorer, VideoBatch
 
 

@@ -153,7 +153,8 @@ def test_bad_wrapper_settings_are_refused():
         FramewiseScorer(scorer=FunctionScorer(brightness, "b"), every=0)
     with pytest.raises(ValueError, match="exactly one"):
         FramewiseScorer(scorer=FunctionScorer(brightness, "b"), every=4, count=8)
-    assert FramewiseScorer(scorer=FunctionScorer(brightness, "b")).describe() == "b on 8 evenly spaced frames, mean per video"
+    default = FramewiseScorer(scorer=FunctionScorer(brightness, "b"))
+    assert default.describe() == "b on 8 evenly spaced frames, mean per video"
     with pytest.raises(ValueError, match="image scorer"):
         FramewiseScorer(scorer=TemporalConsistencyScorer())
 
@@ -186,7 +187,8 @@ def test_frame_grid_lays_out_evenly_spaced_frames_in_reading_order():
     grid = frame_grid(clip, count=4, columns=2)
     assert grid.shape == (8, 12, 3)
     # frames 0, 3, 5, 8 (evenly spaced, first and last) left to right, top to bottom
-    assert [int(grid[r, c, 0]) for r, c in ((0, 0), (0, 6), (4, 0), (4, 6))] == [int(clip[f, 0, 0, 0]) for f in (0, 3, 5, 8)]
+    cells = [int(grid[r, c, 0]) for r, c in ((0, 0), (0, 6), (4, 0), (4, 6))]
+    assert cells == [int(clip[f, 0, 0, 0]) for f in (0, 3, 5, 8)]
     odd = frame_grid(clip, count=3, columns=2, gap=1)
     assert odd.shape == (9, 13, 3) and (odd[5:, 7:] == 255).all()  # the empty fourth cell is white
     assert frame_grid(clip[:1], count=4, columns=2).shape == (4, 6, 3)  # one frame: one cell

@@ -121,7 +121,8 @@ def test_the_wan_bench_runs_on_the_tiny_configuration(tmp_path):
     out = tmp_path / "wan.jsonl"
     assert bench(["--tiny", "--iters", "1", "--out", str(out)]) == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["figure"] for r in recs] == ["rollout_videos_per_s", "vae_decode", "replay_transition", "replay_transition"]
+    assert [r["figure"] for r in recs] == ["rollout_videos_per_s", "vae_decode",
+                                           "replay_transition", "replay_transition"]
     assert recs[1]["frames_out"] == 5 and recs[0]["value"] > 0
     assert [r["activation_checkpointing"] for r in recs[2:]] == [True, False]
     assert all(r["status"] == "ok" and r["rows"] == 2 and r["lora_params"] > 0 for r in recs[2:])

@@ -14,7 +14,8 @@ What it measures (one JSON line per figure, the bench/results format):
             enable_gradient_checkpointing) and, when it fits, without. Peak memory and
             seconds per transition.
 
-    python tools/bench_wan.py --size 1.3b --geometry 33x240x416 --geometry 81x480x832 --out bench/results/h200x1-wan21.jsonl
+    python tools/bench_wan.py --size 1.3b --geometry 33x240x416 --geometry 81x480x832 \
+        --out bench/results/h200x1-wan21.jsonl
     python tools/bench_wan.py --tiny   # the tiny configuration on the CPU: checks the script only
 
 Nothing is downloaded; weights are random (speed and memory do not depend on their values).

@@ -60,7 +60,8 @@ def size_problem(height: Any, width: Any, spatial: int = WAN_SPATIAL_FACTOR,
             bad.append(f"{name} must be an integer multiple of {m} >= {m}, got {value!r}")
         elif value % m:
             lo = value // m * m
-            bad.append(f"{name} {value} is not a multiple of {m} (VAE factor {spatial} x DiT patch): use {lo} or {lo + m}")
+            bad.append(f"{name} {value} is not a multiple of {m} (VAE factor {spatial} x DiT patch): "
+                       f"use {lo} or {lo + m}")
     return "; ".join(bad) or None
 
 

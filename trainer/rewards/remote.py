@@ -221,7 +221,8 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
     return ImageBatch(arrays), list(prompts), [dict(m or {}) for m in metadata]
 
 
-def _decode_videos(prompts: list, videos: list, metadata: Any, limits: RequestLimits) -> tuple[Any, list[str], list[dict]]:
+def _decode_videos(prompts: list, videos: list, metadata: Any,
+                   limits: RequestLimits) -> tuple[Any, list[str], list[dict]]:
     """decode_request for "videos": B non-empty lists of base64 PNG frames, one size per video;
     every frame's header checked against the pixel limits (all frames of the request counted
     together) before any frame is decoded."""
