@@ -191,6 +191,9 @@ def make_server(
         limits = ServerLimits(**{**limits.__dict__, "max_request_mb": float(max_request_mb)})
     limits.check()
     request_limits = RequestLimits(limits.max_image_pixels, limits.max_request_pixels)
+    tracks = tuple(getattr(scorer, "required_tracks", ("image",)))
+    if tracks not in (("image",), ("video",)):
+        raise ValueError(f"the scorer's required_tracks {tracks} is neither ('image',) nor ('video',)")
     lock = threading.Lock()
     decodes = threading.BoundedSemaphore(limits.max_decodes)
     max_bytes = int(limits.max_request_mb * 1024 * 1024)
@@ -198,7 +201,7 @@ def make_server(
         "protocol": PROTOCOL_VERSION,
         "scorer": scorer_path or type(scorer).__module__ + "." + type(scorer).__qualname__,
         "components": list(scorer.components),
-        "required_tracks": list(getattr(scorer, "required_tracks", ("image",))),
+        "required_tracks": list(tracks),
         "limits": {"max_request_bytes": max_bytes, "max_image_pixels": limits.max_image_pixels,
                    "max_request_pixels": limits.max_request_pixels},
     }).encode()
@@ -295,7 +298,7 @@ def make_server(
             # decoded pixels are what grows memory: only --max-decodes requests hold them at once
             with decodes:
                 try:
-                    images, prompts, metadata = decode_request(body, request_limits)
+                    images, prompts, metadata = decode_request(body, request_limits, tracks[0])
                 except RequestError as e:
                     return self._error(e.status, str(e))
                 del body

@@ -14,7 +14,10 @@ Modules (import what you need; this package imports nothing heavy on its own):
   jpeg          JpegCompressibilityScorer  "jpeg_compressibility";
                 JpegIncompressibilityScorer "jpeg_incompressibility"
   color         ColorScorer                component "color"; color_palette(), color_prompts()
-  remote        the HTTP JSON protocol and RemoteScorer (--reward-runtime remote)
+  video         VideoBatch and the video scorers (required_tracks ("video",)): FramewiseScorer (any image
+                scorer on sampled frames, mean / min), VideoOcrScorer "video_ocr",
+                TemporalConsistencyScorer "temporal_consistency", VideoJudgeScorer "video_vlm_judge"
+  remote        the HTTP JSON protocol (images, or videos as PNG frames) and RemoteScorer (--reward-runtime remote)
   transport     one bounded HTTP exchange with a reward peer (deadline, size cap, no redirects, token)
   manager       RewardManager / reward_manager_from_config: runtimes cpu / colocate / remote, batching
   post_process  post_process / compute_advantages / gather_scores -> RewardResult (reward/* metrics)

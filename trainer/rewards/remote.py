@@ -8,6 +8,8 @@ for this trainer:
        "prompts":  ["a red cube", ...],                  # B strings
        "metadata": [{"sample_id": "..."}, ...],           # B JSON objects (or null / omitted)
        "images":   ["<base64 PNG, RGB 8-bit>", ...]}      # B images, lossless (same pixels as the rollout PNGs)
+    or, for a scorer that requires the "video" track, instead of "images":
+       "videos":   [["<base64 PNG>", ...], ...]          # B lists of frames, in time order, one size per video
     200 -> {"<component>": [B numbers or null], ...}     # null = could not score this image (NaN)
                                                           # anything but a finite number counts as null
     4xx/5xx -> {"error": "<message>"}
@@ -16,6 +18,10 @@ for this trainer:
                         "limits": {"max_request_bytes": ..., "max_image_pixels": ..., "max_request_pixels": ...}}
 
 With FLOWGRPO_REWARD_TOKEN set, every request carries ``Authorization: Bearer <token>``.
+
+A request carries the track its server's scorer requires (GET "required_tracks"): images for an
+image scorer, videos for a video scorer; the other is refused (400) naming both. Every video frame
+is counted against the pixel limits like an image, before any frame is decoded.
 
 Strict JSON has no NaN, so a non-finite score travels as null and comes back as NaN (its group
 then fails, visibly). The client retries connection errors, timeouts, HTTP 429 and 5xx a bounded
@@ -128,24 +134,32 @@ def decode_png_b64(data: str) -> np.ndarray:
     return decode_png(base64.b64decode(data, validate=True))
 
 
-def encode_request(images: ImageBatch, prompts: list[str], metadata: list[dict]) -> bytes:
-    """The POST body for one batch (see the module docstring)."""
+def encode_request(images: Any, prompts: list[str], metadata: list[dict]) -> bytes:
+    """The POST body for one batch (see the module docstring): an ImageBatch as "images", a
+    VideoBatch (trainer.rewards.video) as "videos", every frame a lossless PNG."""
+    from trainer.rewards.video import VideoBatch  # lazy: that module imports the judge, which imports this one
+
     if not (len(images) == len(prompts) == len(metadata)):
         raise ValueError(f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata entries")
     body = {
         "protocol": PROTOCOL_VERSION,
         "prompts": list(prompts),
         "metadata": list(metadata),
-        "images": [encode_png_b64(a) for a in images.uint8],
     }
+    if isinstance(images, VideoBatch):
+        body["videos"] = [[encode_png_b64(frame) for frame in clip] for clip in images.uint8]
+    else:
+        body["images"] = [encode_png_b64(a) for a in images.uint8]
     return json.dumps(body, default=str).encode("utf-8")
 
 
-def decode_request(body: bytes, limits: RequestLimits = RequestLimits()) -> tuple[ImageBatch, list[str], list[dict]]:
+def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
+                   track: str = "image") -> tuple[Any, list[str], list[dict]]:
     """Parse and validate a POST body; RequestError (400, or 413 for too many pixels) with what is wrong.
 
-    Every image's size is read from its PNG header and checked against `limits` before the first
-    one is decoded, so a decompression bomb costs nothing."""
+    `track` is what the server's scorer reads: "image" (an ImageBatch from "images") or "video"
+    (a VideoBatch from "videos"). Every image's or frame's size is read from its PNG header and
+    checked against `limits` before the first one is decoded, so a decompression bomb costs nothing."""
     try:
         req = loads_bounded(body, "request body")
     except ValueError as e:
@@ -155,9 +169,17 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits()) -> tupl
     if req.get("protocol", PROTOCOL_VERSION) != PROTOCOL_VERSION:
         raise RequestError(f"unsupported protocol {str(req.get('protocol'))[:50]!r}; this server speaks "
                            f"{PROTOCOL_VERSION}")
-    prompts, images, metadata = req.get("prompts"), req.get("images"), req.get("metadata")
+    if track not in ("image", "video"):
+        raise ValueError(f"track must be 'image' or 'video', got {track!r}")
+    key, other = ("images", "videos") if track == "image" else ("videos", "images")
+    if key not in req and other in req:
+        raise RequestError(f'this server\'s scorer reads {key}, but the request carries "{other}": point the '
+                           f"trainer at a server whose scorer scores {key}")
+    prompts, images, metadata = req.get("prompts"), req.get(key), req.get("metadata")
     if not isinstance(prompts, list) or not isinstance(images, list):
-        raise RequestError('request needs "prompts" and "images" lists')
+        raise RequestError(f'request needs "prompts" and "{key}" lists')
+    if track == "video":
+        return _decode_videos(prompts, images, metadata, limits)
     if metadata is None:
         metadata = [{} for _ in prompts]
     if not isinstance(metadata, list):
@@ -197,6 +219,66 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits()) -> tupl
         except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a corrupt PNG
             raise RequestError(f"image {i} is not a readable PNG: {type(e).__name__}: {str(e)[:200]}") from None
     return ImageBatch(arrays), list(prompts), [dict(m or {}) for m in metadata]
+
+
+def _decode_videos(prompts: list, videos: list, metadata: Any,
+                   limits: RequestLimits) -> tuple[Any, list[str], list[dict]]:
+    """decode_request for "videos": B non-empty lists of base64 PNG frames, one size per video;
+    every frame's header checked against the pixel limits (all frames of the request counted
+    together) before any frame is decoded."""
+    from trainer.rewards.video import VideoBatch
+
+    if metadata is None:
+        metadata = [{} for _ in prompts]
+    if not isinstance(metadata, list):
+        raise RequestError(f'"metadata" must be a list of objects, got {type(metadata).__name__}')
+    if not (len(prompts) == len(videos) == len(metadata)):
+        raise RequestError(f"{len(videos)} videos, {len(prompts)} prompts, {len(metadata)} metadata entries")
+    for i, (p, m, v) in enumerate(zip(prompts, metadata, videos)):
+        if not isinstance(p, str):
+            raise RequestError(f"prompt {i} must be a string, got {type(p).__name__}")
+        if m is not None and not isinstance(m, dict):
+            raise RequestError(f"metadata {i} must be an object, got {type(m).__name__}")
+        if not isinstance(v, list) or not v or not all(isinstance(f, str) for f in v):
+            raise RequestError(f"video {i} must be a non-empty list of base64 PNG strings (its frames)")
+    raw: list[list[bytes]] = []
+    total = 0
+    for i, clip in enumerate(videos):
+        frames, size = [], None
+        for j, s in enumerate(clip):
+            where = f"video {i} frame {j}"
+            try:
+                data = base64.b64decode(s, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise RequestError(f"{where} is not base64: {e}") from None
+            try:
+                w, h = png_size(data)
+            except ValueError as e:
+                raise RequestError(f"{where} {e}") from None
+            if size is not None and (w, h) != size:
+                raise RequestError(f"{where} is {w}x{h}, but the video's first frame is {size[0]}x{size[1]}")
+            size = (w, h)
+            if w * h > limits.max_image_pixels:
+                raise RequestError(f"{where} is {w}x{h} = {w * h} pixels, more than --max-image-pixels="
+                                   f"{limits.max_image_pixels}", 413)
+            total += w * h
+            if total > limits.max_request_pixels:
+                raise RequestError(f"the frames hold more than --max-request-pixels={limits.max_request_pixels} "
+                                   f"pixels together ({where} reaches {total}); send fewer or smaller videos per "
+                                   "request", 413)
+            frames.append(data)
+        raw.append(frames)
+    clips = []
+    for i, frames in enumerate(raw):
+        decoded = []
+        for j, data in enumerate(frames):
+            try:
+                decoded.append(decode_png(data))
+            except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a corrupt PNG
+                raise RequestError(f"video {i} frame {j} is not a readable PNG: {type(e).__name__}: "
+                                   f"{str(e)[:200]}") from None
+        clips.append(np.stack(decoded))
+    return VideoBatch(clips), list(prompts), [dict(m or {}) for m in metadata]
 
 
 def encode_response(scores: Mapping[str, torch.Tensor]) -> bytes:

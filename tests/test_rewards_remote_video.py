@@ -1,0 +1,111 @@
+"""The remote route for video reward models: a request carries "videos" (frames as PNGs per
+candidate) to a server whose scorer requires the video track; scores match the in-process scorer,
+every frame counts against the pixel limits before decoding, and a track mismatch is refused
+naming both sides."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tools.reward_server import ServerLimits, make_server
+from trainer.rewards.base import ImageBatch
+from trainer.rewards.color import ColorScorer
+from trainer.rewards.remote import (
+    RemoteScorer,
+    RequestError,
+    RequestLimits,
+    RewardEndpointError,
+    decode_request,
+    encode_request,
+)
+from trainer.rewards.video import TemporalConsistencyScorer, VideoBatch
+
+
+@contextlib.contextmanager
+def serving(scorer, limits=None):
+    server = make_server(scorer, "127.0.0.1", 0, "test.scorer", limits=limits)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"http://{host}:{port}/score"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def clips() -> VideoBatch:
+    rng = np.random.default_rng(0)
+    smooth = np.zeros((5, 16, 24, 3), np.uint8)
+    for i in range(5):
+        smooth[i, 4:10, 2 * i:2 * i + 6] = 255
+    return VideoBatch([smooth, rng.integers(0, 256, (3, 16, 24, 3), dtype=np.uint8)])
+
+
+def png_b64(w, h) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_remote_video_scores_match_local():
+    local = TemporalConsistencyScorer().score(clips(), ["a", "b"], [{}, {}])
+    with serving(TemporalConsistencyScorer()) as url:
+        remote = RemoteScorer(url, max_retries=0)
+        assert remote.info()["required_tracks"] == ["video"]
+        got = remote.score(clips(), ["a", "b"], [{}, {}])
+    assert torch.equal(got["temporal_consistency"], local["temporal_consistency"])  # lossless frames
+
+
+def test_the_frames_round_trip_losslessly_through_the_codec():
+    vb = clips()
+    back, prompts, md = decode_request(encode_request(vb, ["a", "b"], [{"k": 1}, {}]), track="video")
+    assert isinstance(back, VideoBatch) and prompts == ["a", "b"] and md == [{"k": 1}, {}]
+    assert all(np.array_equal(x, y) for x, y in zip(back.uint8, vb.uint8))
+
+
+def test_a_track_mismatch_is_refused_naming_both_sides():
+    with serving(TemporalConsistencyScorer()) as url:
+        with pytest.raises(RewardEndpointError, match='reads videos, but the request carries "images"'):
+            RemoteScorer(url, max_retries=0).score(ImageBatch.from_any(torch.rand(1, 3, 8, 8)), ["a"], [{}])
+    with serving(ColorScorer()) as url:
+        with pytest.raises(RewardEndpointError, match='reads images, but the request carries "videos"'):
+            RemoteScorer(url, max_retries=0).score(clips(), ["a", "b"], [{}, {}])
+
+
+def test_every_frame_counts_against_the_pixel_limits_before_decoding():
+    frames = [png_b64(10, 10)] * 5
+    body = json.dumps({"prompts": ["a"], "videos": [frames]}).encode()
+    decode_request(body, RequestLimits(max_image_pixels=100, max_request_pixels=500), track="video")
+    with pytest.raises(RequestError, match="max-request-pixels") as e:
+        decode_request(body, RequestLimits(max_image_pixels=100, max_request_pixels=499), track="video")
+    assert e.value.status == 413
+    bomb = json.dumps({"prompts": ["a"], "videos": [[png_b64(10, 10), png_b64(200, 200)]]}).encode()
+    with pytest.raises(RequestError, match="video 0 frame 1 is 200x200"):
+        decode_request(bomb, RequestLimits(max_image_pixels=100 * 100), track="video")
+    with serving(TemporalConsistencyScorer(), limits=ServerLimits(max_request_pixels=4 * 16 * 24)) as url:
+        with pytest.raises(RewardEndpointError, match="max-request-pixels"):
+            RemoteScorer(url, max_retries=0).score(clips(), ["a", "b"], [{}, {}])  # 8 frames of 16 x 24
+
+
+@pytest.mark.parametrize("videos, match", [
+    ([[]], "non-empty list"),
+    (["abc"], "non-empty list"),
+    ([["not base64!"]], "not base64"),
+    ([[base64.b64encode(b"GIF89a....").decode()]], "GIF, not PNG"),
+    ([[png_b64(8, 8), png_b64(8, 9)]], "first frame is 8x8"),
+])
+def test_malformed_videos_are_refused_clearly(videos, match):
+    body = json.dumps({"prompts": ["a"] * len(videos), "videos": videos}).encode()
+    with pytest.raises(RequestError, match=match):
+        decode_request(body, track="video")

@@ -1,0 +1,230 @@
+"""Wan2.1 text-to-video at real shape with random weights: diffusers' WanPipeline rollout speed
+and the LoRA replay's memory and speed at micro-batch 1, on one GPU.
+
+What it measures (one JSON line per figure, the bench/results format):
+
+  rollout   WanPipeline.__call__ with random prompt embeddings (UMT5 width 4096, 512 tokens; the
+            text encoder is not run), true CFG at --guidance, --steps flow-matching Euler steps
+            (shift 3.0), output_type="latent": videos/s of the DiT loop; then one VAE decode of
+            a latent (fp32, as FlowGRPO keeps the VAE) timed on its own.
+  replay    one trained transition at micro-batch 1 as the replay runs it: the conditional and
+            unconditional rows in one DiT forward (2 rows under CFG), LoRA (rank --lora-rank on
+            to_q / to_k / to_v / to_out.0 of every attention, FlowGRPO's Wan set), loss on the
+            fp32 output, backward; with activation checkpointing (diffusers'
+            enable_gradient_checkpointing) and, when it fits, without. Peak memory and
+            seconds per transition.
+
+    python tools/bench_wan.py --size 1.3b --geometry 33x240x416 --geometry 81x480x832 \
+        --out bench/results/h200x1-wan21.jsonl
+    python tools/bench_wan.py --tiny   # the tiny configuration on the CPU: checks the script only
+
+Nothing is downloaded; weights are random (speed and memory do not depend on their values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.tiny_wan import (  # noqa: E402
+    TINY_WAN_TRANSFORMER_CONFIG,
+    TINY_WAN_VAE_CONFIG,
+    WAN21_SCHEDULER_CONFIG,
+    WAN21_T2V_1_3B_TRANSFORMER_CONFIG,
+    WAN21_T2V_14B_TRANSFORMER_CONFIG,
+    WAN21_VAE_CONFIG,
+)
+from trainer.video import candidate_noise_shape, token_count  # noqa: E402
+
+SIZES = {"1.3b": WAN21_T2V_1_3B_TRANSFORMER_CONFIG, "14b": WAN21_T2V_14B_TRANSFORMER_CONFIG,
+         "tiny": TINY_WAN_TRANSFORMER_CONFIG}
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def parse_geometry(text: str) -> tuple[int, int, int]:
+    try:
+        f, h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--geometry {text!r}: expected FRAMESxHEIGHTxWIDTH, e.g. 81x480x832")
+    candidate_noise_shape(f, h, w)  # the validity rules, with their message
+    return f, h, w
+
+
+def emit(out, rec: dict) -> None:
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(line + "\n")
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_gb(device) -> float | None:
+    import torch
+
+    return round(torch.cuda.max_memory_allocated() / 1e9, 2) if device.type == "cuda" else None
+
+
+def reset_peak(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def build_transformer(size: str, dtype, device):
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = WanTransformer3DModel(**SIZES[size])
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def bench_replay(model, geometry, args, device, dtype, base: dict) -> None:
+    import torch
+
+    f, h, w = geometry
+    shape = candidate_noise_shape(f, h, w, channels=model.config.in_channels)
+    rows = 2 if args.guidance > 1 else 1
+    text_len, text_dim = args.text_tokens, model.config.text_dim
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(rows, *shape, generator=g).to(device, dtype)
+    t = torch.full((rows,), 500.0, device=device)
+    ctx = torch.randn(rows, text_len, text_dim, generator=g).to(device, dtype)
+    for checkpointing in (True, False):
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        else:
+            model.disable_gradient_checkpointing()
+        reset_peak(device)
+        times = []
+        try:
+            for _ in range(args.iters + 1):
+                sync(device)
+                t0 = time.perf_counter()
+                out = model(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0]
+                out.float().square().mean().backward()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+                model.zero_grad(set_to_none=True)
+                del out
+            status, secs = "ok", min(times[1:])
+        except torch.OutOfMemoryError:
+            status, secs = "oom", None
+            model.zero_grad(set_to_none=True)
+        emit(args.out, {**base, "figure": "replay_transition", "value": secs, "unit": "s",
+                        "geometry": f"{f}x{h}x{w}", "rows": rows, "activation_checkpointing": checkpointing,
+                        "tokens": token_count(shape), "peak_gb": peak_gb(device), "status": status})
+
+
+def bench_rollout(model, geometry, args, device, dtype, base: dict) -> None:
+    import torch
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    f, h, w = geometry
+    model.disable_gradient_checkpointing()
+    torch.manual_seed(2)
+    with torch.device(device):
+        vae = AutoencoderKLWan(**(TINY_WAN_VAE_CONFIG if args.tiny else WAN21_VAE_CONFIG)).eval()
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=model,
+                       scheduler=FlowMatchEulerDiscreteScheduler(**WAN21_SCHEDULER_CONFIG))
+    pipe.set_progress_bar_config(disable=True)
+    b = args.rollout_batch
+    g = torch.Generator(device="cpu").manual_seed(3)
+    emb = torch.randn(b, args.text_tokens, model.config.text_dim, generator=g).to(device, dtype)
+    neg = torch.randn(b, args.text_tokens, model.config.text_dim, generator=g).to(device, dtype)
+    kw = dict(prompt_embeds=emb, negative_prompt_embeds=neg if args.guidance > 1 else None, height=h, width=w,
+              num_frames=f, num_inference_steps=args.steps, guidance_scale=args.guidance, output_type="latent")
+    with torch.no_grad():
+        pipe(**{**kw, "num_inference_steps": 1})  # warm-up
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        latents = pipe(**kw).frames
+        sync(device)
+        dt = time.perf_counter() - t0
+    emit(args.out, {**base, "figure": "rollout_videos_per_s", "value": round(b / dt, 4), "unit": "videos/s",
+                    "geometry": f"{f}x{h}x{w}", "steps": args.steps, "guidance": args.guidance, "batch": b,
+                    "seconds": round(dt, 3), "peak_gb": peak_gb(device), "path": "diffusers WanPipeline, latent out"})
+    with torch.no_grad():
+        one = latents[:1].to(torch.float32)
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        video = vae.decode(one, return_dict=False)[0]
+        sync(device)
+        dt = time.perf_counter() - t0
+    emit(args.out, {**base, "figure": "vae_decode", "value": round(dt, 3), "unit": "s", "geometry": f"{f}x{h}x{w}",
+                    "frames_out": int(video.shape[2]), "dtype": "fp32", "peak_gb": peak_gb(device)})
+    del pipe, vae, latents, video
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="1.3b")
+    p.add_argument("--geometry", type=parse_geometry, action="append",
+                   help="FRAMESxHEIGHTxWIDTH (frames 4k+1, sizes multiples of 16); repeatable")
+    p.add_argument("--what", default="replay,rollout", help="comma list of replay, rollout")
+    p.add_argument("--steps", type=int, default=20, help="rollout denoising steps (FlowGRPO's Wan recipe: 20)")
+    p.add_argument("--guidance", type=float, default=4.5, help="true CFG scale (FlowGRPO's Wan recipe: 4.5)")
+    p.add_argument("--rollout-batch", type=int, default=4, help="videos per WanPipeline call")
+    p.add_argument("--lora-rank", type=int, default=32, help="FlowGRPO's Wan recipe: 32 (alpha 64)")
+    p.add_argument("--text-tokens", type=int, default=512, help="UMT5 window (WanPipeline and FlowGRPO: 512)")
+    p.add_argument("--iters", type=int, default=2, help="timed replay iterations after one warm-up")
+    p.add_argument("--tiny", action="store_true", help="the tiny configuration on the CPU in fp32 (a script check)")
+    p.add_argument("--out", default=None, help="JSON lines file to append to")
+    args = p.parse_args(argv)
+
+    import torch
+    from peft import LoraConfig
+
+    if args.tiny:
+        args.size, device, dtype = "tiny", torch.device("cpu"), torch.float32
+        args.geometry = args.geometry or [(5, 32, 32)]
+        args.text_tokens, args.rollout_batch, args.steps = 16, 1, 2
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        args.geometry = args.geometry or [(33, 240, 416)]
+    model = build_transformer(args.size, dtype, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    what = {w.strip() for w in args.what.split(",") if w.strip()}
+    base = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world_size": 1,
+            "model": f"Wan2.1-T2V-{args.size}", "params": n_params, "dtype": str(dtype).replace("torch.", ""),
+            "weights": "random"}
+    if "rollout" in what:
+        for geometry in args.geometry:
+            bench_rollout(model, geometry, args, device, dtype, base)
+    if "replay" in what:
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, init_lora_weights="gaussian",
+                                     target_modules=LORA_TARGETS))
+        n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        model.train()
+        for geometry in args.geometry:
+            bench_replay(model, geometry, args, device, dtype, {**base, "lora_rank": args.lora_rank,
+                                                                "lora_params": n_lora})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
