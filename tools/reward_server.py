@@ -199,6 +199,7 @@ def make_server(
         "scorer": scorer_path or type(scorer).__module__ + "." + type(scorer).__qualname__,
         "components": list(scorer.components),
         "required_tracks": list(getattr(scorer, "required_tracks", ("image",))),
+        "source_images": True,  # decode_request hands edit sources to the scorer (trainer/rewards/remote.py)
         "limits": {"max_request_bytes": max_bytes, "max_image_pixels": limits.max_image_pixels,
                    "max_request_pixels": limits.max_request_pixels},
     }).encode()

@@ -54,14 +54,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.rewards.base import ImageBatch, RewardError
+from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch, RewardError
 from trainer.rewards.clip import ClipSimilarityScorer
 from trainer.rewards.color import color_palette, hue_posterior, largest_component, object_mask
 from trainer.rewards.remote import encode_png_b64
 from trainer.rewards.vlm_judge import DEFAULT_TEMPLATE, VlmJudgeScorer
 
-#: the metadata key that carries a candidate's source image(s) (module docstring)
-SOURCE_IMAGES_KEY = "source_images"
+__all__ = ["SOURCE_IMAGES_KEY", "ClipPreservationScorer", "ColorEditScorer", "EditJudgeScorer", "source_batch",
+           "edit_target_color", "color_edit_terms"]
 #: largest source image read from a file path (4096 x 4096, as the reward server's per-image limit)
 MAX_SOURCE_PIXELS = 4096 * 4096
 #: ColorEditScorer's preservation kernel width, in RGB units (module docstring)
