@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.core.media_key import file_sha256
 from trainer.models.base import GENERATION_TASKS
 
 #: media reference key -> the placeholder the prompt must hold once per reference
@@ -349,22 +350,10 @@ def stable_media_sample_id(prefix: str, prompt: str, media_keys: Iterable[str]) 
     return f"{prefix}_{media_content_hash(prompt, media_keys)[:16]}"
 
 
-#: bytes read at a time when hashing a media file
-MEDIA_HASH_CHUNK = 1 << 20
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 hex of a file's bytes, read in MEDIA_HASH_CHUNK pieces (memory stays bounded)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(MEDIA_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class MediaDigests:
     """Content keys of media files, each file read once: an edit set shows one source image to
-    many instructions, so the same file is asked for again and again."""
+    many instructions, so the same file is asked for again and again. The key of a readable file
+    is the one the engine's condition cache uses (trainer.core.media_key)."""
 
     def __init__(self) -> None:
         self._keys: dict[str, str] = {}
