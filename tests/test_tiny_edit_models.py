@@ -21,10 +21,10 @@ def qwen_edit_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kontext_dir(tmp_path_factory):
-    from tools.tiny_flux_kontext import main
+    from tools.make_tiny_model import main  # the shared entry point builds the edit families too
 
     out = tmp_path_factory.mktemp("tiny_kontext") / "model"
-    assert main(["--output-dir", str(out), "--seed", "0"]) == 0
+    assert main(["--output-dir", str(out), "--family", "flux_kontext", "--seed", "0"]) == 0
     return out
 
 
