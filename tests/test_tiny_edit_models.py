@@ -133,3 +133,84 @@ def test_flux_kontext_layout_and_pipeline_edits(kontext_dir, monkeypatch):
                  generator=torch.Generator().manual_seed(0)).images for src in _sources()]
     assert outs[0].shape == (1, 3, 32, 32) and all(torch.isfinite(o).all() for o in outs)
     assert (outs[0] - outs[1]).abs().max() > 1e-4
+
+
+# --------------------------------------------------------------------- the geometry the adapters will use
+
+
+def test_area_dimensions_match_the_edit_plus_pipeline():
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    from trainer.models.edit_geometry import area_dimensions
+
+    for w, h in [(1, 1), (640, 480), (480, 640), (1920, 1080), (300, 1700), (33, 31)]:
+        for area in (384 * 384, 1024 * 1024, 64 * 64):
+            assert area_dimensions(area, w / h) == calculate_dimensions(area, w / h), (w, h, area)
+    with pytest.raises(ValueError):
+        area_dimensions(0, 1.0)
+
+
+def test_qwen_edit_sizes_and_img_shapes_are_what_the_pipeline_feeds_the_dit(qwen_edit_dir, monkeypatch):
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
+    from diffusers import QwenImageEditPlusPipeline
+
+    from tools.tiny_qwen_image_edit import edit_prompt_template_start_idx
+    from trainer.models.edit_geometry import qwen_edit_img_shapes, qwen_edit_source_sizes
+    from trainer.models.qwen_vl_processor import ImagePromptProcessor
+
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 96 * 64)
+    monkeypatch.setattr(edit_plus, "CONDITION_IMAGE_SIZE", 80 * 56)
+    proc = ImagePromptProcessor.from_pretrained(qwen_edit_dir / "processor")
+    pipe = QwenImageEditPlusPipeline.from_pretrained(str(qwen_edit_dir), local_files_only=True,
+                                                     dtype=torch.float32, processor=proc)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.prompt_template_encode_start_idx = edit_prompt_template_start_idx(pipe)
+    seen = {}
+    forward, call = pipe.transformer.forward, proc.__call__
+    def spy_forward(*a, **kw):  # noqa: E306
+        seen.setdefault("img_shapes", kw["img_shapes"])
+        seen.setdefault("tokens", kw["hidden_states"].shape[1])
+        return forward(*a, **kw)
+    def spy_processor(*a, **kw):  # noqa: E306
+        seen.setdefault("condition", [im.size for im in kw["images"]])
+        return call(*a, **kw)
+    monkeypatch.setattr(pipe.transformer, "forward", spy_forward)
+    monkeypatch.setattr(pipe, "processor", type("P", (), {"__call__": staticmethod(spy_processor)})())
+    source = Image.new("RGB", (48, 32), (200, 20, 20))
+    pipe(image=[source], prompt="make it green", height=32, width=48, num_inference_steps=2, output_type="pt")
+    sizes = qwen_edit_source_sizes(48, 32, condition_area=80 * 56, vae_area=96 * 64)
+    assert seen["condition"] == [sizes["condition"]]
+    expected = qwen_edit_img_shapes(32, 48, [sizes["vae"]], vae_scale_factor=4)
+    assert [tuple(s) for s in seen["img_shapes"][0]] == expected
+    assert seen["tokens"] == sum(f * h * w for f, h, w in expected)  # condition tokens follow the target's
+
+
+def test_kontext_source_size_and_position_ids_match_the_pipeline(kontext_dir, monkeypatch):
+    from diffusers import FluxKontextPipeline
+
+    from trainer.models.edit_geometry import kontext_position_ids, kontext_source_size
+
+    pipe = FluxKontextPipeline.from_pretrained(str(kontext_dir), local_files_only=True, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    prepare = pipe.prepare_latents
+    def spy_prepare(image, *a, **kw):  # noqa: E306
+        seen["image"] = tuple(image.shape[-2:])
+        out = prepare(image, *a, **kw)
+        seen["image_ids"], seen["latent_ids"] = out[3], out[2]
+        raise Stop
+    monkeypatch.setattr(pipe, "prepare_latents", spy_prepare)
+    # the tiny VAE's scale factor is 4, so the rounding multiple is 8
+    for size, auto in (((50, 37), False), ((1000, 700), True)):
+        with pytest.raises(Stop):
+            pipe(image=Image.new("RGB", size), prompt="x", height=32, width=32, max_area=32 * 32,
+                 _auto_resize=auto, num_inference_steps=1)
+        w, h = kontext_source_size(*size, vae_scale_factor=4, auto_resize=auto)
+        assert seen["image"] == (h, w), (size, auto)
+    # the source's packed grid ((h / 4) / 2 x (w / 4) / 2 tokens) carries first axis 1
+    assert torch.equal(seen["image_ids"], kontext_position_ids(h // 8, w // 8, 1.0))
+    assert torch.equal(seen["latent_ids"], kontext_position_ids(4, 4, 0.0))
