@@ -137,3 +137,19 @@ def test_edit_judge_sends_source_then_edit_with_the_edit_template():
     # an explicit template is kept
     kept = EditJudgeScorer(reward_judge_endpoint=url, reward_judge_prompt_template="Edit: {prompt}. Score?")
     assert kept.template == "Edit: {prompt}. Score?"
+
+
+def test_groups_through_the_manager_share_their_source_and_normalise():
+    """Two groups of three candidates (each group one source), scored in batches of 4 by the
+    reward manager and normalised per group: the best edit of each group gets the top advantage."""
+    from trainer.rewards.manager import RewardManager
+    from trainer.rewards.post_process import post_process
+
+    blue, green = circle(BLUE), circle((0.0, 1.0, 0.0))
+    edits = [circle(RED), blue, circle((1.0, 0.0, 1.0)), green, circle(RED), np.zeros_like(green)]
+    meta = [{SOURCE_IMAGES_KEY: [src]} for src in (blue, blue, blue, green, green, green)]
+    manager = RewardManager("cpu", scorer_path="trainer.rewards.edit.ColorEditScorer", batch_size=4)
+    res = post_process(ImageBatch(edits), ["make the circle red"] * 6, group_size=3, manager=manager,
+                       metadata=meta, required_components=["color_edit"])
+    adv = res.advantages.view(2, 3)
+    assert res.failed_groups == [] and int(adv[0].argmax()) == 0 and int(adv[1].argmax()) == 1
