@@ -72,7 +72,8 @@ def test_parquet_bytes_structs_written_once_and_multi_image(tmp_path, capsys):
     red, blue = png((255, 0, 0)), png((0, 0, 255))
     table = pa.table({
         "edit_prompt": ["make it green", "make it green", "swap the colours", "make it green"],
-        "image": [{"bytes": red, "path": "a.png"}, {"bytes": blue, "path": "b.png"}, None, {"bytes": red, "path": None}],
+        "image": [{"bytes": red, "path": "a.png"}, {"bytes": blue, "path": "b.png"}, None,
+                  {"bytes": red, "path": None}],
         "edited_image": [b"unused"] * 4,  # the target column of a supervised set: never read
     })
     pq.write_table(table, tmp_path / "pairs.parquet")

@@ -16,7 +16,9 @@ def test_keys_separate_media_order_and_size_and_join_same_bytes(tmp_path):
     (tmp_path / "copy_of_a.png").write_bytes(b"\x89PNG red")
     (tmp_path / "b.png").write_bytes(b"\x89PNG blue")
     keys = MediaKeys()
-    k = lambda prompt, media, size=(64, 64): keys.condition_key(prompt, [tmp_path / m for m in media], size)  # noqa: E731
+    def k(prompt, media, size=(64, 64)):
+        return keys.condition_key(prompt, [tmp_path / m for m in media], size)
+
     base = k("make it green", ["a.png"])
     assert base == k("make it green", ["copy_of_a.png"])          # same bytes, other name
     assert base != k("make it green", ["b.png"])                  # same prompt, other source

@@ -18,8 +18,9 @@ Every step is deterministic, never RNG:
 3. drop prompts with fewer than --min-prompt-words words (placeholders not counted);
 4. dedup by content key (the whitespace-normalised prompt, plus for a record with media the
    sha256 of each media file's bytes in order: the same image under two names is a duplicate, two
-   images with one name in different directories are not); of a set of duplicates the record with the smallest sample_id is kept, so the result depends on the set
-   of records, not their order;
+   images with one name in different directories are not); of a set of duplicates the record
+   with the smallest sample_id is kept, so the result depends on the set of records, not their
+   order;
 5. split by u = split_unit(sample_id) in [0, 1): --eval-fraction F puts u < F in eval (a record
    keeps its side when records are added or reordered); --eval-size N puts the N smallest u in
    eval (reordering changes nothing; an added record can only displace an eval record to train,

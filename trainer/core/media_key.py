@@ -85,7 +85,8 @@ class MediaKeys:
             return self._keys[stamp]
         return pixels_key(source)
 
-    def condition_key(self, prompt: str, media: Iterable[Any] = (), size: tuple[int, int] | None = None) -> ConditionKey:
+    def condition_key(self, prompt: str, media: Iterable[Any] = (),
+                      size: tuple[int, int] | None = None) -> ConditionKey:
         """condition_key with each source turned into its content key (paths read once)."""
         return condition_key(prompt, [self.key(m) for m in media], size)
 

@@ -63,7 +63,8 @@ def qwen_edit_img_shapes(height: int, width: int, vae_sizes: list[tuple[int, int
     return [(1, height // f, width // f), *((1, h // f, w // f) for w, h in vae_sizes)]
 
 
-def kontext_source_size(width: int, height: int, vae_scale_factor: int = 8, auto_resize: bool = True) -> tuple[int, int]:
+def kontext_source_size(width: int, height: int, vae_scale_factor: int = 8,
+                        auto_resize: bool = True) -> tuple[int, int]:
     """(w, h) FluxKontextPipeline resizes a width x height source to: the nearest-aspect preferred
     resolution with auto_resize, else its own size; rounded down to multiples of 2 x vae_scale_factor."""
     if auto_resize:

@@ -246,7 +246,8 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits()) -> tupl
             raise RequestError(f"image {i} must be a base64 string, got {type(im).__name__}")
     raw: list[bytes] = []
     total = 0
-    named = [(f"image {i}", s) for i, s in enumerate(images)] + [(f"source image {i}", s) for i, s in enumerate(sources)]
+    named = [(f"image {i}", s) for i, s in enumerate(images)] + \
+        [(f"source image {i}", s) for i, s in enumerate(sources)]
     for what, s in named:
         try:
             data = base64.b64decode(s, validate=True)
