@@ -1,7 +1,7 @@
 """The remote route for video reward models: a request carries "videos" (frames as PNGs per
 candidate) to a server whose scorer requires the video track; scores match the in-process scorer,
-every frame counts against the pixel limits before decoding, and a track mismatch is refused
-naming both sides."""
+every frame counts against the pixel limits before decoding, a track mismatch is refused
+naming both sides, and edit source images go with "images" only."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from tools.reward_server import ServerLimits, make_server
-from trainer.rewards.base import ImageBatch
+from trainer.rewards.base import ImageBatch, RewardError
 from trainer.rewards.color import ColorScorer
 from trainer.rewards.remote import (
     RemoteScorer,
@@ -109,3 +109,28 @@ def test_malformed_videos_are_refused_clearly(videos, match):
     body = json.dumps({"prompts": ["a"] * len(videos), "videos": videos}).encode()
     with pytest.raises(RequestError, match=match):
         decode_request(body, track="video")
+
+
+def test_source_images_go_with_images_only():
+    """Edit sources travel with "images"; with "videos" the server refuses them (400) naming the
+    field, the client refuses to build such a request, a video server does not advertise them, and
+    a source key a peer puts inside a video request's metadata is dropped."""
+    frames = [png_b64(8, 8)] * 2
+    for extra in ({"source_images": [png_b64(8, 8)], "source_index": [[0]]}, {"source_index": [[0]]}):
+        body = json.dumps({"prompts": ["a"], "videos": [frames], **extra}).encode()
+        with pytest.raises(RequestError, match=f'"{next(iter(extra))}" goes with "images" only') as e:
+            decode_request(body, track="video")
+        assert e.value.status == 400
+    body = json.dumps({"prompts": ["a"], "videos": [frames],
+                       "metadata": [{"source_images": ["/etc/passwd"], "k": 1}]}).encode()
+    assert decode_request(body, track="video")[2] == [{"k": 1}]
+    source = np.zeros((16, 24, 3), np.uint8)
+    with pytest.raises(RewardError, match='a video batch cannot send source images'):
+        encode_request(clips(), ["a", "b"], [{"source_images": [source]}, {}])
+    with serving(TemporalConsistencyScorer()) as url:
+        remote = RemoteScorer(url, max_retries=0)
+        assert remote.info()["source_images"] is False
+        with pytest.raises(RewardError, match='a video batch cannot send source images'):
+            remote.score(clips(), ["a", "b"], [{"source_images": [source]}, {"source_images": [source]}])
+    with serving(ColorScorer()) as url:
+        assert RemoteScorer(url, max_retries=0).info()["source_images"] is True

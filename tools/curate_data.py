@@ -16,9 +16,11 @@ Every step is deterministic, never RNG:
 1. validate every line (a malformed or invalid line stops the run with its file:line);
 2. drop records whose media files do not exist (unless --no-check-media);
 3. drop prompts with fewer than --min-prompt-words words (placeholders not counted);
-4. dedup by content hash (whitespace-normalised prompt + sorted media paths); of a set of
-   duplicates the record with the smallest sample_id is kept, so the result depends on the set
-   of records, not their order;
+4. dedup by content key (the whitespace-normalised prompt, plus for a record with media the
+   sha256 of each media file's bytes in order: the same image under two names is a duplicate, two
+   images with one name in different directories are not); of a set of duplicates the record
+   with the smallest sample_id is kept, so the result depends on the set of records, not their
+   order;
 5. split by u = split_unit(sample_id) in [0, 1): --eval-fraction F puts u < F in eval (a record
    keeps its side when records are added or reordered); --eval-size N puts the N smallest u in
    eval (reordering changes nothing; an added record can only displace an eval record to train,
@@ -42,8 +44,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.cli import ToolError, existing_file, output_dir, run_tool, tool_parser  # noqa: E402
-from trainer.data import (DataError, PromptRecord, count_words, iter_jsonl_lines, parse_record,
-                          record_content_hash, resolve_media_path, split_unit, where, write_jsonl)
+from trainer.data import (DataError, MediaDigests, PromptRecord, count_words, iter_jsonl_lines, parse_record,
+                          record_content_hash, record_dedup_key, resolve_media_path, split_unit, where,
+                          write_jsonl)
 
 DEFAULT_EVAL_FRACTION = 0.05
 #: how many offending lines an error or a drop report lists before summarising
@@ -193,6 +196,7 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
         report.dropped.setdefault(reason, []).append(lineno)
 
     kept_by_hash: dict[str, tuple[int, PromptRecord]] = {}
+    digests = MediaDigests()
     for lineno, rec in records:
         if check_media:
             missing = [p for p in rec.media() if not os.path.isfile(resolve_media_path(p, src_dir))]
@@ -202,7 +206,7 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
         if count_words(rec.prompt) < min_prompt_words:
             drop(f"fewer than {min_prompt_words} words (--min-prompt-words)", lineno)
             continue
-        h = record_content_hash(rec)
+        h = record_dedup_key(rec, src_dir, digests)
         if h in kept_by_hash:
             other_line, other = kept_by_hash[h]
             # Keep the smallest sample id so the result does not depend on input order.

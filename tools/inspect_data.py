@@ -14,11 +14,11 @@ Errors (each reported as ``file:line: what``):
 - ``<image>`` / ``<video>`` placeholder counts that differ from the ``images`` / ``videos`` lists;
 - a referenced media file that does not exist (with --decode-media: that does not decode);
 - a sample id used twice in one file;
-- train/eval leakage (both flags given): an eval record whose sample id, or whose prompt (content
-  hash), is in train;
+- train/eval leakage (both flags given): an eval record whose sample id, or whose content (the
+  prompt, plus the bytes of its media files in order), is in train;
 - an empty file.
 
-Warnings (reported, exit status unaffected): the same prompt twice within one file.
+Warnings (reported, exit status unaffected): the same prompt (and media bytes) twice within one file.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.cli import EXIT_USAGE, existing_file, run_tool, tool_parser  # noqa: E402
-from trainer.data import (PromptRecord, find_leakage, iter_jsonl_lines, parse_record, record_content_hash,
-                          record_problems, resolve_media_path, where)
+from trainer.data import (MediaDigests, PromptRecord, find_leakage, iter_jsonl_lines, parse_record,
+                          record_dedup_key, record_problems, resolve_media_path, where)
 
 DEFAULT_MAX_REPORT = 200
 
@@ -44,6 +44,8 @@ class FileScan:
 
     path: str
     records: list[tuple[int, PromptRecord]] = field(default_factory=list)
+    #: record_dedup_key of each record (prompt + media bytes), parallel to records
+    keys: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     lines: int = 0
@@ -76,9 +78,10 @@ def decode_problem(path: str, kind: str) -> str | None:
     return None
 
 
-def scan_file(path: str, decode_media: bool) -> FileScan:
+def scan_file(path: str, decode_media: bool, digests: MediaDigests | None = None) -> FileScan:
     """Per-line checks of one prompt file (everything except cross-file leakage)."""
     scan = FileScan(path=path)
+    digests = digests or MediaDigests()
     if not os.path.isfile(path):
         scan.errors.append(f"{where(path)}: no such file")
         return scan
@@ -109,13 +112,14 @@ def scan_file(path: str, decode_media: bool) -> FileScan:
                                f"{ids[rec.sample_id]}; ids must be unique (run tools/curate_data.py)")
         else:
             ids[rec.sample_id] = lineno
-        h = record_content_hash(rec)
+        h = record_dedup_key(rec, base, digests)
         if h in hashes:
             scan.warnings.append(f"{where(path, lineno)}: same prompt as line {hashes[h]} "
                                  "(tools/curate_data.py dedups)")
         else:
             hashes[h] = lineno
         scan.records.append((lineno, rec))
+        scan.keys.append(h)
     if scan.lines == 0:
         scan.errors.append(f"{where(path)}: the file is empty")
     return scan
@@ -124,7 +128,10 @@ def scan_file(path: str, decode_media: bool) -> FileScan:
 def leakage_errors(train: FileScan, other: FileScan) -> list[str]:
     """An error per record of ``other`` whose sample id or prompt (content hash) is in ``train``."""
     errors = []
-    for kind, i, j in find_leakage((r for _, r in train.records), (r for _, r in other.records)):
+    # the keys were computed against each file's own directory: a relative media path means a
+    # different file in each, and the same bytes match under any name
+    for kind, i, j in find_leakage((r for _, r in train.records), (r for _, r in other.records),
+                                   keys_a=train.keys, keys_b=other.keys):
         train_line, rec = train.records[i][0], other.records[j][1]
         what = f"sample_id {rec.sample_id!r} is" if kind == "sample_id" else "the same prompt is"
         errors.append(f"{where(other.path, other.records[j][0])}: leakage: {what} also in "
@@ -135,8 +142,9 @@ def leakage_errors(train: FileScan, other: FileScan) -> list[str]:
 def inspect(train_path: str | None, eval_paths: list[str], decode_media: bool = False) -> tuple[list[str], list[str], list[FileScan]]:
     """(errors, warnings, scans) for a train file and its eval files; either may be absent (None /
     []), and leakage is checked only when both are there."""
-    train = scan_file(train_path, decode_media) if train_path else None
-    evals = [scan_file(p, decode_media) for p in eval_paths]
+    digests = MediaDigests()  # a file shared by train and eval is read once
+    train = scan_file(train_path, decode_media, digests) if train_path else None
+    evals = [scan_file(p, decode_media, digests) for p in eval_paths]
     scans = ([train] if train else []) + evals
     errors = [e for s in scans for e in s.errors]
     warnings = [w for s in scans for w in s.warnings]

@@ -10,7 +10,8 @@ model. It is what the tests and the demo run on.
 A non-empty --output-dir is refused unless --overwrite (then its contents are replaced once the
 new model is complete); the build goes to a hidden directory beside it first.
 
-The Qwen-Image builder is this file's; each other family's lives in tools/tiny_<family>.py.
+The Qwen-Image builder is this file's; each other family's lives in tools/tiny_<family>.py
+(the image-editing ones in tools/tiny_qwen_image_edit.py and tools/tiny_flux_kontext.py).
 
 Sizes follow diffusers' own Qwen-Image unit tests: a 2-block DiT (3 heads x 16), a
 4-channel VAE with spatial factor 4, and a 2-layer Qwen2.5-VL text encoder of width 16.
@@ -212,6 +213,9 @@ BUILDERS = {
     "qwen_image": ("tools.make_tiny_model", "build_tiny_pipeline", "Qwen-Image"),
     "sd3": ("tools.tiny_sd3", "build_tiny_sd3_pipeline", "Stable Diffusion 3.5"),
     "flux": ("tools.tiny_flux", "build_tiny_flux_pipeline", "FLUX.1"),
+    # image-editing families (docs/editing.md); tools/tiny_qwen_image_edit.py --variant picks 2509
+    "qwen_image_edit": ("tools.tiny_qwen_image_edit", "build_tiny_qwen_image_edit_pipeline", "Qwen-Image-Edit-2511"),
+    "flux_kontext": ("tools.tiny_flux_kontext", "build_tiny_flux_kontext_pipeline", "FLUX.1-Kontext"),
 }
 
 
@@ -276,7 +280,8 @@ def main(argv=None) -> int:
     parser.add_argument("--family", default="qwen_image", choices=sorted(BUILDERS),
                         help="model family of the pipeline (qwen_image: QwenImagePipeline; sd3: "
                              "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT; flux: "
-                             "FluxPipeline with FLUX.1-dev's layout)")
+                             "FluxPipeline with FLUX.1-dev's layout; image editing: qwen_image_edit "
+                             "(QwenImageEditPlusPipeline, 2511 layout), flux_kontext (FluxKontextPipeline))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's output convolution (1: plain random init); "

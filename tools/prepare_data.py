@@ -11,6 +11,13 @@ Sources (the CONVERTERS registry):
 - ``prompts``: a parquet file with a prompt column (``--column``; default the first of
   prompt / caption / text), a ``.jsonl`` file with a ``prompt`` field (``--column`` picks another
   field), or any other file as plain text with one prompt per line.
+- ``edit``: image-editing pairs, a ``.jsonl`` or ``.parquet`` file with a source-image column
+  (``--image-column``; a path, encoded image bytes, a {"bytes", "path"} struct as Hugging Face
+  datasets store images, or a list of those for several sources) and an instruction column
+  (``--column``). Bytes are written once per distinct image to ``--media-dir`` as
+  ``<sha256>.<ext>``; paths are kept (relative ones are under ``--media-root``). Each record is
+  ``{"prompt": "<image> <instruction>", "images": [...]}`` with media paths relative to the
+  output's directory, and its sample id hashes the instruction AND the image bytes.
 
 Every prompt is whitespace-normalised. Its sample id is ``<id-prefix>_<16 hex of its content
 hash>`` (trainer.data.stable_sample_id): stable across file names, shards and row order. Identical
@@ -24,6 +31,7 @@ reported and replaced by the next run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from collections import Counter
@@ -32,8 +40,9 @@ from collections.abc import Callable, Iterator
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.data import (MAX_LINE_BYTES, DataError, content_hash, iter_lines_bounded, normalize_prompt, read_jsonl,
-                          stable_sample_id, where, write_jsonl)
+from trainer.data import (MAX_LINE_BYTES, DataError, content_hash, file_sha256, iter_lines_bounded, media_content_hash,
+                          normalize_prompt, read_jsonl, stable_media_sample_id, stable_sample_id, where,
+                          write_jsonl)
 from trainer.cli import ToolError, existing_path, output_file, run_tool, tool_parser  # noqa: E402
 from trainer.models.base import GENERATION_TASKS
 
@@ -127,15 +136,220 @@ CONVERTERS: dict[str, Callable[[str, "str | None"], RawPrompts]] = {
     "prompts": convert_prompts,
 }
 
+# ------------------------------------------------------------------------------------- edit pairs
+
+#: rows per parquet batch of an edit file: its rows hold image bytes (a few MB each), so the
+#: batch is small to keep host memory bounded
+PARQUET_EDIT_BATCH_ROWS = 64
+#: defaults of --image-column / --column for the edit source, first present wins (the layouts of
+#: InstructPix2Pix / MagicBrush / UltraEdit / OmniEdit-style dumps and plain {image, prompt} files)
+EDIT_IMAGE_COLUMNS = ("source_image", "input_image", "source_img", "src_img", "image", "images")
+EDIT_INSTRUCTION_COLUMNS = ("instruction", "edit_instruction", "edit_prompt", "prompt", "text", "caption")
+#: largest source image accepted, bytes or file: beyond any real photo, far below host memory
+MAX_IMAGE_BYTES = 64 << 20
+#: leading bytes -> extension of the image formats a source image may have; anything else is
+#: refused by its bytes (not decoded: inspect_data --decode-media does that, in one place)
+IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"GIF87a", ".gif"),
+                    (b"GIF89a", ".gif"), (b"BM", ".bmp"))
+
+#: a source image as read: ("path", the path as written) or ("bytes", the encoded image)
+SourceImage = tuple[str, "str | bytes"]
+RawEdits = Iterator[tuple[str, "str | None", "list[SourceImage] | None"]]
+
+
+def image_extension(data: bytes) -> str | None:
+    """The file extension of encoded image bytes by their signature (WebP: RIFF....WEBP); None
+    when the bytes are no known image format."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return ".webp"
+    return next((ext for magic, ext in IMAGE_SIGNATURES if data.startswith(magic)), None)
+
+
+def source_images(value, origin: str, column: str) -> "list[SourceImage] | None":
+    """The source image(s) of one cell: a path, bytes, a {"bytes", "path"} struct or a list of
+    those; None for a missing value. DataError (naming the row) for anything else."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    out: list[SourceImage] = []
+    for item in items:
+        if isinstance(item, dict):
+            item = item.get("bytes") if item.get("bytes") is not None else item.get("path")
+        if isinstance(item, (bytes, bytearray)) and item:
+            out.append(("bytes", bytes(item)))
+        elif isinstance(item, str) and item.strip():
+            out.append(("path", item.strip()))
+        else:
+            raise DataError(f"{origin}: column {column!r} holds {type(item).__name__} {str(item)[:40]!r}, not an "
+                            "image path, image bytes or a {'bytes', 'path'} struct; choose the source-image "
+                            "column with --image-column")
+    return out or None
+
+
+def _first_present(names, candidates, flag: str, origin: str) -> str:
+    found = next((c for c in candidates if c in names), None)
+    if found is None:
+        raise DataError(f"{origin}: none of the columns {list(candidates)} exists (columns: {sorted(names)}); "
+                        f"choose one with {flag}")
+    return found
+
+
+def convert_edit(input_path: str, column: str | None, image_column: str | None) -> RawEdits:
+    """Edit pairs from one .jsonl / .parquet file: yields (origin, instruction, source images)."""
+    if not os.path.isfile(input_path):
+        raise DataError(f"--input {input_path}: no such file (the edit source takes one .jsonl or .parquet file)")
+    lower = input_path.lower()
+    if lower.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(input_path)
+        names = pf.schema_arrow.names
+        text_col = column or _first_present(names, EDIT_INSTRUCTION_COLUMNS, "--column", where(input_path))
+        img_col = image_column or _first_present(names, EDIT_IMAGE_COLUMNS, "--image-column", where(input_path))
+        for flag, col in (("--column", text_col), ("--image-column", img_col)):
+            if col not in names:
+                raise DataError(f"{where(input_path)}: no column {col!r}; columns are {names}; choose one with {flag}")
+        row = 0
+        for batch in pf.iter_batches(batch_size=PARQUET_EDIT_BATCH_ROWS, columns=[text_col, img_col]):
+            texts, images = batch.column(0).to_pylist(), batch.column(1).to_pylist()
+            for text, image in zip(texts, images):
+                origin = f"{input_path}:row {row}"
+                if text is not None and not isinstance(text, str):
+                    raise DataError(f"{origin}: column {text_col!r} is {type(text).__name__}, not text; "
+                                    "choose the instruction column with --column")
+                yield origin, text, source_images(image, origin, img_col)
+                row += 1
+    elif lower.endswith((".jsonl", ".ndjson")):
+        for lineno, obj in read_jsonl(input_path):
+            origin = where(input_path, lineno)
+            if not isinstance(obj, dict):
+                raise DataError(f"{origin}: expected a JSON object, got {type(obj).__name__}")
+            text_col = column or _first_present(obj, EDIT_INSTRUCTION_COLUMNS, "--column", origin)
+            img_col = image_column or _first_present(obj, EDIT_IMAGE_COLUMNS, "--image-column", origin)
+            for flag, col in (("--column", text_col), ("--image-column", img_col)):
+                if col not in obj:
+                    raise DataError(f"{origin}: no field {col!r}; fix the line or choose the field with {flag}")
+            text = obj[text_col]
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{origin}: {text_col!r} is {type(text).__name__}, not text")
+            yield origin, text, source_images(obj[img_col], origin, img_col)
+    else:
+        raise DataError(f"--input {input_path}: the edit source reads .jsonl / .ndjson or .parquet files")
+
+
+class MediaWriter:
+    """Source images of an edit set: bytes written once as ``<media_dir>/<sha256>.<ext>``, paths
+    resolved under ``media_root``; every image becomes (path relative to the output's directory,
+    its "sha256:<hex>" key, the same key trainer.data.MediaDigests gives the file)."""
+
+    def __init__(self, media_dir: str, media_root: str, out_dir: str):
+        self.media_dir, self.media_root, self.out_dir = media_dir, media_root, out_dir
+        self.written = 0
+
+    def place(self, image: SourceImage, origin: str) -> tuple[str, str]:
+        kind, value = image
+        if kind == "bytes":
+            data = value
+            if len(data) > MAX_IMAGE_BYTES:
+                raise DataError(f"{origin}: a source image of {len(data)} bytes is over the {MAX_IMAGE_BYTES} "
+                                "accepted; drop or downscale that row")
+            ext = image_extension(data)
+            if ext is None:
+                raise DataError(f"{origin}: the source-image bytes are no PNG / JPEG / WebP / GIF / BMP image "
+                                f"(they start {data[:8]!r}); check --image-column")
+            digest = hashlib.sha256(data).hexdigest()
+            path = os.path.join(self.media_dir, digest + ext)
+            if not (os.path.isfile(path) and file_sha256(path) == digest):
+                os.makedirs(self.media_dir, exist_ok=True)
+                tmp = f"{path}.tmp{os.getpid()}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                finally:
+                    if os.path.exists(tmp):
+                        os.remove(tmp)
+                self.written += 1
+        else:
+            path = value if os.path.isabs(value) else os.path.join(self.media_root, value)
+            path = os.path.normpath(path)
+            if not os.path.isfile(path):
+                raise DataError(f"{origin}: source image {value!r} is not a file ({path}); relative paths are "
+                                "under --media-root (default: the input file's directory)")
+            if os.path.getsize(path) > MAX_IMAGE_BYTES:
+                raise DataError(f"{origin}: source image {path} is over {MAX_IMAGE_BYTES} bytes; drop that row")
+            digest = file_sha256(path)
+        rel = os.path.relpath(os.path.abspath(path), self.out_dir).replace(os.sep, "/")
+        return rel, "sha256:" + digest
+
+
+def edit_prompt(instruction: str, n_images: int) -> str:
+    """The record prompt of an edit: one <image> placeholder per source image, then the
+    instruction (the family adapter takes the images from the record's list, in order)."""
+    return " ".join(["<image>"] * n_images + [instruction])
+
+
+def prepare_edit(input_path: str, task: str, output: str, column: str | None = None, image_column: str | None = None,
+                 id_prefix: str | None = None, media_dir: str | None = None,
+                 media_root: str | None = None) -> Counter:
+    """Convert an edit-pair file and write ``output``; returns the counts (``read``, ``written``,
+    ``empty``, ``no_image``, ``duplicate``, ``images_written``)."""
+    prefix = id_prefix or "edit"
+    if not prefix or any(c.isspace() for c in prefix):
+        raise DataError(f"--id-prefix {prefix!r}: must be non-empty without whitespace")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    writer = MediaWriter(os.path.abspath(media_dir or os.path.join(out_dir, "media")),
+                         os.path.abspath(media_root or os.path.dirname(os.path.abspath(input_path))), out_dir)
+    counts: Counter = Counter()
+    seen: dict[str, str] = {}
+
+    def rows() -> Iterator[dict]:
+        for origin, raw, images in convert_edit(input_path, column, image_column):
+            counts["read"] += 1
+            instruction = normalize_prompt(raw) if raw is not None else ""
+            if not instruction:
+                counts["empty"] += 1
+                continue
+            if not images:
+                counts["no_image"] += 1
+                continue
+            placed = [writer.place(image, origin) for image in images]
+            prompt = edit_prompt(instruction, len(placed))
+            keys = [key for _, key in placed]
+            full = media_content_hash(prompt, keys)
+            sid = stable_media_sample_id(prefix, prompt, keys)
+            if sid in seen:
+                if seen[sid] != full:
+                    raise DataError(f"{origin}: sample id {sid} collides with a different record "
+                                    "(64-bit hash collision); use another --id-prefix for one of the sources")
+                counts["duplicate"] += 1
+                continue
+            seen[sid] = full
+            yield {"prompt": prompt, "images": [rel for rel, _ in placed],
+                   "metadata": {"sample_id": sid, "source": "edit", "task": task}}
+
+    counts["written"] = write_jsonl(output, rows())
+    counts["images_written"] = writer.written
+    return counts
+
+
+#: every --source: the prompt converters and the edit-pair one
+SOURCES = (*CONVERTERS, "edit")
+
 
 def prepare(source: str, input_path: str, task: str, output: str, column: str | None = None,
-            id_prefix: str | None = None) -> Counter:
-    """Convert ``input_path`` with CONVERTERS[source] and write ``output``; returns the counts
-    (``read``, ``written``, ``empty``, ``duplicate``)."""
-    if source not in CONVERTERS:
-        raise DataError(f"--source {source!r}: unknown; choose one of {sorted(CONVERTERS)}")
+            id_prefix: str | None = None, **edit_options) -> Counter:
+    """Convert ``input_path`` with CONVERTERS[source] (or prepare_edit for ``edit``, which takes
+    ``edit_options``) and write ``output``; returns the counts (``read``, ``written``, ``empty``,
+    ``duplicate``, and for edit ``no_image`` and ``images_written``)."""
+    if source not in SOURCES:
+        raise DataError(f"--source {source!r}: unknown; choose one of {sorted(SOURCES)}")
     if task not in GENERATION_TASKS:
         raise DataError(f"--task {task!r}: not a generation task; choose one of {list(GENERATION_TASKS)}")
+    if source == "edit":
+        return prepare_edit(input_path, task, output, column, id_prefix=id_prefix, **edit_options)
     prefix = id_prefix or source
     if not prefix or any(c.isspace() for c in prefix):
         raise DataError(f"--id-prefix {prefix!r}: must be non-empty without whitespace")
@@ -168,19 +382,32 @@ def prepare(source: str, input_path: str, task: str, output: str, column: str | 
 
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser("prepare_data", __doc__.split("\n\n")[0])
-    p.add_argument("--source", required=True, choices=sorted(CONVERTERS),
-                   help="converter: pickapic (parquet caption column) or prompts (parquet / JSONL / text)")
+    p.add_argument("--source", required=True, choices=sorted(SOURCES),
+                   help="converter: pickapic (parquet caption column), prompts (parquet / JSONL / text) or "
+                        "edit (source image + instruction pairs, JSONL / parquet)")
     p.add_argument("--input", required=True, type=existing_path,
                    help="pickapic: a parquet file or a directory of them; prompts: one file "
-                        "(.parquet, .jsonl, or text with one prompt per line)")
+                        "(.parquet, .jsonl, or text with one prompt per line); edit: one .jsonl or .parquet")
     p.add_argument("--task", "--generation-task", dest="task", default="t2i",
                    help=f"metadata.task of every record; one of {list(GENERATION_TASKS)}")
     p.add_argument("--output", required=True, help="the JSONL file to write (replaced atomically)")
     p.add_argument("--column", default=None,
                    help="parquet column / JSONL field holding the prompt (unset: pickapic 'caption'; "
-                        "prompts parquet the first of prompt/caption/text, prompts JSONL 'prompt')")
+                        "prompts parquet the first of prompt/caption/text, prompts JSONL 'prompt'; edit the "
+                        f"first of {'/'.join(EDIT_INSTRUCTION_COLUMNS)})")
+    p.add_argument("--image-column", default=None,
+                   help="edit only: column / field with the source image(s): a path, image bytes, a "
+                        "{bytes, path} struct or a list of them (unset: the first of "
+                        f"{'/'.join(EDIT_IMAGE_COLUMNS)})")
+    p.add_argument("--media-dir", default=None,
+                   help="edit only: where source-image bytes are written as <sha256>.<ext> (unset: media/ "
+                        "beside --output); records point at them by paths relative to --output's directory")
+    p.add_argument("--media-root", default=None,
+                   help="edit only: directory that relative source-image paths are under (unset: the "
+                        "--input file's directory)")
     p.add_argument("--id-prefix", default=None,
-                   help="sample ids are '<id-prefix>_<content hash>' (unset: the --source name)")
+                   help="sample ids are '<id-prefix>_<content hash>' (unset: the --source name); an edit "
+                        "record's hash covers the instruction and the source images' bytes")
     return p
 
 
@@ -198,11 +425,24 @@ def _prepare(args: argparse.Namespace) -> int:
     if os.path.exists(tmp):
         # only this tool writes <output>.tmp, and only until the rename: it is a killed run's
         print(f"prepare_data: note: {tmp} is left from an interrupted run; it is replaced")
-    counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix)
+    edit_flags = {"--image-column": args.image_column, "--media-dir": args.media_dir, "--media-root": args.media_root}
+    if args.source != "edit":
+        given = [flag for flag, value in edit_flags.items() if value is not None]
+        if given:
+            raise ToolError(f"{', '.join(given)} only apply to --source edit")
+        counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix)
+    else:
+        counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix,
+                         image_column=args.image_column, media_dir=args.media_dir, media_root=args.media_root)
     print(f"prepare_data: read {counts['read']} prompt(s) from {args.input}; wrote {counts['written']} "
           f"record(s) to {args.output}")
-    print(f"prepare_data: skipped {counts['empty']} empty prompt(s), {counts['duplicate']} duplicate(s) "
-          "(same prompt after whitespace normalisation, hence the same sample id)")
+    if args.source == "edit":
+        print(f"prepare_data: skipped {counts['empty']} empty instruction(s), {counts['no_image']} row(s) without a "
+              f"source image, {counts['duplicate']} duplicate(s) (same instruction and image bytes); wrote "
+              f"{counts['images_written']} image file(s)")
+    else:
+        print(f"prepare_data: skipped {counts['empty']} empty prompt(s), {counts['duplicate']} duplicate(s) "
+              "(same prompt after whitespace normalisation, hence the same sample id)")
     return 0
 
 

@@ -202,6 +202,8 @@ def make_server(
         "scorer": scorer_path or type(scorer).__module__ + "." + type(scorer).__qualname__,
         "components": list(scorer.components),
         "required_tracks": list(tracks),
+        # decode_request hands edit sources to the scorer, with "images" only (trainer/rewards/remote.py)
+        "source_images": tracks == ("image",),
         "limits": {"max_request_bytes": max_bytes, "max_image_pixels": limits.max_image_pixels,
                    "max_request_pixels": limits.max_request_pixels},
     }).encode()

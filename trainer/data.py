@@ -16,7 +16,10 @@ tools run on machines without it.
 Determinism (docs/data.md has the full story):
 
 - ``content_hash``: sha256 over the whitespace-normalised prompt and the sorted media paths; the
-  dedup key and the prompt-leakage key.
+  key of a record without media, and of the sample-id reuse check.
+- ``record_dedup_key``: the dedup and leakage key. Without media it is ``content_hash``; with media
+  it covers the prompt and the sha256 of each media file's bytes, in record order, so the same image
+  under two names is one record and one name in two directories is two.
 - ``split_unit``: a number in [0, 1) from sha256 of the sample id; the train/eval split
   thresholds or ranks it, so a record's side never depends on input order or RNG.
 - ``PromptOrder``: which prompts rollout k uses, a pure function of (seed, k).
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.core.media_key import file_sha256
 from trainer.models.base import GENERATION_TASKS
 
 #: media reference key -> the placeholder the prompt must hold once per reference
@@ -338,22 +342,72 @@ def stable_sample_id(prefix: str, prompt: str) -> str:
     return f"{prefix}_{content_hash(prompt)[:16]}"
 
 
-def find_leakage(a: Iterable[PromptRecord], b: Iterable[PromptRecord]) -> list[tuple[str, int, int]]:
+def stable_media_sample_id(prefix: str, prompt: str, media_keys: Iterable[str]) -> str:
+    """``<prefix>_<16 hex>`` of media_content_hash: an edit record's id is a function of its
+    instruction and the bytes of its source image(s), whatever their file names or row order."""
+    return f"{prefix}_{media_content_hash(prompt, media_keys)[:16]}"
+
+
+class MediaDigests:
+    """Content keys of media files, each file read once: an edit set shows one source image to
+    many instructions, so the same file is asked for again and again. The key of a readable file
+    is the one the engine's condition cache uses (trainer.core.media_key)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, str] = {}
+
+    def key(self, full_path: str) -> str:
+        """``sha256:<hex>`` of a readable regular file; ``path:<full_path>`` otherwise (a record
+        kept by --no-check-media still gets a key, equal only for the same missing path)."""
+        if full_path not in self._keys:
+            try:
+                self._keys[full_path] = "sha256:" + file_sha256(full_path) if os.path.isfile(full_path) \
+                    else "path:" + full_path
+            except OSError:
+                self._keys[full_path] = "path:" + full_path
+        return self._keys[full_path]
+
+
+def media_content_hash(prompt: str, media_keys: Iterable[str]) -> str:
+    """sha256 hex of the whitespace-normalised prompt and the media keys IN ORDER (an edit's
+    "Picture 1" and "Picture 2" are not interchangeable, unlike content_hash's sorted paths)."""
+    payload = canonical_json({"media_keys": list(media_keys), "prompt": normalize_prompt(prompt)})
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def record_dedup_key(record: PromptRecord, base_dir: str | os.PathLike, digests: MediaDigests) -> str:
+    """The dedup / leakage key of a record read from a file in ``base_dir``: content_hash when it
+    has no media (t2i files keep their keys), else media_content_hash over the bytes of its media."""
+    if not record.media():
+        return record_content_hash(record)
+    return media_content_hash(record.prompt, (digests.key(resolve_media_path(ref, base_dir))
+                                              for ref in record.media()))
+
+
+def find_leakage(a: Iterable[PromptRecord], b: Iterable[PromptRecord], keys_a: Iterable[str] | None = None,
+                 keys_b: Iterable[str] | None = None) -> list[tuple[str, int, int]]:
     """Records of ``b`` that also occur in ``a``, as ``(kind, index_in_a, index_in_b)``.
 
-    kind ``"sample_id"``: the same id; ``"prompt"``: the same content_hash (a record matching on
-    both is reported twice). Indices are 0-based positions in the iterables.
+    kind ``"sample_id"``: the same id; ``"prompt"``: the same content key (``keys_a`` / ``keys_b``,
+    parallel to the records, e.g. record_dedup_key computed against each file's directory;
+    content_hash when not given; a record matching on both is reported twice). Indices are 0-based
+    positions in the iterables.
     """
+    a, b = list(a), list(b)
+    keys_a = list(keys_a) if keys_a is not None else [record_content_hash(r) for r in a]
+    keys_b = list(keys_b) if keys_b is not None else [record_content_hash(r) for r in b]
+    if len(keys_a) != len(a) or len(keys_b) != len(b):
+        raise ValueError("find_leakage: keys_a / keys_b must hold one key per record")
     by_id: dict[str, int] = {}
     by_hash: dict[str, int] = {}
     for i, r in enumerate(a):
         by_id.setdefault(r.sample_id, i)
-        by_hash.setdefault(record_content_hash(r), i)
+        by_hash.setdefault(keys_a[i], i)
     hits = []
     for j, r in enumerate(b):
         if r.sample_id in by_id:
             hits.append(("sample_id", by_id[r.sample_id], j))
-        h = record_content_hash(r)
+        h = keys_b[j]
         if h in by_hash:
             hits.append(("prompt", by_hash[h], j))
     return hits

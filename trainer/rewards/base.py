@@ -6,7 +6,8 @@ A scorer is a plain callable with one signature:
 
 It declares the `components` it produces and the media `required_tracks` it needs (("image",)
 for every shipped scorer), and is built as `ScorerClass(model_path=..., device=...)`. Images are
-converted exactly once per batch, here (`ImageBatch`), never inside a scorer.
+converted exactly once per batch, here (`ImageBatch`), never inside a scorer. An edit's source
+image(s) come in metadata[SOURCE_IMAGES_KEY] (trainer.rewards.edit).
 
 A plain function with the same arguments is a scorer too, named by its dotpath like a class:
 
@@ -29,6 +30,11 @@ import torch
 
 from trainer.config import SCORER_SHORT_NAMES
 from trainer.dotpath import import_dotpath
+
+#: metadata key of a candidate's source image(s) (image editing): a list, one entry per source in
+#: record order, each uint8 [H, W, 3] as the engine conditioned on it (trainer.rewards.edit says
+#: which other forms a scorer accepts). The remote route carries them beside the images.
+SOURCE_IMAGES_KEY = "source_images"
 
 #: the shipped scorers: component name -> dotpath. One registry, kept in trainer.config (which
 #: imports no torch) so that preflight can resolve short names without importing a scorer.

@@ -7,15 +7,29 @@ for this trainer:
       {"protocol": 1,
        "prompts":  ["a red cube", ...],                  # B strings
        "metadata": [{"sample_id": "..."}, ...],           # B JSON objects (or null / omitted)
-       "images":   ["<base64 PNG, RGB 8-bit>", ...]}      # B images, lossless (same pixels as the rollout PNGs)
-    or, for a scorer that requires the "video" track, instead of "images":
+       "images":   ["<base64 PNG, RGB 8-bit>", ...],      # B images, lossless (same pixels as the rollout PNGs)
+       "source_images": ["<base64 PNG>", ...],           # optional (image editing): the DISTINCT sources,
+       "source_index":  [[0], [0], [1], ...]}            # and per image the indices of its sources, in order
+    or, for a scorer that requires the "video" track, instead of "images" (and never with sources):
        "videos":   [["<base64 PNG>", ...], ...]          # B lists of frames, in time order, one size per video
     200 -> {"<component>": [B numbers or null], ...}     # null = could not score this image (NaN)
                                                           # anything but a finite number counts as null
     4xx/5xx -> {"error": "<message>"}
 
     GET <endpoint>  -> {"protocol": 1, "scorer": "<dotpath>", "components": [...], "required_tracks": [...],
+                        "source_images": true,             # false from a video scorer's server
                         "limits": {"max_request_bytes": ..., "max_image_pixels": ..., "max_request_pixels": ...}}
+
+Source images (an edit scorer scores an edit against its source): the client takes them out of
+metadata[b]["source_images"] (SOURCE_IMAGES_KEY; arrays are not JSON), sends each distinct source
+once (a group's candidates share one) and the server puts the decoded arrays back under the same
+key, so a scorer reads them where it would in-process. A "source_images" key a peer puts inside
+metadata is dropped: only decoded PNGs reach a scorer there, never a path a peer names. The
+sources count against the same pixel limits as the images. A server that does not answer
+"source_images": true in its GET is an older one: the client refuses to send it sources (they
+would be silently ignored) and says so. A batch without sources is encoded exactly as before.
+Sources travel with "images" only: a request with "videos" and "source_images" or "source_index"
+is refused (400) naming the field, and the client refuses to build one (RewardError).
 
 With FLOWGRPO_REWARD_TOKEN set, every request carries ``Authorization: Bearer <token>``.
 
@@ -52,10 +66,12 @@ import numpy as np
 import torch
 
 from trainer.core.redact import redact_url
-from trainer.rewards.base import ImageBatch, RewardError, check_scores
+from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch, RewardError, check_scores
 from trainer.rewards.transport import TOKEN_ENV, HttpFailure, exchange, loads_bounded
 
 PROTOCOL_VERSION = 1
+#: most source images one candidate may reference (Qwen-Image-Edit-2509 takes up to 3)
+MAX_SOURCES_PER_IMAGE = 8
 
 logger = logging.getLogger(__name__)
 
@@ -134,23 +150,90 @@ def decode_png_b64(data: str) -> np.ndarray:
     return decode_png(base64.b64decode(data, validate=True))
 
 
+def has_sources(metadata: list[dict]) -> bool:
+    """Whether any candidate's metadata carries source images (SOURCE_IMAGES_KEY)."""
+    return any(isinstance(m, dict) and m.get(SOURCE_IMAGES_KEY) for m in metadata)
+
+
+def split_sources(metadata: list[dict]) -> tuple[list[dict], list[np.ndarray], list[list[int]]] | None:
+    """(metadata without SOURCE_IMAGES_KEY, the distinct source arrays, each candidate's source
+    indices), or None when no candidate has sources. Sources are told apart by identity first (the
+    rollout shares one array per group) and then by content, so each is sent once."""
+    if not has_sources(metadata):
+        return None
+    distinct: list[np.ndarray] = []
+    by_id: dict[int, int] = {}
+    by_bytes: dict[tuple, int] = {}
+    index: list[list[int]] = []
+    clean = []
+    for b, m in enumerate(metadata):
+        m = dict(m or {})
+        entries = m.pop(SOURCE_IMAGES_KEY, None) or []
+        clean.append(m)
+        row = []
+        for entry in entries:
+            if id(entry) not in by_id:
+                try:
+                    arr = ImageBatch.from_any([entry]).uint8[0]
+                except (TypeError, ValueError) as e:
+                    raise RewardError(f"metadata {b}: a source image sent to a reward server must be decoded (a uint8 "
+                                      f"array, a float tensor or a PIL image): {e}") from None
+                key = (arr.shape, arr.tobytes())
+                if key not in by_bytes:
+                    by_bytes[key] = len(distinct)
+                    distinct.append(arr)
+                by_id[id(entry)] = by_bytes[key]
+            row.append(by_id[id(entry)])
+        index.append(row)
+    return clean, distinct, index
+
+
 def encode_request(images: Any, prompts: list[str], metadata: list[dict]) -> bytes:
     """The POST body for one batch (see the module docstring): an ImageBatch as "images", a
-    VideoBatch (trainer.rewards.video) as "videos", every frame a lossless PNG."""
+    VideoBatch (trainer.rewards.video) as "videos", every frame a lossless PNG. Source images go
+    with "images" only; a VideoBatch whose metadata carries them is refused (RewardError)."""
     from trainer.rewards.video import VideoBatch  # lazy: that module imports the judge, which imports this one
 
     if not (len(images) == len(prompts) == len(metadata)):
         raise ValueError(f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata entries")
+    video = isinstance(images, VideoBatch)
+    if video and has_sources(metadata):
+        # the protocol pairs sources with "images" only; sending the frames without them would
+        # score against no source at all, so say so here rather than be answered 400
+        raise RewardError(f'metadata carries "{SOURCE_IMAGES_KEY}", but a video batch cannot send source '
+                          'images to a reward server (they go with "images" only); drop them from the '
+                          "metadata or score images")
+    sources = None if video else split_sources(metadata)
     body = {
         "protocol": PROTOCOL_VERSION,
         "prompts": list(prompts),
-        "metadata": list(metadata),
+        "metadata": list(metadata) if sources is None else sources[0],
     }
-    if isinstance(images, VideoBatch):
+    if video:
         body["videos"] = [[encode_png_b64(frame) for frame in clip] for clip in images.uint8]
     else:
         body["images"] = [encode_png_b64(a) for a in images.uint8]
+        if sources is not None:
+            body["source_images"] = [encode_png_b64(a) for a in sources[1]]
+            body["source_index"] = sources[2]
     return json.dumps(body, default=str).encode("utf-8")
+
+
+def _source_index(raw: Any, n_images: int, n_sources: int) -> list[list[int]]:
+    """The validated "source_index": n_images lists of at most MAX_SOURCES_PER_IMAGE indices in
+    [0, n_sources); RequestError otherwise."""
+    if not isinstance(raw, list) or len(raw) != n_images:
+        raise RequestError(f'"source_index" must be a list of {n_images} lists (one per image)')
+    out = []
+    for i, row in enumerate(raw):
+        if not isinstance(row, list) or len(row) > MAX_SOURCES_PER_IMAGE:
+            raise RequestError(f'source_index {i} must be a list of at most {MAX_SOURCES_PER_IMAGE} indices')
+        for k in row:
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < n_sources:
+                raise RequestError(f"source_index {i} holds {str(k)[:20]!r}, not an index into the "
+                                   f"{n_sources} source_images")
+        out.append(list(row))
+    return out
 
 
 def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
@@ -179,7 +262,16 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
     if not isinstance(prompts, list) or not isinstance(images, list):
         raise RequestError(f'request needs "prompts" and "{key}" lists')
     if track == "video":
+        present = [k for k in ("source_images", "source_index") if k in req]
+        if present:
+            raise RequestError(f'"{present[0]}" goes with "images" only, but this server\'s scorer reads videos: '
+                               "send the videos without source images")
         return _decode_videos(prompts, images, metadata, limits)
+    sources = req.get("source_images")
+    if sources is not None and (not isinstance(sources, list) or not all(isinstance(x, str) for x in sources)):
+        raise RequestError('"source_images" must be a list of base64 PNG strings')
+    sources = sources or []
+    source_index = _source_index(req.get("source_index"), len(images), len(sources)) if sources else None
     if metadata is None:
         metadata = [{} for _ in prompts]
     if not isinstance(metadata, list):
@@ -195,30 +287,39 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
             raise RequestError(f"image {i} must be a base64 string, got {type(im).__name__}")
     raw: list[bytes] = []
     total = 0
-    for i, s in enumerate(images):
+    named = [(f"image {i}", s) for i, s in enumerate(images)] + \
+        [(f"source image {i}", s) for i, s in enumerate(sources)]
+    for what, s in named:
         try:
             data = base64.b64decode(s, validate=True)
         except (binascii.Error, ValueError) as e:
-            raise RequestError(f"image {i} is not base64: {e}") from None
+            raise RequestError(f"{what} is not base64: {e}") from None
         try:
             w, h = png_size(data)
         except ValueError as e:
-            raise RequestError(f"image {i} {e}") from None
+            raise RequestError(f"{what} {e}") from None
         if w * h > limits.max_image_pixels:
-            raise RequestError(f"image {i} is {w}x{h} = {w * h} pixels, more than --max-image-pixels="
+            raise RequestError(f"{what} is {w}x{h} = {w * h} pixels, more than --max-image-pixels="
                                f"{limits.max_image_pixels}", 413)
         total += w * h
         if total > limits.max_request_pixels:
             raise RequestError(f"the images hold more than --max-request-pixels={limits.max_request_pixels} "
-                               f"pixels together (image {i} reaches {total}); send fewer images per request", 413)
+                               f"pixels together ({what} reaches {total}); send fewer images per request", 413)
         raw.append(data)
     arrays = []
-    for i, data in enumerate(raw):
+    for (what, _), data in zip(named, raw):
         try:
             arrays.append(decode_png(data))
         except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a corrupt PNG
-            raise RequestError(f"image {i} is not a readable PNG: {type(e).__name__}: {str(e)[:200]}") from None
-    return ImageBatch(arrays), list(prompts), [dict(m or {}) for m in metadata]
+            raise RequestError(f"{what} is not a readable PNG: {type(e).__name__}: {str(e)[:200]}") from None
+    # a peer never names a scorer's source: whatever it put under the key is dropped (module docstring)
+    metadata = [{k: v for k, v in (m or {}).items() if k != SOURCE_IMAGES_KEY} for m in metadata]
+    if source_index is not None:
+        decoded = arrays[len(images):]
+        for m, row in zip(metadata, source_index):
+            if row:
+                m[SOURCE_IMAGES_KEY] = [decoded[k] for k in row]
+    return ImageBatch(arrays[:len(images)]), list(prompts), metadata
 
 
 def _decode_videos(prompts: list, videos: list, metadata: Any,
@@ -278,7 +379,9 @@ def _decode_videos(prompts: list, videos: list, metadata: Any,
                 raise RequestError(f"video {i} frame {j} is not a readable PNG: {type(e).__name__}: "
                                    f"{str(e)[:200]}") from None
         clips.append(np.stack(decoded))
-    return VideoBatch(clips), list(prompts), [dict(m or {}) for m in metadata]
+    # as for images: a peer never names a scorer's source (module docstring)
+    return VideoBatch(clips), list(prompts), [{k: v for k, v in (m or {}).items() if k != SOURCE_IMAGES_KEY}
+                                              for m in metadata]
 
 
 def encode_response(scores: Mapping[str, torch.Tensor]) -> bytes:
@@ -416,7 +519,12 @@ class RemoteScorer:
     def score(self, images: ImageBatch, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
         """Scores of one batch; a malformed answer is logged, counted and scored NaN (module docstring)."""
         components = self.components
-        data = encode_request(images, prompts, metadata)
+        data = encode_request(images, prompts, metadata)  # first: it refuses sources with a video batch
+        if has_sources(metadata) and self.info().get("source_images") is not True:
+            raise RewardEndpointError(
+                f"reward endpoint {self.name} (--reward-endpoint) does not accept source images (its GET has no "
+                '"source_images": true: an older reward server); an edit scorer there would never see the '
+                "source. Update the server (tools/reward_server.py) to this version")
         limits = self.info().get("limits")
         limit = limits.get("max_request_bytes") if isinstance(limits, dict) else None
         if isinstance(limit, int) and not isinstance(limit, bool) and len(data) > limit:

@@ -139,10 +139,12 @@ class VlmJudgeScorer:
         self._lock = threading.Lock()
 
     # -- one image ------------------------------------------------------------------------------
-    def request_body(self, png_b64: str, prompt: str) -> bytes:
+    def request_body(self, png_b64: str | list[str], prompt: str) -> bytes:
+        """One chat message: the image(s), in order (an edit judge shows source then edit), then the text."""
+        pngs = [png_b64] if isinstance(png_b64, str) else list(png_b64)
         body = {
             "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}},
+                *({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b}"}} for b in pngs),
                 {"type": "text", "text": self.template.format(prompt=prompt)},
             ]}],
             "max_tokens": self.max_tokens,
@@ -183,7 +185,7 @@ class VlmJudgeScorer:
         assert last is not None
         raise last
 
-    def _score_one(self, png_b64: str, prompt: str) -> float:
+    def _score_one(self, png_b64: str | list[str], prompt: str) -> float:
         try:
             return self.parse(self._ask(self.request_body(png_b64, prompt)))
         except _Failed as f:

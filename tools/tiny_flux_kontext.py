@@ -1,0 +1,96 @@
+"""Build a tiny, random-weight FLUX.1-Kontext pipeline directory, entirely offline.
+
+The directory has the layout of a real black-forest-labs/FLUX.1-Kontext-dev checkout
+(model_index.json naming FluxKontextPipeline, transformer/, vae/, text_encoder/ (CLIP-L),
+text_encoder_2/ (T5), tokenizer/, tokenizer_2/, scheduler/) and loads with
+`FluxKontextPipeline.from_pretrained(dir)`.
+
+Kontext is FLUX.1-dev's architecture: the source image is VAE-encoded, packed like the target
+latents and concatenated to the image tokens (with position ids whose first axis is 1), and the
+DiT's output over the source tokens is dropped. So every piece is tools/tiny_flux.py's tiny
+FLUX.1 (same configs, same seeds); only the pipeline class differs.
+
+    python tools/tiny_flux_kontext.py --output-dir tiny_kontext [--seed 0]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: this checkout's tools/trainer, not installed ones
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: black-forest-labs/FLUX.1-Kontext-dev's transformer/config.json equals FLUX.1-dev's
+#: (tools/bench_flux.py REAL_FLUX_TRANSFORMER_CONFIG: 19 + 38 blocks, width 3072, guidance
+#: embedding); its vae/, text encoders and scheduler/scheduler_config.json are FLUX.1-dev's too
+#: (tools/tiny_flux.py FLUX_DEV_SCHEDULER_CONFIG).
+KONTEXT_SAME_AS_FLUX_DEV = ("transformer", "vae", "text_encoder", "text_encoder_2", "scheduler")
+
+#: FluxKontextPipeline's defaults (diffusers 0.42): the output area max_area = 1024 ** 2, and with
+#: _auto_resize the source is resized to the nearest of Kontext's preferred resolutions (about one
+#: megapixel, multiples of 16); guidance_scale 3.5 goes into the guidance embedding.
+KONTEXT_MAX_AREA = 1024 ** 2
+KONTEXT_GUIDANCE_SCALE = 3.5
+
+
+def build_tiny_flux_kontext_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
+    """Write a complete tiny FluxKontextPipeline to `output_dir` (created; an existing
+    model_index.json there is overwritten) and return its path. Deterministic in `seed`; the
+    weights equal tools/tiny_flux.py's FLUX.1 ones of the same seed."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
+
+    from tools.tiny_flux import (
+        FLUX_DEV_SCHEDULER_CONFIG,
+        TINY_FLUX_TRANSFORMER_CONFIG,
+        TINY_FLUX_VAE_CONFIG,
+        build_clip_text_model,
+        build_clip_tokenizer,
+        build_t5_encoder,
+        build_t5_tokenizer,
+    )
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER_CONFIG)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(**TINY_FLUX_VAE_CONFIG)
+    if vae_output_gain != 1.0:
+        with torch.no_grad():
+            vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
+            vae.decoder.conv_out.bias.zero_()
+    tokenizer, tokenizer_2 = build_clip_tokenizer(), build_t5_tokenizer()
+    torch.manual_seed(seed + 2)
+    text_encoder = build_clip_text_model(tokenizer)
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = build_t5_encoder(tokenizer_2)
+    pipe = FluxKontextPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG), vae=vae,
+                               text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                               tokenizer_2=tokenizer_2, transformer=transformer)
+    pipe.save_pretrained(out, safe_serialization=True)
+    (out / "TINY_RANDOM_MODEL.json").write_text(json.dumps(
+        {"family": "flux_kontext", "seed": seed, "random_weights": True, "vae_output_gain": vae_output_gain},
+        indent=2) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    from trainer.cli import tool_parser
+
+    parser = tool_parser("tiny_flux_kontext", __doc__)
+    parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
+                        help="directory to write the pipeline to (created)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--vae-output-gain", type=float, default=1.0,
+                        help="scale of the VAE decoder's output convolution (1: plain random init)")
+    args = parser.parse_args(argv)
+    path = build_tiny_flux_kontext_pipeline(args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
+    print(f"wrote tiny FLUX.1-Kontext pipeline to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
