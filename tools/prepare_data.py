@@ -23,9 +23,10 @@ Every prompt is whitespace-normalised. Its sample id is ``<id-prefix>_<16 hex of
 hash>`` (trainer.data.stable_sample_id): stable across file names, shards and row order. Identical
 prompts therefore share an id, so repeats are written once and counted as duplicates. Empty prompts
 are skipped and counted; a malformed JSONL line or a missing column is an error naming the file
-(and line). The output is byte-for-byte reproducible, written to ``<output>.tmp`` and renamed
-over ``--output`` when complete: a failed run removes the ``.tmp``; one left by a killed run is
-reported and replaced by the next run.
+(and line). The output is byte-for-byte reproducible, written to a fresh temporary beside it
+(``<output>.<random>.tmp``) and renamed over ``--output`` when complete: a failed run removes the
+temporary; an ``<output>.tmp`` left by a killed run of an earlier version is reported and removed
+by the next successful run.
 """
 
 from __future__ import annotations
@@ -422,8 +423,10 @@ def _prepare(args: argparse.Namespace) -> int:
     if os.path.isdir(tmp):
         raise DataError(f"--output {args.output}: {tmp} (the temporary file this tool writes first) is a directory; "
                         "remove it or choose another --output")
-    if os.path.exists(tmp):
-        # only this tool writes <output>.tmp, and only until the rename: it is a killed run's
+    stale = os.path.lexists(tmp)
+    if stale:
+        # only this tool wrote <output>.tmp (earlier versions), and only until the rename: it is a
+        # killed run's. The writer now uses a fresh random name, so the leftover is removed below
         print(f"prepare_data: note: {tmp} is left from an interrupted run; it is replaced")
     edit_flags = {"--image-column": args.image_column, "--media-dir": args.media_dir, "--media-root": args.media_root}
     if args.source != "edit":
@@ -434,6 +437,8 @@ def _prepare(args: argparse.Namespace) -> int:
     else:
         counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix,
                          image_column=args.image_column, media_dir=args.media_dir, media_root=args.media_root)
+    if stale and not os.path.isdir(tmp):
+        os.unlink(tmp)  # a link is removed itself, never followed
     print(f"prepare_data: read {counts['read']} prompt(s) from {args.input}; wrote {counts['written']} "
           f"record(s) to {args.output}")
     if args.source == "edit":
