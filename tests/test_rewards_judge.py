@@ -76,12 +76,13 @@ def imgs(n):
 
 def test_judge_parses_scores_and_counts_failures_by_reason():
     answers = {"cat": "7", "dog": "Score: 2.5 / 10", "owl": "I cannot rate this image.", "eel": "42", "bee": "9"}
-    with stub_judge(answers, delay_s={"bee": 3.0}) as (url, state):
+    # a 1.5 s timeout: a loaded CI machine must not time out the prompt answers that come at once
+    with stub_judge(answers, delay_s={"bee": 6.0}) as (url, state):
         cfg = RewardConfig(reward_runtime="cpu", reward_scorer_path="vlm_judge", reward_judge_endpoint=url,
-                           reward_judge_model="Qwen2.5-VL-7B-Instruct", reward_judge_timeout_s=0.5,
+                           reward_judge_model="Qwen2.5-VL-7B-Instruct", reward_judge_timeout_s=1.5,
                            reward_judge_max_retries=1, reward_judge_max_concurrency=3)
         manager = reward_manager_from_config(cfg)
-        assert manager.scorer.timeout_s == 0.5 and manager.scorer.max_concurrency == 3
+        assert manager.scorer.timeout_s == 1.5 and manager.scorer.max_concurrency == 3
         manager.scorer.backoff_s = 0.01
         prompts = ["a cat", "a cat", "a dog", "a dog", "an owl", "an owl", "an eel", "an eel", "a bee", "a bee"]
         t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def test_judge_parses_scores_and_counts_failures_by_reason():
     assert all(r["model"] == "Qwen2.5-VL-7B-Instruct" and r["temperature"] == 0.0 for r in state["requests"])
     # the timed-out pair was tried twice each (retries = 1), the malformed ones once
     assert sum("bee" in json.dumps(r) for r in state["requests"]) == 4 and len(state["requests"]) == 12
-    assert elapsed < 5  # bounded by timeout x attempts, not by the slow server
+    assert elapsed < 5.5  # bounded by timeout x attempts (2 x 1.5 s), not by the slow server (6 s)
     # the run goes on: the failed groups are left out and counted, the others get advantages
     res = compute_advantages(out.components, 2, component_weights={"vlm_judge": 1.0})
     assert res.failed_groups == [2, 3, 4] and res.metrics["reward/num_groups"] == 2.0
