@@ -10,9 +10,9 @@ Build order (`parallelize`), each step before the next:
                                                                       --fsdp-param-dtype / --fsdp-reduce-dtype)
   6. _assert_trainable_boundary
 
-The update (`Actor.train_step`) is model-family independent: the caller supplies
-`replay_fn(model, rows) -> logp [b, S]` (in production, the adapter's replay_transitions over the
-trained-step columns) and the batch, a trainer.trajectory.Trajectory (anything whose
+The update (`Actor.train_step`) is model-family independent: the caller supplies a `ReplayFn`
+(in production models.base.Replay: the adapter's replay_transitions over the trained-step
+columns) and the batch, a trainer.trajectory.Trajectory (anything whose
 `batch[start:end]` is those candidates' rows will do).
 """
 
@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from trainer.core.names import is_lora_name, model_name
 from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_block_lists
 from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
 from trainer.ema import ParamEMA
-from trainer.flow_grpo import grpo_clip_loss, transition_kl
+from trainer.flow_grpo import TransitionMoments, grpo_clip_loss, transition_kl
 from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
 
@@ -41,7 +41,16 @@ log = logging.getLogger(__name__)
 
 #: |advantage| at or below this everywhere (all ranks) makes an update degenerate: skipped and counted
 ZERO_ADVANTAGE = 1e-8
-ReplayFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class ReplayFn(Protocol):
+    """replay_fn(model, rows) -> logp [b, S] fp32 of every trained-step column of the rows;
+    replay_fn.moments(model, rows) -> flow_grpo.TransitionMoments of the same forward, needed only
+    with the KL to the reference (--use-kl-loss). A plain function is a ReplayFn without the KL."""
+
+    def __call__(self, model: nn.Module, rows: Any) -> torch.Tensor: ...
+
+    def moments(self, model: nn.Module, rows: Any) -> TransitionMoments: ...
 
 
 class OffloadError(RuntimeError):
@@ -630,7 +639,7 @@ class Actor:
                 rows = batch[s:e]
                 if self.kl_coef:
                     ref_mean = self._reference_means(rows, replay_fn)
-                    logp, mean, std = replay_fn(self.model, rows, moments=True)
+                    logp, mean, std = replay_fn.moments(self.model, rows)
                     kl = transition_kl(mean.flatten(0, 1), ref_mean.flatten(0, 1),
                                        std.reshape(-1, *([1] * (mean.dim() - 2)))).view(logp.shape)
                 else:
@@ -716,7 +725,7 @@ class Actor:
         """Transition means [b, S, ...] of the reference policy: the same model with its LoRA
         adapter disabled (the base weights; no extra memory, one more no_grad forward)."""
         with lora_disabled(self.model):
-            return replay_fn(self.model, rows, moments=True)[1]
+            return replay_fn.moments(self.model, rows).mean
 
     def _backward_microbatch(self, logp: torch.Tensor, anchor: torch.Tensor | None, adv: torch.Tensor,
                              plan: "UpdatePlan", u: int, s: int, e: int, stats: "UpdateStats",

@@ -21,7 +21,7 @@ from trainer.core.modules import model_has_lora
 from trainer.core.names import model_name
 from trainer.flow_grpo import replay_transition_logp
 from trainer.models.qwen_image import QwenImageAdapter
-from trainer.trajectory import Trajectory
+from trainer.trajectory import Geometry, SamplerSettings, Trajectory
 
 #: the 8 attention projections LoRA targets on Qwen-Image
 LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -93,8 +93,8 @@ def make_batch(n: int, seed: int = 0, device: str | torch.device = "cpu") -> Tra
         metadata=[{} for _ in range(n)], latents=lat, next_latents=nxt, timesteps=sig * 1000, sigmas=sig,
         sigmas_next=sig_next, log_probs=torch.zeros(n, SDE_STEPS),
         conditions={"prompt_embeds": emb, "prompt_embeds_mask": mask}, sde_indices=list(range(1, SDE_STEPS + 1)),
-        height=8 * LATENT_HW, width=8 * LATENT_HW, vae_scale_factor=4, num_inference_steps=SDE_STEPS + 2,
-        eta=0.7).validate().to(device)
+        geometry=Geometry(8 * LATENT_HW, 8 * LATENT_HW, 4),
+        sampler=SamplerSettings(num_inference_steps=SDE_STEPS + 2, eta=0.7)).validate().to(device)
 
 
 def replay(model: nn.Module, b: Trajectory, eta: float = 0.7) -> torch.Tensor:
