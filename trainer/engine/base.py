@@ -8,6 +8,7 @@ commits the version only after the caller's verification succeeds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
@@ -18,12 +19,34 @@ from trainer.core.manifest import WeightManifest, WeightSyncError  # noqa: F401
 from trainer.trajectory import EMBEDDED_GUIDANCE, RolloutRequest, Trajectory  # noqa: F401
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine class can sample, declared on the class (`capabilities`) so that preflight
+    asks the engine instead of knowing each engine's limits. Every missing capability carries the
+    reason preflight quotes (`reasons`, keyed "families", "true_cfg", "sde_types", "kernels")."""
+
+    #: the engine's name in messages
+    name: str
+    #: the --model-adapter-path dotpaths it serves; None: every family
+    families: tuple[str, ...] | None = None
+    #: true CFG (guidance_scale > 1: conditional and unconditional rows)
+    true_cfg: bool = True
+    #: the --sampling-config sde_type values it samples
+    sde_types: tuple[str, ...] = ("sde", "dance", "cps")
+    #: the native kernels options --rollout-compile / --rollout-precision fp8
+    compile: bool = True
+    fp8: bool = True
+    reasons: dict[str, str] = field(default_factory=dict, hash=False)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """In-process generation engine."""
 
     #: the policy version of the weights currently loaded (0 = as loaded from disk)
     policy_version: int
+    #: what it can sample (a class attribute: preflight reads it without building the engine)
+    capabilities: EngineCapabilities
 
     def generate(self, requests: list[RolloutRequest]) -> Trajectory:
         """Generate every request; one trajectory row per request, same order (trainer.trajectory:

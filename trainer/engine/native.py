@@ -51,8 +51,8 @@ from trainer.core.names import is_lora_name, strip_wrapper_segments
 from trainer.host_arena import HostArena, typed_view
 from trainer.models.base import with_negative
 from trainer.trajectory import Geometry
-from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
-                                 Trajectory, check_names_shapes, check_one_geometry, check_request,
+from trainer.engine.base import (ENGINE_MODULES, EngineCapabilities, EngineMemoryState, RolloutRequest,
+                                 WeightManifest, WeightSyncError, Trajectory, check_names_shapes, check_one_geometry, check_request,
                                  embedded_guidance_condition, rollout_trajectory)
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,9 @@ class NativeEngine(EngineMemoryState):
     precision: "default" (every module in `dtype`) or "fp8": the DiT blocks' linear layers run
       as FP8 GEMMs (trainer/core/fp8.py), re-quantized after every weight sync.
     """
+
+    #: every family, true CFG, every sde_type, compiled blocks and FP8 GEMMs
+    capabilities = EngineCapabilities(name="the native engine")
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int | None = None, revision: str | None = None, adapter: Any = None,
