@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from trainer.config import FsdpConfig, GrpoConfig, LoraConfig, OptimConfig
 from trainer.core.dtypes import resolve_dtype
 from trainer.core.names import is_lora_name, model_name
 from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_block_lists
@@ -176,12 +177,12 @@ def _assert_trainable_boundary(model: nn.Module, mode: str, never_trained: Itera
         raise RuntimeError(f"trainable boundary violated under --fsdp-trainable-mode {mode}: {shown}")
 
 
-def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None = None, *,
+def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraConfig | None = None, *,
                       adapter: Any | None = None,
                       activation_checkpointing_every: int = 1) -> tuple[nn.Module, dict | None, list[str]]:
     """Steps 1-6 of the module docstring. Returns (sharded model, lora_config or None, never-trained names).
 
-    fsdp / lora: the cfg.fsdp / cfg.lora sections (duck-typed).
+    fsdp / lora: the run's typed cfg.fsdp / cfg.lora sections.
     adapter: the model family's adapter (models/base.py): its lora_target_modules are the LoRA
     targets when --lora-target-modules is unset, and its never_trained_param_names(model) are the
     parameters frozen in step 2. None: no default targets, nothing family-specific frozen.
@@ -215,7 +216,7 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None =
                 reshard_after_forward=not fsdp.no_fsdp_reshard_after_forward,
                 activation_checkpointing=fsdp.fsdp_activation_checkpointing,
                 cpu_offload=fsdp.fsdp_cpu_offload, activation_checkpointing_every=activation_checkpointing_every,
-                compile_blocks=bool(getattr(fsdp, "fsdp_compile", False)))
+                compile_blocks=bool(fsdp.fsdp_compile))
     _assert_trainable_boundary(model, mode, dead)
     return model, lora_config, dead
 
@@ -489,28 +490,30 @@ class _StorageOffload:
 # ----------------------------------------------------------------------------------------------
 # the actor
 
-def _sec(cfg: Any, name: str) -> Any:
-    sec = getattr(cfg, name, None)
-    if sec is None:
-        raise ValueError(f"config has no section {name!r}")
-    return sec
+class ActorConfig(Protocol):
+    """The config sections the actor reads (a RunConfig has them; tools/bench.py builds just these)."""
+
+    fsdp: FsdpConfig
+    lora: LoraConfig
+    optim: OptimConfig
+    grpo: GrpoConfig
 
 
 class Actor:
     """The FSDP2-sharded trainable transformer, its AdamW, the FlowGRPO update and offload.
 
     model: the sharded module (already built by build_train_model, or built here from `model`).
-    cfg: needs sections fsdp, lora, optim, grpo (duck-typed).
+    cfg: its typed sections fsdp, lora, optim, grpo (ActorConfig; a RunConfig).
     adapter: the model family's adapter, asked for LoRA targets and never-trained parameters
       (build_train_model).
     total_optimizer_steps: the decay length when --lr-decay-iters is unset.
     """
 
-    def __init__(self, model: nn.Module, mesh: Any, cfg: Any, *, device: torch.device,
+    def __init__(self, model: nn.Module, mesh: Any, cfg: ActorConfig, *, device: torch.device,
                  adapter: Any | None = None, total_optimizer_steps: int | None = None,
                  built: bool = False, lora_config: dict | None = None, never_trained: Sequence[str] = ()) -> None:
         self.cfg = cfg
-        self.fsdp, self.lora, self.optim, self.grpo = (_sec(cfg, n) for n in ("fsdp", "lora", "optim", "grpo"))
+        self.fsdp, self.lora, self.optim, self.grpo = cfg.fsdp, cfg.lora, cfg.optim, cfg.grpo
         self.mesh = mesh
         self.device = torch.device(device)
         if built:
@@ -538,14 +541,13 @@ class Actor:
         self._optim_off = _StorageOffload()
         #: the EMA of the trainable parameters (--ema-decay > 0), or None; starts equal to them
         self.ema: ParamEMA | None = None
-        decay = float(getattr(o, "ema_decay", 0.0) or 0.0)
-        if decay > 0:
-            self.ema = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), decay,
-                                int(getattr(o, "ema_update_interval", 1) or 1))
+        if o.ema_decay > 0:
+            self.ema = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad),
+                                float(o.ema_decay), int(o.ema_update_interval))
 
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
-    def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: Any, *, device: torch.device,
+    def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: ActorConfig, *, device: torch.device,
                      total_optimizer_steps: int | None = None, revision: str | None = None,
                      load_timings: list[float] | None = None) -> "Actor":
         """Load the adapter's train model in --fsdp-param-dtype (in waves), build and shard it.
@@ -553,7 +555,7 @@ class Actor:
         The adapter returns the trainable module itself (--fsdp-trainable-attr names it in the
         model bundle; the frozen text encoder / VAE are the engine's). `load_timings` receives
         the load's per-wave wall times (load_in_waves)."""
-        fsdp = _sec(cfg, "fsdp")
+        fsdp = cfg.fsdp
         load_dtype = resolve_dtype(fsdp.fsdp_param_dtype)
         model = load_in_waves(lambda: adapter.load_train_model(model_path, dtype=load_dtype, revision=revision),
                               int(fsdp.fsdp_load_wave_size or 0), load_timings)
@@ -718,7 +720,7 @@ class Actor:
     def kl_coef(self) -> float:
         """The KL-to-reference weight in the loss (0: no KL term, no reference forward)."""
         g = self.grpo
-        return float(getattr(g, "kl_coef", 0.0) or 0.0) if getattr(g, "use_kl_loss", False) else 0.0
+        return float(g.kl_coef or 0.0) if g.use_kl_loss else 0.0
 
     @torch.no_grad()
     def _reference_means(self, rows: Any, replay_fn: ReplayFn) -> torch.Tensor:
@@ -749,7 +751,7 @@ class Actor:
             idx = plan.partial_rows[(s, e)].to(logp.device)
             lp, op, ad = logp.index_select(0, idx), anchor.index_select(0, idx), adv[s:e].index_select(0, idx)
             kl = None if kl is None else kl.index_select(0, idx)
-        loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, getattr(g, "eps_clip_high", None))
+        loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, g.eps_clip_high)
         if kl is not None:
             st["kl_ref"] = kl.detach().mean()
             loss = loss + self.kl_coef * kl.mean()

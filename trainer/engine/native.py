@@ -52,8 +52,8 @@ from trainer.host_arena import HostArena, typed_view
 from trainer.models.base import with_negative
 from trainer.trajectory import Geometry
 from trainer.engine.base import (ENGINE_MODULES, EngineCapabilities, EngineMemoryState, RolloutRequest,
-                                 WeightManifest, WeightSyncError, Trajectory, check_names_shapes, check_one_geometry, check_request,
-                                 embedded_guidance_condition, rollout_trajectory)
+                                 WeightManifest, WeightSyncError, Trajectory, check_names_shapes, check_one_geometry,
+                                 check_request, embedded_guidance_condition, rollout_trajectory)
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from trainer.sampling import SamplingConfig
 from trainer.trajectory import Geometry, RolloutRequest, SamplerSettings, Trajectory
 
 # Only tasks with a working replay path are listed here.
@@ -135,9 +136,9 @@ def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None) -> A
     return model.eval()
 
 
-def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
-                             sde_indices: list[int], sigmas: list[float], generation_seed: int,
-                             metadata: dict | None = None) -> RolloutRequest:
+def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample_id: str,
+                             sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                             generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
     """One candidate as an engine RolloutRequest under the shared invariants of trainer.sampling
     (what every family's build_rollout_request checks; a family adds its own checks first).
 
@@ -146,13 +147,12 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
     num_inference_steps + 1 values. guidance_scale > 1 carries the sampling config's
     negative_prompt and cfg_renorm (true CFG).
     """
-    from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
-                                  trained_steps_problem)
+    from trainer.sampling import guidance_scale_problem, sigma_count_problem, step_zero_problem, trained_steps_problem
 
-    guidance = float(getattr(sampling, "guidance_scale", 1.0))
+    guidance = float(sampling.guidance_scale)
     n = int(sampling.num_inference_steps)
     steps = sorted({int(i) for i in sde_indices})
-    sde_type = getattr(sampling, "sde_type", "sde")
+    sde_type = sampling.sde_type
     for where, problem in (
         (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
         (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
@@ -161,7 +161,7 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
     ):
         if problem:
             raise ValueError(f"{where} {problem}")
-    shape = getattr(sampling, "init_noise_latent_shape", None)
+    shape = sampling.init_noise_latent_shape
     return RolloutRequest(
         prompt=prompt,
         group_index=int(group_index),
@@ -174,10 +174,10 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
         sde_indices=steps,
         eta=float(sampling.eta),
         sde_type=sde_type,
-        sigma_max=float(getattr(sampling, "sigma_max", 0.99)),
+        sigma_max=float(sampling.sigma_max),
         guidance_scale=guidance,
-        negative_prompt=str(getattr(sampling, "negative_prompt", " ")),
-        cfg_renorm=bool(getattr(sampling, "cfg_renorm", True)),
+        negative_prompt=str(sampling.negative_prompt),
+        cfg_renorm=bool(sampling.cfg_renorm),
         generation_seed=int(generation_seed),
         metadata=dict(metadata or {}),
         init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
@@ -194,7 +194,7 @@ class GenerativeModelAdapter(Protocol):
         """Load only the trainable transformer (frozen text encoder / VAE belong to the engine)."""
 
     def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
-                              sampling: Any, sde_indices: list[int], sigmas: list[float],
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
                               generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
         """Turn one candidate into an engine RolloutRequest; guidance_scale != 1.0 raises."""
 
@@ -344,9 +344,9 @@ class FamilyAdapter:
 
     # -- rollout --------------------------------------------------------------------------
 
-    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
-                              sde_indices: list[int], sigmas: list[float], generation_seed: int,
-                              metadata: dict | None = None) -> RolloutRequest:
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
         """One candidate as an engine RolloutRequest (standard_rollout_request: raises ValueError
         for a guidance below 1, an empty / out-of-range trained-step set, a trained step 0 under
         sde_type "sde", a sigma list that is not num_inference_steps + 1 long)."""
@@ -434,8 +434,8 @@ class FamilyAdapter:
                                  rollout_dtype=recorded.dtype)
         sp = batch.sampler
         replay = replay_columns_moments if moments else replay_columns_logp
-        return replay(recorded, next_latents, velocity, rows(batch.sigmas).to(device), rows(batch.sigmas_next).to(device),
-                      b, s, eta=float(sp.eta), sde_type=sp.sde_type, sigma_max=float(sp.sigma_max))
+        return replay(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
+                      rows(batch.sigmas_next).to(device), b, s, eta=float(sp.eta), sde_type=sp.sde_type, sigma_max=float(sp.sigma_max))
 
     # -- the actor's side -----------------------------------------------------------------
 

@@ -31,6 +31,7 @@ import torch
 # the 2 x 2 packing is every packed family's (models.base); importable from here too
 from trainer.models.base import (ATTENTION_LORA_TARGETS, FamilyAdapter, check_pipeline_dir,  # noqa: F401
                                  load_checked_transformer, pack_latents, packed_grid, unpack_latents)
+from trainer.sampling import SamplingConfig
 from trainer.trajectory import EMBEDDED_GUIDANCE, Geometry, RolloutRequest, SamplerSettings
 
 #: the attention projections of every block, as diffusers names them: a double-stream block has
@@ -297,9 +298,9 @@ class FluxAdapter(FamilyAdapter):
 
     # -- rollout --------------------------------------------------------------------------
 
-    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
-                              sde_indices: list[int], sigmas: list[float], generation_seed: int,
-                              metadata: dict | None = None):
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None):
         """One candidate as an engine RolloutRequest: guidance_scale becomes the request's
         embedded_guidance and its true-CFG scale stays 1.0 (`_GUIDANCE_MEANING`). Raises
         ValueError for a guidance below 1, an empty / out-of-range trained-step set, a trained

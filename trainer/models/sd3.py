@@ -23,6 +23,7 @@ import torch
 from trainer.core.names import model_name
 from trainer.models.base import (ATTENTION_LORA_TARGETS, FamilyAdapter, check_pipeline_dir, load_checked_transformer,
                                  split_negative)
+from trainer.sampling import SamplingConfig
 from trainer.trajectory import Geometry, RolloutRequest, SamplerSettings, Trajectory
 
 #: the attention projections of both streams of every joint block, as diffusers names them; the
@@ -273,12 +274,12 @@ class SD3Adapter(FamilyAdapter):
 
     # -- rollout --------------------------------------------------------------------------
 
-    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
-                              sde_indices: list[int], sigmas: list[float], generation_seed: int,
-                              metadata: dict | None = None) -> RolloutRequest:
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
         """One candidate as an engine RolloutRequest (models.base.standard_rollout_request) after
         refusing cfg_renorm under CFG, a rescale this family's pipeline does not have."""
-        if float(getattr(sampling, "guidance_scale", 1.0)) > 1.0 and bool(getattr(sampling, "cfg_renorm", True)):
+        if float(sampling.guidance_scale) > 1.0 and sampling.cfg_renorm:
             raise ValueError("--sampling-config cfg_renorm is true, but StableDiffusion3Pipeline's CFG has no rescale "
                              "(it is QwenImagePipeline's); set cfg_renorm false for this family")
         return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
