@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the engine protocol sits above the families: an adapter builds what an engine consumes
     # (trajectory.RolloutRequest) and never needs the engine's side
     ("engines", ("trainer.engine",)),
-    ("actor", ("trainer.actor", "trainer.rollout", "trainer.checkpoint")),
+    ("actor", ("trainer.train_model", "trainer.actor", "trainer.rollout", "trainer.checkpoint")),
     ("sync", ("trainer.weight_sync",)),
     ("colocation", ("trainer.colocation",)),
     ("driver", ("trainer.preflight", "trainer.loop", "trainer.train", "trainer.cli", "trainer")),

@@ -1103,7 +1103,7 @@ def _update_fits(c: Ctx, actor) -> bool:
     collective)."""
     if c.device.type != "cuda":
         return True
-    from trainer.actor import _local
+    from trainer.train_model import local_shard as _local
 
     local = sum(_local(p).numel() * _local(p).element_size() for p in actor.model.parameters())
     need = 4 * local * 1.1 + 8e9

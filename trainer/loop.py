@@ -191,7 +191,7 @@ def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> An
     Collective, like every sync."""
     import copy
 
-    from trainer.actor import reshard_all
+    from trainer.train_model import reshard_all
 
     def hand_over(swap: bool) -> None:
         was_off = actor.offloaded
@@ -217,7 +217,7 @@ def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> An
 
 def weights_fingerprint(model: torch.nn.Module) -> float:
     """abs-sum of the trainable weights over all ranks (a full reduction: debug only)."""
-    from trainer.actor import _local
+    from trainer.train_model import local_shard as _local
     from trainer.distributed import all_reduce_sum, collective_device
 
     total = torch.zeros((), dtype=torch.float64, device=collective_device())
@@ -272,7 +272,8 @@ class Trainer:
     """Everything one rank holds: the actor, the engine, the scorer, the data order."""
 
     def __init__(self, cfg: Any, info: Any, recipe_name: str = "run") -> None:
-        from trainer.actor import Actor, load_in_waves
+        from trainer.actor import Actor
+        from trainer.train_model import load_in_waves
         from trainer.core.dtypes import resolve_dtype
         from trainer.data import PromptDataset, load_eval_sets
         from trainer.distributed import build_mesh
