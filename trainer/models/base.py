@@ -439,6 +439,25 @@ class FamilyAdapter:
 
     # -- the actor's side -----------------------------------------------------------------
 
+    def autoencoder_kl_modules(self, path: Path, *, dtype: Any, device: Any, text_encoder: Any,
+                               tokenizer: Any) -> dict[str, Any]:
+        """load_rollout_modules' dict for a family with a diffusers AutoencoderKL, the text
+        encoders and tokenizers already loaded: scheduler_config, then the transformer and the
+        VAE, each moved to `device` as soon as it is loaded."""
+        from diffusers import AutoencoderKL
+
+        from trainer.sampling import load_scheduler_config
+
+        return {
+            "scheduler_config": load_scheduler_config(str(path)),
+            "transformer": self.load_transformer(path, dtype=dtype).to(device),
+            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
+                                                 local_files_only=True).to(device),
+            "text_encoder": text_encoder,
+            "tokenizer": tokenizer,
+            "path": path,
+        }
+
     def never_trained_param_names(self, model: Any) -> list[str]:
         """[]: no parameter's output is discarded (a family whose last block drops an output overrides)."""
         return []

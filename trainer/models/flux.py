@@ -211,10 +211,7 @@ class FluxAdapter(FamilyAdapter):
         """transformer, vae, text_encoder (an nn.ModuleDict: "clip" CLIPTextModel, "t5"
         T5EncoderModel), tokenizer ({"clip", "t5"}) and scheduler_config from a local diffusers
         FLUX.1 directory, each module moved to `device` as soon as it is loaded."""
-        from diffusers import AutoencoderKL
         from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
-
-        from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, self.rollout_subfolders)
         encoders = torch.nn.ModuleDict({
@@ -222,16 +219,10 @@ class FluxAdapter(FamilyAdapter):
                                                   local_files_only=True).to(device),
             "t5": T5EncoderModel.from_pretrained(str(path / "text_encoder_2"), dtype=dtype,
                                                  local_files_only=True).to(device)})
-        return {
-            "scheduler_config": load_scheduler_config(str(path)),
-            "transformer": load_flux_transformer(path, dtype=dtype).to(device),
-            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
-                                                 local_files_only=True).to(device),
-            "text_encoder": encoders,
-            "tokenizer": {"clip": CLIPTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
-                          "t5": AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)},
-            "path": path,
-        }
+        tokenizers = {"clip": CLIPTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
+                      "t5": AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)}
+        return self.autoencoder_kl_modules(path, dtype=dtype, device=device, text_encoder=encoders,
+                                           tokenizer=tokenizers)
 
     def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
         """encode(prompts, device, max_sequence_length) -> {"prompt_embeds": [B, T, D] (T5, padded

@@ -175,26 +175,17 @@ class SD3Adapter(FamilyAdapter):
         """transformer, vae, the three text encoders as one nn.ModuleDict, the three tokenizers
         (a dict) and scheduler_config from a local diffusers SD3 directory; each module moved to
         `device` as it is loaded."""
-        from diffusers import AutoencoderKL
         from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
-
-        from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, self.rollout_subfolders)
         encoders = torch.nn.ModuleDict()
         for name, cls in zip(TEXT_ENCODERS, (CLIPTextModelWithProjection, CLIPTextModelWithProjection,
                                              T5EncoderModel)):
             encoders[name] = cls.from_pretrained(str(path / name), dtype=dtype, local_files_only=True).to(device)
-        return {
-            "scheduler_config": load_scheduler_config(str(path)),
-            "transformer": load_sd3_transformer(path, dtype=dtype).to(device),
-            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
-                                                 local_files_only=True).to(device),
-            "text_encoder": encoders,
-            "tokenizer": {name: AutoTokenizer.from_pretrained(str(path / name), local_files_only=True)
-                          for name in TOKENIZERS},
-            "path": path,
-        }
+        tokenizers = {name: AutoTokenizer.from_pretrained(str(path / name), local_files_only=True)
+                      for name in TOKENIZERS}
+        return self.autoencoder_kl_modules(path, dtype=dtype, device=device, text_encoder=encoders,
+                                           tokenizer=tokenizers)
 
     # -- the engine's side -----------------------------------------------------------------
 
