@@ -186,73 +186,66 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
 
 @runtime_checkable
 class GenerativeModelAdapter(Protocol):
+    """What the runtime calls on a family (docs/architecture.md has the table with the callers;
+    FamilyAdapter implements the shared members and documents each).
+
+    Conditioning travels as a dict of named tensors, never as a fixed tuple: Qwen-Image's is
+    {"prompt_embeds", "prompt_embeds_mask"}, SD3's {"prompt_embeds", "pooled_prompt_embeds"}. A
+    per-prompt dict holds rows without the batch dimension; a batch dict holds [B, ...] tensors
+    and becomes the Trajectory's `conditions`; true CFG adds the unconditional conditioning under
+    the same names prefixed "negative_". A token sequence X padded to a common length carries its
+    mask as X_mask [B, T] int64 (Trajectory.cat pads by that rule). Optional: cudnn_attention =
+    False turns cuDNN's fused attention off in the training process (apply_attention_policy)."""
+
     family: str
     #: module-name suffixes LoRA is applied to when --lora-target-modules is unset
     lora_target_modules: tuple[str, ...]
+    #: text tokens the prompt encoder keeps when the engine is given no max_sequence_length
+    max_sequence_length: int
+
+    # -- the actor's and the loop's side ----------------------------------------------------
 
     def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None) -> Any:
-        """Load only the trainable transformer (frozen text encoder / VAE belong to the engine)."""
+        """Only the trainable transformer (frozen text encoder / VAE belong to the engine)."""
+
+    def never_trained_param_names(self, model: Any) -> list[str]:
+        """Wrapper-free names of parameters whose output the family discards (the actor freezes them)."""
 
     def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
                               sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
                               generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
-        """Turn one candidate into an engine RolloutRequest; guidance_scale != 1.0 raises."""
+        """One candidate as a RolloutRequest; invalid sampling settings raise ValueError."""
 
     def validate_trajectory(self, traj: Trajectory) -> None:
-        """Raise ValueError when an engine's trajectory.Trajectory does not fit this family (its
-        generic shape checks, Trajectory.validate, plus the family's latent layout and conditions)."""
-
-    def replay_transition(self, transformer: Any, batch: Trajectory, step: int) -> Any:
-        """Log-prob [B] (fp32) of the recorded transition of trained-step column `step` of a
-        Trajectory, recomputed through `transformer` with the same math the sampler used."""
+        """Raise ValueError when an engine's Trajectory does not fit this family."""
 
     def replay_transitions(self, transformer: Any, batch: Trajectory) -> Any:
-        """Log-probs [B, S] (fp32) of every trained-step column at once (what the update calls);
-        equal to S replay_transition calls up to batch-size-dependent rounding."""
+        """Log-probs [B, S] (fp32) of every trained-step column, with the sampler's math and call."""
 
     def replay_moments(self, transformer: Any, batch: Trajectory) -> Any:
-        """flow_grpo.TransitionMoments (log-probs, transition means, stds) of replay_transitions'
-        forward: what the KL to a reference policy needs."""
+        """flow_grpo.TransitionMoments of replay_transitions' forward (the KL's inputs)."""
 
-    def never_trained_param_names(self, model: Any) -> list[str]:
-        """Parameters (wrapper-free model names) of the train model whose output the family
-        discards, so they can never receive a gradient; the actor freezes exactly these. [] when
-        there are none."""
+    def replay_transition(self, transformer: Any, batch: Trajectory, step: int) -> Any:
+        """Log-prob [B] (fp32) of trained-step column `step`."""
 
-    # -- the engine's side (engine/native.py is generic over these) ----------------------------
-    #
-    # Conditioning travels as a dict of named tensors, never as a fixed tuple: Qwen-Image's is
-    # {"prompt_embeds", "prompt_embeds_mask"}, SD3's {"prompt_embeds", "pooled_prompt_embeds"}.
-    # A per-prompt dict holds rows without the batch dimension; a batch dict holds [B, ...]
-    # tensors and becomes the Trajectory's `conditions`; true CFG adds the unconditional
-    # conditioning under the same names prefixed "negative_". A token sequence X padded to a
-    # common length carries its mask as X_mask [B, T] int64 (Trajectory.cat pads by that rule).
+    def weight_name_map(self, name: str) -> str:
+        """Training-side parameter name -> the engine's name."""
 
-    #: text tokens the prompt encoder keeps when the engine is given no max_sequence_length
-    max_sequence_length: int
-    # optional: cudnn_attention = False turns cuDNN's fused attention off in the training process
-    # (apply_attention_policy), for a family whose attention backward fails there
+    # -- the engine's side (engine/native.py is generic over these) -------------------------
 
     def load_rollout_modules(self, model_path: str, *, dtype: Any, device: Any) -> dict[str, Any]:
-        """The frozen pipeline from a local directory: "transformer", "vae", "text_encoder" (one
-        nn.Module; a family with several encoders returns an nn.ModuleDict of them), "tokenizer"
-        (whatever the prompt encoder takes) and "scheduler_config" (a dict), modules already on
-        `device` in `dtype`."""
+        """"transformer", "vae", "text_encoder" (one nn.Module), "tokenizer", "scheduler_config"
+        from a local directory, modules on `device` in `dtype`."""
 
     def prompt_encoder(self, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any,
                        scheduler_config: dict) -> Any:
-        """A callable encode(prompts, device, max_sequence_length) -> dict name -> [B, ...] tensor:
-        the conditioning of each prompt encoded as the family's pipeline encodes it (masks, if
-        any, int64 with 1 = real token)."""
+        """encode(prompts, device, max_sequence_length) -> {name: [B, ...]}, as the pipeline encodes."""
 
     def batch_conditions(self, rows: Any) -> dict[str, Any]:
-        """Per-candidate condition dicts (each entry without the batch dimension, as one row of
-        the prompt encoder's output) -> one batch dict of [B, ...] tensors (the family decides
-        which entries are padded and carries their masks)."""
+        """Per-candidate condition dicts -> one batch dict of [B, ...] tensors (padded where needed)."""
 
     def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, geometry: Geometry) -> list[float]:
-        """The N + 1 sigmas (terminal 0 included) the family's pipeline samples with at the
-        geometry's size, bit-exact with its scheduler (float32 values as python floats)."""
+        """The N + 1 sigmas (terminal 0 included) of the family's pipeline, bit-exact."""
 
     def latent_geometry(self, vae: Any) -> tuple[int, int]:
         """(vae_scale_factor, latent channels) of the VAE."""
@@ -262,18 +255,13 @@ class GenerativeModelAdapter(Protocol):
 
     def velocity(self, transformer: Any, x: Any, t: Any, conditions: dict[str, Any], geometry: Geometry,
                  sampler: SamplerSettings, *, rollout_dtype: Any = None) -> Any:
-        """The DiT's velocity for latents x at scheduler timesteps t [B] fp32 (sigma x
-        num_train_timesteps) under a batch conditions dict: the ONE call the engine samples with
-        and the replay recomputes. sampler.guided: true CFG (`conditions` holds the conditional
-        entries and their "negative_" partners; both rows in one forward, combined).
-        rollout_dtype: the dtype the engine sampled in (the replay's recorded latents' dtype;
-        None: x's), for a family that rounds its timestep through it."""
+        """The DiT's velocity at scheduler timesteps t [B] fp32 (sigma x num_train_timesteps): the
+        ONE call the engine samples with and the replay recomputes. sampler.guided: true CFG, the
+        conditional and "negative_" rows in one forward. rollout_dtype: the dtype the engine
+        sampled in (None: x's), for a family that rounds its timestep through it."""
 
     def decode(self, vae: Any, latents: Any, geometry: Geometry) -> Any:
         """Final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU."""
-
-    def weight_name_map(self, name: str) -> str:
-        """Map a training-side parameter name to the engine's name."""
 
 
 # ----------------------------------------------------------------------------- the shared part
