@@ -15,7 +15,8 @@ import torch
 
 from tests.dist.tiny import (ADAPTER, LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state, one_rank_mesh,
                              replay, tiny_transformer)
-from trainer.actor import Actor, OffloadError, _assert_trainable_boundary, plan_updates
+from trainer.actor import Actor, OffloadError, plan_updates
+from trainer.train_model import _assert_trainable_boundary
 from trainer.core.checksum import weights_checksum
 from trainer.core.manifest import WeightManifest, WeightSyncError, build_manifest, name_shape_hash, verify_manifest
 from trainer.core.names import model_name, strip_wrapper_segments

@@ -12,7 +12,7 @@ import torch
 from trainer import artifacts
 from trainer.artifacts import ArtifactError
 from trainer.sampling import parse_sampling_config
-from trainer.trajectory import Trajectory
+from trainer.trajectory import Geometry, SamplerSettings, Trajectory
 
 SAMPLING = parse_sampling_config({"height": 32, "width": 32, "num_inference_steps": 4, "eta": 0.7,
                                   "sde_indices": [1, 2]})
@@ -37,7 +37,7 @@ def fake_group(group_index=3, k=3, s=2, seq=4, ch=16, t=5, d=16, dtype=torch.bfl
         sigmas=torch.tensor([0.9, 0.7]).repeat(k, 1), sigmas_next=torch.tensor([0.7, 0.5]).repeat(k, 1),
         timesteps=torch.tensor([900.0, 700.0]).repeat(k, 1), log_probs=torch.randn(k, s, generator=g),
         conditions={"prompt_embeds": embeds.repeat(k, 1, 1), "prompt_embeds_mask": mask.repeat(k, 1)},
-        sde_indices=[1, 2], height=32, width=32, vae_scale_factor=8, num_inference_steps=4, eta=0.7,
+        sde_indices=[1, 2], geometry=Geometry(32, 32, 8), sampler=SamplerSettings(num_inference_steps=4, eta=0.7),
     ).validate()
 
 
@@ -79,6 +79,24 @@ def test_sidecar_round_trip(tmp_path):
     joined = Trajectory.cat([back, longer])
     assert torch.equal(joined.prompt_embeds[:3], group.prompt_embeds)
     assert torch.equal(joined.prompt_embeds_mask[:3], group.prompt_embeds_mask)
+
+
+def test_a_sidecar_carries_its_geometry_and_sampler_settings(tmp_path):
+    """The sidecar records the trajectory's Geometry (frames and media in the metadata) and
+    SamplerSettings; one written before frames / media existed still loads (an image, no
+    media); one without its eta cannot be replayed and says so."""
+    import dataclasses
+
+    group = dataclasses.replace(fake_group(), geometry=Geometry(32, 32, 8, frames=3, media=("source_image",)),
+                                sampler=SamplerSettings(4, 0.3, "dance", 0.95))
+    path = artifacts.write_group_sidecar(tmp_path / "g.safetensors", group, task="t2i", rollout_id=1, sampling=SAMPLING)
+    tensors, meta = artifacts.read_sidecar(path)
+    back = artifacts.sidecar_to_trajectory(tensors, meta)
+    assert back.geometry == group.geometry and back.sampler == group.sampler
+    old = {k: v for k, v in meta.items() if k not in ("frames", "media")}
+    assert artifacts.sidecar_to_trajectory(tensors, old).geometry == Geometry(32, 32, 8)
+    with pytest.raises(ValueError, match=r"lacks \['eta'\].*cannot be replayed"):
+        artifacts.sidecar_to_trajectory(tensors, {k: v for k, v in meta.items() if k != "eta"})
 
 
 def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):

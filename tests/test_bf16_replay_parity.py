@@ -48,7 +48,7 @@ def test_bf16_actor_replay_equals_the_bf16_sampler(family, request):
                        fsdp__fsdp_activation_checkpointing=True)
         actor = Actor.from_adapter(adapter, model_dir, mesh, cfg, device=torch.device("cpu"))
         with torch.no_grad():
-            replayed = make_replay_fn(adapter, sampling)(actor.model, batch)
+            replayed = make_replay_fn(adapter)(actor.model, batch)
         assert replayed.shape == batch.log_probs.shape
         gap = float((replayed.float() - batch.log_probs.float()).abs().max())
         assert gap == 0.0, f"{family}: bf16 replay is {gap:.3g} nats off the sampler"

@@ -182,10 +182,10 @@ def test_cps_sampler_logprob_replays(adapter, engine, tiny_model_dir, keys):
     assert torch.isfinite(batch.log_probs).all() and (batch.log_probs < 0).all()
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     with torch.no_grad():
-        one = adapter.replay_transitions(actor, batch, cfg)
+        one = adapter.replay_transitions(actor, batch)
         torch.testing.assert_close(one, batch.log_probs, atol=1e-5, rtol=0)
         for col in range(batch.num_steps):
-            torch.testing.assert_close(adapter.replay_transition(actor, batch[[1, 2]], col, cfg),
+            torch.testing.assert_close(adapter.replay_transition(actor, batch[[1, 2]], col),
                                        batch.log_probs[[1, 2], col], atol=1e-5, rtol=0)
     if "sde_window_size" in keys:  # another rollout id trains another window
         others = {tuple(resolve_sde_indices(cfg, 6, k)) for k in range(10)}
@@ -209,7 +209,7 @@ def test_cps_window_update_learns(adapter, engine, tiny_model_dir):
                       adapter=adapter)
         before = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
         trainable = {n for n, p in actor.model.named_parameters() if p.requires_grad}
-        metrics = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter, cfg))
+        metrics = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter))
         first = actor.last_update_stats[0]
         assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
         assert all(math.isfinite(v) for v in metrics.values())

@@ -77,11 +77,11 @@ def test_replay_reproduces_engine_logprob(engine, adapter, sampling, tiny_model_
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     with torch.no_grad():
         for col in range(batch.num_steps):
-            full = adapter.replay_transition(actor, batch, col, sampling)
+            full = adapter.replay_transition(actor, batch, col)
             assert full.dtype == torch.float32 and full.shape == (6,)
             torch.testing.assert_close(full, batch.log_probs[:, col], atol=1e-5, rtol=0)
             # micro-batches of 1 and of an uneven split reproduce it too
-            parts = [adapter.replay_transition(actor, batch[idx], col, sampling)
+            parts = [adapter.replay_transition(actor, batch[idx], col)
                      for idx in ([0], [1, 2, 3], slice(4, 6))]
             torch.testing.assert_close(torch.cat(parts), batch.log_probs[:, col], atol=1e-5, rtol=0)
 
@@ -96,8 +96,8 @@ def test_replay_all_columns_in_one_forward(engine, adapter, sampling, tiny_model
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     n_cols = batch.num_steps
     assert n_cols >= 2
-    one = adapter.replay_transitions(actor, batch, sampling)
-    per_col = torch.stack([adapter.replay_transition(actor, batch, c, sampling) for c in range(n_cols)], 1)
+    one = adapter.replay_transitions(actor, batch)
+    per_col = torch.stack([adapter.replay_transition(actor, batch, c) for c in range(n_cols)], 1)
     assert one.shape == (6, n_cols) and one.dtype == torch.float32
     torch.testing.assert_close(one.detach(), per_col.detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(one.detach(), batch.log_probs, atol=1e-5, rtol=0)
@@ -113,8 +113,37 @@ def test_replay_all_columns_in_one_forward(engine, adapter, sampling, tiny_model
     # and a micro-batch slice through the loop's replay_fn (which uses it) still matches
     with torch.no_grad():
         rows = batch[[1, 2, 3]]
-        torch.testing.assert_close(make_replay_fn(adapter, sampling)(actor, rows),
-                                   make_replay_fn(adapter, sampling, one_forward=False)(actor, rows), atol=1e-6, rtol=0)
+        torch.testing.assert_close(make_replay_fn(adapter)(actor, rows),
+                                   make_replay_fn(adapter, one_forward=False)(actor, rows), atol=1e-6, rtol=0)
+
+
+def test_a_sidecar_replays_with_its_own_recipe_whatever_the_run_says(engine, adapter, tiny_model_dir, tmp_path):
+    """The trajectory carries the sampler settings that produced it: a sidecar written under one
+    recipe (eta 0.5, "dance", sigma_max 0.9) replays to the sampler's log-probs through the
+    loop's replay while the run's recipe in memory says something else (eta 0.9, "sde",
+    sigma_max 0.99). Replayed under that recipe instead, the log-probs would be far off."""
+    import dataclasses
+
+    from trainer import artifacts
+    from trainer.loop import make_replay_fn
+    from trainer.trajectory import SamplerSettings
+
+    written = parse_sampling_config({**SAMPLING, "eta": 0.5, "sde_type": "dance", "sigma_max": 0.9})
+    in_memory = parse_sampling_config({**SAMPLING, "eta": 0.9, "sde_type": "sde", "sigma_max": 0.99})
+    batch = engine.generate(make_requests(adapter, engine, written, prompts=PROMPTS[:1]))
+    path = artifacts.write_group_sidecar(tmp_path / "g.safetensors", batch, task="t2i", rollout_id=0,
+                                         sampling=written)
+    back = artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(path))
+    assert (back.eta, back.sde_type, back.sigma_max) == (0.5, "dance", 0.9)
+    actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    replay_fn = make_replay_fn(adapter)  # what the loop builds: no recipe in it
+    with torch.no_grad():
+        torch.testing.assert_close(replay_fn(actor, back), batch.log_probs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(replay_fn.moments(actor, back).logp, batch.log_probs, atol=1e-5, rtol=0)
+        recipe = SamplerSettings(in_memory.num_inference_steps, in_memory.eta, in_memory.sde_type,
+                                 in_memory.sigma_max)
+        misread = replay_fn(actor, dataclasses.replace(back, sampler=recipe))
+    assert (misread - batch.log_probs).abs().max() > 100 * 1e-5
 
 
 def test_replay_through_peft_wrapped_transformer(engine, adapter, sampling, tiny_model_dir):
@@ -124,7 +153,7 @@ def test_replay_through_peft_wrapped_transformer(engine, adapter, sampling, tiny
     batch = engine.generate(make_requests(adapter, engine, sampling, prompts=PROMPTS[:2]))
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     actor.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(adapter.lora_target_modules)))
-    logp = adapter.replay_transition(actor, batch, 1, sampling)
+    logp = adapter.replay_transition(actor, batch, 1)
     torch.testing.assert_close(logp.detach(), batch.log_probs[:, 1], atol=1e-5, rtol=0)
     logp.sum().backward()  # differentiable through the adapter
     # lora_B gets a gradient everywhere except the last block's text queries and text output
@@ -219,13 +248,14 @@ def test_true_cfg_rollout_replays_to_the_sampler_logprob(engine, adapter, tiny_m
     neg = batch.conditions["negative_prompt_embeds"]
     assert neg.shape[0] == 4 and torch.equal(neg[0], neg[3])  # one negative prompt, encoded once
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
-    one = adapter.replay_transitions(actor, batch, cfg)
+    one = adapter.replay_transitions(actor, batch)
     torch.testing.assert_close(one.detach(), batch.log_probs, atol=1e-5, rtol=0)
     with torch.no_grad():
-        per_col = torch.stack([adapter.replay_transition(actor, batch, c, cfg) for c in range(batch.num_steps)], 1)
+        per_col = torch.stack([adapter.replay_transition(actor, batch, c) for c in range(batch.num_steps)], 1)
         torch.testing.assert_close(per_col, batch.log_probs, atol=1e-5, rtol=0)
         # the replay uses the guidance the trajectory was sampled at: without it, another policy
-        unguided = adapter.replay_transitions(actor, dataclasses.replace(batch, guidance_scale=1.0), cfg)
+        unguided = adapter.replay_transitions(actor, dataclasses.replace(
+            batch, sampler=dataclasses.replace(batch.sampler, guidance_scale=1.0)))
         assert (unguided - batch.log_probs).abs().max() > 10 * 1e-5  # well above the replay tolerance
     one.sum().backward()
     assert sum(float(p.grad.abs().sum()) for p in actor.parameters() if p.grad is not None) > 0
@@ -234,7 +264,7 @@ def test_true_cfg_rollout_replays_to_the_sampler_logprob(engine, adapter, tiny_m
     back = artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(path))
     assert (back.guidance_scale, back.negative_prompt, back.cfg_renorm) == (4.0, " ", renorm)
     with torch.no_grad():
-        torch.testing.assert_close(adapter.replay_transitions(actor, back, cfg), batch.log_probs[2:], atol=1e-5,
+        torch.testing.assert_close(adapter.replay_transitions(actor, back), batch.log_probs[2:], atol=1e-5,
                                    rtol=0)
 
 
@@ -244,9 +274,9 @@ def test_validate_trajectory_names_the_bad_field(engine, adapter, sampling):
     traj = engine.generate(make_requests(adapter, engine, sampling, prompts=["x"], group_size=2))
     adapter.validate_trajectory(traj)
     broken = {"latents": traj.latents[:, :2], "timesteps": traj.timesteps[:1], "sde_indices": [],
-              "height": 32, "prompts": ["only one"]}
+              "geometry": dataclasses.replace(traj.geometry, height=32), "prompts": ["only one"]}
     for key, value in broken.items():
-        with pytest.raises(ValueError, match=key if key != "height" else "height x width"):
+        with pytest.raises(ValueError, match=key if key != "geometry" else "height x width"):
             adapter.validate_trajectory(dataclasses.replace(traj, **{key: value}))
     with pytest.raises(ValueError, match="prompt_embeds_mask"):
         adapter.validate_trajectory(dataclasses.replace(traj, conditions={"prompt_embeds": traj.prompt_embeds}))
@@ -380,9 +410,9 @@ def test_bf16_rollout_replays_in_bf16_and_fp32(tiny_model_dir, adapter):
     assert batch.log_probs.dtype == torch.float32
     with torch.no_grad():
         bf16 = adapter.replay_transition(adapter.load_train_model(str(tiny_model_dir), dtype=torch.bfloat16),
-                                         batch, 1, cfg)
+                                         batch, 1)
         fp32 = adapter.replay_transition(adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32),
-                                         batch, 1, cfg)
+                                         batch, 1)
     torch.testing.assert_close(bf16, batch.log_probs[:, 1], atol=1e-5, rtol=0)
     assert 0 < (fp32 - batch.log_probs[:, 1]).abs().max() < 5e-3  # measured ~1e-4..6e-4
 
@@ -422,7 +452,7 @@ def test_dance_sde_replays(tiny_model_dir, adapter):
     batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2))
     with torch.no_grad():
         for col in range(2):
-            torch.testing.assert_close(adapter.replay_transition(eng.transformer, batch, col, cfg),
+            torch.testing.assert_close(adapter.replay_transition(eng.transformer, batch, col),
                                        batch.log_probs[:, col], atol=1e-5, rtol=0)
 
 
@@ -501,7 +531,7 @@ def test_true_cfg_update_starts_at_ratio_one_and_trains_every_parameter(tiny_mod
         actor = Actor.from_adapter(adapter, str(tiny_model_dir), mesh, make_cfg("full", optim__lr=1e-3),
                                    device=torch.device("cpu"))
         before = full_params(actor.model)
-        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter, cfg))
+        m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter))
         after = full_params(actor.model)
         first = actor.last_update_stats[0]
         assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
@@ -524,7 +554,7 @@ def test_kl_to_the_reference_is_zero_until_the_adapter_moves(tiny_model_dir, ada
     cfg = parse_sampling_config({**SAMPLING, "height": 32, "width": 32})
     eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
     batch = eng.generate(make_requests(adapter, eng, cfg, prompts=PROMPTS[:2], group_size=2)).without_images()
-    replay_fn = make_replay_fn(adapter, cfg)
+    replay_fn = make_replay_fn(adapter)
     gen = one_rank_mesh()
     mesh = next(gen)
     try:

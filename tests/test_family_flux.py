@@ -13,6 +13,7 @@ import torch
 
 from tools.tiny_flux import FLUX_DEV_SCHEDULER_CONFIG, TINY_FLUX_TRANSFORMER_CONFIG, build_tiny_flux_pipeline
 from trainer.models import flux as fx
+from trainer.trajectory import Geometry, SamplerSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
@@ -220,7 +221,7 @@ def test_rollout_records_flux_conditions_and_the_embedded_guidance(engine, adapt
     assert not batch.guided and batch.guidance_scale == 1.0 and batch.negative_prompt is None
     assert torch.equal(c["pooled_prompt_embeds"][0], c["pooled_prompt_embeds"][1])
     assert not torch.equal(c["pooled_prompt_embeds"][0], c["pooled_prompt_embeds"][2])
-    assert engine.sigma_schedule(32, 32, 4) == adapter.sigma_schedule(FLUX_DEV_SCHEDULER_CONFIG, 4, 32, 32, 4)
+    assert engine.sigma_schedule(32, 32, 4) == adapter.sigma_schedule(FLUX_DEV_SCHEDULER_CONFIG, 4, Geometry(32, 32, 4))
     assert not torch.equal(batch.images[0], batch.images[1])
 
 
@@ -240,15 +241,15 @@ def test_replay_reproduces_the_sampler_logprob_fp32(engine, adapter, sampling, b
     actor = adapter.load_train_model(str(tiny_flux_dir), dtype=torch.float32)
     assert adapter.vae_scale_factor == 4
     with torch.no_grad():
-        one = adapter.replay_transitions(actor, batch, sampling)
+        one = adapter.replay_transitions(actor, batch)
         torch.testing.assert_close(one, batch.log_probs, atol=1e-5, rtol=0)
         for col in range(batch.num_steps):
-            parts = [adapter.replay_transition(actor, batch[idx], col, sampling) for idx in ([0], [1, 2], slice(3, 4))]
+            parts = [adapter.replay_transition(actor, batch[idx], col) for idx in ([0], [1, 2], slice(3, 4))]
             torch.testing.assert_close(torch.cat(parts), batch.log_probs[:, col], atol=1e-5, rtol=0)
-        torch.testing.assert_close(make_replay_fn(adapter, sampling)(actor, batch), batch.log_probs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(make_replay_fn(adapter)(actor, batch), batch.log_probs, atol=1e-5, rtol=0)
         # the recorded guidance is what the replay feeds the DiT: another value gives another log-prob
         other = dict(batch.conditions, guidance=torch.full((4,), 1.0))
-        moved = adapter.replay_transitions(actor, dataclasses.replace(batch, conditions=other), sampling)
+        moved = adapter.replay_transitions(actor, dataclasses.replace(batch, conditions=other))
         assert (moved - batch.log_probs).abs().max() > 1e-4
 
 
@@ -264,7 +265,7 @@ def test_sidecar_round_trip_keeps_the_flux_conditions(batch, adapter, sampling, 
     adapter.validate_trajectory(back)
     actor = adapter.load_train_model(str(tiny_flux_dir), dtype=torch.float32)
     with torch.no_grad():  # what the actor replays from the sidecar is what it replays from the rollout
-        torch.testing.assert_close(adapter.replay_transitions(actor, back, sampling), batch.log_probs[rows],
+        torch.testing.assert_close(adapter.replay_transitions(actor, back), batch.log_probs[rows],
                                    atol=1e-5, rtol=0)
 
 
@@ -287,7 +288,7 @@ def test_first_update_is_ratio_one_and_trains_every_parameter(tiny_flux_dir, ada
             assert actor.never_trained == []
             before = full_params(actor.model)
             m = actor.train_step(batch.without_images(), torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                 make_replay_fn(adapter, sampling))
+                                 make_replay_fn(adapter))
             after = full_params(actor.model)
             first = actor.last_update_stats[0]
             assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
@@ -311,7 +312,7 @@ def test_true_cfg_and_bad_requests_are_refused(engine, adapter, sampling):
     from trainer.sampling import parse_sampling_config
 
     with pytest.raises(ValueError, match="embedded guidance .* not true CFG"):
-        adapter.guided_velocity(None, None, None, {}, 32, 32, 4, 3.0, True)
+        adapter.velocity(None, None, None, {}, Geometry(32, 32, 4), SamplerSettings(6, 0.9, guidance_scale=3.0, cfg_renorm=True))
     with pytest.raises(ValueError, match="guidance_scale is 0.5"):
         adapter.build_rollout_request("p", group_index=0, slot=0, sample_id="x",
                                       sampling=parse_sampling_config({**SAMPLING, "sde_indices": [1]}).__class__(
@@ -409,7 +410,7 @@ def test_parallelize_checkpoints_compiles_and_shards_both_flux_block_lists(tiny_
     assert len(lists) == 2 and lists[0] is plain.transformer_blocks and lists[1] is plain.single_transformer_blocks
     assert [type(b).__name__ for b in repeated_blocks(plain)] == ["FluxTransformerBlock"] * 2 + \
         ["FluxSingleTransformerBlock"] * 2
-    replay_fn = make_replay_fn(adapter, sampling)
+    replay_fn = make_replay_fn(adapter)
     rows = batch.without_images()[:2]
     with torch.no_grad():
         want = replay_fn(plain, rows)

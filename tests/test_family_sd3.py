@@ -17,6 +17,7 @@ from tests.workers.launch import torchrun
 from trainer.engine.native import NativeEngine
 from trainer.models.sd3 import SD3Adapter
 from trainer.sampling import parse_sampling_config
+from trainer.trajectory import Geometry
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
@@ -109,7 +110,7 @@ def test_one_vae_norm_group_lets_the_latents_move_the_colour(tiny_sd3_model_dir,
 
         @torch.no_grad()
         def reward(latents):
-            images = SD3Adapter().decode(vae, latents, 8, 8, 2)
+            images = SD3Adapter().decode(vae, latents, Geometry(8, 8, 2))
             return sum(color_reward(i, rgb) for i in images) / len(images)
 
         return max(reward(z + d) for d in shifts) - reward(z)
@@ -167,7 +168,7 @@ def test_rollout_contents_and_decode(engine, adapter):
     vae = engine.vae
     z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
     want = (vae.decode(z / vae.config.scaling_factor + vae.config.shift_factor).sample / 2 + 0.5).clamp(0, 1)
-    assert torch.equal(adapter.decode(vae, z, 32, 32, 2), want)
+    assert torch.equal(adapter.decode(vae, z, Geometry(32, 32, 2)), want)
     with pytest.raises(ValueError, match="conditions lack"):
         bad = traj[0:2]
         bad.conditions = {"prompt_embeds": bad.conditions["prompt_embeds"]}
@@ -195,15 +196,15 @@ def test_replay_reproduces_the_sampler_logprob(engine, adapter, tiny_sd3_model_d
     assert traj.guided == (sampling is CFG)
     actor = adapter.load_train_model(str(tiny_sd3_model_dir), dtype=torch.float32)
     with torch.no_grad():
-        cols = torch.stack([adapter.replay_transition(actor, traj, c, cfg) for c in range(traj.num_steps)], 1)
-        together = adapter.replay_transitions(actor, traj, cfg)
+        cols = torch.stack([adapter.replay_transition(actor, traj, c) for c in range(traj.num_steps)], 1)
+        together = adapter.replay_transitions(actor, traj)
         group = traj[0:2]
         back = sidecar_to_trajectory(*group_sidecar_payload(group, task="t2i", rollout_id=0, sampling=cfg))
         assert set(back.conditions) == set(group.conditions)
-        from_sidecar = adapter.replay_transitions(actor, back, cfg)
+        from_sidecar = adapter.replay_transitions(actor, back)
     assert torch.equal(cols, traj.log_probs)
     torch.testing.assert_close(together, traj.log_probs, rtol=0, atol=1e-6)
-    assert torch.equal(from_sidecar, adapter.replay_transitions(actor, group, cfg))
+    assert torch.equal(from_sidecar, adapter.replay_transitions(actor, group))
     assert torch.isfinite(traj.log_probs).all()
 
 
@@ -226,7 +227,7 @@ def test_first_update_ratio_is_one_and_every_trainable_parameter_changes(engine,
             run_cfg = make_cfg(mode, optim__lr=1e-2, fsdp__fsdp_master_dtype="fp32")
             actor = Actor.from_adapter(adapter, str(tiny_sd3_model_dir), mesh, run_cfg, device=torch.device("cpu"))
             before = full_params(actor.model)
-            m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter, cfg))
+            m = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter))
             after = full_params(actor.model)
             first = actor.last_update_stats[0]
             assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item(), mode
@@ -326,7 +327,7 @@ def _check_exports(run, tmp_path, model_dir) -> None:
 
     def replays(transformer):
         with torch.no_grad():
-            return [(adapter.replay_transitions(transformer.eval(), g, cfg), g.log_probs) for g in groups]
+            return [(adapter.replay_transitions(transformer.eval(), g), g.log_probs) for g in groups]
 
     merged = DiffusionPipeline.from_pretrained(str(merged_dir), dtype=torch.float32)
     assert isinstance(merged, StableDiffusion3Pipeline)

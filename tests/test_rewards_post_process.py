@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from trainer.config import GrpoConfig, RewardConfig, RolloutConfig, RunConfig
 from trainer.rewards.base import RewardError
 from trainer.rewards.color import color_palette
 from trainer.rewards.manager import RewardManager
@@ -187,12 +188,12 @@ def test_post_process_end_to_end_with_color_scorer():
     assert (adv[:2, 2] > adv[:2, 1]).all() and (adv[:2, 1] > adv[:2, 0]).all()
     assert res.metrics["reward/num_groups"] == 2 and "reward/score_time" in res.metrics
 
-    cfg = SimpleNamespace(
-        reward=SimpleNamespace(reward_runtime="cpu", reward_scorer_path="trainer.rewards.color.ColorScorer",
-                               reward_model_path=None, reward_endpoint=None,
-                               reward_required_components=["color"], reward_component_weights={"color": 1.0}),
-        grpo=SimpleNamespace(generative_advantage_std_mode=None, disable_grpo_std_normalization=True),
-        rollout=SimpleNamespace(n_samples_per_prompt=3),
+    cfg = RunConfig(
+        reward=RewardConfig(reward_runtime="cpu", reward_scorer_path="trainer.rewards.color.ColorScorer",
+                            reward_model_path=None, reward_endpoint=None,
+                            reward_required_components=["color"], reward_component_weights={"color": 1.0}),
+        grpo=GrpoConfig(generative_advantage_std_mode=None, disable_grpo_std_normalization=True),
+        rollout=RolloutConfig(n_samples_per_prompt=3),
     )
     res_cfg = post_process_from_config(cfg, torch.stack(images), prompts)
     raw = res.components["color"].view(3, 3)[:2]
@@ -274,9 +275,9 @@ def test_adv_clip_max_flag_reaches_post_process_and_preflight():
 
     assert load_config([]).grpo.adv_clip_max == 0.0
     assert load_config(["--adv-clip-max", "5"]).grpo.adv_clip_max == 5.0
-    cfg = SimpleNamespace(reward=SimpleNamespace(), rollout=SimpleNamespace(n_samples_per_prompt=8),
-                          grpo=SimpleNamespace(generative_advantage_std_mode=None,
-                                               disable_grpo_std_normalization=False, adv_clip_max=1.5))
+    cfg = RunConfig(rollout=RolloutConfig(n_samples_per_prompt=8),
+                    grpo=GrpoConfig(generative_advantage_std_mode=None, disable_grpo_std_normalization=False,
+                                    adv_clip_max=1.5))
     r = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 0])
 
     class Manager:

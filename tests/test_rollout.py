@@ -89,12 +89,12 @@ def test_rollout_writes_artifacts_and_returns_replayable_batch(engine, tmp_path,
     actor = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
     with torch.no_grad():
         for col in range(len(out.sde_indices)):
-            torch.testing.assert_close(adapter.replay_transition(actor, traj, col, sampling),
+            torch.testing.assert_close(adapter.replay_transition(actor, traj, col),
                                        traj.log_probs[:, col], atol=1e-5, rtol=0)
             # and so does what the sidecars stored, padded back into one batch
             stored = Trajectory.cat([artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(p))
                                      for p in artifacts.iter_sidecars(d)])
-            torch.testing.assert_close(adapter.replay_transition(actor, stored, col, sampling),
+            torch.testing.assert_close(adapter.replay_transition(actor, stored, col),
                                        traj.log_probs[:, col], atol=1e-5, rtol=0)
 
 
@@ -185,7 +185,7 @@ def main(model_dir: str, root: str) -> None:
     fully_shard(actor, mesh=mesh)
     with torch.no_grad():
         for col in range(len(out.sde_indices)):
-            logp = adapter.replay_transition(actor, out.trajectory, col, parse_sampling_config(SAMPLING))
+            logp = adapter.replay_transition(actor, out.trajectory, col)
             err = (logp - out.trajectory.log_probs[:, col]).abs().max().item()
             assert err <= 1e-5, f"rank {info.rank}: FSDP2 replay of column {col} differs by {err}"
     if info.rank == 0:

@@ -149,7 +149,8 @@ def test_a_geometry_the_model_cannot_draw_is_refused_before_it_loads(tmp_path, t
                  "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0] == (
-        f"sample: error: --sampling-config height 384 is more than --model-path {tiny_sd3_model_dir} can draw: "
+        "flowgrpo-sample: error: --sampling-config height 384 is more than --model-path "
+        f"{tiny_sd3_model_dir} can draw: "
         "transformer/config.json's pos_embed_max_size 96 x patch_size 1 x vae/config.json's scale factor 2 allow at "
         "most 192 pixels; use height <= 192; --sampling-config width 384 is more than --model-path "
         f"{tiny_sd3_model_dir} can draw: transformer/config.json's pos_embed_max_size 96 x patch_size 1 x "
@@ -220,11 +221,12 @@ def test_lora_takes_a_checkpoint_and_refuses_anything_else_before_loading(tmp_pa
     assert main(base + ["--output", str(tmp_path / "x"), "--lora", str(full)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0] == (
-        f"sample: error: --lora {full} is a full fine-tune checkpoint, not a LoRA one: export it with "
+        f"flowgrpo-sample: error: --lora {full} is a full fine-tune checkpoint, not a LoRA one: export it with "
         f"`flowgrpo-export --form merged --save-dir {tmp_path / 'full_save'} --iteration 5 --output-dir DIR` and pass "
         "DIR as --model-path")
     (tmp_path / "neither").mkdir()
     assert main(base + ["--output", str(tmp_path / "x"), "--lora", str(tmp_path / "neither")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"sample: error: --lora {tmp_path / 'neither'} is neither a PEFT "
-                                               "adapter directory") and "flowgrpo-export --form adapter" in err[0]
+    assert len(err) == 1 and err[0].startswith(
+        f"flowgrpo-sample: error: --lora {tmp_path / 'neither'} is neither a PEFT adapter directory")
+    assert "flowgrpo-export --form adapter" in err[0]

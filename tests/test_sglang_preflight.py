@@ -105,3 +105,24 @@ def test_sglang_attention_backend_reaches_the_engine_and_only_that_engine(base, 
     cfg = load_config(base + ["--rollout-engine-class-path", "sglang"] + flag)
     assert engine_options(cfg.rollout)["attention_backend"] == "torch_sdpa"
     assert "attention_backend" not in engine_options(load_config(base).rollout)
+
+
+def test_preflight_asks_the_engine_class_what_it_can_sample(base, monkeypatch):  # noqa: F811
+    """The limits are the engine's own declaration (EngineCapabilities on the class), read without
+    importing sglang: a native engine declared without 'cps' is refused 'cps' in the same words."""
+    import dataclasses
+    import json
+    import sys
+
+    from tests.test_preflight import SAMPLING
+    from trainer.engine.native import NativeEngine
+
+    caps = preflight.engine_capabilities("trainer.engine.sglang_engine.SGLangEngine")
+    assert caps.sde_types == ("sde", "dance") and not caps.true_cfg and "sglang" not in sys.modules
+    assert preflight.engine_capabilities("my_pkg.engines.Custom") is None  # a custom engine is not imported
+    cps = ["--sampling-config", json.dumps({**SAMPLING, "sde_type": "cps", "eta": 0.8})]
+    assert not problems(base + ["--rollout-engine-class-path", "native"] + cps)
+    monkeypatch.setattr(NativeEngine, "capabilities", dataclasses.replace(NativeEngine.capabilities,
+                                                                          sde_types=("sde",)))
+    got = [p for p in problems(base + ["--rollout-engine-class-path", "native"] + cps) if "sde_type 'cps'" in p]
+    assert len(got) == 1 and "the native engine's sampler is checked for 'sde' only" in got[0], got

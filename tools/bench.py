@@ -627,20 +627,23 @@ def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     compiled DiT is compiled for each batch size by its first (untimed) call."""
     from trainer.engine.base import embedded_guidance_condition
     from trainer.sampling import init_noise_shape
+    from trainer.trajectory import SamplerSettings
 
     a, e = c.args, c.engine
     cond = e.encode_prompt(c.prompts[0])
     req = build_requests(e, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, a.seed, 0)[0]
     shape = init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor)
+    geometry = req.geometry(e.vae_scale_factor)
+    one_row = SamplerSettings(req.num_inference_steps, req.eta)  # guidance 1: one conditional row
     for b in a.dit_batches:
         x_t = torch.randn(b, *shape)
-        x = e.adapter.initial_latents(x_t, e.transformer, a.height, a.width, e.vae_scale_factor).to(c.device, c.dtype)
+        x = e.adapter.initial_latents(x_t, e.transformer, geometry).to(c.device, c.dtype)
         t = torch.full((b,), 500.0)
         conditions = e.adapter.batch_conditions([cond] * b)  # the engine's own batching
         conditions.update(embedded_guidance_condition(req, b, c.device))
         with torch.no_grad():
             def fwd():
-                return e.adapter.velocity(e.transformer, x, t, conditions, a.height, a.width, e.vae_scale_factor)
+                return e.adapter.velocity(e.transformer, x, t, conditions, geometry, one_row)
             fwd()
             sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")  # cheap: average more
         flops = c.forward_flops(c.dit_cfg, c.image_tokens, int(cond["prompt_embeds"].shape[0]), b)
@@ -787,8 +790,8 @@ def phase_rollout_gap(c: Ctx, actor, traj: Any, replay_fn, variant: str) -> None
 
     rows = traj.without_images()[: c.args.micro_batch]
     with torch.no_grad():
-        _, mean_e, std = replay_fn(c.engine.transformer, rows, moments=True)
-        logp_a, mean_a, _ = replay_fn(actor.model, rows, moments=True)
+        _, mean_e, std = replay_fn.moments(c.engine.transformer, rows)
+        logp_a, mean_a, _ = replay_fn.moments(actor.model, rows)
     b, s = int(std.shape[0]), int(std.shape[1])
     kl = transition_kl(mean_e.reshape(b * s, -1), mean_a.reshape(b * s, -1).to(mean_e.device),
                        std.reshape(b * s, 1).to(mean_e.device))
@@ -1109,7 +1112,7 @@ def _update_fits(c: Ctx, actor) -> bool:
     collective)."""
     if c.device.type != "cuda":
         return True
-    from trainer.actor import _local
+    from trainer.train_model import local_shard as _local
 
     local = sum(_local(p).numel() * _local(p).element_size() for p in actor.model.parameters())
     need = 4 * local * 1.1 + 8e9
@@ -1478,7 +1481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         adv, valid, score_s, degenerate = score(c, traj)
         rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
         batch = traj.without_images()
-        replay_fn = make_replay_fn(adapter, sampling)  # the training loop's own
+        replay_fn = make_replay_fn(adapter)  # the training loop's own
 
         if args.full:
             run_full(c, replay_fn, batch, adv, valid)

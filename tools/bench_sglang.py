@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gaps = []
         with torch.no_grad():
             for col in range(traj.num_steps):
-                got = adapter.replay_transition(actor, traj, col, sampling)
+                got = adapter.replay_transition(actor, traj, col)
                 gaps.append((got.float().cpu() - traj.log_probs[:, col].float().cpu()).abs())
         gap = torch.stack(gaps, 1)
         rep.emit("replay_logp_max_abs_err", float(gap.max()), "nats", variant=variant, mean_abs=float(gap.mean()))

@@ -45,7 +45,7 @@ from trainer.data import (MAX_LINE_BYTES, DataError, content_hash, file_sha256, 
                           normalize_prompt, read_jsonl, stable_media_sample_id, stable_sample_id, where,
                           write_jsonl)
 from trainer.cli import ToolError, existing_path, output_file, run_tool, tool_parser  # noqa: E402
-from trainer.models.base import GENERATION_TASKS
+from trainer.config import GENERATION_TASKS  # noqa: E402
 
 #: rows per pyarrow record batch: bounds memory whatever the file size
 PARQUET_BATCH_ROWS = 8192

@@ -36,7 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: this checkout's trainer, not an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.cli import ToolError, existing_dir, existing_file, run_tool, tool_parser  # noqa: E402
+from trainer.cli import ToolError, existing_dir, existing_file, run_tool, script_name, tool_parser  # noqa: E402
 
 DEFAULT_SAMPLING = {"height": 384, "width": 384, "num_inference_steps": 12, "guidance_scale": 1.0,
                     "eta": 0.7, "sde_type": "sde", "sde_indices": [1, 3, 5]}
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     try:
         argv, sampling_keys = split_dict_keys(argv, "sampling-config")
     except ToolError as e:
-        print(f"sample: error: {e}", file=sys.stderr)
+        print(f"{script_name('sample')}: error: {e}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     args.sampling_keys = sampling_keys

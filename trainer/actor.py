@@ -1,18 +1,9 @@
-"""The actor: the trainable transformer sharded with FSDP2, its optimizer, the FlowGRPO update and
-the colocate offload.
+"""The actor: the trainable transformer sharded with FSDP2 (built by trainer/train_model.py), its
+optimizer, the FlowGRPO update and the colocate offload.
 
-Build order (`parallelize`), each step before the next:
-  1. LoRA (peft) injected on the target modules, base frozen        (--fsdp-trainable-mode lora)
-  2. parameters that can never receive a gradient frozen            (the adapter's never_trained_param_names)
-  3. trainable parameters cast to the master dtype                  (--fsdp-master-dtype)
-  4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing)
-  5. fully_shard per block, then the root, on the job's mesh        (MixedPrecisionPolicy from
-                                                                      --fsdp-param-dtype / --fsdp-reduce-dtype)
-  6. _assert_trainable_boundary
-
-The update (`Actor.train_step`) is model-family independent: the caller supplies
-`replay_fn(model, rows) -> logp [b, S]` (in production, the adapter's replay_transitions over the
-trained-step columns) and the batch, a trainer.trajectory.Trajectory (anything whose
+The update (`Actor.train_step`) is model-family independent: the caller supplies a `ReplayFn`
+(in production models.base.Replay: the adapter's replay_transitions over the trained-step
+columns) and the batch, a trainer.trajectory.Trajectory (anything whose
 `batch[start:end]` is those candidates' rows will do).
 """
 
@@ -22,26 +13,39 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from trainer.config import FsdpConfig, GrpoConfig, LoraConfig, OptimConfig
 from trainer.core.dtypes import resolve_dtype
-from trainer.core.names import is_lora_name, model_name
-from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_block_lists
-from trainer.distributed import all_reduce_max, all_reduce_sum, barrier, collective_device
+from trainer.distributed import all_reduce_max, all_reduce_sum, collective_device
 from trainer.ema import ParamEMA
-from trainer.flow_grpo import grpo_clip_loss, transition_kl
+from trainer.flow_grpo import TransitionMoments, grpo_clip_loss, transition_kl
 from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
+# the model building lives in trainer.train_model; these names stay importable from here
+from trainer.train_model import (apply_lora, build_train_model, load_in_waves, local_shard,  # noqa: F401
+                                 parallelize, reshard_all)
+
+_local = local_shard  # the older private name
 
 log = logging.getLogger(__name__)
 
 #: |advantage| at or below this everywhere (all ranks) makes an update degenerate: skipped and counted
 ZERO_ADVANTAGE = 1e-8
-ReplayFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class ReplayFn(Protocol):
+    """replay_fn(model, rows) -> logp [b, S] fp32 of every trained-step column of the rows;
+    replay_fn.moments(model, rows) -> flow_grpo.TransitionMoments of the same forward, needed only
+    with the KL to the reference (--use-kl-loss). A plain function is a ReplayFn without the KL."""
+
+    def __call__(self, model: nn.Module, rows: Any) -> torch.Tensor: ...
+
+    def moments(self, model: nn.Module, rows: Any) -> TransitionMoments: ...
 
 
 class OffloadError(RuntimeError):
@@ -53,195 +57,7 @@ class MicroBatchMismatchError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------
-# model construction
-
-def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha: float,
-               dropout: float = 0.0) -> dict[str, Any]:
-    """Inject a peft LoRA adapter ("default") into `model` in place; freeze everything else.
-
-    target_modules are module-name suffixes ("attn.to_q", "attn.to_out.0"). lora_B starts at 0,
-    so the adapted model starts equal to the base. Returns the lora_config dict the engine needs
-    ({"rank", "alpha", "target_modules", "dropout"}).
-    """
-    from peft import LoraConfig, inject_adapter_in_model
-
-    if rank <= 0:
-        raise ValueError(f"--lora-rank must be > 0 under --fsdp-trainable-mode lora, got {rank}")
-    if dropout != 0.0:
-        raise ValueError(f"--lora-dropout must be 0.0, got {dropout}: the pi_old anchor is a replay under "
-                         "model.train(), and a stochastic forward breaks ratio == 1 on the first update")
-    targets = list(target_modules)
-    if not targets:
-        raise ValueError("LoRA needs target modules: set --lora-target-modules or use an adapter that "
-                         "declares lora_target_modules")
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                        init_lora_weights=True)
-    inject_adapter_in_model(config, model)
-    n_lora = 0
-    for name, p in model.named_parameters():
-        is_lora = is_lora_name(name)
-        p.requires_grad_(is_lora)
-        n_lora += int(is_lora)
-    if n_lora == 0:
-        raise ValueError(f"--lora-target-modules {targets} matched no module of {type(model).__name__}")
-    return {"rank": rank, "alpha": alpha, "target_modules": targets, "dropout": dropout}
-
-
-def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
-                activation_checkpointing: bool = False, cpu_offload: bool = False,
-                activation_checkpointing_every: int = 1, compile_blocks: bool = False) -> nn.Module:
-    """Apply activation checkpointing (optional), regional compilation (optional) and FSDP2 to
-    `model` in place: fully_shard on every transformer block, then on the root, all over `mesh`.
-
-    param_dtype: the all-gathered compute dtype (None: the storage dtype);
-    reduce_dtype: gradient reduce-scatter dtype. LoRA and frozen parameters must be set up before.
-    activation_checkpointing_every: with activation_checkpointing, checkpoint only the blocks whose
-    index is a multiple of k (k = 1: every block; k = 2: blocks 0, 2, 4, ...): fewer recomputed
-    forwards for more stored activations.
-    compile_blocks: torch.compile each block (outside its checkpoint wrapper, inside FSDP2, as
-    torchtitan orders them), so the recomputation in backward runs the compiled forward too;
-    the added `_orig_mod` name segment is a wrapper segment (core.names).
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    if activation_checkpointing_every < 1:
-        raise ValueError(f"activation_checkpointing_every must be >= 1, got {activation_checkpointing_every}")
-    # (list, index) of every block, all lists in module order: a FLUX DiT's double-stream blocks,
-    # then its single-stream ones; "every k-th block" counts along the whole sequence
-    slots = [(blocks, i) for blocks in repeated_block_lists(model) for i in range(len(blocks))]
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for blocks, i in slots[::activation_checkpointing_every]:
-            # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
-            blocks[i] = checkpoint_wrapper(blocks[i])
-    if compile_blocks:
-        raise_recompile_limit()
-        for blocks, i in slots:
-            blocks[i] = torch.compile(blocks[i], **REGIONAL_COMPILE_KWARGS)
-    # inputs pass as the adapter and the model give them, as in the engine's DiT: casting them to
-    # param_dtype would round, in the replay only, an fp32 timestep (SD3 pipelines pass one: 857.7
-    # -> 856 in bf16) at the root and the fp32 rope tables (FLUX) at every block, and move the
-    # replayed log-prob off the sampler's. The compute still runs in param_dtype: the weights are
-    # gathered in it
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for blocks, i in slots:
-        fully_shard(blocks[i], reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
-    return model
-
-
-def _assert_trainable_boundary(model: nn.Module, mode: str, never_trained: Iterable[str]) -> None:
-    """Raise unless exactly the intended parameters are trainable.
-
-    full: every parameter trains except `never_trained` (which must be frozen);
-    lora: LoRA tensors present and all train except those on never-trained modules; the base is frozen.
-    """
-    dead = set(never_trained)
-    wrong: list[str] = []
-    n_train = 0
-    n_lora = 0
-    for name, p in model.named_parameters():
-        mname = model_name(name)
-        is_lora = is_lora_name(mname)
-        n_lora += int(is_lora)
-        n_train += int(p.requires_grad)
-        if mode == "full":
-            want = mname not in dead
-        elif mode == "lora":
-            want = is_lora and mname not in dead
-        else:
-            raise ValueError(f"--fsdp-trainable-mode must be 'full' or 'lora', got {mode!r}")
-        if p.requires_grad != want:
-            wrong.append(f"{mname} (requires_grad={p.requires_grad}, expected {want})")
-    if mode == "lora" and n_lora == 0:
-        wrong.append("no LoRA tensors in the model")
-    if n_train == 0:
-        wrong.append("nothing is trainable")
-    if wrong:
-        shown = "; ".join(wrong[:8]) + (f"; ... {len(wrong) - 8} more" if len(wrong) > 8 else "")
-        raise RuntimeError(f"trainable boundary violated under --fsdp-trainable-mode {mode}: {shown}")
-
-
-def build_train_model(model: nn.Module, mesh: Any, fsdp: Any, lora: Any | None = None, *,
-                      adapter: Any | None = None,
-                      activation_checkpointing_every: int = 1) -> tuple[nn.Module, dict | None, list[str]]:
-    """Steps 1-6 of the module docstring. Returns (sharded model, lora_config or None, never-trained names).
-
-    fsdp / lora: the cfg.fsdp / cfg.lora sections (duck-typed).
-    adapter: the model family's adapter (models/base.py): its lora_target_modules are the LoRA
-    targets when --lora-target-modules is unset, and its never_trained_param_names(model) are the
-    parameters frozen in step 2. None: no default targets, nothing family-specific frozen.
-    activation_checkpointing_every: see parallelize (not a trainer flag; tools/bench.py times it).
-    """
-    mode = fsdp.fsdp_trainable_mode
-    lora_config = None
-    if mode == "lora":
-        if fsdp.fsdp_cpu_offload:
-            raise ValueError("--fsdp-cpu-offload is rejected with --fsdp-trainable-mode lora: gradient clipping "
-                             "over CPU-offloaded adapter DTensors has no collective backend")
-        targets = lora.lora_target_modules or list(getattr(adapter, "lora_target_modules", ()))
-        lora_config = apply_lora(model, targets, lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
-    elif mode == "full":
-        for p in model.parameters():
-            p.requires_grad_(True)
-    else:
-        raise ValueError(f"--fsdp-trainable-mode must be 'full' or 'lora', got {mode!r}")
-    dead = list(adapter.never_trained_param_names(model)) if adapter is not None else []
-    dead_set = set(dead)  # module-prefix based: covers base_layer and LoRA tensors of those modules
-    for name, p in model.named_parameters():
-        if model_name(name) in dead_set:
-            p.requires_grad_(False)
-    master = resolve_dtype(fsdp.fsdp_master_dtype)
-    if master is not None:
-        for p in model.parameters():
-            if p.requires_grad and p.dtype != master:
-                p.data = p.data.to(master)
-    parallelize(model, mesh, param_dtype=resolve_dtype(fsdp.fsdp_param_dtype),
-                reduce_dtype=resolve_dtype(fsdp.fsdp_reduce_dtype),
-                reshard_after_forward=not fsdp.no_fsdp_reshard_after_forward,
-                activation_checkpointing=fsdp.fsdp_activation_checkpointing,
-                cpu_offload=fsdp.fsdp_cpu_offload, activation_checkpointing_every=activation_checkpointing_every,
-                compile_blocks=bool(getattr(fsdp, "fsdp_compile", False)))
-    _assert_trainable_boundary(model, mode, dead)
-    return model, lora_config, dead
-
-
-def load_in_waves(load: Callable[[], nn.Module], wave_size: int,
-                  timings: list[float] | None = None) -> nn.Module:
-    """Call `load()` on at most `wave_size` ranks at a time (0: all at once), barrier between waves.
-
-    Bounds host RAM and model-directory contention at launch (every rank materialises the full base
-    before sharding). Every rank must call it. `timings`, when given, receives each wave's wall
-    time in seconds (one entry when all ranks load at once), the same on every rank.
-    """
-    if wave_size < 0:
-        raise ValueError(f"--fsdp-load-wave-size must be >= 0, got {wave_size}")
-    if not dist.is_initialized() or wave_size == 0 or wave_size >= dist.get_world_size():
-        t0 = time.perf_counter()
-        model = load()
-        if timings is not None:
-            timings.append(time.perf_counter() - t0)
-        return model
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = None
-    for wave in range(math.ceil(world / wave_size)):
-        t0 = time.perf_counter()
-        if rank // wave_size == wave:
-            model = load()
-        barrier()
-        if timings is not None:
-            timings.append(time.perf_counter() - t0)
-    assert model is not None
-    return model
-
-
-# ----------------------------------------------------------------------------------------------
-# the update plan
+# the update's plan
 
 def plan_updates(n_local: int, num_updates: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
     """Split n_local candidates into `num_updates` disjoint equal parts of micro-batches.
@@ -398,21 +214,6 @@ class lora_disabled:
             layer._disable_adapters = was
 
 
-def reshard_all(model: nn.Module) -> None:
-    """Put every FSDP2 unit of `model` back to its sharded parameters (a no-op for sharded ones)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 # ----------------------------------------------------------------------------------------------
 # offload
 
@@ -480,28 +281,30 @@ class _StorageOffload:
 # ----------------------------------------------------------------------------------------------
 # the actor
 
-def _sec(cfg: Any, name: str) -> Any:
-    sec = getattr(cfg, name, None)
-    if sec is None:
-        raise ValueError(f"config has no section {name!r}")
-    return sec
+class ActorConfig(Protocol):
+    """The config sections the actor reads (a RunConfig has them; tools/bench.py builds just these)."""
+
+    fsdp: FsdpConfig
+    lora: LoraConfig
+    optim: OptimConfig
+    grpo: GrpoConfig
 
 
 class Actor:
     """The FSDP2-sharded trainable transformer, its AdamW, the FlowGRPO update and offload.
 
     model: the sharded module (already built by build_train_model, or built here from `model`).
-    cfg: needs sections fsdp, lora, optim, grpo (duck-typed).
+    cfg: its typed sections fsdp, lora, optim, grpo (ActorConfig; a RunConfig).
     adapter: the model family's adapter, asked for LoRA targets and never-trained parameters
       (build_train_model).
     total_optimizer_steps: the decay length when --lr-decay-iters is unset.
     """
 
-    def __init__(self, model: nn.Module, mesh: Any, cfg: Any, *, device: torch.device,
+    def __init__(self, model: nn.Module, mesh: Any, cfg: ActorConfig, *, device: torch.device,
                  adapter: Any | None = None, total_optimizer_steps: int | None = None,
                  built: bool = False, lora_config: dict | None = None, never_trained: Sequence[str] = ()) -> None:
         self.cfg = cfg
-        self.fsdp, self.lora, self.optim, self.grpo = (_sec(cfg, n) for n in ("fsdp", "lora", "optim", "grpo"))
+        self.fsdp, self.lora, self.optim, self.grpo = cfg.fsdp, cfg.lora, cfg.optim, cfg.grpo
         self.mesh = mesh
         self.device = torch.device(device)
         if built:
@@ -529,14 +332,13 @@ class Actor:
         self._optim_off = _StorageOffload()
         #: the EMA of the trainable parameters (--ema-decay > 0), or None; starts equal to them
         self.ema: ParamEMA | None = None
-        decay = float(getattr(o, "ema_decay", 0.0) or 0.0)
-        if decay > 0:
-            self.ema = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), decay,
-                                int(getattr(o, "ema_update_interval", 1) or 1))
+        if o.ema_decay > 0:
+            self.ema = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad),
+                                float(o.ema_decay), int(o.ema_update_interval))
 
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
-    def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: Any, *, device: torch.device,
+    def from_adapter(cls, adapter: Any, model_path: str, mesh: Any, cfg: ActorConfig, *, device: torch.device,
                      total_optimizer_steps: int | None = None, revision: str | None = None,
                      load_timings: list[float] | None = None) -> "Actor":
         """Load the adapter's train model in --fsdp-param-dtype (in waves), build and shard it.
@@ -544,7 +346,7 @@ class Actor:
         The adapter returns the trainable module itself (--fsdp-trainable-attr names it in the
         model bundle; the frozen text encoder / VAE are the engine's). `load_timings` receives
         the load's per-wave wall times (load_in_waves)."""
-        fsdp = _sec(cfg, "fsdp")
+        fsdp = cfg.fsdp
         load_dtype = resolve_dtype(fsdp.fsdp_param_dtype)
         model = load_in_waves(lambda: adapter.load_train_model(model_path, dtype=load_dtype, revision=revision),
                               int(fsdp.fsdp_load_wave_size or 0), load_timings)
@@ -630,7 +432,7 @@ class Actor:
                 rows = batch[s:e]
                 if self.kl_coef:
                     ref_mean = self._reference_means(rows, replay_fn)
-                    logp, mean, std = replay_fn(self.model, rows, moments=True)
+                    logp, mean, std = replay_fn.moments(self.model, rows)
                     kl = transition_kl(mean.flatten(0, 1), ref_mean.flatten(0, 1),
                                        std.reshape(-1, *([1] * (mean.dim() - 2)))).view(logp.shape)
                 else:
@@ -709,14 +511,14 @@ class Actor:
     def kl_coef(self) -> float:
         """The KL-to-reference weight in the loss (0: no KL term, no reference forward)."""
         g = self.grpo
-        return float(getattr(g, "kl_coef", 0.0) or 0.0) if getattr(g, "use_kl_loss", False) else 0.0
+        return float(g.kl_coef or 0.0) if g.use_kl_loss else 0.0
 
     @torch.no_grad()
     def _reference_means(self, rows: Any, replay_fn: ReplayFn) -> torch.Tensor:
         """Transition means [b, S, ...] of the reference policy: the same model with its LoRA
         adapter disabled (the base weights; no extra memory, one more no_grad forward)."""
         with lora_disabled(self.model):
-            return replay_fn(self.model, rows, moments=True)[1]
+            return replay_fn.moments(self.model, rows).mean
 
     def _backward_microbatch(self, logp: torch.Tensor, anchor: torch.Tensor | None, adv: torch.Tensor,
                              plan: "UpdatePlan", u: int, s: int, e: int, stats: "UpdateStats",
@@ -740,7 +542,7 @@ class Actor:
             idx = plan.partial_rows[(s, e)].to(logp.device)
             lp, op, ad = logp.index_select(0, idx), anchor.index_select(0, idx), adv[s:e].index_select(0, idx)
             kl = None if kl is None else kl.index_select(0, idx)
-        loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, getattr(g, "eps_clip_high", None))
+        loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, g.eps_clip_high)
         if kl is not None:
             st["kl_ref"] = kl.detach().mean()
             loss = loss + self.kl_coef * kl.mean()
@@ -792,7 +594,7 @@ class Actor:
         return self._params_off.active or self._optim_off.active
 
     def _param_tensors(self) -> list[torch.Tensor]:
-        out = [_local(p) for p in self.model.parameters()]
+        out = [local_shard(p) for p in self.model.parameters()]
         out += [b for b in self.model.buffers()]
         return [t for t in out if t.device.type == self.device.type]
 
@@ -801,7 +603,7 @@ class Actor:
         for state in self.optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    lt = _local(v)
+                    lt = local_shard(v)
                     # AdamW keeps `step` as a CPU scalar on GPU runs: nothing to free there
                     if lt.device.type == self.device.type:
                         out.append(lt)

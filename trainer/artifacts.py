@@ -22,8 +22,11 @@ trained steps, L packed tokens of C channels, T text tokens of width D):
     tracks.latents / tracks.next_latents [K, S, L, C] (sampler dtype), tracks.log_probs [K, S] fp32
 
 and string metadata: the format tag, task, rollout id, group index, prompt, sample ids, the
-sampling config and its fingerprint, the weight-manifest hash, and `candidates`: one small JSON
-manifest per candidate (policy version, sampling fingerprint, weight-manifest hash, sample id).
+sampler settings the trajectory was generated with (num_inference_steps, eta, sde_type, sigma_max,
+guidance_scale, negative_prompt, cfg_renorm: what the replay reads), the geometry's frames and media
+(absent in older sidecars: 1 and none), the sampling config and its fingerprint, the weight-manifest
+hash, and `candidates`: one small JSON manifest per candidate (policy version, sampling
+fingerprint, weight-manifest hash, sample id).
 
 Every file is written to an exclusively created `<name>.<random>.tmp`, fsynced, then atomically
 renamed (and the directory fsynced), so a crash never leaves a file under its real name that is
@@ -44,7 +47,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from trainer.core.files import TMP_SUFFIX, atomic_writer, fsync_dir
-from trainer.trajectory import Trajectory, trimmed_condition
+from trainer.trajectory import Geometry, SamplerSettings, Trajectory, trimmed_condition
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +247,8 @@ def group_sidecar_payload(traj: Trajectory, *, task: str, rollout_id: int | None
         "guidance_scale": repr(float(g.guidance_scale)),
         "negative_prompt": json.dumps(g.negative_prompt),
         "cfg_renorm": json.dumps(bool(g.cfg_renorm)),
+        "frames": str(int(g.geometry.frames)),
+        "media": json.dumps(list(g.geometry.media)),
         "latent_dtype": g.latent_dtype,
         "sampling": json.dumps(sampling.to_dict() if hasattr(sampling, "to_dict") else None, sort_keys=True),
         "sampling_fingerprint": fingerprint,
@@ -289,19 +294,28 @@ def sidecar_to_trajectory(tensors: Mapping[str, torch.Tensor], metadata: Mapping
         log_probs=tensors["tracks.log_probs"].float(),
         conditions=conditions,
         sde_indices=[int(i) for i in tensors["common.sde_indices"].tolist()],
-        height=int(tensors["common.height"]),
-        width=int(tensors["common.width"]),
-        vae_scale_factor=int(tensors["common.vae_scale_factor"]),
-        num_inference_steps=int(metadata.get("num_inference_steps", 0)),
-        eta=float(metadata.get("eta", "nan")),
-        sde_type=metadata.get("sde_type", "sde"),
-        sigma_max=float(metadata.get("sigma_max", "0.99")),
-        guidance_scale=float(metadata.get("guidance_scale", "1.0")),
-        negative_prompt=json.loads(metadata.get("negative_prompt", "null")),
-        cfg_renorm=bool(json.loads(metadata.get("cfg_renorm", "false"))),
+        geometry=Geometry(int(tensors["common.height"]), int(tensors["common.width"]),
+                          int(tensors["common.vae_scale_factor"]), frames=int(metadata.get("frames", "1")),
+                          media=tuple(json.loads(metadata.get("media", "[]")))),
+        sampler=sidecar_sampler_settings(metadata),
         train_metadata=manifests if len(manifests) == k else None,
         rollout_id=json.loads(metadata.get("rollout_id", "null")),
     ).validate()
+
+
+def sidecar_sampler_settings(metadata: Mapping[str, str]) -> SamplerSettings:
+    """The SamplerSettings a sidecar's metadata records (frames / media, added later, default to
+    an image without conditioning media). A sidecar without its eta, sde_type or step count
+    cannot be replayed (the sampler's log-probs depend on them): ValueError naming them."""
+    missing = [k for k in ("num_inference_steps", "eta", "sde_type") if k not in metadata]
+    if missing:
+        raise ValueError(f"trajectory sidecar metadata lacks {missing}: the sampler settings that produced it are "
+                         "unknown, so it cannot be replayed; regenerate the rollout")
+    return SamplerSettings(num_inference_steps=int(metadata["num_inference_steps"]), eta=float(metadata["eta"]),
+                           sde_type=metadata["sde_type"], sigma_max=float(metadata.get("sigma_max", "0.99")),
+                           guidance_scale=float(metadata.get("guidance_scale", "1.0")),
+                           negative_prompt=json.loads(metadata.get("negative_prompt", "null")),
+                           cfg_renorm=bool(json.loads(metadata.get("cfg_renorm", "false"))))
 
 
 def _fingerprint(sampling: Any) -> str:

@@ -58,6 +58,12 @@ def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: di
     return field(default=default, metadata=meta)
 
 
+#: the --generation-task values: only tasks with a working replay path. Here, not in models.base
+#: (which re-exports it), because models.base imports torch and the data tools, the prompt reader
+#: and preflight check a task without it
+GENERATION_TASKS = ("t2i",)
+
+
 # ----------------------------------------------------------------------------------------------
 # Short names for the shipped implementations. Preflight never imports these modules.
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from trainer.core.media_key import file_sha256
-from trainer.models.base import GENERATION_TASKS
+from trainer.config import GENERATION_TASKS
 
 #: media reference key -> the placeholder the prompt must hold once per reference
 MEDIA_PLACEHOLDERS = {"images": "<image>", "videos": "<video>"}

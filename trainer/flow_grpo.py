@@ -26,7 +26,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -206,27 +206,39 @@ def replay_transition_logp(
     return transition_log_prob(next_latents, mean, std, sde_type)
 
 
-def replay_columns_logp(latents: torch.Tensor, next_latents: torch.Tensor, velocity: torch.Tensor,
-                        sigma: torch.Tensor, sigma_next: torch.Tensor, sampling: Any, b: int, s: int, *,
-                        moments: bool = False) -> Any:
-    """Log-probs [B, S] (fp32) of S trained-step columns of B candidates replayed in one forward,
-    its rows column-major (row k * B + i = candidate i at column k): latents / next_latents /
-    velocity [S * B, ...], sigma / sigma_next [S * B]; `sampling` supplies eta, sde_type and
-    sigma_max. moments=True returns (logp [B, S], transition mean [B, S, ...] fp32, std [B, S]
-    fp32) of the same forward, what the KL to a reference policy needs. The math is
-    replay_transition_logp's, so every family's one-forward replay shares it."""
-    step = (sigma, sigma_next, float(sampling.eta), getattr(sampling, "sde_type", "sde"),
-            float(getattr(sampling, "sigma_max", 0.99)))
-    if not moments:
-        return replay_transition_logp(latents, next_latents, velocity, *step).view(s, b).transpose(0, 1)
-    mean, std = flow_sde_transition_moments(latents, velocity, *step)
-    logp = transition_log_prob(next_latents, mean, std, step[3])
+class TransitionMoments(NamedTuple):
+    """What one replay forward gives the KL to a reference policy: log-probs [B, S] fp32, the
+    transition means [B, S, ...] fp32 and stds [B, S] fp32."""
+
+    logp: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def replay_columns_moments(latents: torch.Tensor, next_latents: torch.Tensor, velocity: torch.Tensor,
+                           sigma: torch.Tensor, sigma_next: torch.Tensor, b: int, s: int, *, eta: float,
+                           sde_type: str, sigma_max: float) -> TransitionMoments:
+    """`replay_columns_logp` with the transition mean and std of the same forward (TransitionMoments)."""
+    mean, std = flow_sde_transition_moments(latents, velocity, sigma, sigma_next, eta, sde_type, sigma_max)
+    logp = transition_log_prob(next_latents, mean, std, sde_type)
 
     def cols(t: torch.Tensor) -> torch.Tensor:  # [S * B, ...] -> [B, S, ...]
         return t.view(s, b, *t.shape[1:]).transpose(0, 1)
 
     std = std.reshape(std.shape[0], -1)[:, 0].expand(s * b) if std.dim() else std.expand(s * b)
-    return cols(logp), cols(mean), cols(std)
+    return TransitionMoments(cols(logp), cols(mean), cols(std))
+
+
+def replay_columns_logp(latents: torch.Tensor, next_latents: torch.Tensor, velocity: torch.Tensor,
+                        sigma: torch.Tensor, sigma_next: torch.Tensor, b: int, s: int, *, eta: float,
+                        sde_type: str, sigma_max: float) -> torch.Tensor:
+    """Log-probs [B, S] (fp32) of S trained-step columns of B candidates replayed in one forward,
+    its rows column-major (row k * B + i = candidate i at column k): latents / next_latents /
+    velocity [S * B, ...], sigma / sigma_next [S * B]; eta, sde_type and sigma_max are the
+    trajectory's own sampler settings. The math is replay_transition_logp's, so every family's
+    one-forward replay shares it."""
+    return replay_transition_logp(latents, next_latents, velocity, sigma, sigma_next, eta, sde_type,
+                                  sigma_max).view(s, b).transpose(0, 1)
 
 
 def sde_step(

@@ -29,6 +29,7 @@ import torch
 
 from trainer.core.redact import redact_url, redact_urls
 from trainer.dotpath import import_dotpath
+from trainer.models.base import Replay
 
 log = logging.getLogger("trainer")
 
@@ -170,23 +171,12 @@ def engine_options(rollout: Any) -> dict[str, Any]:
     return options
 
 
-def make_replay_fn(adapter: Any, sampling: Any, *, one_forward: bool = True):
-    """replay_fn(model, rows) -> logp [b, S]: every trained-step column of `rows` replayed
-    through `model` with the adapter's own replay (the same math the sampler used).
-
-    one_forward: all S columns in one forward of b * S rows (the adapter's `replay_transitions`:
-    fewer kernel launches), else one forward per column (`replay_transition`, the baseline the
-    tests compare it with). replay_fn(model, rows, moments=True) returns (logp, mean, std) for
-    the update's KL to the reference policy (--use-kl-loss)."""
-
-    def replay(model: torch.nn.Module, rows: Any, moments: bool = False) -> Any:
-        if moments:  # (logp, transition mean, std) of one forward, for the KL to the reference
-            return adapter.replay_transitions(model, rows, sampling, moments=True)
-        if one_forward:
-            return adapter.replay_transitions(model, rows, sampling)
-        return torch.stack([adapter.replay_transition(model, rows, s, sampling) for s in range(rows.num_steps)], dim=1)
-
-    return replay
+def make_replay_fn(adapter: Any, *, one_forward: bool = True) -> Replay:
+    """The update's replay over `adapter` (models.base.Replay): replay(model, rows) -> logp
+    [b, S] of every trained-step column of `rows`, replay.moments(model, rows) -> the KL's
+    TransitionMoments; the sampler settings and geometry are each trajectory's own.
+    one_forward=False: one forward per column (the baseline the tests compare it with)."""
+    return Replay(adapter, one_forward=one_forward)
 
 
 def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> Any:
@@ -201,7 +191,7 @@ def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> An
     Collective, like every sync."""
     import copy
 
-    from trainer.actor import reshard_all
+    from trainer.train_model import reshard_all
 
     def hand_over(swap: bool) -> None:
         was_off = actor.offloaded
@@ -227,7 +217,7 @@ def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> An
 
 def weights_fingerprint(model: torch.nn.Module) -> float:
     """abs-sum of the trainable weights over all ranks (a full reduction: debug only)."""
-    from trainer.actor import _local
+    from trainer.train_model import local_shard as _local
     from trainer.distributed import all_reduce_sum, collective_device
 
     total = torch.zeros((), dtype=torch.float64, device=collective_device())
@@ -290,7 +280,8 @@ class Trainer:
     """Everything one rank holds: the actor, the engine, the scorer, the data order."""
 
     def __init__(self, cfg: Any, info: Any, recipe_name: str = "run") -> None:
-        from trainer.actor import Actor, load_in_waves
+        from trainer.actor import Actor
+        from trainer.train_model import load_in_waves
         from trainer.core.dtypes import resolve_dtype
         from trainer.data import PromptDataset, load_eval_sets
         from trainer.distributed import build_mesh
@@ -350,7 +341,7 @@ class Trainer:
                                             total_optimizer_steps=num_rollout * int(cfg.grpo.num_updates_per_batch),
                                             load_timings=actor_waves)
         self._record_load("actor", t, actor_waves)
-        self.replay_fn = make_replay_fn(self.adapter, self.sampling)
+        self.replay_fn = make_replay_fn(self.adapter)
         lora_targets = (self.actor.lora_config or {}).get("target_modules")
         self.contract = adapter_contract(cfg, list(lora_targets) if lora_targets else None)
         self.syncer = WeightSyncer(sync_kind(cfg), wire_dtype=cfg.sync.weight_sync_wire_dtype,

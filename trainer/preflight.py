@@ -23,6 +23,7 @@ from trainer.config import (
     DEFAULT_MODEL_ADAPTER,
     ENGINE_SHORT_NAMES,
     FLAGS,
+    GENERATION_TASKS,
     PIPELINE_ADAPTERS,
     SCORER_SHORT_NAMES,
     SCORERS_NEEDING_MODEL,
@@ -34,8 +35,8 @@ from trainer.config import (
     resolve_scorer_path,
 )
 from trainer import checkpoint_index as ci
-from trainer.models.base import GENERATION_TASKS
 from trainer.sampling import (
+    SDE_TYPES,
     SamplingConfigError,
     parse_sampling_config,
     resolve_sde_indices,
@@ -222,33 +223,55 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                 f"--rollout-engine-class-path {engine}: sglang is not installed in this environment and the "
                 "SGLang engine needs it; install it with `pip install .[sglang]` (GPU), or use the CPU test venv "
                 "made by `bash run.sh setup-sglang` (.venv-sglang)")
-        if resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"]:
-            adapter = cfg.model.model_adapter_path
-            if adapter in PIPELINE_ADAPTERS.values() and adapter != PIPELINE_ADAPTERS["QwenImagePipeline"]:
-                errors.append(
-                    f"--rollout-engine-class-path {engine} with --model-adapter-path {adapter}: the SGLang engine "
-                    "bridges SGLang's Qwen-Image pipeline only; this family runs on --rollout-engine-class-path native")
-            guidance = (r.sampling_config or {}).get("guidance_scale", 1.0) if isinstance(r.sampling_config, dict) \
-                else 1.0
-            if isinstance(guidance, (int, float)) and float(guidance) > 1.0:
-                errors.append(
-                    f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: the "
-                    "SGLang engine samples without CFG (its bridge runs one conditional row per candidate); use "
-                    "--rollout-engine-class-path native for true CFG, or guidance_scale 1.0")
-            for flag, on in (("--rollout-compile", r.rollout_compile), ("--rollout-precision fp8",
-                                                                          r.rollout_precision == "fp8")):
-                if on:
-                    errors.append(f"--rollout-engine-class-path {engine} with {flag}: that option belongs to the "
-                                  "native engine (SGLang brings its own kernels); drop it or use "
-                                  "--rollout-engine-class-path native")
-            sde_type = (r.sampling_config or {}).get("sde_type") if isinstance(r.sampling_config, dict) else None
-            if sde_type == "cps":
-                errors.append(
-                    f"--rollout-engine-class-path {engine} with --sampling-config sde_type 'cps': the SGLang engine's "
-                    "bridge is checked for 'sde' and 'dance' only; use --rollout-engine-class-path native for 'cps'")
+        _check_engine_capabilities(cfg, engine, errors)
     if r.sglang_attention_backend and engine and resolve_engine_path(engine) != ENGINE_SHORT_NAMES["sglang"]:
         errors.append(f"--sglang-attention-backend {r.sglang_attention_backend} needs --rollout-engine-class-path "
                       f"sglang (this run's engine is {engine}); drop the flag")
+
+
+def engine_capabilities(engine_path: str):
+    """The `capabilities` (engine.base.EngineCapabilities) a shipped trainer.* engine class
+    declares; its module is imported (cheap: an engine imports its runtime, e.g. sglang, only
+    when built). None for a custom engine (not second-guessed) or one that does not import."""
+    from trainer.dotpath import import_dotpath
+
+    if not engine_path.startswith("trainer.") or not _DOTPATH_RE.match(engine_path):
+        return None
+    try:
+        return getattr(import_dotpath(engine_path, "--rollout-engine-class-path"), "capabilities", None)
+    except Exception:  # a broken path is _check_dotpath's to report
+        return None
+
+
+def _check_engine_capabilities(cfg: RunConfig, engine: str, errors: list[str]) -> None:
+    """What the run asks of the engine against what its class declares it can do."""
+    caps = engine_capabilities(resolve_engine_path(engine))
+    if caps is None:
+        return
+    r, why = cfg.rollout, caps.reasons
+    adapter = cfg.model.model_adapter_path
+    if caps.families is not None and adapter in PIPELINE_ADAPTERS.values() and adapter not in caps.families:
+        errors.append(f"--rollout-engine-class-path {engine} with --model-adapter-path {adapter}: {caps.name} "
+                      f"{why.get('families', 'does not serve it')}; this family runs on --rollout-engine-class-path "
+                      "native")
+    sampling = r.sampling_config if isinstance(r.sampling_config, dict) else {}
+    guidance = sampling.get("guidance_scale", 1.0)
+    if not caps.true_cfg and isinstance(guidance, (int, float)) and float(guidance) > 1.0:
+        errors.append(f"--rollout-engine-class-path {engine} with --sampling-config guidance_scale {guidance}: "
+                      f"{caps.name} {why.get('true_cfg', 'samples without CFG')}; use --rollout-engine-class-path "
+                      "native for true CFG, or guidance_scale 1.0")
+    for flag, on, able in (("--rollout-compile", r.rollout_compile, caps.compile),
+                           ("--rollout-precision fp8", r.rollout_precision == "fp8", caps.fp8)):
+        if on and not able:
+            errors.append(f"--rollout-engine-class-path {engine} with {flag}: that option belongs to the native "
+                          f"engine ({why.get('kernels', 'not this one')}); drop it or use --rollout-engine-class-path "
+                          "native")
+    sde_type = sampling.get("sde_type")
+    if isinstance(sde_type, str) and sde_type in SDE_TYPES and sde_type not in caps.sde_types:
+        errors.append(f"--rollout-engine-class-path {engine} with --sampling-config sde_type {sde_type!r}: "
+                      f"{caps.name}'s {why.get('sde_types', 'sampler is checked for')} "
+                      f"{' and '.join(repr(t) for t in caps.sde_types)} only; use --rollout-engine-class-path native "
+                      f"for {sde_type!r}")
 
 
 def _check_fp8_device(cfg: RunConfig, errors: list[str]) -> None:

@@ -17,15 +17,17 @@ B candidates, each recorded at the same S trained steps (the rollout's `sde_indi
                                               update; a sidecar stores none)
 
 plus the per-candidate identity (prompt, sample id, group, slot, seed, policy version, prompt
-metadata, provenance manifest) and what every row shares: the trained steps, the image geometry
-and the sampler settings. Row i of every field is candidate i; indexing a Trajectory with a slice
+metadata, provenance manifest) and what every row shares: the trained steps, the `Geometry` and
+the `SamplerSettings` that produced them. A trajectory is self-describing: the replay reads both
+from it (never from the run's recipe), so a sidecar replayed from disk or a run resumed with an
+edited recipe still recomputes what its sampler computed. Row i of every field is candidate i; indexing a Trajectory with a slice
 gives views (micro-batches cost no copy), with a list or an index tensor a copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -37,8 +39,97 @@ _ROW_LISTS = ("prompts", "sample_ids", "generation_seeds", "metadata")
 #: fields with a trained-step column dimension ([B, S, ...])
 COLUMN_FIELDS = ("latents", "next_latents", "timesteps", "sigmas", "sigmas_next", "log_probs")
 #: what every row must agree on (Trajectory.cat refuses to mix them)
-SHARED_FIELDS = ("sde_indices", "height", "width", "vae_scale_factor", "num_inference_steps", "eta", "sde_type",
-                 "sigma_max", "guidance_scale", "negative_prompt", "cfg_renorm")
+SHARED_FIELDS = ("sde_indices", "geometry", "sampler")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the latents live: the image size, the VAE's spatial factor and room for the frames of
+    a video family and the conditioning media of an editing one (no family reads those two yet:
+    frames is 1 and media empty for every text-to-image trajectory)."""
+
+    height: int
+    width: int
+    vae_scale_factor: int
+    #: frames per sample (1: an image)
+    frames: int = 1
+    #: names of the conditioning media a candidate was generated from (e.g. a source image), in
+    #: the order the family's velocity reads them; () for text-to-image
+    media: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """The sampler settings a trajectory was generated with, all the replay needs beyond the
+    recorded tensors: the SDE's eta / sde_type / sigma_max and true CFG (guidance_scale > 1 with
+    negative_prompt and cfg_renorm; else negative_prompt None and cfg_renorm False)."""
+
+    num_inference_steps: int
+    eta: float
+    sde_type: str = "sde"
+    sigma_max: float = 0.99
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    cfg_renorm: bool = False
+
+    @property
+    def guided(self) -> bool:
+        """True CFG: the conditional and unconditional rows of every candidate go through the DiT."""
+        return float(self.guidance_scale) > 1.0
+
+
+#: the condition name of a request's embedded_guidance: [B] fp32, one value per candidate
+EMBEDDED_GUIDANCE = "guidance"
+
+
+@dataclass
+class RolloutRequest:
+    """One candidate to generate, what a Trajectory row becomes. Built by the model adapter's
+    build_rollout_request.
+
+    The candidate's x_T and per-step noise are a pure function of
+    (generation_seed, sample_id, step); `sigmas` is the driver's schedule
+    (num_inference_steps + 1 values, terminal 0 included).
+    """
+
+    prompt: str
+    group_index: int
+    slot: int
+    sample_id: str
+    height: int
+    width: int
+    num_inference_steps: int
+    sigmas: list[float]
+    sde_indices: list[int]
+    eta: float
+    sde_type: str = "sde"
+    sigma_max: float = 0.99
+    #: > 1: true CFG with `negative_prompt` as the unconditional prompt (cfg_renorm: rescale the
+    #: combined velocity to the conditional one's norm per token)
+    guidance_scale: float = 1.0
+    negative_prompt: str = " "
+    cfg_renorm: bool = True
+    #: the guidance a guidance-distilled DiT takes as an INPUT (FLUX.1-dev's `guidance`), not
+    #: true CFG; None for a family without one. The engine records it as the condition
+    #: EMBEDDED_GUIDANCE, so the replay feeds the DiT the value the candidate was sampled at
+    embedded_guidance: float | None = None
+    generation_seed: int = 1234
+    metadata: dict[str, Any] = field(default_factory=dict)
+    #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
+    init_noise_latent_shape: list[int] | None = None
+
+    def geometry(self, vae_scale_factor: int) -> Geometry:
+        """The Geometry this candidate is sampled at under an engine's VAE factor."""
+        return Geometry(int(self.height), int(self.width), int(vae_scale_factor))
+
+    def sampler_settings(self) -> SamplerSettings:
+        """The SamplerSettings its trajectory records (negative_prompt / cfg_renorm only under true CFG)."""
+        guided = float(self.guidance_scale) > 1.0
+        return SamplerSettings(num_inference_steps=int(self.num_inference_steps), eta=float(self.eta),
+                               sde_type=str(self.sde_type), sigma_max=float(self.sigma_max),
+                               guidance_scale=float(self.guidance_scale),
+                               negative_prompt=self.negative_prompt if guided else None,
+                               cfg_renorm=bool(self.cfg_renorm) if guided else False)
 
 
 @dataclass
@@ -61,17 +152,8 @@ class Trajectory:
     log_probs: torch.Tensor
     conditions: dict[str, torch.Tensor]
     sde_indices: list[int]
-    height: int
-    width: int
-    vae_scale_factor: int
-    num_inference_steps: int
-    eta: float
-    sde_type: str = "sde"
-    sigma_max: float = 0.99
-    #: true CFG as sampled (guidance 1.0: none; negative_prompt None then)
-    guidance_scale: float = 1.0
-    negative_prompt: str | None = None
-    cfg_renorm: bool = False
+    geometry: Geometry
+    sampler: SamplerSettings
     images: torch.Tensor | None = None
     #: provenance manifest per candidate (artifacts.candidate_manifest), set by the rollout
     train_metadata: list[dict[str, Any]] | None = None
@@ -95,10 +177,19 @@ class Trajectory:
     def prompt_embeds_mask(self) -> torch.Tensor | None:
         return self.conditions.get("prompt_embeds_mask")
 
-    @property
-    def guided(self) -> bool:
-        """True CFG: the replay runs the conditional and unconditional rows of every candidate."""
-        return float(self.guidance_scale) > 1.0
+    # read-only views of the geometry and the sampler settings (replace those to change them)
+    height = property(lambda self: self.geometry.height)
+    width = property(lambda self: self.geometry.width)
+    vae_scale_factor = property(lambda self: self.geometry.vae_scale_factor)
+    num_inference_steps = property(lambda self: self.sampler.num_inference_steps)
+    eta = property(lambda self: self.sampler.eta)
+    sde_type = property(lambda self: self.sampler.sde_type)
+    sigma_max = property(lambda self: self.sampler.sigma_max)
+    guidance_scale = property(lambda self: self.sampler.guidance_scale)
+    negative_prompt = property(lambda self: self.sampler.negative_prompt)
+    cfg_renorm = property(lambda self: self.sampler.cfg_renorm)
+    guided = property(lambda self: self.sampler.guided, doc="True CFG: the replay runs the conditional and "
+                                                              "unconditional rows of every candidate.")
 
     @property
     def latent_dtype(self) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from trainer.actor import reshard_all
+from trainer.train_model import reshard_all
 from trainer.core.checksum import WeightsChecksum
 from trainer.core.dtypes import DTYPES
 from trainer.core.manifest import SYNC_KINDS, WeightManifest, WeightSyncError, build_manifest, name_shape_hash

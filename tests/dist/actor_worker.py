@@ -237,7 +237,7 @@ def real_model_checks(rank: int, mesh, model_dir: str, checks: dict, figures: di
         return eng.generate(reqs)
 
     def replay_fn(model, rows):
-        return torch.stack([adapter.replay_transition(model, rows, c, sampling)
+        return torch.stack([adapter.replay_transition(model, rows, c)
                             for c in range(rows.num_steps)], dim=1)
 
     batch = rollout(engine, 11)

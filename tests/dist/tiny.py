@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import copy
 import os
-from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
+from trainer.config import (ColocateConfig, FsdpConfig, GrpoConfig, LoraConfig, OptimConfig, RunConfig,
+                            SyncConfig)
 from trainer.core.checksum import weights_checksum
 from trainer.core.manifest import WeightManifest, WeightSyncError, verify_manifest
 from trainer.core.modules import model_has_lora
 from trainer.core.names import model_name
 from trainer.flow_grpo import replay_transition_logp
 from trainer.models.qwen_image import QwenImageAdapter
-from trainer.trajectory import Trajectory
+from trainer.trajectory import Geometry, SamplerSettings, Trajectory
 
 #: the 8 attention projections LoRA targets on Qwen-Image
 LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -93,8 +94,8 @@ def make_batch(n: int, seed: int = 0, device: str | torch.device = "cpu") -> Tra
         metadata=[{} for _ in range(n)], latents=lat, next_latents=nxt, timesteps=sig * 1000, sigmas=sig,
         sigmas_next=sig_next, log_probs=torch.zeros(n, SDE_STEPS),
         conditions={"prompt_embeds": emb, "prompt_embeds_mask": mask}, sde_indices=list(range(1, SDE_STEPS + 1)),
-        height=8 * LATENT_HW, width=8 * LATENT_HW, vae_scale_factor=4, num_inference_steps=SDE_STEPS + 2,
-        eta=0.7).validate().to(device)
+        geometry=Geometry(8 * LATENT_HW, 8 * LATENT_HW, 4),
+        sampler=SamplerSettings(num_inference_steps=SDE_STEPS + 2, eta=0.7)).validate().to(device)
 
 
 def replay(model: nn.Module, b: Trajectory, eta: float = 0.7) -> torch.Tensor:
@@ -113,22 +114,25 @@ def replay(model: nn.Module, b: Trajectory, eta: float = 0.7) -> torch.Tensor:
     return torch.stack(cols, dim=1)
 
 
-def make_cfg(mode: str = "full", **over: Any) -> SimpleNamespace:
-    """A duck-typed config tree with the sections the actor and the sync read."""
-    fsdp = SimpleNamespace(fsdp_trainable_mode=mode, fsdp_trainable_attr="transformer", fsdp_param_dtype="fp32",
-                           fsdp_reduce_dtype="fp32", fsdp_master_dtype=None, no_fsdp_reshard_after_forward=False,
-                           fsdp_activation_checkpointing=False, fsdp_cpu_offload=False, fsdp_load_wave_size=0,
-                           fsdp_lr_scheduler="constant", fsdp_debug_fingerprint=False)
-    lora = SimpleNamespace(lora_rank=4 if mode == "lora" else 0, lora_alpha=8, lora_dropout=0.0,
-                           lora_target_modules=None, lora_adapter_mode=False, lora_merge_mode=False)
-    optim = SimpleNamespace(lr=1e-2, min_lr=0.0, lr_warmup_iters=0, lr_decay_iters=None, weight_decay=0.0,
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0)
-    grpo = SimpleNamespace(eps_clip=1e-4, eps_clip_high=None, num_updates_per_batch=2, micro_batch_size=1)
-    sync = SimpleNamespace(weight_sync_mode="full", weight_sync_wire_dtype="fp32", weight_sync_bucket_size_mb=1)
-    colocate = SimpleNamespace(offload_train=True, offload_rollout=False)
-    cfg = SimpleNamespace(fsdp=fsdp, lora=lora, optim=optim, grpo=grpo, sync=sync, colocate=colocate)
+def make_cfg(mode: str = "full", **over: Any) -> RunConfig:
+    """A RunConfig whose actor and sync sections are set for the tiny model; `over` sets
+    section__field (an unknown one raises)."""
+    cfg = RunConfig(
+        fsdp=FsdpConfig(fsdp_trainable_mode=mode, fsdp_trainable_attr="transformer", fsdp_param_dtype="fp32",
+                        fsdp_reduce_dtype="fp32", fsdp_master_dtype=None, no_fsdp_reshard_after_forward=False,
+                        fsdp_activation_checkpointing=False, fsdp_cpu_offload=False, fsdp_load_wave_size=0,
+                        fsdp_lr_scheduler="constant", fsdp_debug_fingerprint=False),
+        lora=LoraConfig(lora_rank=4 if mode == "lora" else 0, lora_alpha=8, lora_dropout=0.0,
+                        lora_target_modules=None, lora_adapter_mode=False, lora_merge_mode=False),
+        optim=OptimConfig(lr=1e-2, min_lr=0.0, lr_warmup_iters=0, lr_decay_iters=None, weight_decay=0.0,
+                          adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0),
+        grpo=GrpoConfig(eps_clip=1e-4, eps_clip_high=None, num_updates_per_batch=2, micro_batch_size=1),
+        sync=SyncConfig(weight_sync_mode="full", weight_sync_wire_dtype="fp32", weight_sync_bucket_size_mb=1),
+        colocate=ColocateConfig(offload_train=True, offload_rollout=False))
     for key, value in over.items():
         sec, name = key.split("__")
+        if not hasattr(getattr(cfg, sec), name):
+            raise AttributeError(f"make_cfg: config section {sec} has no field {name}")
         setattr(getattr(cfg, sec), name, value)
     return cfg
 

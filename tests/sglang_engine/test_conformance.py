@@ -127,7 +127,7 @@ def test_replay_reproduces_each_engines_logprobs(engines, adapter, tiny_model_di
         batch = engine.generate(make_requests(adapter, engines[0], sampling))
         with torch.no_grad():
             for col in range(batch.num_steps):
-                got = adapter.replay_transition(actor, batch, col, sampling)
+                got = adapter.replay_transition(actor, batch, col)
                 print(f"[diffs] replay {type(engine).__name__} col {col}: "
                       f"{(got.float().cpu() - batch.log_probs[:, col].float().cpu()).abs().max().item():.2e}")
                 torch.testing.assert_close(got.cpu(), batch.log_probs[:, col].cpu(), atol=REPLAY_TOL, rtol=0)

@@ -15,43 +15,28 @@ import torch
 
 # the manifest and its error are part of this protocol's surface; they live in the bottom layer
 from trainer.core.manifest import WeightManifest, WeightSyncError  # noqa: F401
-from trainer.trajectory import Trajectory
+# the request lives beside the Trajectory it becomes (the families build it); re-exported here
+from trainer.trajectory import EMBEDDED_GUIDANCE, RolloutRequest, Trajectory  # noqa: F401
 
 
-@dataclass
-class RolloutRequest:
-    """One candidate to generate. Built by the model adapter's build_rollout_request.
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine class can sample, declared on the class (`capabilities`) so that preflight
+    asks the engine instead of knowing each engine's limits. Every missing capability carries the
+    reason preflight quotes (`reasons`, keyed "families", "true_cfg", "sde_types", "kernels")."""
 
-    The candidate's x_T and per-step noise are a pure function of
-    (generation_seed, sample_id, step); `sigmas` is the driver's schedule
-    (num_inference_steps + 1 values, terminal 0 included).
-    """
-
-    prompt: str
-    group_index: int
-    slot: int
-    sample_id: str
-    height: int
-    width: int
-    num_inference_steps: int
-    sigmas: list[float]
-    sde_indices: list[int]
-    eta: float
-    sde_type: str = "sde"
-    sigma_max: float = 0.99
-    #: > 1: true CFG with `negative_prompt` as the unconditional prompt (cfg_renorm: rescale the
-    #: combined velocity to the conditional one's norm per token)
-    guidance_scale: float = 1.0
-    negative_prompt: str = " "
-    cfg_renorm: bool = True
-    #: the guidance a guidance-distilled DiT takes as an INPUT (FLUX.1-dev's `guidance`), not
-    #: true CFG; None for a family without one. The engine records it as the condition
-    #: EMBEDDED_GUIDANCE, so the replay feeds the DiT the value the candidate was sampled at
-    embedded_guidance: float | None = None
-    generation_seed: int = 1234
-    metadata: dict[str, Any] = field(default_factory=dict)
-    #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
-    init_noise_latent_shape: list[int] | None = None
+    #: the engine's name in messages
+    name: str
+    #: the --model-adapter-path dotpaths it serves; None: every family
+    families: tuple[str, ...] | None = None
+    #: true CFG (guidance_scale > 1: conditional and unconditional rows)
+    true_cfg: bool = True
+    #: the --sampling-config sde_type values it samples
+    sde_types: tuple[str, ...] = ("sde", "dance", "cps")
+    #: the native kernels options --rollout-compile / --rollout-precision fp8
+    compile: bool = True
+    fp8: bool = True
+    reasons: dict[str, str] = field(default_factory=dict, hash=False)
 
 
 @runtime_checkable
@@ -60,6 +45,8 @@ class RolloutEngine(Protocol):
 
     #: the policy version of the weights currently loaded (0 = as loaded from disk)
     policy_version: int
+    #: what it can sample (a class attribute: preflight reads it without building the engine)
+    capabilities: EngineCapabilities
 
     def generate(self, requests: list[RolloutRequest]) -> Trajectory:
         """Generate every request; one trajectory row per request, same order (trainer.trajectory:
@@ -96,10 +83,6 @@ class RolloutEngine(Protocol):
     def commit_weight_version(self, version: int) -> None:
         """Make `version` the engine's policy_version (after verification)."""
 
-
-
-#: the condition name of a request's embedded_guidance: [B] fp32, one value per candidate
-EMBEDDED_GUIDANCE = "guidance"
 
 
 def embedded_guidance_condition(r: RolloutRequest, batch_size: int, device: Any = None) -> dict[str, torch.Tensor]:
@@ -159,16 +142,8 @@ def rollout_trajectory(reqs: list[RolloutRequest], *, images: torch.Tensor, late
         log_probs=log_probs.float().cpu(),
         conditions={k: v.cpu() for k, v in conditions.items()},
         sde_indices=[int(i) for i in sde_indices],
-        height=int(r0.height),
-        width=int(r0.width),
-        vae_scale_factor=int(vae_scale_factor),
-        num_inference_steps=int(r0.num_inference_steps),
-        eta=float(r0.eta),
-        sde_type=str(r0.sde_type),
-        sigma_max=float(r0.sigma_max),
-        guidance_scale=float(r0.guidance_scale),
-        negative_prompt=r0.negative_prompt if float(r0.guidance_scale) > 1.0 else None,
-        cfg_renorm=bool(r0.cfg_renorm) if float(r0.guidance_scale) > 1.0 else False,
+        geometry=r0.geometry(vae_scale_factor),
+        sampler=r0.sampler_settings(),
         images=images.float().cpu(),
     ).validate()
 

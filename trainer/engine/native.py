@@ -50,9 +50,10 @@ from trainer.core.modules import ModuleTreeSnapshot, model_has_lora
 from trainer.core.names import is_lora_name, strip_wrapper_segments
 from trainer.host_arena import HostArena, typed_view
 from trainer.models.base import with_negative
-from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, WeightManifest, WeightSyncError,
-                                 Trajectory, check_names_shapes, check_one_geometry, check_request,
-                                 embedded_guidance_condition, rollout_trajectory)
+from trainer.trajectory import Geometry
+from trainer.engine.base import (ENGINE_MODULES, EngineCapabilities, EngineMemoryState, RolloutRequest,
+                                 WeightManifest, WeightSyncError, Trajectory, check_names_shapes, check_one_geometry,
+                                 check_request, embedded_guidance_condition, rollout_trajectory)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ class NativeEngine(EngineMemoryState):
     precision: "default" (every module in `dtype`) or "fp8": the DiT blocks' linear layers run
       as FP8 GEMMs (trainer/core/fp8.py), re-quantized after every weight sync.
     """
+
+    #: every family, true CFG, every sde_type, compiled blocks and FP8 GEMMs
+    capabilities = EngineCapabilities(name="the native engine")
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int | None = None, revision: str | None = None, adapter: Any = None,
@@ -198,8 +202,8 @@ class NativeEngine(EngineMemoryState):
     def sigma_schedule(self, height: int, width: int, num_inference_steps: int) -> list[float]:
         """The driver's N + 1 sigmas for this model's scheduler config at height x width (the
         adapter's sigma_schedule: its pipeline's own rule)."""
-        return self.adapter.sigma_schedule(self.scheduler_config, num_inference_steps, height, width,
-                                           self.vae_scale_factor)
+        return self.adapter.sigma_schedule(self.scheduler_config, num_inference_steps,
+                                           Geometry(int(height), int(width), self.vae_scale_factor))
 
     @torch.no_grad()
     def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
@@ -254,26 +258,21 @@ class NativeEngine(EngineMemoryState):
 
         r0 = reqs[0]
         b = len(reqs)
-        geom = (r0.height, r0.width, self.vae_scale_factor)
+        geom, sampler = r0.geometry(self.vae_scale_factor), r0.sampler_settings()
         shape = self._init_shape(r0)
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
-        x = self.adapter.initial_latents(x_t, self.transformer, *geom).to(device=self.device, dtype=self.dtype)
+        x = self.adapter.initial_latents(x_t, self.transformer, geom).to(device=self.device, dtype=self.dtype)
         conditions = self.adapter.batch_conditions([conds[r.prompt] for r in reqs])
         conditions.update(embedded_guidance_condition(r0, b, self.device))  # a guidance-distilled DiT's input
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
         trained = set(int(i) for i in r0.sde_indices)
-        guided = r0.guidance_scale > 1.0
-        if guided:
+        if sampler.guided:
             conditions = with_negative(conditions, self.adapter.batch_conditions([conds[r0.negative_prompt]] * b))
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
-            if guided:
-                v = self.adapter.guided_velocity(self.transformer, x, t, conditions, *geom, r0.guidance_scale,
-                                                 r0.cfg_renorm)
-            else:
-                v = self.adapter.velocity(self.transformer, x, t, conditions, *geom)
+            v = self.adapter.velocity(self.transformer, x, t, conditions, geom, sampler)  # the replay's call too
             if i in trained:
                 noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
                 s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
@@ -286,7 +285,7 @@ class NativeEngine(EngineMemoryState):
                 x = x_next
             else:
                 x = ode_step(x, v, sigmas[i], sigmas[i + 1]).to(self.dtype)
-        images = self.adapter.decode(self.vae, x, *geom)
+        images = self.adapter.decode(self.vae, x, geom)
 
         steps = sorted(trained)
         sig = torch.tensor([sigmas[i] for i in steps], dtype=torch.float32)

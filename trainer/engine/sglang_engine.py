@@ -50,8 +50,8 @@ from trainer.core.checksum import weights_checksum
 from trainer.core.dtypes import engine_dtype
 from trainer.core.manifest import verify_manifest
 from trainer.core.names import strip_wrapper_segments
-from trainer.engine.base import (ENGINE_MODULES, EngineMemoryState, RolloutRequest, Trajectory, WeightManifest,
-                                 WeightSyncError, check_names_shapes, check_one_geometry, check_request,
+from trainer.engine.base import (ENGINE_MODULES, EngineCapabilities, EngineMemoryState, RolloutRequest, Trajectory,
+                                 WeightManifest, WeightSyncError, check_names_shapes, check_one_geometry, check_request,
                                  rollout_trajectory)
 from trainer.engine.native import _normalize_lora_config
 
@@ -218,6 +218,15 @@ class SGLangEngine(EngineMemoryState):
     (0: every candidate of a geometry in one request). attention_backend: SGLang's
     ServerArgs.attention_backend (e.g. "torch_sdpa"); None leaves SGLang's own choice (on a
     Hopper GPU its FlashAttention 3, which needs sglang-kernel's flash_ops library)."""
+
+    #: declared here, read by preflight without sglang (this module imports it only when built)
+    capabilities = EngineCapabilities(
+        name="the SGLang engine", families=("trainer.models.qwen_image.QwenImageAdapter",), true_cfg=False,
+        sde_types=("sde", "dance"), compile=False, fp8=False,
+        reasons={"families": "bridges SGLang's Qwen-Image pipeline only",
+                 "true_cfg": "samples without CFG (its bridge runs one conditional row per candidate)",
+                 "sde_types": "bridge is checked for",
+                 "kernels": "SGLang brings its own kernels"})
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None,

@@ -1,9 +1,13 @@
-"""The model-adapter protocol: everything model-family specific the runtime needs.
+"""The model-adapter protocol and the family base class.
 
-The runtime depends only on this surface: the actor (train model, LoRA targets, never-trained
-parameters), the loop and rollout (requests, trajectory checks, replay) and the native engine (its modules,
-prompt encoding, latent layout, velocity, decode). docs/architecture.md lists it with its callers. A new family is a new adapter class chosen by
---model-adapter-path (a dotpath), plus its task string in GENERATION_TASKS.
+The runtime depends only on the protocol (`GenerativeModelAdapter`): the actor (train model, LoRA
+targets, never-trained parameters), the loop and rollout (requests, trajectory checks, replay) and
+the native engine (its modules, prompt encoding, latent layout, velocity, decode).
+docs/architecture.md lists it with its callers. `FamilyAdapter` implements the part every family
+shares (the request, the replay, the packed latent layout, the weight names), so a family writes
+only what is its own: loading, prompt encoding, the schedule, the DiT call (`velocity`) and the
+decode. A new family is a new adapter class chosen by --model-adapter-path (a dotpath), plus its
+task string in GENERATION_TASKS.
 """
 
 from __future__ import annotations
@@ -12,8 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-# Only tasks with a working replay path are listed here.
-GENERATION_TASKS = ("t2i",)
+import torch
+
+from trainer.config import GENERATION_TASKS  # noqa: F401  (the adapters' tasks; defined torch-free there)
+from trainer.sampling import SamplingConfig
+from trainer.trajectory import Geometry, RolloutRequest, SamplerSettings, Trajectory
+
+#: the attention projections of both streams of a joint (MMDiT) block, as diffusers names them:
+#: the image stream's to_q / to_k / to_v / to_out.0 and the text stream's add_*_proj / to_add_out.
+#: Every shipped family's default LoRA target list (FlowGRPO's)
+ATTENTION_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
 
 
 #: the prefix of the unconditional entries of a true-CFG conditions dict
@@ -26,8 +47,6 @@ def module_device_dtype(module: Any) -> tuple[Any, Any]:
     the policy's param_dtype (the dtype its weights are gathered and computed in: the actor
     passes inputs uncast, so the replay casts them), else that parameter's dtype. (cpu, None)
     when it has none."""
-    import torch
-
     policy_dtype = None
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -49,8 +68,6 @@ def apply_attention_policy(adapter: Any, device: Any) -> bool:
     purpose: the engine samples with the same attention kernels the actor replays with. Only on
     CUDA; returns whether it turned the backend off."""
     import logging
-
-    import torch
 
     if getattr(device, "type", device) != "cuda" or getattr(adapter, "cudnn_attention", True):
         return False
@@ -178,9 +195,9 @@ def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None) -> A
     return model.eval()
 
 
-def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
-                             sde_indices: list[int], sigmas: list[float], generation_seed: int,
-                             metadata: dict | None = None):
+def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample_id: str,
+                             sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                             generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
     """One candidate as an engine RolloutRequest under the shared invariants of trainer.sampling
     (what every family's build_rollout_request checks; a family adds its own checks first).
 
@@ -189,14 +206,12 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
     num_inference_steps + 1 values. guidance_scale > 1 carries the sampling config's
     negative_prompt and cfg_renorm (true CFG).
     """
-    from trainer.engine.base import RolloutRequest
-    from trainer.sampling import (guidance_scale_problem, sigma_count_problem, step_zero_problem,
-                                  trained_steps_problem)
+    from trainer.sampling import guidance_scale_problem, sigma_count_problem, step_zero_problem, trained_steps_problem
 
-    guidance = float(getattr(sampling, "guidance_scale", 1.0))
+    guidance = float(sampling.guidance_scale)
     n = int(sampling.num_inference_steps)
     steps = sorted({int(i) for i in sde_indices})
-    sde_type = getattr(sampling, "sde_type", "sde")
+    sde_type = sampling.sde_type
     for where, problem in (
         (f"--sampling-config guidance_scale is {guidance}, but", guidance_scale_problem(guidance)),
         (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
@@ -205,7 +220,7 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
     ):
         if problem:
             raise ValueError(f"{where} {problem}")
-    shape = getattr(sampling, "init_noise_latent_shape", None)
+    shape = sampling.init_noise_latent_shape
     return RolloutRequest(
         prompt=prompt,
         group_index=int(group_index),
@@ -218,10 +233,10 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
         sde_indices=steps,
         eta=float(sampling.eta),
         sde_type=sde_type,
-        sigma_max=float(getattr(sampling, "sigma_max", 0.99)),
+        sigma_max=float(sampling.sigma_max),
         guidance_scale=guidance,
-        negative_prompt=str(getattr(sampling, "negative_prompt", " ")),
-        cfg_renorm=bool(getattr(sampling, "cfg_renorm", True)),
+        negative_prompt=str(sampling.negative_prompt),
+        cfg_renorm=bool(sampling.cfg_renorm),
         generation_seed=int(generation_seed),
         metadata=dict(metadata or {}),
         init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
@@ -230,99 +245,297 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
 
 @runtime_checkable
 class GenerativeModelAdapter(Protocol):
+    """What the runtime calls on a family (docs/architecture.md has the table with the callers;
+    FamilyAdapter implements the shared members and documents each).
+
+    Conditioning travels as a dict of named tensors, never as a fixed tuple: Qwen-Image's is
+    {"prompt_embeds", "prompt_embeds_mask"}, SD3's {"prompt_embeds", "pooled_prompt_embeds"}. A
+    per-prompt dict holds rows without the batch dimension; a batch dict holds [B, ...] tensors
+    and becomes the Trajectory's `conditions`; true CFG adds the unconditional conditioning under
+    the same names prefixed "negative_". A token sequence X padded to a common length carries its
+    mask as X_mask [B, T] int64 (Trajectory.cat pads by that rule). Optional: cudnn_attention =
+    False turns cuDNN's fused attention off in the training process (apply_attention_policy)."""
+
     family: str
-    supported_tasks: tuple[str, ...]
     #: module-name suffixes LoRA is applied to when --lora-target-modules is unset
     lora_target_modules: tuple[str, ...]
-
-    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None) -> Any:
-        """Load only the trainable transformer (frozen text encoder / VAE belong to the engine)."""
-
-    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
-                              sampling: Any, sde_indices: list[int], sigmas: list[float],
-                              generation_seed: int, metadata: dict | None = None) -> Any:
-        """Turn one candidate into an engine RolloutRequest; guidance_scale != 1.0 raises."""
-
-    def validate_trajectory(self, traj: Any) -> None:
-        """Raise ValueError when an engine's trajectory.Trajectory does not fit this family (its
-        generic shape checks, Trajectory.validate, plus the family's latent layout and conditions)."""
-
-    def replay_transition(self, transformer: Any, batch: Any, step: int, sampling: Any) -> Any:
-        """Log-prob [B] (fp32) of the recorded transition of trained-step column `step` of a
-        Trajectory, recomputed through `transformer` with the same math the sampler used."""
-
-    def replay_transitions(self, transformer: Any, batch: Any, sampling: Any) -> Any:
-        """Log-probs [B, S] (fp32) of every trained-step column at once (what the update calls);
-        equal to S replay_transition calls up to batch-size-dependent rounding."""
-
-    def never_trained_param_names(self, model: Any) -> list[str]:
-        """Parameters (wrapper-free model names) of the train model whose output the family
-        discards, so they can never receive a gradient; the actor freezes exactly these. [] when
-        there are none."""
-
-    # -- the engine's side (engine/native.py is generic over these) ----------------------------
-    #
-    # Conditioning travels as a dict of named tensors, never as a fixed tuple: Qwen-Image's is
-    # {"prompt_embeds", "prompt_embeds_mask"}, SD3's {"prompt_embeds", "pooled_prompt_embeds"}.
-    # A per-prompt dict holds rows without the batch dimension; a batch dict holds [B, ...]
-    # tensors and becomes the Trajectory's `conditions`; true CFG adds the unconditional
-    # conditioning under the same names prefixed "negative_". A token sequence X padded to a
-    # common length carries its mask as X_mask [B, T] int64 (Trajectory.cat pads by that rule).
-
     #: text tokens the prompt encoder keeps when the engine is given no max_sequence_length
     max_sequence_length: int
-    # optional: cudnn_attention = False turns cuDNN's fused attention off in the training process
-    # (apply_attention_policy), for a family whose attention backward fails there
     # optional: a classmethod geometry_bounds(model_path) -> GeometryBounds, read from the model
     # directory's JSON configs only: what it can draw, checked before any weights load
-    # (geometry_problems)
+    # (geometry_problems; an adapter without one is not checked)
+
+    # -- the actor's and the loop's side ----------------------------------------------------
+
+    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None) -> Any:
+        """Only the trainable transformer (frozen text encoder / VAE belong to the engine)."""
+
+    def never_trained_param_names(self, model: Any) -> list[str]:
+        """Wrapper-free names of parameters whose output the family discards (the actor freezes them)."""
+
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
+        """One candidate as a RolloutRequest; invalid sampling settings raise ValueError."""
+
+    def validate_trajectory(self, traj: Trajectory) -> None:
+        """Raise ValueError when an engine's Trajectory does not fit this family."""
+
+    def replay_transitions(self, transformer: Any, batch: Trajectory) -> Any:
+        """Log-probs [B, S] (fp32) of every trained-step column, with the sampler's math and call."""
+
+    def replay_moments(self, transformer: Any, batch: Trajectory) -> Any:
+        """flow_grpo.TransitionMoments of replay_transitions' forward (the KL's inputs)."""
+
+    def replay_transition(self, transformer: Any, batch: Trajectory, step: int) -> Any:
+        """Log-prob [B] (fp32) of trained-step column `step`."""
+
+    def weight_name_map(self, name: str) -> str:
+        """Training-side parameter name -> the engine's name."""
+
+    # -- the engine's side (engine/native.py is generic over these) -------------------------
 
     def load_rollout_modules(self, model_path: str, *, dtype: Any, device: Any) -> dict[str, Any]:
-        """The frozen pipeline from a local directory: "transformer", "vae", "text_encoder" (one
-        nn.Module; a family with several encoders returns an nn.ModuleDict of them), "tokenizer"
-        (whatever the prompt encoder takes) and "scheduler_config" (a dict), modules already on
-        `device` in `dtype`."""
+        """"transformer", "vae", "text_encoder" (one nn.Module), "tokenizer", "scheduler_config"
+        from a local directory, modules on `device` in `dtype`."""
 
     def prompt_encoder(self, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any,
                        scheduler_config: dict) -> Any:
-        """A callable encode(prompts, device, max_sequence_length) -> dict name -> [B, ...] tensor:
-        the conditioning of each prompt encoded as the family's pipeline encodes it (masks, if
-        any, int64 with 1 = real token)."""
+        """encode(prompts, device, max_sequence_length) -> {name: [B, ...]}, as the pipeline encodes."""
 
     def batch_conditions(self, rows: Any) -> dict[str, Any]:
-        """Per-candidate condition dicts (each entry without the batch dimension, as one row of
-        the prompt encoder's output) -> one batch dict of [B, ...] tensors (the family decides
-        which entries are padded and carries their masks)."""
+        """Per-candidate condition dicts -> one batch dict of [B, ...] tensors (padded where needed)."""
 
-    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
-                       vae_scale_factor: int) -> list[float]:
-        """The N + 1 sigmas (terminal 0 included) the family's pipeline samples with at height x
-        width, bit-exact with its scheduler (float32 values as python floats)."""
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, geometry: Geometry) -> list[float]:
+        """The N + 1 sigmas (terminal 0 included) of the family's pipeline, bit-exact."""
 
     def latent_geometry(self, vae: Any) -> tuple[int, int]:
         """(vae_scale_factor, latent channels) of the VAE."""
 
-    def initial_latents(self, x_t: Any, transformer: Any, height: int, width: int, vae_scale_factor: int) -> Any:
+    def initial_latents(self, x_t: Any, transformer: Any, geometry: Geometry) -> Any:
         """Unpacked x_T [B, C, h, w] -> the DiT's input layout; raises if the shape does not fit."""
 
-    def velocity(self, transformer: Any, x: Any, t: Any, conditions: dict[str, Any], height: int, width: int,
-                 vae_scale_factor: int) -> Any:
-        """The DiT's velocity for latents x at scheduler timesteps t [B] fp32 (sigma x
-        num_train_timesteps) under a batch conditions dict: the call replay makes too."""
+    def velocity(self, transformer: Any, x: Any, t: Any, conditions: dict[str, Any], geometry: Geometry,
+                 sampler: SamplerSettings, *, rollout_dtype: Any = None) -> Any:
+        """The DiT's velocity at scheduler timesteps t [B] fp32 (sigma x num_train_timesteps): the
+        ONE call the engine samples with and the replay recomputes. sampler.guided: true CFG, the
+        conditional and "negative_" rows in one forward. rollout_dtype: the dtype the engine
+        sampled in (None: x's), for a family that rounds its timestep through it."""
 
-    def guided_velocity(self, transformer: Any, x: Any, t: Any, conditions: dict[str, Any], height: int, width: int,
-                        vae_scale_factor: int, guidance_scale: float, renorm: bool) -> Any:
-        """True-CFG velocity (guidance_scale > 1): `conditions` holds the conditional entries and
-        their "negative_" partners; conditional and unconditional rows in one forward, combined;
-        the call replay makes too."""
-
-    def decode(self, vae: Any, latents: Any, height: int, width: int, vae_scale_factor: int) -> Any:
+    def decode(self, vae: Any, latents: Any, geometry: Geometry) -> Any:
         """Final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU."""
 
-    # -- misc ------------------------------------------------------------------------------
 
-    def artifact_tracks(self) -> tuple[str, ...]:
-        """Media tracks a rollout produces (e.g. ("image",))."""
+# ----------------------------------------------------------------------------- the shared part
+
+
+def packed_grid(height: int, width: int, vae_scale_factor: int, patch_size: int = 2) -> tuple[int, int]:
+    """(rows, cols) of 2 x 2-packed latent patches for height x width pixels:
+    (H // (vsf * p), W // (vsf * p)); the DiT's sequence length is rows * cols (the
+    QwenImagePipeline / FluxPipeline grid)."""
+    f = int(vae_scale_factor) * patch_size
+    return int(height) // f, int(width) // f
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] latents -> [B, (h/2) * (w/2), 4C]: token (i, j) holds channels c-major of the
+    2 x 2 patch at rows 2i..2i+1, cols 2j..2j+1 (the pipelines' _pack_latents)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of pack_latents: [B, rows * cols, 4C] -> [B, C, 2 * rows, 2 * cols]. Raises
+    ValueError when the token count is not rows x cols."""
+    b, n, c4 = latents.shape
+    if n != rows * cols:
+        raise ValueError(f"packed latents hold {n} tokens, expected {rows} x {cols} = {rows * cols}")
+    x = latents.view(b, rows, cols, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, rows * 2, cols * 2)
+
+
+class FamilyAdapter:
+    """What every family adapter shares; a family subclasses it and writes what is its own:
+    `load_train_model`, `load_rollout_modules`, `prompt_encoder`, `batch_conditions`,
+    `sigma_schedule`, `latent_geometry`, `velocity`, `decode` and `check_trajectory` (plus,
+    where its pipeline differs, `build_rollout_request`, `never_trained_param_names` and the
+    latent layout: the default is the 2 x 2-packed token sequence [B, L, 4C]).
+
+    The replay is here, once: it reads the sampler settings and the geometry from the trajectory
+    and calls the same `velocity` the engine sampled with, so "rollout and replay share one DiT
+    call" holds by construction for every family."""
+
+    family: str = ""
+    lora_target_modules: tuple[str, ...] = ATTENTION_LORA_TARGETS
+    max_sequence_length: int = 512
+
+    def __init__(self, vae_scale_factor: int | None = None):
+        #: set from the model directory by load_train_model
+        self.vae_scale_factor = vae_scale_factor
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None) -> Any:
+        """Only the trainable transformer (the family's `load_transformer`; the frozen text
+        encoders and VAE belong to the engine), then self.vae_scale_factor from
+        <model_path>/vae/config.json (the family's `vae_scale_factor_from_config`). `revision`
+        only labels the run: loading is always from the local directory."""
+        import json
+
+        model = self.load_transformer(model_path, dtype=dtype)
+        cfg_path = Path(model_path) / "vae" / "config.json"
+        try:
+            self.vae_scale_factor = self.vae_scale_factor_from_config(json.loads(cfg_path.read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            raise FileNotFoundError(f"cannot read the VAE's scale factor from {cfg_path} ({e}); is --model-path a "
+                                    f"{self.family} model directory?") from None
+        return model
+
+    # -- rollout --------------------------------------------------------------------------
+
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
+        """One candidate as an engine RolloutRequest (standard_rollout_request: raises ValueError
+        for a guidance below 1, an empty / out-of-range trained-step set, a trained step 0 under
+        sde_type "sde", a sigma list that is not num_inference_steps + 1 long)."""
+        return standard_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                        sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                        generation_seed=generation_seed, metadata=metadata)
+
+    def validate_trajectory(self, traj: Trajectory) -> None:
+        """Trajectory.validate, then the family's own layout and conditions (check_trajectory)."""
+        traj.validate()
+        self.check_trajectory(traj, traj.sample_ids[0])
+
+    def check_trajectory(self, traj: Trajectory, who: str) -> None:
+        """The family's checks of a validated trajectory (ValueError naming candidate `who`):
+        here the packed layout, [B, S, L, C] with L the geometry's token grid."""
+        if traj.latents.dim() != 4:
+            raise ValueError(f"trajectory of {who}: latents {tuple(traj.latents.shape)} must be packed [B, S, L, C]")
+        rows, cols = packed_grid(traj.height, traj.width, traj.vae_scale_factor)
+        seq = int(traj.latents.shape[2])
+        if seq != rows * cols:
+            raise ValueError(f"trajectory of {who}: latents hold {seq} tokens but height x width = {traj.height} x "
+                             f"{traj.width} with vae_scale_factor {traj.vae_scale_factor} gives {rows} x {cols}; "
+                             "the engine's geometry is wrong")
+
+    def initial_latents(self, x_t: Any, transformer: Any, geometry: Geometry) -> Any:
+        """Unpacked x_T [B, C, h, w] -> the DiT's packed input [B, L, 4C], after checking the shape
+        fits the geometry on this transformer (a wrong init_noise_latent_shape names itself)."""
+        rows, cols = packed_grid(geometry.height, geometry.width, geometry.vae_scale_factor)
+        shape = list(x_t.shape[1:])
+        in_ch = int(transformer.config.in_channels)
+        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != in_ch:
+            raise ValueError(f"x_T shape {shape} does not fit {geometry.height}x{geometry.width} on this model "
+                             f"(expected [{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
+                             "init_noise_latent_shape or height/width")
+        return pack_latents(x_t)
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def replay_transition(self, transformer: Any, batch: Trajectory, step: int) -> Any:
+        """Log-prob [B] (fp32) of trained-step column `step` of `batch` (replay_transitions of that
+        one column)."""
+        return self.replay_transitions(transformer, batch.columns(step, step + 1))[:, 0]
+
+    def replay_transitions(self, transformer: Any, batch: Trajectory) -> Any:
+        """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch` in one DiT forward over
+        S * B rows (row k * B + i = candidate i at column k; the family's velocity doubles them
+        under true CFG), instead of S forwards of B rows.
+
+        Each row carries its own timestep, sigmas and conditioning and the DiT treats rows
+        independently, so the result is that of S one-column calls up to the GEMM's
+        batch-size-dependent rounding; fewer, larger launches are what make the replay fast at
+        real scale. The velocity is the engine's own call (`velocity`) with the trajectory's
+        geometry and sampler settings; the DiT input is the recorded latents in the module's
+        parameter dtype (FSDP2 mixed precision then casts to its compute dtype) and the
+        timestep is rounded through the rollout's dtype, as the sampler did: exact at equal
+        dtypes. The log-prob math (flow_grpo.replay_transition_logp) runs in fp32 on the
+        recorded tensors. Differentiable w.r.t. the transformer's parameters."""
+        return self._replay(transformer, batch, moments=False)
+
+    def replay_moments(self, transformer: Any, batch: Trajectory) -> Any:
+        """flow_grpo.TransitionMoments (logp [B, S], transition mean [B, S, ...] fp32, std [B, S]
+        fp32) of replay_transitions' forward: the KL to a reference policy."""
+        return self._replay(transformer, batch, moments=True)
+
+    def _replay(self, transformer: Any, batch: Trajectory, *, moments: bool) -> Any:
+        from trainer.flow_grpo import replay_columns_logp, replay_columns_moments
+
+        device, compute_dtype = module_device_dtype(transformer)
+        lat = batch.latents
+        b, s = int(lat.shape[0]), int(lat.shape[1])
+
+        def rows(t: Any) -> Any:  # [B, S, ...] -> [S * B, ...], column-major
+            return t.transpose(0, 1).reshape(s * b, *t.shape[2:])
+
+        def tiled(t: Any) -> Any:  # [B, ...] -> [S * B, ...], column-major
+            return t.repeat(s, *([1] * (t.dim() - 1)))
+
+        # contiguous like the sampler's own latents: a strided input takes another GEMM path,
+        # which in bf16 changes the velocity by an ulp and the log-prob by ~1e-4
+        recorded = rows(lat).to(device).contiguous()
+        next_latents = rows(batch.next_latents).to(device)
+        x = recorded.to(compute_dtype or recorded.dtype)
+        conditions = {k: tiled(v) for k, v in batch.conditions.items()}
+        velocity = self.velocity(transformer, x, rows(batch.timesteps), conditions, batch.geometry, batch.sampler,
+                                 rollout_dtype=recorded.dtype)
+        sp = batch.sampler
+        replay = replay_columns_moments if moments else replay_columns_logp
+        return replay(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
+                      rows(batch.sigmas_next).to(device), b, s, eta=float(sp.eta), sde_type=sp.sde_type, sigma_max=float(sp.sigma_max))
+
+    # -- the actor's side -----------------------------------------------------------------
+
+    def autoencoder_kl_modules(self, path: Path, *, dtype: Any, device: Any, text_encoder: Any,
+                               tokenizer: Any) -> dict[str, Any]:
+        """load_rollout_modules' dict for a family with a diffusers AutoencoderKL, the text
+        encoders and tokenizers already loaded: scheduler_config, then the transformer and the
+        VAE, each moved to `device` as soon as it is loaded."""
+        from diffusers import AutoencoderKL
+
+        from trainer.sampling import load_scheduler_config
+
+        return {
+            "scheduler_config": load_scheduler_config(str(path)),
+            "transformer": self.load_transformer(path, dtype=dtype).to(device),
+            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
+                                                 local_files_only=True).to(device),
+            "text_encoder": text_encoder,
+            "tokenizer": tokenizer,
+            "path": path,
+        }
+
+    def never_trained_param_names(self, model: Any) -> list[str]:
+        """[]: no parameter's output is discarded (a family whose last block drops an output overrides)."""
+        return []
 
     def weight_name_map(self, name: str) -> str:
-        """Map a training-side parameter name to the engine's name."""
+        """Training-side parameter name -> engine name: both are diffusers names once wrapper
+        segments are stripped (core.names.strip_wrapper_segments; idempotent)."""
+        from trainer.core.names import strip_wrapper_segments
+
+        return strip_wrapper_segments(name)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The replay the actor's update calls, over an adapter: `replay(model, rows)` -> log-probs
+    [b, S] fp32 of every trained-step column of the Trajectory `rows`, and
+    `replay.moments(model, rows)` -> flow_grpo.TransitionMoments of the same forward (the KL).
+
+    one_forward: all S columns in one forward of b * S rows (`replay_transitions`), else one
+    forward per column (`replay_transition`, the baseline the tests compare it with)."""
+
+    adapter: Any
+    one_forward: bool = True
+
+    def __call__(self, model: Any, rows: Trajectory) -> Any:
+        if self.one_forward:
+            return self.adapter.replay_transitions(model, rows)
+        return torch.stack([self.adapter.replay_transition(model, rows, c) for c in range(rows.num_steps)], dim=1)
+
+    def moments(self, model: Any, rows: Trajectory) -> Any:
+        return self.adapter.replay_moments(model, rows)

@@ -28,54 +28,23 @@ from typing import Any
 
 import torch
 
-from trainer.engine.base import EMBEDDED_GUIDANCE, RolloutRequest
-from trainer.models.base import (GeometryBounds, check_pipeline_dir, load_checked_transformer, module_device_dtype,
-                                 read_config_json, standard_rollout_request)
+# the 2 x 2 packing is every packed family's (models.base); importable from here too
+from trainer.models.base import (ATTENTION_LORA_TARGETS, FamilyAdapter, GeometryBounds, check_pipeline_dir,  # noqa: F401
+                                 load_checked_transformer, pack_latents, packed_grid, read_config_json,
+                                 unpack_latents)
+from trainer.sampling import SamplingConfig
+from trainer.trajectory import EMBEDDED_GUIDANCE, Geometry, RolloutRequest, SamplerSettings
 
 #: the attention projections of every block, as diffusers names them: a double-stream block has
 #: the image stream's to_q / to_k / to_v / to_out.0 and the text stream's add_*_proj / to_add_out;
 #: a single-stream block's attention has to_q / to_k / to_v (suffix "attn.to_q" matches both kinds)
-FLUX_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+FLUX_LORA_TARGETS = ATTENTION_LORA_TARGETS
 
 #: FluxPipeline's default guidance_scale: the embedded guidance FLUX.1-dev was distilled around
 FLUX_DEV_GUIDANCE = 3.5
 
 
 # ----------------------------------------------------------------------------- geometry
-
-
-def packed_grid(height: int, width: int, vae_scale_factor: int) -> tuple[int, int]:
-    """(rows, cols) of 2 x 2-packed latent patches for height x width pixels:
-    (H // (2 * vsf), W // (2 * vsf)), FluxPipeline's prepare_latents grid halved."""
-    f = 2 * int(vae_scale_factor)
-    return int(height) // f, int(width) // f
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] latents -> [B, (h/2) * (w/2), 4C], as FluxPipeline._pack_latents: token
-    (i, j) holds channels c-major of the 2 x 2 patch at rows 2i..2i+1, cols 2j..2j+1."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of pack_latents: [B, rows * cols, 4C] -> [B, C, 2 * rows, 2 * cols]
-    (FluxPipeline._unpack_latents). Raises ValueError when the token count is not rows x cols."""
-    b, n, c4 = latents.shape
-    if n != rows * cols:
-        raise ValueError(f"packed latents hold {n} tokens, expected {rows} x {cols} = {rows * cols}")
-    x = latents.view(b, rows, cols, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c4 // 4, rows * 2, cols * 2)
 
 
 def latent_image_ids(rows: int, cols: int, device: Any = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -202,8 +171,8 @@ _GUIDANCE_MEANING = ("for FLUX.1 --sampling-config guidance_scale is the embedde
                      "FLUX rollout always runs one conditional row per candidate")
 
 
-class FluxAdapter:
-    """GenerativeModelAdapter for FLUX.1 text-to-image (see trainer/models/base.py).
+class FluxAdapter(FamilyAdapter):
+    """The FLUX.1 family (trainer/models/base.py: FamilyAdapter holds the shared part).
 
     Conditions (a Trajectory's `conditions`): "prompt_embeds" [B, T, D] T5 states (T =
     max_sequence_length: the tokenizer pads every prompt to it, so no mask and no re-padding),
@@ -214,7 +183,6 @@ class FluxAdapter:
     """
 
     family = "flux"
-    supported_tasks = ("t2i",)
     lora_target_modules = FLUX_LORA_TARGETS
     #: FluxPipeline's default T5 window (and its maximum); every prompt is padded to it
     max_sequence_length = 512
@@ -230,10 +198,13 @@ class FluxAdapter:
     #: (an illegal memory access with checkpointing, "mha_graph.execute ... is_good()" without);
     #: with flash / memory-efficient attention the same replay and update ran
     cudnn_attention = False
+    # never_trained_param_names is FamilyAdapter's []: the double-stream blocks' text outputs feed
+    # the single-stream blocks, and a single-stream block runs ONE set of weights over the joined
+    # text + image sequence, so even the last block's weights shape image tokens
+    # (tests/test_family_flux.py trains every parameter)
 
-    def __init__(self, vae_scale_factor: int | None = None):
-        #: set from the model directory by load_train_model
-        self.vae_scale_factor = vae_scale_factor
+    load_transformer = staticmethod(load_flux_transformer)
+    vae_scale_factor_from_config = staticmethod(vae_scale_factor_from_config)
 
     @classmethod
     def geometry_bounds(cls, model_path) -> GeometryBounds:
@@ -245,39 +216,13 @@ class FluxAdapter:
                               max_sequence_length=cls.max_sequence_length_limit,
                               why_multiple=f"vae/config.json's scale factor {vsf} x 2 for the 2 x 2 latent packing")
 
-    # -- loading --------------------------------------------------------------------------
-
-    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None):
-        """Only the trainable FluxTransformer2DModel (the text encoders and the VAE belong to the
-        engine). `revision` only labels the run: loading is always from the local directory."""
-        import json
-
-        model = load_flux_transformer(model_path, dtype=dtype)
-        cfg_path = check_model_dir(model_path, ("vae",)) / "vae" / "config.json"
-        try:
-            self.vae_scale_factor = vae_scale_factor_from_config(json.loads(cfg_path.read_text()))
-        except (OSError, ValueError, KeyError) as e:
-            raise FileNotFoundError(f"cannot read block_out_channels from {cfg_path} ({e}); is --model-path a "
-                                    "FLUX.1 directory?") from None
-        return model
-
-    def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
-        """[]: no FLUX parameter's output is discarded. The double-stream blocks' text outputs feed
-        the single-stream blocks; a single-stream block runs ONE set of weights over the joined
-        text + image sequence, so although the last block's text outputs are dropped, each of its
-        weights also shapes image tokens (tests/test_family_flux.py trains every parameter)."""
-        return []
-
     # -- the engine's side -----------------------------------------------------------------
 
     def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
         """transformer, vae, text_encoder (an nn.ModuleDict: "clip" CLIPTextModel, "t5"
         T5EncoderModel), tokenizer ({"clip", "t5"}) and scheduler_config from a local diffusers
         FLUX.1 directory, each module moved to `device` as soon as it is loaded."""
-        from diffusers import AutoencoderKL
         from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
-
-        from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, self.rollout_subfolders)
         encoders = torch.nn.ModuleDict({
@@ -285,16 +230,10 @@ class FluxAdapter:
                                                   local_files_only=True).to(device),
             "t5": T5EncoderModel.from_pretrained(str(path / "text_encoder_2"), dtype=dtype,
                                                  local_files_only=True).to(device)})
-        return {
-            "scheduler_config": load_scheduler_config(str(path)),
-            "transformer": load_flux_transformer(path, dtype=dtype).to(device),
-            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
-                                                 local_files_only=True).to(device),
-            "text_encoder": encoders,
-            "tokenizer": {"clip": CLIPTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
-                          "t5": AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)},
-            "path": path,
-        }
+        tokenizers = {"clip": CLIPTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
+                      "t5": AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)}
+        return self.autoencoder_kl_modules(path, dtype=dtype, device=device, text_encoder=encoders,
+                                           tokenizer=tokenizers)
 
     def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
         """encode(prompts, device, max_sequence_length) -> {"prompt_embeds": [B, T, D] (T5, padded
@@ -326,39 +265,28 @@ class FluxAdapter:
         return {"prompt_embeds": torch.stack([r["prompt_embeds"] for r in rows]),
                 "pooled_prompt_embeds": torch.stack([r["pooled_prompt_embeds"] for r in rows])}
 
-    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
-                       vae_scale_factor: int) -> list[float]:
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, geometry: Geometry) -> list[float]:
         """FluxPipeline's sigmas: linspace(1, 1/N, N) passed to the scheduler with mu =
         calculate_shift(packed image tokens, the scheduler's base/max seq len and shifts)
         (sampling.sigma_schedule; bit-exact, tests/test_family_flux.py)."""
         from trainer.sampling import image_seq_len, sigma_schedule
 
-        return sigma_schedule(scheduler_config, num_inference_steps, image_seq_len(height, width, vae_scale_factor))
+        return sigma_schedule(scheduler_config, num_inference_steps,
+                              image_seq_len(geometry.height, geometry.width, geometry.vae_scale_factor))
 
     def latent_geometry(self, vae) -> tuple[int, int]:
         """(vae_scale_factor, latent channels) of the engine's AutoencoderKL."""
         return vae_scale_factor_from_config(vae.config), int(vae.config.latent_channels)
 
-    def initial_latents(self, x_t: torch.Tensor, transformer, height: int, width: int,
-                        vae_scale_factor: int) -> torch.Tensor:
-        """Unpacked x_T [B, C, h, w] -> the DiT's packed input [B, L, 4C], after checking the shape
-        fits height x width on this transformer (a wrong init_noise_latent_shape names itself)."""
-        rows, cols = packed_grid(height, width, vae_scale_factor)
-        shape = list(x_t.shape[1:])
-        in_ch = int(transformer.config.in_channels)
-        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != in_ch:
-            raise ValueError(f"x_T shape {shape} does not fit {height}x{width} on this model (expected "
-                             f"[{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
-                             "init_noise_latent_shape or height/width")
-        return pack_latents(x_t)
-
     def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
-                 height: int, width: int, vae_scale_factor: int, *,
+                 geometry: Geometry, sampler: SamplerSettings, *,
                  rollout_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The DiT's velocity for packed latents x [B, L, 4C] at scheduler timesteps t [B]
-        (flux_velocity, the call replay makes too); the guidance input is conditions["guidance"]
-        when the DiT has a guidance embedding."""
-        rows, cols = packed_grid(height, width, vae_scale_factor)
+        (flux_velocity); the guidance input is conditions["guidance"] when the DiT has a
+        guidance embedding. True CFG is refused (`_GUIDANCE_MEANING`)."""
+        if sampler.guided:
+            raise ValueError(f"true CFG was asked of the FLUX adapter, but {_GUIDANCE_MEANING}")
+        rows, cols = packed_grid(geometry.height, geometry.width, geometry.vae_scale_factor)
         guidance = conditions.get(EMBEDDED_GUIDANCE) if has_guidance_embedding(transformer) else None
         if guidance is None and has_guidance_embedding(transformer):
             raise ValueError("this FLUX DiT has a guidance embedding but the conditions carry no 'guidance'; "
@@ -366,20 +294,15 @@ class FluxAdapter:
         return flux_velocity(transformer, x, t, conditions["prompt_embeds"], conditions["pooled_prompt_embeds"],
                              guidance, rows, cols, rollout_dtype=rollout_dtype)
 
-    def guided_velocity(self, transformer, x, t, conditions, height, width, vae_scale_factor, guidance_scale,
-                        renorm):
-        """Refused: FLUX.1 has no true CFG here (`_GUIDANCE_MEANING`)."""
-        raise ValueError(f"true CFG was asked of the FLUX adapter, but {_GUIDANCE_MEANING}")
-
-    def decode(self, vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+    def decode(self, vae, packed: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         """Packed final latents -> images [B, 3, H, W] float32 in [0, 1] on CPU (decode_latents)."""
-        return decode_latents(vae, packed, height, width, vae_scale_factor)
+        return decode_latents(vae, packed, geometry.height, geometry.width, geometry.vae_scale_factor)
 
     # -- rollout --------------------------------------------------------------------------
 
-    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
-                              sde_indices: list[int], sigmas: list[float], generation_seed: int,
-                              metadata: dict | None = None):
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None):
         """One candidate as an engine RolloutRequest: guidance_scale becomes the request's
         embedded_guidance and its true-CFG scale stays 1.0 (`_GUIDANCE_MEANING`). Raises
         ValueError for a guidance below 1, an empty / out-of-range trained-step set, a trained
@@ -388,26 +311,17 @@ class FluxAdapter:
 
         # the shared invariants (guidance >= 1, trained steps, step 0, sigma count) are checked on
         # the embedded guidance; the request then carries it there, with one DiT row (no true CFG)
-        request = standard_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
-                                           sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
-                                           generation_seed=generation_seed, metadata=metadata)
+        request = super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                                sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                                generation_seed=generation_seed, metadata=metadata)
         defaults = {f.name: f.default for f in dataclasses.fields(RolloutRequest)}
         return dataclasses.replace(request, guidance_scale=1.0, embedded_guidance=request.guidance_scale,
                                    negative_prompt=defaults["negative_prompt"], cfg_renorm=defaults["cfg_renorm"])
 
-    def validate_trajectory(self, traj) -> None:
-        """Raise ValueError when a trajectory does not fit this family: packed latents [B, S, L, C]
-        whose L tokens are the height x width grid, the T5 / CLIP conditioning and the embedded
-        guidance, and no true CFG."""
-        traj.validate()
-        who = traj.sample_ids[0]
-        if traj.latents.dim() != 4:
-            raise ValueError(f"trajectory of {who}: latents {tuple(traj.latents.shape)} must be packed [B, S, L, C]")
-        rows, cols = packed_grid(traj.height, traj.width, traj.vae_scale_factor)
-        if int(traj.latents.shape[2]) != rows * cols:
-            raise ValueError(f"trajectory of {who}: latents hold {int(traj.latents.shape[2])} tokens but height x "
-                             f"width = {traj.height} x {traj.width} with vae_scale_factor {traj.vae_scale_factor} "
-                             f"gives {rows} x {cols}; the engine's geometry is wrong")
+    def check_trajectory(self, traj, who: str) -> None:
+        """Packed latents [B, S, L, C] of the geometry's grid (FamilyAdapter), the CLIP pooled
+        embedding and the embedded guidance in the conditions, and no true CFG."""
+        super().check_trajectory(traj, who)
         for name in ("pooled_prompt_embeds", EMBEDDED_GUIDANCE):
             if name not in traj.conditions:
                 raise ValueError(f"trajectory of {who}: conditions lack {name!r}; a FLUX replay needs the CLIP pooled "
@@ -415,54 +329,3 @@ class FluxAdapter:
         if traj.guided:
             raise ValueError(f"trajectory of {who}: guidance_scale {traj.guidance_scale} (true CFG), but "
                              f"{_GUIDANCE_MEANING}")
-
-    # -- replay ---------------------------------------------------------------------------
-
-    def replay_transition(self, transformer: Any, batch, step: int, sampling: Any) -> torch.Tensor:
-        """Log-prob [B] (fp32) of trained-step column `step` of `batch` (replay_transitions of
-        that one column)."""
-        return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
-
-    def replay_transitions(self, transformer: Any, batch, sampling: Any, *, moments: bool = False) -> Any:
-        """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch` in one DiT forward over
-        B * S rows (row k * B + i = candidate i at column k), through the sampler's velocity call
-        (`velocity`) and math (flow_grpo.replay_transition_logp).
-
-        The DiT input is the recorded latents cast to the module's parameter dtype (FSDP2 mixed
-        precision then casts to its compute dtype); the timestep is rounded through the rollout's
-        dtype, as the sampler did; the conditioning, embedded guidance included, is the recorded
-        one. moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32)
-        of the same forward (the KL to a reference policy)."""
-        from trainer.flow_grpo import replay_columns_logp
-
-        device, compute_dtype = module_device_dtype(transformer)
-        lat = batch.latents
-        b, s = int(lat.shape[0]), int(lat.shape[1])
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [S * B, ...], column-major
-            return t.transpose(0, 1).reshape(s * b, *t.shape[2:])
-
-        def tiled(t: torch.Tensor) -> torch.Tensor:  # [B, ...] -> [S * B, ...], column-major
-            return t.repeat(s, *([1] * (t.dim() - 1)))
-
-        # contiguous like the sampler's own latents (a strided input takes another GEMM path)
-        recorded = rows(lat).to(device).contiguous()
-        next_latents = rows(batch.next_latents).to(device)
-        x = recorded.to(compute_dtype or recorded.dtype)
-        conditions = {k: tiled(v) for k, v in batch.conditions.items()}
-        velocity = self.velocity(transformer, x, rows(batch.timesteps), conditions, batch.height, batch.width,
-                                 batch.vae_scale_factor, rollout_dtype=recorded.dtype)
-        return replay_columns_logp(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
-                                   rows(batch.sigmas_next).to(device), sampling, b, s, moments=moments)
-
-    # -- misc -----------------------------------------------------------------------------
-
-    def artifact_tracks(self) -> tuple[str, ...]:
-        return ("image",)
-
-    def weight_name_map(self, name: str) -> str:
-        """Training-side parameter name -> engine name: diffusers names once wrapper segments are
-        stripped (core.names.strip_wrapper_segments; idempotent)."""
-        from trainer.core.names import strip_wrapper_segments
-
-        return strip_wrapper_segments(name)

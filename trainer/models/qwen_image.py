@@ -12,31 +12,22 @@ zero-padded to the batch's longest prompt) and "prompt_embeds_mask" [B, T] int64
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from trainer.core.names import model_name, strip_wrapper_segments
-from trainer.engine.base import RolloutRequest
-from trainer.trajectory import Trajectory
-from trainer.models.base import (GeometryBounds, check_pipeline_dir, load_checked_transformer, module_device_dtype,
-                                 read_config_json, standard_rollout_request)
+from trainer.core.names import model_name
+# the 2 x 2 packing is every packed family's (models.base); importable from here too
+from trainer.models.base import (ATTENTION_LORA_TARGETS, FamilyAdapter, GeometryBounds, check_pipeline_dir,  # noqa: F401
+                                 load_checked_transformer, pack_latents, packed_grid, read_config_json,
+                                 unpack_latents)
+from trainer.trajectory import Geometry, SamplerSettings, Trajectory
 
 #: the eight attention projections of each block (image and text stream); SGLang's Qwen-Image
 #: DiT uses the same names, so an adapter trained here loads there without a rename
-QWEN_IMAGE_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+QWEN_IMAGE_LORA_TARGETS = ATTENTION_LORA_TARGETS
 
 #: parameter-path prefixes, inside the last dual-stream block, that only produce discarded text outputs
 _DEAD_IN_LAST_BLOCK = ("attn.add_q_proj.", "attn.norm_added_q.", "attn.to_add_out.", "txt_mlp.")
@@ -112,47 +103,13 @@ def vae_scale_factor_from_config(vae_config: dict) -> int:
     return 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
 
 
-def read_vae_scale_factor(model_path) -> int:
-    """vae_scale_factor from `<model_path>/vae/config.json`."""
-    cfg_path = Path(model_path) / "vae" / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"cannot read {cfg_path} ({e}); is --model-path a Qwen-Image directory?") from None
-    return vae_scale_factor_from_config(cfg)
-
-
 # ----------------------------------------------------------------------------- geometry
-
-
-def packed_grid(height: int, width: int, vae_scale_factor: int, patch_size: int = 2) -> tuple[int, int]:
-    """(rows, cols) of 2x2-packed latent patches for an image of height x width pixels:
-    (H // (vsf * p), W // (vsf * p)); the DiT's sequence length is rows * cols.
-    Matches QwenImagePipeline (img_shapes and _pack_latents)."""
-    f = vae_scale_factor * patch_size
-    return int(height) // f, int(width) // f
 
 
 def img_shapes_for(batch_size: int, height: int, width: int, vae_scale_factor: int) -> list[list[tuple[int, int, int]]]:
     """The transformer's `img_shapes` kwarg: one [(frames=1, rows, cols)] per candidate."""
     rows, cols = packed_grid(height, width, vae_scale_factor)
     return [[(1, rows, cols)]] * batch_size
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] latents -> [B, (H/2)*(W/2), C*4] 2x2 patches, as QwenImagePipeline packs."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of pack_latents: [B, rows*cols, C*4] -> [B, C, 2*rows, 2*cols]."""
-    b, n, c4 = latents.shape
-    if n != rows * cols:
-        raise ValueError(f"packed latents hold {n} tokens, expected {rows} x {cols} = {rows * cols}")
-    x = latents.view(b, rows, cols, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c4 // 4, rows * 2, cols * 2)
 
 
 # ----------------------------------------------------------------------------- the DiT call
@@ -285,20 +242,20 @@ def pad_text(embeds: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None
     return out, mask
 
 
-class QwenImageAdapter:
-    """GenerativeModelAdapter for Qwen-Image text-to-image (see trainer/models/base.py)."""
+class QwenImageAdapter(FamilyAdapter):
+    """The Qwen-Image family (trainer/models/base.py: FamilyAdapter holds the shared part)."""
 
     family = "qwen_image"
-    supported_tasks = ("t2i",)
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
     #: QwenImagePipeline's text window after the template prefix
     max_sequence_length = 512
     #: the most --max-sequence-length may ask (QwenImagePipeline's own limit)
     max_sequence_length_limit = 1024
+    #: the model directory's subfolders the engine loads
+    rollout_subfolders = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
-    def __init__(self, vae_scale_factor: int | None = None):
-        #: set from the model directory by load_train_model; responses carry it as well
-        self.vae_scale_factor = vae_scale_factor
+    load_transformer = staticmethod(load_qwen_image_transformer)
+    vae_scale_factor_from_config = staticmethod(vae_scale_factor_from_config)
 
     @classmethod
     def geometry_bounds(cls, model_path) -> GeometryBounds:
@@ -310,21 +267,11 @@ class QwenImageAdapter:
                               max_sequence_length=cls.max_sequence_length_limit,
                               why_multiple=f"vae/config.json's scale factor {vsf} x 2 for the 2 x 2 latent packing")
 
-    # -- loading --------------------------------------------------------------------------
-
-    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None):
-        """Only the trainable transformer (frozen text encoder / VAE belong to the engine).
-        `revision` only labels the run: loading is always from the local directory."""
-        model = load_qwen_image_transformer(model_path, dtype=dtype)
-        self.vae_scale_factor = read_vae_scale_factor(model_path)
-        return model
+    def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
+        """The last block's text-output parameters (module function never_trained_param_names)."""
+        return never_trained_param_names(model)
 
     # -- the engine's side -----------------------------------------------------------------
-    # What a generic engine (engine/native.py) asks of the family: its frozen modules, prompt
-    # encoding, the latent layout, the velocity call and the decode. The SDE math is shared.
-
-    #: the model directory's subfolders the engine loads
-    rollout_subfolders = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
     def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
         """transformer, vae, text_encoder, tokenizer and scheduler_config from a local diffusers
@@ -374,56 +321,38 @@ class QwenImageAdapter:
         """(vae_scale_factor, latent channels) of the engine's VAE."""
         return vae_scale_factor_from_config(vae.config), int(vae.config.z_dim)
 
-    def initial_latents(self, x_t: torch.Tensor, transformer, height: int, width: int,
-                        vae_scale_factor: int) -> torch.Tensor:
-        """Unpacked x_T [B, C, h, w] -> the DiT's packed input [B, L, 4C], after checking the shape
-        fits height x width on this transformer (a wrong init_noise_latent_shape names itself)."""
-        rows, cols = packed_grid(height, width, vae_scale_factor)
-        shape = list(x_t.shape[1:])
-        in_ch = transformer.config.in_channels
-        if len(shape) != 3 or shape[1] != 2 * rows or shape[2] != 2 * cols or shape[0] * 4 != in_ch:
-            raise ValueError(
-                f"x_T shape {shape} does not fit {height}x{width} on this model (expected "
-                f"[{in_ch // 4}, {2 * rows}, {2 * cols}]); fix --sampling-config "
-                "init_noise_latent_shape or height/width")
-        return pack_latents(x_t)
-
     def batch_conditions(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Per-candidate {"prompt_embeds": [T_i, D], "prompt_embeds_mask": [T_i]} -> one zero-padded
         batch with its mask [B, T_max] int64 (module function pad_text)."""
         embeds, mask = pad_text([r["prompt_embeds"] for r in rows], [r.get("prompt_embeds_mask") for r in rows])
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
-    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
-                       vae_scale_factor: int) -> list[float]:
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, geometry: Geometry) -> list[float]:
         """QwenImagePipeline's sigmas: linspace(1, 1/N, N) passed to the scheduler, shifted by its
         resolution-dependent mu (sampling.sigma_schedule at the image's token count)."""
         from trainer.sampling import image_seq_len, sigma_schedule
 
-        return sigma_schedule(scheduler_config, num_inference_steps, image_seq_len(height, width, vae_scale_factor))
+        return sigma_schedule(scheduler_config, num_inference_steps,
+                              image_seq_len(geometry.height, geometry.width, geometry.vae_scale_factor))
 
     def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
-                 height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
-        """The DiT's velocity for packed latents x [B, L, C] at timesteps t [B] (dit_velocity, the
-        call replay makes too)."""
+                 geometry: Geometry, sampler: SamplerSettings, *,
+                 rollout_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The DiT's velocity for packed latents x [B, L, C] at timesteps t [B]: dit_velocity, or
+        under true CFG guided_velocity (both rows in one forward; the unconditional rows'
+        conditioning is conditions["negative_prompt_embeds"] and its mask)."""
+        shapes = img_shapes_for(int(x.shape[0]), geometry.height, geometry.width, geometry.vae_scale_factor)
+        if sampler.guided:
+            return guided_velocity(transformer, x, t, conditions["prompt_embeds"], conditions.get("prompt_embeds_mask"),
+                                   conditions["negative_prompt_embeds"], conditions.get("negative_prompt_embeds_mask"),
+                                   shapes, sampler.guidance_scale, sampler.cfg_renorm, rollout_dtype=rollout_dtype)
         return dit_velocity(transformer, x, t, conditions["prompt_embeds"], conditions.get("prompt_embeds_mask"),
-                            img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor))
+                            shapes, rollout_dtype=rollout_dtype)
 
-    def guided_velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
-                        height: int, width: int, vae_scale_factor: int, guidance_scale: float,
-                        renorm: bool) -> torch.Tensor:
-        """True-CFG velocity (module function guided_velocity: both rows in one forward), the call
-        replay makes too; the unconditional rows' conditioning is conditions["negative_prompt_embeds"]
-        and its mask."""
-        return guided_velocity(transformer, x, t, conditions["prompt_embeds"], conditions.get("prompt_embeds_mask"),
-                               conditions["negative_prompt_embeds"], conditions.get("negative_prompt_embeds_mask"),
-                               img_shapes_for(int(x.shape[0]), height, width, vae_scale_factor), guidance_scale,
-                               renorm)
-
-    def decode(self, vae, packed: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+    def decode(self, vae, packed: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
         QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
-        rows, cols = packed_grid(height, width, vae_scale_factor)
+        rows, cols = packed_grid(geometry.height, geometry.width, geometry.vae_scale_factor)
         z = unpack_latents(packed, rows, cols).unsqueeze(2).to(vae.dtype)
         cfg = vae.config
         mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
@@ -431,121 +360,9 @@ class QwenImageAdapter:
         image = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
         return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
 
-    # -- rollout --------------------------------------------------------------------------
-
-    def build_rollout_request(
-        self,
-        prompt: str,
-        *,
-        group_index: int,
-        slot: int,
-        sample_id: str,
-        sampling: Any,
-        sde_indices: list[int],
-        sigmas: list[float],
-        generation_seed: int,
-        metadata: dict | None = None,
-    ) -> RolloutRequest:
-        """One candidate as an engine RolloutRequest.
-
-        Raises ValueError when guidance_scale < 1.0, when the trained-step set is empty, out of
-        range, or trains step 0 under sde_type "sde", and when `sigmas` is not
-        num_inference_steps + 1 values. guidance_scale > 1 carries the sampling config's
-        negative_prompt and cfg_renorm (true CFG).
-        """
-        return standard_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
-                                        sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
-                                        generation_seed=generation_seed, metadata=metadata)
-
-    def validate_trajectory(self, traj: Trajectory) -> None:
-        """Raise ValueError when a trajectory's shapes do not fit this family: packed latents
-        [B, S, L, C] whose L tokens are the height x width grid, and the text conditioning."""
-        traj.validate()
-        who = traj.sample_ids[0]
-        if traj.latents.dim() != 4:
-            raise ValueError(f"trajectory of {who}: latents {tuple(traj.latents.shape)} must be packed [B, S, L, C]")
-        rows, cols = packed_grid(traj.height, traj.width, traj.vae_scale_factor)
-        seq = int(traj.latents.shape[2])
-        if seq != rows * cols:
-            raise ValueError(f"trajectory of {who}: latents hold {seq} tokens but height x width = {traj.height} x "
-                             f"{traj.width} with vae_scale_factor {traj.vae_scale_factor} gives {rows} x {cols}; "
-                             "the engine's geometry is wrong")
+    def check_trajectory(self, traj: Trajectory, who: str) -> None:
+        """Packed latents [B, S, L, C] of the geometry's grid (FamilyAdapter) and the text mask."""
+        super().check_trajectory(traj, who)
         if "prompt_embeds_mask" not in traj.conditions:
             raise ValueError(f"trajectory of {who}: conditions lack 'prompt_embeds_mask'; the engine must record the "
                              "text conditioning's mask with it")
-
-    # -- replay ---------------------------------------------------------------------------
-
-    def replay_transition(self, transformer: Any, batch: Trajectory, step: int, sampling: Any) -> torch.Tensor:
-        """Log-prob [B] (fp32) of trained-step column `step` of `batch`, recomputed through
-        `transformer` with the sampler's math (flow_grpo.replay_transition_logp).
-
-        The DiT input is the recorded latents cast to the module's parameter dtype (under FSDP2
-        mixed precision, its policy then casts to the compute dtype); the timestep is rounded
-        through the rollout's dtype, as the sampler did. Exact at equal dtypes; a bf16 rollout
-        replayed in fp32 differs by ~3e-4, so keep them equal. The log-prob math itself runs in
-        fp32 on the recorded tensors. Tensors are moved to the transformer's device.
-        Differentiable w.r.t. the transformer's parameters. `sampling` supplies eta, sde_type
-        and sigma_max.
-        """
-        return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
-
-    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any, *,
-                           moments: bool = False) -> Any:
-        """Log-probs [B, S] (fp32) of EVERY trained-step column of `batch`, in one DiT forward over
-        B * S rows (row k * B + i = candidate i at column k), instead of S forwards of B rows.
-
-        Each row carries its own timestep, sigmas and conditioning and the DiT treats rows
-        independently, so the result is that of S one-column calls (`replay_transition`, which is
-        this with S = 1) up to the GEMM's batch-size-dependent rounding. Fewer, larger launches: replay of a micro-batch is
-        bound by the host's kernel-launch rate at real scale, so this is what makes it fast. The
-        autograd graph holds the same activations as S separate forwards kept for one backward.
-        A true-CFG trajectory (batch.guided) replays its conditional and unconditional rows
-        together (guided_velocity: 2 * B * S rows), with the guidance it was sampled at.
-        moments=True returns (logp [B, S], transition mean [B, S, L, C] fp32, std [B, S] fp32) of
-        the same forward, what the KL to a reference policy needs.
-        """
-        from trainer.flow_grpo import replay_columns_logp
-
-        device, compute_dtype = module_device_dtype(transformer)
-        lat = batch.latents
-        b, s = int(lat.shape[0]), int(lat.shape[1])
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [S * B, ...], column-major
-            return t.transpose(0, 1).reshape(s * b, *t.shape[2:])
-
-        # contiguous like the sampler's own latents: a strided input takes another GEMM path,
-        # which in bf16 changes the velocity by an ulp and the log-prob by ~1e-4
-        recorded = rows(lat).to(device).contiguous()
-        next_latents = rows(batch.next_latents).to(device)
-        def tiled(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, ...] -> [S * B, ...], column-major
-            return None if t is None else t.repeat(s, *([1] * (t.dim() - 1)))
-
-        x = recorded.to(compute_dtype or recorded.dtype)
-        shapes = img_shapes_for(s * b, batch.height, batch.width, batch.vae_scale_factor)
-        embeds, mask = tiled(batch.prompt_embeds), tiled(batch.prompt_embeds_mask)
-        if batch.guided:
-            velocity = guided_velocity(transformer, x, rows(batch.timesteps), embeds, mask,
-                                       tiled(batch.conditions["negative_prompt_embeds"]),
-                                       tiled(batch.conditions.get("negative_prompt_embeds_mask")), shapes,
-                                       batch.guidance_scale, batch.cfg_renorm, rollout_dtype=recorded.dtype)
-        else:
-            velocity = dit_velocity(transformer, x, rows(batch.timesteps), embeds, mask, shapes,
-                                    rollout_dtype=recorded.dtype)
-        return replay_columns_logp(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
-                                   rows(batch.sigmas_next).to(device), sampling, b, s, moments=moments)
-
-    # -- misc -----------------------------------------------------------------------------
-
-    def artifact_tracks(self) -> tuple[str, ...]:
-        return ("image",)
-
-    def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
-        """The last block's text-output parameters (module function never_trained_param_names)."""
-        return never_trained_param_names(model)
-
-    def weight_name_map(self, name: str) -> str:
-        """Training-side parameter name -> engine name. The actor's names are already diffusers
-        names once wrapper segments are stripped (core.names.strip_wrapper_segments), so
-        this also strips them, idempotently."""
-        return strip_wrapper_segments(name)

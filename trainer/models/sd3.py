@@ -20,26 +20,17 @@ from typing import Any, Sequence
 
 import torch
 
-from trainer.core.names import model_name, strip_wrapper_segments
-from trainer.engine.base import RolloutRequest
-from trainer.models.base import (GeometryBounds, check_pipeline_dir, load_checked_transformer, module_device_dtype,
-                                 read_config_json, split_negative, standard_rollout_request)
-from trainer.trajectory import Trajectory
+from trainer.core.names import model_name
+from trainer.models.base import (ATTENTION_LORA_TARGETS, FamilyAdapter, GeometryBounds, check_pipeline_dir,
+                                 load_checked_transformer, read_config_json, split_negative)
+from trainer.sampling import SamplingConfig
+from trainer.trajectory import Geometry, RolloutRequest, SamplerSettings, Trajectory
 
 #: the attention projections of both streams of every joint block, as diffusers names them; the
 #: target list of FlowGRPO's SD3 LoRA (scripts/train_sd3.py). The second, image-only attention of
 #: SD3.5-Medium's dual-attention blocks ("attn2.*") is not among them, as there; name it in
 #: --lora-target-modules to train it too
-SD3_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+SD3_LORA_TARGETS = ATTENTION_LORA_TARGETS
 
 #: parameter-path prefixes, inside the last (context_pre_only) joint block, that only shape the
 #: text tokens' attention OUTPUT, which that block discards
@@ -163,11 +154,10 @@ def conditioned_velocity(transformer, x: torch.Tensor, t: torch.Tensor, conditio
     return dit_velocity(transformer, x, t, pos["prompt_embeds"], pos["pooled_prompt_embeds"])
 
 
-class SD3Adapter:
-    """GenerativeModelAdapter for Stable Diffusion 3 / 3.5 text-to-image (trainer/models/base.py)."""
+class SD3Adapter(FamilyAdapter):
+    """The Stable Diffusion 3 / 3.5 family (trainer/models/base.py: FamilyAdapter holds the shared part)."""
 
     family = "sd3"
-    supported_tasks = ("t2i",)
     lora_target_modules = SD3_LORA_TARGETS
     #: T5 tokens per prompt: FlowGRPO's SD3 training and evaluation encode with 128
     #: (StableDiffusion3Pipeline's own default is 256)
@@ -176,8 +166,8 @@ class SD3Adapter:
     max_sequence_length_limit = 512
     rollout_subfolders = SD3_SUBFOLDERS
 
-    def __init__(self, vae_scale_factor: int | None = None):
-        self.vae_scale_factor = vae_scale_factor
+    load_transformer = staticmethod(load_sd3_transformer)
+    vae_scale_factor_from_config = staticmethod(vae_scale_factor_from_config)
 
     @classmethod
     def geometry_bounds(cls, model_path) -> GeometryBounds:
@@ -200,43 +190,21 @@ class SD3Adapter:
 
     # -- loading --------------------------------------------------------------------------
 
-    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None):
-        """Only the trainable SD3Transformer2DModel; `revision` only labels the run."""
-        import json
-
-        model = load_sd3_transformer(model_path, dtype=dtype)
-        vae_cfg = Path(model_path) / "vae" / "config.json"
-        try:
-            self.vae_scale_factor = vae_scale_factor_from_config(json.loads(vae_cfg.read_text()))
-        except (OSError, ValueError, KeyError) as e:
-            raise FileNotFoundError(f"cannot read block_out_channels from {vae_cfg} ({e}); is --model-path a "
-                                    "Stable Diffusion 3 directory?") from None
-        return model
-
     def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
         """transformer, vae, the three text encoders as one nn.ModuleDict, the three tokenizers
         (a dict) and scheduler_config from a local diffusers SD3 directory; each module moved to
         `device` as it is loaded."""
-        from diffusers import AutoencoderKL
         from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
-
-        from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, self.rollout_subfolders)
         encoders = torch.nn.ModuleDict()
         for name, cls in zip(TEXT_ENCODERS, (CLIPTextModelWithProjection, CLIPTextModelWithProjection,
                                              T5EncoderModel)):
             encoders[name] = cls.from_pretrained(str(path / name), dtype=dtype, local_files_only=True).to(device)
-        return {
-            "scheduler_config": load_scheduler_config(str(path)),
-            "transformer": load_sd3_transformer(path, dtype=dtype).to(device),
-            "vae": AutoencoderKL.from_pretrained(str(path), subfolder="vae", dtype=dtype,
-                                                 local_files_only=True).to(device),
-            "text_encoder": encoders,
-            "tokenizer": {name: AutoTokenizer.from_pretrained(str(path / name), local_files_only=True)
-                          for name in TOKENIZERS},
-            "path": path,
-        }
+        tokenizers = {name: AutoTokenizer.from_pretrained(str(path / name), local_files_only=True)
+                      for name in TOKENIZERS}
+        return self.autoencoder_kl_modules(path, dtype=dtype, device=device, text_encoder=encoders,
+                                           tokenizer=tokenizers)
 
     # -- the engine's side -----------------------------------------------------------------
 
@@ -271,23 +239,22 @@ class SD3Adapter:
                              "must encode every prompt with one max_sequence_length")
         return {k: torch.stack([r[k] for r in rows]) for k in keys}
 
-    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, height: int, width: int,
-                       vae_scale_factor: int) -> list[float]:
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, geometry: Geometry) -> list[float]:
         """StableDiffusion3Pipeline's sigmas: the scheduler's own set_timesteps(N), no sigmas passed
         (sampling.scheduler_sigma_schedule; SD3.5's static shift 3 is applied twice there)."""
         from trainer.sampling import scheduler_sigma_schedule
 
         return scheduler_sigma_schedule(scheduler_config, num_inference_steps,
-                                        image_seq_len(height, width, vae_scale_factor, 2))
+                                        image_seq_len(geometry.height, geometry.width, geometry.vae_scale_factor, 2))
 
     def latent_geometry(self, vae) -> tuple[int, int]:
         return vae_scale_factor_from_config(vae.config), int(vae.config.latent_channels)
 
-    def initial_latents(self, x_t: torch.Tensor, transformer, height: int, width: int,
-                        vae_scale_factor: int) -> torch.Tensor:
+    def initial_latents(self, x_t: torch.Tensor, transformer, geometry: Geometry) -> torch.Tensor:
         """x_T [B, C, h, w] is already the DiT's layout (it patchifies itself); checked against
         height x width, the VAE factor and the DiT's in_channels and patch size."""
-        h, w = int(height) // vae_scale_factor, int(width) // vae_scale_factor
+        height, width = geometry.height, geometry.width
+        h, w = int(height) // geometry.vae_scale_factor, int(width) // geometry.vae_scale_factor
         cfg = transformer.config
         p = int(cfg.patch_size)
         if (list(x_t.shape[1:]) != [int(cfg.in_channels), h, w]) or h % p or w % p:
@@ -297,20 +264,18 @@ class SD3Adapter:
         return x_t
 
     def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
-                 height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
-        return conditioned_velocity(transformer, x, t, conditions)
-
-    def guided_velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
-                        height: int, width: int, vae_scale_factor: int, guidance_scale: float,
-                        renorm: bool) -> torch.Tensor:
-        """True CFG as StableDiffusion3Pipeline does it; `renorm` must be False (build_rollout_request
-        refuses cfg_renorm for this family: the SD3 pipelines have no rescale)."""
-        if renorm:
+                 geometry: Geometry, sampler: SamplerSettings, *, rollout_dtype: Any = None) -> torch.Tensor:
+        """conditioned_velocity: the DiT called as StableDiffusion3Pipeline calls it (the fp32
+        timestep as it is, so rollout_dtype plays no part), true CFG as that pipeline does it. A
+        cfg_renorm under CFG raises (build_rollout_request refuses it: the SD3 pipelines have no
+        rescale)."""
+        if sampler.guided and sampler.cfg_renorm:
             raise ValueError("cfg_renorm is QwenImagePipeline's rescale; StableDiffusion3Pipeline has none: set "
                              "--sampling-config cfg_renorm false")
-        return conditioned_velocity(transformer, x, t, conditions, guidance_scale=guidance_scale)
+        return conditioned_velocity(transformer, x, t, conditions,
+                                    guidance_scale=sampler.guidance_scale if sampler.guided else 1.0)
 
-    def decode(self, vae, latents: torch.Tensor, height: int, width: int, vae_scale_factor: int) -> torch.Tensor:
+    def decode(self, vae, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         """Final latents [B, C, h, w] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
         StableDiffusion3Pipeline decodes: z / scaling_factor + shift_factor, then (x / 2 + 0.5)."""
         z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
@@ -319,23 +284,21 @@ class SD3Adapter:
 
     # -- rollout --------------------------------------------------------------------------
 
-    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str, sampling: Any,
-                              sde_indices: list[int], sigmas: list[float], generation_seed: int,
-                              metadata: dict | None = None) -> RolloutRequest:
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
         """One candidate as an engine RolloutRequest (models.base.standard_rollout_request) after
         refusing cfg_renorm under CFG, a rescale this family's pipeline does not have."""
-        if float(getattr(sampling, "guidance_scale", 1.0)) > 1.0 and bool(getattr(sampling, "cfg_renorm", True)):
+        if float(sampling.guidance_scale) > 1.0 and sampling.cfg_renorm:
             raise ValueError("--sampling-config cfg_renorm is true, but StableDiffusion3Pipeline's CFG has no rescale "
                              "(it is QwenImagePipeline's); set cfg_renorm false for this family")
-        return standard_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
-                                        sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
-                                        generation_seed=generation_seed, metadata=metadata)
+        return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                             sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                             generation_seed=generation_seed, metadata=metadata)
 
-    def validate_trajectory(self, traj: Trajectory) -> None:
+    def check_trajectory(self, traj: Trajectory, who: str) -> None:
         """Raise ValueError unless the latents are unpacked [B, S, C, h, w] of the height x width
         grid and the conditions carry the pooled embeddings (and their negative partners under CFG)."""
-        traj.validate()
-        who = traj.sample_ids[0]
         lat = traj.latents
         h, w = traj.height // traj.vae_scale_factor, traj.width // traj.vae_scale_factor
         if lat.dim() != 5 or tuple(lat.shape[3:]) != (h, w):
@@ -348,48 +311,6 @@ class SD3Adapter:
             raise ValueError(f"trajectory of {who}: conditions lack {missing}; the SD3 DiT needs the pooled CLIP "
                              "embeddings (and under CFG the negative prompt's)")
 
-    # -- replay ---------------------------------------------------------------------------
-
-    def replay_transition(self, transformer: Any, batch: Trajectory, step: int, sampling: Any) -> torch.Tensor:
-        """Log-prob [B] (fp32) of trained-step column `step`: replay_transitions of that column."""
-        return self.replay_transitions(transformer, batch.columns(step, step + 1), sampling)[:, 0]
-
-    def replay_transitions(self, transformer: Any, batch: Trajectory, sampling: Any, *, moments: bool = False) -> Any:
-        """Log-probs [B, S] (fp32) of every trained-step column in one DiT forward of S * B rows
-        (row k * B + i = candidate i at column k; 2 * S * B under CFG), recomputed from the
-        recorded latents, timesteps, sigmas and conditions with the sampler's math
-        (flow_grpo.replay_transition_logp). The DiT input is the recorded latents in the module's
-        parameter dtype; exact at equal dtypes. moments=True returns (logp [B, S], transition
-        mean [B, S, C, h, w] fp32, std [B, S] fp32) of the same forward (the KL's inputs).
-        Differentiable w.r.t. the transformer's parameters."""
-        from trainer.flow_grpo import replay_columns_logp
-
-        device, compute_dtype = module_device_dtype(transformer)
-        lat = batch.latents
-        b, s = int(lat.shape[0]), int(lat.shape[1])
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [S * B, ...], column-major
-            return t.transpose(0, 1).reshape(s * b, *t.shape[2:])
-
-        recorded = rows(lat).to(device).contiguous()
-        next_latents = rows(batch.next_latents).to(device)
-        conditions = {k: v.to(device).repeat(s, *([1] * (v.dim() - 1))) for k, v in batch.conditions.items()}
-        x = recorded.to(compute_dtype or recorded.dtype)
-        velocity = conditioned_velocity(transformer, x, rows(batch.timesteps).to(device), conditions,
-                                        guidance_scale=batch.guidance_scale if batch.guided else 1.0)
-        return replay_columns_logp(recorded, next_latents, velocity, rows(batch.sigmas).to(device),
-                                   rows(batch.sigmas_next).to(device), sampling, b, s, moments=moments)
-
-    # -- misc -----------------------------------------------------------------------------
-
-    def artifact_tracks(self) -> tuple[str, ...]:
-        return ("image",)
-
     def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
         """The last block's text-query parameters (module function never_trained_param_names)."""
         return never_trained_param_names(model)
-
-    def weight_name_map(self, name: str) -> str:
-        """Training-side name -> engine name: both are diffusers names once wrapper segments are
-        stripped (idempotent)."""
-        return strip_wrapper_segments(name)

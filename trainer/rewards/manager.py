@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from trainer.config import RewardConfig
 from trainer.rewards.base import (
     ImageBatch,
     RewardError,
@@ -137,23 +138,23 @@ class RewardManager:
         return ScoreOutput(components=out, score_time=score_time, num_samples=n, failures=pop() if pop else {})
 
 
-def reward_manager_from_config(reward: Any, device: str | torch.device = "cpu", *, scorer_path: str | None = None,
-                               model_path: str | None = None, **kwargs: Any) -> RewardManager:
-    """A new RewardManager from a config's reward section (duck-typed: reward_runtime,
-    reward_scorer_path, reward_model_path, reward_endpoint, and the scorer's own config_fields);
-    the scorer is built now.
+def reward_manager_from_config(reward: RewardConfig, device: str | torch.device = "cpu", *,
+                               scorer_path: str | None = None, model_path: str | None = None,
+                               **kwargs: Any) -> RewardManager:
+    """A new RewardManager from the run's reward section (reward_runtime, reward_scorer_path,
+    reward_model_path, reward_endpoint, and the scorer's own config_fields); the scorer is built now.
 
     With `scorer_path` (a held-out --eval-reward-scorers entry, with its own `model_path`) the
     scorer runs in this process: on `device` under --reward-runtime colocate, else on the CPU.
     Other kwargs (batch_size, remote_*) go to RewardManager."""
-    runtime = getattr(reward, "reward_runtime", "cpu") or "cpu"
+    runtime = reward.reward_runtime or "cpu"
     if scorer_path is not None:
         runtime = "colocate" if runtime == "colocate" else "cpu"
     else:
-        scorer_path, model_path = getattr(reward, "reward_scorer_path", None), getattr(reward, "reward_model_path", None)
+        scorer_path, model_path = reward.reward_scorer_path, reward.reward_model_path
     if runtime != "remote":
         kwargs.setdefault("scorer_options", scorer_options(scorer_path, reward))
-    return RewardManager(runtime, scorer_path, model_path, device, getattr(reward, "reward_endpoint", None), **kwargs)
+    return RewardManager(runtime, scorer_path, model_path, device, reward.reward_endpoint, **kwargs)
 
 
 __all__ = [

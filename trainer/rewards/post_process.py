@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from trainer.config import RunConfig
 from trainer.flow_grpo import STD_MODES, combine_component_advantages
 from trainer.rewards.base import RewardError
 
@@ -239,7 +240,7 @@ def post_process(
 
 
 def post_process_from_config(
-    cfg: Any,
+    cfg: RunConfig,
     images: Any,
     prompts: Sequence[str],
     metadata: Sequence[dict] | None = None,
@@ -248,7 +249,7 @@ def post_process_from_config(
     group_size: int | None = None,
     device: str | torch.device = "cpu",
 ) -> RewardResult:
-    """post_process with every setting read from a run config (duck-typed): cfg.reward
+    """post_process with every setting read from the run config: cfg.reward
     (reward_runtime, reward_scorer_path, reward_model_path, reward_endpoint,
     reward_required_components, reward_component_weights), cfg.grpo
     (generative_advantage_std_mode, disable_grpo_std_normalization, adv_clip_max) and, unless group_size is
@@ -259,24 +260,21 @@ def post_process_from_config(
     engine's (used by colocate)."""
     from trainer.rewards.manager import reward_manager_from_config
 
-    reward, grpo = cfg.reward, getattr(cfg, "grpo", None)
+    reward, grpo = cfg.reward, cfg.grpo
     if group_size is None:
         group_size = int(cfg.rollout.n_samples_per_prompt)
-    std_mode = resolve_std_mode(
-        getattr(grpo, "generative_advantage_std_mode", None),
-        bool(getattr(grpo, "disable_grpo_std_normalization", False)),
-        group_size,
-    )
+    std_mode = resolve_std_mode(grpo.generative_advantage_std_mode, bool(grpo.disable_grpo_std_normalization),
+                                group_size)
     return post_process(
         images,
         prompts,
         metadata,
         group_size=group_size,
         manager=manager if manager is not None else reward_manager_from_config(reward, device),
-        required_components=getattr(reward, "reward_required_components", None),
-        component_weights=getattr(reward, "reward_component_weights", None),
+        required_components=reward.reward_required_components,
+        component_weights=reward.reward_component_weights,
         std_mode=std_mode,
-        adv_clip_max=float(getattr(grpo, "adv_clip_max", 0.0) or 0.0),
+        adv_clip_max=float(grpo.adv_clip_max or 0.0),
     )
 
 
