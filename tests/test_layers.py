@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "trainer.distributed", "trainer.checkpoint_index", "trainer.metrics", "trainer.ema")),
     ("vocabulary", ("trainer.config", "trainer.sampling", "trainer.flow_grpo", "trainer.trajectory")),
     ("contracts", ("trainer.models.base", "trainer.engine.base", "trainer.rewards.base", "trainer.data",
-                   "trainer.artifacts")),
+                   "trainer.artifacts", "trainer.artifact_writer")),
     ("families", ("trainer.models", "trainer.rewards")),
     ("engines", ("trainer.engine",)),
     ("actor", ("trainer.actor", "trainer.rollout", "trainer.checkpoint")),
