@@ -207,6 +207,46 @@ def test_the_queue_bound_blocks_submit_instead_of_growing():
         ArtifactWriter(0)
 
 
+def _fake_trainer(writer, step, num_rollout=3):
+    """What Trainer.fit reads of a trainer, around a given step function."""
+    from types import SimpleNamespace as NS
+
+    metrics = NS(log=lambda k, m: None, console_line=lambda *a: "", close=lambda: None)
+    return NS(cfg=NS(rollout=NS(num_rollout=num_rollout), colocate=NS(offload_train=False)),
+              actor=NS(offloaded=False), start_rollout=0, _progress_bars=False, step=step, load_metrics={},
+              metrics=metrics, rank=1, components=[], stop_reason=None, artifact_writer=writer)
+
+
+def test_the_loop_still_writes_its_last_rollouts_when_it_fails(tmp_path):
+    from trainer.loop import Trainer
+
+    writer = ArtifactWriter(2)
+
+    def step(k):
+        writer.submit("t", k, [lambda: time.sleep(0.2), lambda: (tmp_path / f"r{k}").write_text("x")])
+        if k == 1:
+            raise RuntimeError("the reward server went away")
+        return {}
+
+    with pytest.raises(RuntimeError, match="the reward server went away"):
+        Trainer.fit(_fake_trainer(writer, step))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r0", "r1"]  # both handed over, both written
+
+
+def test_the_loop_ends_with_the_writers_error(tmp_path):
+    from trainer.loop import Trainer
+
+    writer = ArtifactWriter(2)
+
+    def step(k):
+        writer.submit("t", k, [lambda: (_ for _ in ()).throw(OSError(5, "Input/output error (injected)"))]
+                      if k == 2 else [])
+        return {}
+
+    with pytest.raises(ArtifactWriteError, match=r"rollout 2 \(t\) failed .*Input/output error \(injected\)"):
+        Trainer.fit(_fake_trainer(writer, step))
+
+
 def _run(tmp: Path, model_dir, queue: int) -> tuple[subprocess.CompletedProcess, Path]:
     """A tiny one-process run whose PNG writes fail from rollout 1 on (injected in-process)."""
     tmp.mkdir()
