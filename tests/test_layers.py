@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("trainer.config", "trainer.sampling", "trainer.flow_grpo", "trainer.trajectory",
                     "trainer.video")),
     ("contracts", ("trainer.models.base", "trainer.rewards.base", "trainer.data", "trainer.artifacts",
-                   "trainer.video_artifacts")),
+                   "trainer.artifact_writer", "trainer.video_artifacts")),
     ("families", ("trainer.models", "trainer.rewards")),
     # the engine protocol sits above the families: an adapter builds what an engine consumes
     # (trajectory.RolloutRequest) and never needs the engine's side

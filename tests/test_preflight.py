@@ -163,6 +163,7 @@ ERROR_CASES = [
     (["--eval-prompt-data", "ps", "{tmp}/no-eval.jsonl"], ["--eval-prompt-data ps {tmp}/no-eval.jsonl: does not exist"], 1),
     (["--load", "{tmp}/no-ckpt"], ["--load {tmp}/no-ckpt: does not exist"], 1),
     (["--artifact-root", "none"], ["--artifact-root is required"], 1),
+    (["--artifact-writer-queue", "-1"], ["--artifact-writer-queue must be >= 0 (0 writes artifacts synchronously), got -1"], 1),
     # ours: numbers (a value outside a flag's choices is a parse error: tests/test_config.py)
     (["--eps-clip", "0"], ["--eps-clip must be > 0"], 1),
     (["--eps-clip-high", "-0.1"], ["--eps-clip-high must be > 0"], 1),

@@ -348,6 +348,14 @@ class ArtifactConfig:
         "How many rollout directories to keep; older ones are deleted at the start of each "
         "rollout. <= 0 keeps everything and grows without bound (warned).",
     )
+    artifact_writer_queue: int = _flag(
+        2,
+        "Rollouts whose PNGs and sidecars a background thread per rank may hold while the step "
+        "goes on (encoding and writing them off the critical path); must be >= 0; 0 writes them "
+        "synchronously inside the rollout stage. Each held rollout costs host memory for a copy "
+        "of the rank's images (fp32) and its sidecar tensors. Flushed before every checkpoint, "
+        "before eval and at the end of the run; a failed write stops the run with its error.",
+    )
 
 
 @dataclass

@@ -358,6 +358,12 @@ class Trainer:
         self.components: list[str] = []
         self.watch = None if cfg.reward.no_hacking_watch else HackingWatch(WatchSettings.from_config(cfg.reward))
         self.stop_reason: str | None = None
+        #: PNGs and sidecars written off the critical path (--artifact-writer-queue; None: in the rollout stage)
+        self.artifact_writer = None
+        if int(cfg.artifacts.artifact_writer_queue) > 0 and cfg.artifacts.artifact_root:
+            from trainer.artifact_writer import ArtifactWriter
+
+            self.artifact_writer = ArtifactWriter(int(cfg.artifacts.artifact_writer_queue))
 
     # -- start-up ------------------------------------------------------------------------------
     def _record_load(self, what: str, t: Timer, waves: list[float]) -> None:
@@ -447,7 +453,7 @@ class Trainer:
                 generation_seed=rollout_generation_seed(int(cfg.rollout.generation_seed), k),
                 artifact_root=cfg.artifacts.artifact_root,
                 task=self.task, retention=int(cfg.artifacts.artifact_retention_rollouts),
-                weight_manifest_hash=self._manifest_hash())
+                weight_manifest_hash=self._manifest_hash(), writer=self.artifact_writer)
         m["perf/rollout_time"] = t.elapsed
         m.update(t.memory("rollout"))
         m.update({k_: v for k_, v in out.stats.items() if k_ != "perf/rollout_time"})
@@ -516,6 +522,7 @@ class Trainer:
 
         # 6. checkpoint (the actor is still resident, which DCP needs)
         if (self._due(k, cfg.checkpoint.save_interval) or self.stop_reason) and cfg.checkpoint.save:
+            self._flush_artifacts(m)  # a checkpoint is taken only with its rollout's artifacts on disk
             with Timer(self.device) as t:
                 self.save(k)
             m["perf/checkpoint_time"] = t.elapsed
@@ -527,6 +534,7 @@ class Trainer:
 
         # 7. eval
         if self.eval_sets and self._due(k, cfg.eval.eval_interval):
+            self._flush_artifacts(m)
             with Timer(self.device) as t:
                 if cfg.eval.eval_use_ema and self.actor.ema is not None:
                     m.update(evaluate_with_ema(self.actor, self.syncer, self.engine, lambda: self.evaluate(k)))
@@ -571,6 +579,14 @@ class Trainer:
     def _due(self, k: int, interval: int | None) -> bool:
         last = k == int(self.cfg.rollout.num_rollout) - 1
         return bool(interval) and ((k + 1) % int(interval) == 0 or last)
+
+    def _flush_artifacts(self, m: dict[str, float]) -> None:
+        """Wait for the writer's pending PNGs and sidecars (a write failure raises here, with
+        its message); the wait is perf/artifact_flush_time."""
+        if self.artifact_writer is not None:
+            t0 = time.perf_counter()
+            self.artifact_writer.flush()
+            m["perf/artifact_flush_time"] = m.get("perf/artifact_flush_time", 0.0) + time.perf_counter() - t0
 
     def _manifest_hash(self) -> str | None:
         man = self.syncer.last_manifest
@@ -647,7 +663,7 @@ class Trainer:
                                    group_size=n, generation_seed=int(cfg.rollout.generation_seed),
                                    artifact_root=root, task=task_dir,
                                    retention=int(cfg.artifacts.artifact_retention_rollouts), eval=True,
-                                   weight_manifest_hash=self._manifest_hash())
+                                   weight_manifest_hash=self._manifest_hash(), writer=self.artifact_writer)
             inputs = _scorer_inputs(out.trajectory)
             scored = manager.score(*inputs)
             idx = [g * n + s for g, s in out.candidates]
@@ -745,17 +761,26 @@ class Trainer:
         bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=not self._progress_bars,
                    dynamic_ncols=True, leave=True)
         history = []
-        for k in bar:
-            metrics = self.step(k)
-            if k == self.start_rollout:
-                metrics = {**self.load_metrics, **metrics}
-            self.metrics.log(k, metrics)
-            history.append(metrics)
-            if self.rank == 0:
-                bar.write(self.metrics.console_line(k, metrics, self.components))
-            if self.stop_reason:  # every rank fed the watch the same gathered figures: all stop here
-                log.error("stopping after rollout %d (--stop-on-hacking): %s", k, self.stop_reason)
-                break
+        try:
+            for k in bar:
+                metrics = self.step(k)
+                if k == self.start_rollout:
+                    metrics = {**self.load_metrics, **metrics}
+                self.metrics.log(k, metrics)
+                history.append(metrics)
+                if self.rank == 0:
+                    bar.write(self.metrics.console_line(k, metrics, self.components))
+                if self.stop_reason:  # every rank fed the watch the same gathered figures: all stop here
+                    log.error("stopping after rollout %d (--stop-on-hacking): %s", k, self.stop_reason)
+                    break
+        except BaseException:
+            # the last rollouts' files are still written; a writer failure is logged, not raised
+            # over the error the run is stopping for
+            if self.artifact_writer is not None:
+                self.artifact_writer.close(raise_errors=False)
+            raise
+        if self.artifact_writer is not None:
+            self.artifact_writer.close()  # a write failure stops the run here, as it would have in the step
         self.metrics.close()
         return {"history": history, "components": self.components, "stopped": self.stop_reason}
 

@@ -681,6 +681,9 @@ def _check_artifacts_eval_ckpt(cfg: RunConfig, errors: list[str], warnings: list
             f"--artifact-retention-rollouts {a.artifact_retention_rollouts} keeps every rollout's sidecars and "
             "images: the artifact root grows without bound"
         )
+    if a.artifact_writer_queue < 0:
+        errors.append(f"--artifact-writer-queue must be >= 0 (0 writes artifacts synchronously), "
+                      f"got {a.artifact_writer_queue}")
     _need_existing("--prompt-data", cfg.rollout.prompt_data, "file", errors, required=True)
     names = [n for n, _ in e.eval_prompt_data]
     if len(set(names)) != len(names):

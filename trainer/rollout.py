@@ -6,7 +6,8 @@
     generate   one engine.generate call for all local candidates (the engine batches them);
     artifacts  one PNG per candidate (written by the rank that made it) and one sidecar per
                group; a group split over ranks has its small tracks gathered to the rank that
-               holds its slot 0, which writes it;
+               holds its slot 0, which writes it. With a trainer.artifact_writer.ArtifactWriter
+               the files are prepared here and written by its thread while the step goes on;
     return     this rank's Trajectory (trainer.trajectory) for the reward and the update: each
                rank replays what it generated, large tensors never cross ranks.
 """
@@ -122,6 +123,7 @@ def generate_rollout(
     rank: int | None = None,
     world_size: int | None = None,
     weight_manifest_hash: str | None = None,
+    writer: Any = None,
 ) -> RolloutOutput:
     """Run rollout `rollout_id` over `prompts` (one GRPO group per prompt, `group_size`
     candidates each) on this rank and write its artifacts under `artifact_root` (None: write
@@ -132,6 +134,9 @@ def generate_rollout(
     fixed `sde_indices` fallback) and writes under <root>/eval/<task>/rollout_<rollout_id>.
     rank / world_size default to torch.distributed's (or 0 / 1). Collective when
     torch.distributed is initialised with more than one rank: every rank must call it.
+
+    `writer` (a trainer.artifact_writer.ArtifactWriter): the files are handed to its thread and
+    may not be on disk when this returns (its flush is the caller's); None writes them here.
     """
     from trainer.sampling import make_sample_id, resolve_sde_indices
 
@@ -156,8 +161,13 @@ def generate_rollout(
 
     # 2. artifact directory and retention (one writer; the others wait for it)
     out_dir = None
+    t_settle = 0.0  # waiting for the writer before retention: artifact time of the main thread
     if artifact_root is not None:
         out_dir = artifacts.rollout_dir(artifact_root, task, rollout_id, eval=eval)
+        if writer is not None:
+            t_settle = time.perf_counter()
+            _settle_before_prune(writer, artifact_root, task, eval, rollout_id, retention, distributed)
+            t_settle = time.perf_counter() - t_settle
         if rank == 0:
             artifacts.prepare_rollout_dir(artifact_root, task, rollout_id, eval=eval)
             artifacts.prune_stale_artifacts(artifact_root, task, retention, eval=eval, up_to=rollout_id)
@@ -189,12 +199,25 @@ def generate_rollout(
                                          weight_manifest_hash=weight_manifest_hash, rollout_id=rollout_id)
             for i in range(len(traj))])
 
-    # 4. artifacts
+    # 4. artifacts (with a writer: the main thread's part only, the copy and the hand-over)
     t_write = time.perf_counter()
     if artifact_root is not None:
-        _write_artifacts(traj, out_dir, groups, group_size, world_size, distributed, rank, task=task,
-                         rollout_id=rollout_id, sampling=sampling, weight_manifest_hash=weight_manifest_hash)
-    t_write = time.perf_counter() - t_write
+        jobs = _artifact_jobs(traj, out_dir, groups, group_size, world_size, distributed, rank, task=task,
+                              rollout_id=rollout_id, sampling=sampling, weight_manifest_hash=weight_manifest_hash,
+                              copy_images=writer is not None)
+        if writer is None:
+            for job in jobs:
+                job()
+            if distributed:
+                import torch.distributed as dist
+
+                dist.barrier()
+        else:
+            from trainer.artifact_writer import tree_key
+
+            writer.submit(tree_key(artifact_root, task, eval), rollout_id, jobs,
+                          label=f"{'eval ' if eval else ''}rollout {rollout_id} in {out_dir}")
+    t_write = time.perf_counter() - t_write + t_settle
 
     stats = {
         "rollout/candidates_local": float(len(traj) if traj is not None else 0),
@@ -202,18 +225,50 @@ def generate_rollout(
         "perf/rollout_artifact_time": t_write,
         "perf/rollout_time": time.perf_counter() - t0,
     }
+    if writer is not None:
+        stats["perf/artifact_writer_time"] = writer.take_busy_time()
     return RolloutOutput(rollout_id=rollout_id, sde_indices=list(sde_indices), candidates=mine,
                          trajectory=traj, artifact_dir=out_dir, stats=stats)
 
 
-def _write_artifacts(traj: Trajectory | None, out_dir: Path, groups, group_size: int, world_size: int,
-                     distributed: bool, rank: int, *, task, rollout_id, sampling, weight_manifest_hash) -> None:
+def _settle_before_prune(writer: Any, root, task: str, eval: bool, rollout_id: int, retention: int,
+                         distributed: bool) -> None:
+    """Retention after the writes it depends on: wait for this rank's writes into the
+    directories the coming prune deletes, and with several ranks hold a barrier so rank 0 prunes
+    only when every rank's are done (every rank decides alike: no barrier is left unmatched)."""
+    from trainer.artifact_writer import tree_key
+
+    tree = tree_key(root, task, eval)
+    doomed = writer.retention_barrier(tree, rollout_id, int(retention))
+    if doomed:
+        writer.wait(tree, doomed)
+        if distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def _artifact_jobs(traj: Trajectory | None, out_dir: Path, groups, group_size: int, world_size: int,
+                   distributed: bool, rank: int, *, task, rollout_id, sampling, weight_manifest_hash,
+                   copy_images: bool) -> list[Any]:
+    """This rank's artifact writes as closures, in the order the files are written: its PNGs,
+    then the sidecars of the groups it owns. Everything collective (the gather of split groups)
+    and everything that reads shared Python objects (the sidecar metadata, serialised here)
+    happens now, on the calling thread; a closure touches only data nothing else holds
+    (copy_images: a private copy of the images, for a writer thread while the scorer reads the
+    trajectory's). Run in order, the closures write exactly what write_png / write_group_sidecar
+    write."""
+    import functools
+
+    jobs: list[Any] = []
     by_group: dict[int, Trajectory] = {}
     if traj is not None:
+        images = traj.images.clone() if copy_images else traj.images
         for i in range(len(traj)):
-            artifacts.write_png(out_dir / artifacts.image_name(int(traj.group_indices[i]), int(traj.slots[i])),
-                                traj.images[i])
+            path = out_dir / artifacts.image_name(int(traj.group_indices[i]), int(traj.slots[i]))
+            jobs.append(functools.partial(artifacts.write_png, path, images[i]))
         for g in dict.fromkeys(traj.group_indices.tolist()):
+            # a list index copies every row tensor: the part is this rollout's own
             by_group[int(g)] = traj[traj.rows_of_group(g)].without_images()
     split = set(split_groups(len(groups), group_size, world_size)) if distributed else set()
     if split:
@@ -232,9 +287,9 @@ def _write_artifacts(traj: Trajectory | None, out_dir: Path, groups, group_size:
     for g, rows in sorted(by_group.items()):
         if g in split and group_owner(g, group_size, len(groups), world_size) != rank:
             continue
-        artifacts.write_group_sidecar(out_dir / artifacts.sidecar_name(g), rows, task=task, rollout_id=rollout_id,
-                                      sampling=sampling, weight_manifest_hash=weight_manifest_hash)
-    if distributed:
-        import torch.distributed as dist
-
-        dist.barrier()
+        # write_group_sidecar's two halves: the payload (metadata as strings) now, the bytes later
+        tensors, metadata = artifacts.group_sidecar_payload(rows, task=task, rollout_id=rollout_id, sampling=sampling,
+                                                            weight_manifest_hash=weight_manifest_hash)
+        jobs.append(functools.partial(artifacts.write_sidecar, out_dir / artifacts.sidecar_name(g), tensors,
+                                      metadata))
+    return jobs
