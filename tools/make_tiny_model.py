@@ -263,24 +263,12 @@ def build_into(family: str, out: Path, *, seed: int, vae_output_gain: float, ove
     """Build in a fresh directory beside `out`, then put it in place: an interrupted build never
     leaves a half-written --output-dir, and with --overwrite the old contents go only once the
     new model is complete."""
-    import shutil
-    import tempfile
-
-    from trainer.core.files import follow_umask
+    from trainer.core.files import staged_dir
 
     check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with staged_dir(out) as staging:
         build_family(family, staging, seed=seed, vae_output_gain=vae_output_gain)
-        follow_umask(staging)  # mkdtemp's 0700 and safetensors' 0600 would hide the model from the group
         check_output_dir(out, overwrite)  # nothing appeared there meanwhile
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 
