@@ -16,6 +16,7 @@ def _save_simple(tmp_path, iteration, model, opt, contract=None, **kw):
 
 
 def _model():
+    """A Linear(4, 2) and its AdamW after one step (seed 0): a model and an optimizer with state."""
     torch.manual_seed(0)
     m = nn.Linear(4, 2)
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)

@@ -492,3 +492,15 @@ def test_inspect_takes_either_file_set_and_needs_one(clean_split, capsys):
     assert len(lines) == 1 and lines[0].startswith("flowgrpo-inspect-data: error: give --train"), lines
     append(ev, "{oops")
     assert inspect_data.main(["--eval", str(ev)]) == 2  # bad data: the input-error status, like a bad flag
+
+
+def test_first_seen_counts_duplicates_and_refuses_an_id_collision():
+    from collections import Counter
+
+    seen, counts = {}, Counter()
+    assert prepare_data.first_seen(seen, "p-1", "hash-a", counts, "f.jsonl:1: sample id p-1 collides")
+    assert not prepare_data.first_seen(seen, "p-1", "hash-a", counts, "f.jsonl:2: sample id p-1 collides")
+    assert counts["duplicate"] == 1 and seen == {"p-1": "hash-a"}
+    with pytest.raises(DataError, match=r"^f\.jsonl:3: sample id p-1 collides .*64-bit hash collision.*--id-prefix"):
+        prepare_data.first_seen(seen, "p-1", "hash-b", counts, "f.jsonl:3: sample id p-1 collides")
+    assert counts["duplicate"] == 1 and seen == {"p-1": "hash-a"}

@@ -4,7 +4,6 @@ by the prompt AND the bytes of its media (in-process CLI calls on small files ma
 from __future__ import annotations
 
 import io
-import json
 import os
 
 import pyarrow as pa
@@ -12,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from tests.test_data_tools import read_jsonl, write_jsonl
 import tools.curate_data as curate_data
 import tools.inspect_data as inspect_data
 import tools.prepare_data as prepare_data
@@ -21,16 +21,6 @@ def png(color, size=(8, 8)) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", size, color).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-def write_jsonl(path, objs):
-    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
-    return path
 
 
 def prepare(*argv):

@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def serving(scorer):
-    server = make_server(scorer, "127.0.0.1", 0, "test.scorer")
+def serving(scorer, limits=None):
+    """`scorer` behind tools/reward_server.py on a free 127.0.0.1 port (a thread); yields the URL."""
+    server = make_server(scorer, "127.0.0.1", 0, "test.scorer", limits=limits)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

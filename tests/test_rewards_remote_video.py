@@ -6,17 +6,16 @@ naming both sides, and edit source images go with "images" only."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
-import threading
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from tools.reward_server import ServerLimits, make_server
+from tests.test_rewards_remote import serving
+from tools.reward_server import ServerLimits
 from trainer.rewards.base import ImageBatch, RewardError
 from trainer.rewards.color import ColorScorer
 from trainer.rewards.remote import (
@@ -28,20 +27,6 @@ from trainer.rewards.remote import (
     encode_request,
 )
 from trainer.rewards.video import TemporalConsistencyScorer, VideoBatch
-
-
-@contextlib.contextmanager
-def serving(scorer, limits=None):
-    server = make_server(scorer, "127.0.0.1", 0, "test.scorer", limits=limits)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        host, port = server.server_address[:2]
-        yield f"http://{host}:{port}/score"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def clips() -> VideoBatch:

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
+from tests.test_checkpoint import _model
 from tests.test_faults import _commit_fake, _outputs, recipe  # noqa: F401 - recipe is a fixture
 from tools import export_checkpoint as ex
 from trainer import artifacts
@@ -30,15 +30,6 @@ from trainer.data import write_jsonl
 from trainer.preflight import PreflightError, validate
 
 FULL = {"mode": "full"}
-
-
-def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    return model, opt
 
 
 def _save(root: Path, it: int, model, opt, contract=FULL, **kw) -> Path:

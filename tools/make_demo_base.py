@@ -49,9 +49,7 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,7 +59,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from trainer.core.files import follow_umask  # noqa: E402
+from trainer.core.files import staged_dir  # noqa: E402
 from trainer.rewards.color import HUES, SHAPES, color_palette, draw_shape  # noqa: E402
 
 log = logging.getLogger("make_demo_base")
@@ -386,10 +384,7 @@ def build_demo_base(output, settings: BaseSettings = BaseSettings(), *, rebuild:
                          engine.vae_scale_factor, s)
     transformer.requires_grad_(False)
 
-    # a fresh, unpredictable directory: a link planted at a fixed temporary name is never followed
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae,
                                  text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
         pipe.save_pretrained(tmp, safe_serialization=True)
@@ -398,13 +393,6 @@ def build_demo_base(output, settings: BaseSettings = BaseSettings(), *, rebuild:
             "settings": asdict(s), "vae_mse": round(vae_mse, 5), "dit_loss": round(dit_loss, 5),
             "build_seconds": round(seconds, 1), "colors": list(DEMO_COLORS), "shapes": list(DEMO_SHAPES),
         }, indent=2) + "\n")
-        follow_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would hide the model from the group
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("base model written to %s in %.0f s (vae mse %.4f, dit loss %.4f)", out, seconds, vae_mse, dit_loss)
     return out
 

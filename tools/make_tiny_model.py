@@ -167,44 +167,60 @@ def build_text_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_tiny_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
-    """Write a complete tiny Qwen-Image pipeline to `output_dir` (created; an existing
-    model_index.json there is overwritten) and return its path. Deterministic in `seed`.
-
-    vae_output_gain scales the decoder's last convolution (and zeroes its bias). At random
-    init the tiny decoder maps every latent to nearly the same grey (one latent std moves the
-    mean colour by ~0.02), so no policy can reach a colour in minutes; a gain of ~8 spreads the
-    decodable colours over the RGB cube while the weights stay random. The demo uses it."""
+def scale_vae_output(vae, vae_output_gain: float) -> None:
+    """Scale the decoder's last convolution by `vae_output_gain` and zero its bias (a no-op at
+    1). At random init a tiny decoder maps every latent to nearly the same grey (one latent std
+    moves the mean colour by ~0.02), so no policy can reach a colour in minutes; a gain of ~8
+    spreads the decodable colours over the RGB cube while the weights stay random. It draws no
+    random numbers, so the weights after it do not depend on the gain."""
     import torch
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER_CONFIG)
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
     if vae_output_gain != 1.0:
         with torch.no_grad():
             vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
             vae.decoder.conv_out.bias.zero_()
+
+
+def save_tiny_pipeline(pipe, output_dir, marker: dict) -> Path:
+    """Save `pipe` to `output_dir` (created; files there are overwritten) with safetensors
+    weights, plus TINY_RANDOM_MODEL.json holding `marker`: a note for humans and tools that the
+    directory holds random weights. Returns the directory."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    (out / "TINY_RANDOM_MODEL.json").write_text(json.dumps(marker, indent=2) + "\n")
+    return out
+
+
+def build_tiny_qwen_image_parts(seed: int = 0, vae_output_gain: float = 1.0,
+                                transformer_config: dict = TINY_TRANSFORMER_CONFIG) -> dict:
+    """The tiny Qwen-Image components (transformer, vae, tokenizer, text_encoder, scheduler) as
+    pipeline keyword arguments, each model drawn after its own seed (seed, seed + 1, seed + 2) so
+    the edit models, which pass their own transformer_config, get the same weights."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(**transformer_config)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
+    scale_vae_output(vae, vae_output_gain)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed + 2)
     text_encoder = build_text_encoder(tokenizer)
-    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
-    pipe = QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
-    )
-    pipe.save_pretrained(out, safe_serialization=True)
-    # A marker for humans and tools: this directory holds random weights.
-    (out / "TINY_RANDOM_MODEL.json").write_text(
-        json.dumps({"seed": seed, "random_weights": True, "vae_output_gain": vae_output_gain}, indent=2) + "\n")
-    return out
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae,
+                text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+def build_tiny_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
+    """Write a complete tiny Qwen-Image pipeline to `output_dir` (created; an existing
+    model_index.json there is overwritten) and return its path. Deterministic in `seed`.
+    vae_output_gain: see scale_vae_output; the demo uses 8."""
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline(**build_tiny_qwen_image_parts(seed, vae_output_gain))
+    return save_tiny_pipeline(pipe, output_dir, {"seed": seed, "random_weights": True,
+                                                 "vae_output_gain": vae_output_gain})
 
 
 #: family -> (module, builder function, what it writes); each builder takes (output_dir, seed,
@@ -247,24 +263,12 @@ def build_into(family: str, out: Path, *, seed: int, vae_output_gain: float, ove
     """Build in a fresh directory beside `out`, then put it in place: an interrupted build never
     leaves a half-written --output-dir, and with --overwrite the old contents go only once the
     new model is complete."""
-    import shutil
-    import tempfile
-
-    from trainer.core.files import follow_umask
+    from trainer.core.files import staged_dir
 
     check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with staged_dir(out) as staging:
         build_family(family, staging, seed=seed, vae_output_gain=vae_output_gain)
-        follow_umask(staging)  # mkdtemp's 0700 and safetensors' 0600 would hide the model from the group
         check_output_dir(out, overwrite)  # nothing appeared there meanwhile
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

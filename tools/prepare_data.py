@@ -292,6 +292,19 @@ def edit_prompt(instruction: str, n_images: int) -> str:
     return " ".join(["<image>"] * n_images + [instruction])
 
 
+def first_seen(seen: dict[str, str], sid: str, full: str, counts: Counter, collision: str) -> bool:
+    """Record sample id `sid` with its full content hash in `seen`; False (counting a
+    ``duplicate``) when the same content came before. A different content under the same 64-bit
+    id is a hash collision: DataError starting with `collision`, never a silent merge."""
+    if sid in seen:
+        if seen[sid] != full:
+            raise DataError(f"{collision} (64-bit hash collision); use another --id-prefix for one of the sources")
+        counts["duplicate"] += 1
+        return False
+    seen[sid] = full
+    return True
+
+
 def prepare_edit(input_path: str, task: str, output: str, column: str | None = None, image_column: str | None = None,
                  id_prefix: str | None = None, media_dir: str | None = None,
                  media_root: str | None = None) -> Counter:
@@ -321,13 +334,8 @@ def prepare_edit(input_path: str, task: str, output: str, column: str | None = N
             keys = [key for _, key in placed]
             full = media_content_hash(prompt, keys)
             sid = stable_media_sample_id(prefix, prompt, keys)
-            if sid in seen:
-                if seen[sid] != full:
-                    raise DataError(f"{origin}: sample id {sid} collides with a different record "
-                                    "(64-bit hash collision); use another --id-prefix for one of the sources")
-                counts["duplicate"] += 1
+            if not first_seen(seen, sid, full, counts, f"{origin}: sample id {sid} collides with a different record"):
                 continue
-            seen[sid] = full
             yield {"prompt": prompt, "images": [rel for rel, _ in placed],
                    "metadata": {"sample_id": sid, "source": "edit", "task": task}}
 
@@ -368,13 +376,8 @@ def prepare(source: str, input_path: str, task: str, output: str, column: str | 
                 continue
             full = content_hash(prompt)
             sid = stable_sample_id(prefix, prompt)
-            if sid in seen:
-                if seen[sid] != full:
-                    raise DataError(f"{origin}: sample id {sid} collides with a different prompt "
-                                    "(64-bit hash collision); use another --id-prefix for one of the sources")
-                counts["duplicate"] += 1
+            if not first_seen(seen, sid, full, counts, f"{origin}: sample id {sid} collides with a different prompt"):
                 continue
-            seen[sid] = full
             yield {"prompt": prompt, "metadata": {"sample_id": sid, "source": source, "task": task}}
 
     counts["written"] = write_jsonl(output, rows())

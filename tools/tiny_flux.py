@@ -18,7 +18,6 @@ exponential shift between 256 and 4096 tokens, shifts 0.5 .. 1.15).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 #: FLUX.1-dev's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler)
@@ -125,36 +124,38 @@ def build_t5_encoder(tokenizer):
     return T5EncoderModel(config).eval()
 
 
-def build_tiny_flux_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
-    """Write a complete tiny FLUX.1 pipeline to `output_dir` (created; an existing
-    model_index.json there is overwritten) and return its path. Deterministic in `seed`.
-
-    vae_output_gain scales the decoder's last convolution (and zeroes its bias), as for the tiny
-    Qwen-Image model: at random init the tiny decoder maps every latent to nearly one grey, so
-    a colour reward has nothing to climb; a gain of ~8 spreads the decodable colours."""
+def build_tiny_flux_parts(seed: int = 0, vae_output_gain: float = 1.0) -> dict:
+    """The tiny FLUX.1 components (transformer, vae, the CLIP and T5 tokenizers and encoders,
+    scheduler) as pipeline keyword arguments, each model drawn after its own seed (seed ..
+    seed + 3); FLUX.1-Kontext's tiny pipeline is built from the same parts."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from tools.make_tiny_model import scale_vae_output
+
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER_CONFIG)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(**TINY_FLUX_VAE_CONFIG)
-    if vae_output_gain != 1.0:
-        with torch.no_grad():
-            vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
-            vae.decoder.conv_out.bias.zero_()
+    scale_vae_output(vae, vae_output_gain)
     tokenizer, tokenizer_2 = build_clip_tokenizer(), build_t5_tokenizer()
     torch.manual_seed(seed + 2)
     text_encoder = build_clip_text_model(tokenizer)
     torch.manual_seed(seed + 3)
     text_encoder_2 = build_t5_encoder(tokenizer_2)
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG), vae=vae,
-                        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
-                        tokenizer_2=tokenizer_2, transformer=transformer)
-    pipe.save_pretrained(out, safe_serialization=True)
-    (out / "TINY_RANDOM_MODEL.json").write_text(
-        json.dumps({"family": "flux", "seed": seed, "random_weights": True, "vae_output_gain": vae_output_gain},
-                   indent=2) + "\n")
-    return out
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG), vae=vae,
+                text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                tokenizer_2=tokenizer_2, transformer=transformer)
+
+
+def build_tiny_flux_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
+    """Write a complete tiny FLUX.1 pipeline to `output_dir` (created; an existing
+    model_index.json there is overwritten) and return its path. Deterministic in `seed`.
+    vae_output_gain: see tools/make_tiny_model.py scale_vae_output."""
+    from diffusers import FluxPipeline
+
+    from tools.make_tiny_model import save_tiny_pipeline
+
+    pipe = FluxPipeline(**build_tiny_flux_parts(seed, vae_output_gain))
+    return save_tiny_pipeline(pipe, output_dir, {"family": "flux", "seed": seed, "random_weights": True,
+                                                 "vae_output_gain": vae_output_gain})

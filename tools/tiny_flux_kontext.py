@@ -15,7 +15,6 @@ FLUX.1 (same configs, same seeds); only the pipeline class differs.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -39,42 +38,14 @@ def build_tiny_flux_kontext_pipeline(output_dir, seed: int = 0, vae_output_gain:
     """Write a complete tiny FluxKontextPipeline to `output_dir` (created; an existing
     model_index.json there is overwritten) and return its path. Deterministic in `seed`; the
     weights equal tools/tiny_flux.py's FLUX.1 ones of the same seed."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
+    from diffusers import FluxKontextPipeline
 
-    from tools.tiny_flux import (
-        FLUX_DEV_SCHEDULER_CONFIG,
-        TINY_FLUX_TRANSFORMER_CONFIG,
-        TINY_FLUX_VAE_CONFIG,
-        build_clip_text_model,
-        build_clip_tokenizer,
-        build_t5_encoder,
-        build_t5_tokenizer,
-    )
+    from tools.make_tiny_model import save_tiny_pipeline
+    from tools.tiny_flux import build_tiny_flux_parts
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER_CONFIG)
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(**TINY_FLUX_VAE_CONFIG)
-    if vae_output_gain != 1.0:
-        with torch.no_grad():
-            vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
-            vae.decoder.conv_out.bias.zero_()
-    tokenizer, tokenizer_2 = build_clip_tokenizer(), build_t5_tokenizer()
-    torch.manual_seed(seed + 2)
-    text_encoder = build_clip_text_model(tokenizer)
-    torch.manual_seed(seed + 3)
-    text_encoder_2 = build_t5_encoder(tokenizer_2)
-    pipe = FluxKontextPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG), vae=vae,
-                               text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
-                               tokenizer_2=tokenizer_2, transformer=transformer)
-    pipe.save_pretrained(out, safe_serialization=True)
-    (out / "TINY_RANDOM_MODEL.json").write_text(json.dumps(
-        {"family": "flux_kontext", "seed": seed, "random_weights": True, "vae_output_gain": vae_output_gain},
-        indent=2) + "\n")
-    return out
+    pipe = FluxKontextPipeline(**build_tiny_flux_parts(seed, vae_output_gain))
+    return save_tiny_pipeline(pipe, output_dir, {"family": "flux_kontext", "seed": seed, "random_weights": True,
+                                                 "vae_output_gain": vae_output_gain})
 
 
 def main(argv=None) -> int:

@@ -101,49 +101,21 @@ def build_tiny_qwen_image_edit_pipeline(output_dir, seed: int = 0, vae_output_ga
     model_index.json there is overwritten) and return its path. Deterministic in `seed`; the
     weights equal tools/make_tiny_model.py's Qwen-Image ones of the same seed (an edit model is
     a fine-tune of it). vae_output_gain as in make_tiny_model."""
-    import torch
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageEditPlusPipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import QwenImageEditPlusPipeline
 
-    from tools.make_tiny_model import (
-        QWEN_IMAGE_SCHEDULER_CONFIG,
-        TINY_TRANSFORMER_CONFIG,
-        TINY_VAE_CONFIG,
-        build_text_encoder,
-        build_tokenizer,
-    )
+    from tools.make_tiny_model import TINY_TRANSFORMER_CONFIG, build_tiny_qwen_image_parts, save_tiny_pipeline
 
     config = edit_transformer_config(TINY_TRANSFORMER_CONFIG, variant)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    transformer = QwenImageTransformer2DModel(**config)
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
-    if vae_output_gain != 1.0:
-        with torch.no_grad():
-            vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
-            vae.decoder.conv_out.bias.zero_()
-    tokenizer = build_tokenizer()
-    torch.manual_seed(seed + 2)
-    text_encoder = build_text_encoder(tokenizer)
-    pipe = QwenImageEditPlusPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae,
-        text_encoder=text_encoder, tokenizer=tokenizer, processor=None, transformer=transformer)
-    pipe.save_pretrained(out, safe_serialization=True)
+    parts = build_tiny_qwen_image_parts(seed, vae_output_gain, transformer_config=config)
+    pipe = QwenImageEditPlusPipeline(processor=None, **parts)
+    out = save_tiny_pipeline(pipe, output_dir, {"family": "qwen_image_edit", "variant": variant, "seed": seed,
+                                                "random_weights": True, "vae_output_gain": vae_output_gain})
     # the processor is written beside the pipeline (see write_processor_dir) and named in the index
     # as the real checkout names it
-    write_processor_dir(out / "processor", tokenizer)
+    write_processor_dir(out / "processor", parts["tokenizer"])
     index = json.loads((out / "model_index.json").read_text())
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    (out / "TINY_RANDOM_MODEL.json").write_text(json.dumps(
-        {"family": "qwen_image_edit", "variant": variant, "seed": seed, "random_weights": True,
-         "vae_output_gain": vae_output_gain}, indent=2) + "\n")
     return out
 
 

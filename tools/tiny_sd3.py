@@ -18,7 +18,6 @@ The scheduler config is SD3.5's (static shift 3).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 #: SD3.5-Medium's (and -Large's) scheduler/scheduler_config.json
@@ -132,16 +131,13 @@ def build_tiny_sd3_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from tools.make_tiny_model import save_tiny_pipeline, scale_vae_output
+
     torch.manual_seed(seed)
     transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER_CONFIG)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(**{**TINY_SD3_VAE_CONFIG, "norm_num_groups": int(vae_norm_groups)})
-    if vae_output_gain != 1.0:
-        with torch.no_grad():
-            vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
-            vae.decoder.conv_out.bias.zero_()
+    scale_vae_output(vae, vae_output_gain)
     clip_tok, clip_tok_2, t5_tok = build_clip_tokenizer(), build_clip_tokenizer(), build_t5_tokenizer()
     torch.manual_seed(seed + 2)
     clip_l = build_clip_text_encoder(clip_tok)
@@ -153,8 +149,6 @@ def build_tiny_sd3_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER_CONFIG), vae=vae,
         text_encoder=clip_l, tokenizer=clip_tok, text_encoder_2=clip_g, tokenizer_2=clip_tok_2,
         text_encoder_3=t5, tokenizer_3=t5_tok)
-    pipe.save_pretrained(out, safe_serialization=True)
-    (out / "TINY_RANDOM_MODEL.json").write_text(
-        json.dumps({"family": "sd3", "seed": seed, "random_weights": True, "vae_output_gain": vae_output_gain,
-                    "vae_norm_groups": int(vae_norm_groups)}, indent=2) + "\n")
-    return out
+    return save_tiny_pipeline(pipe, output_dir, {"family": "sd3", "seed": seed, "random_weights": True,
+                                                 "vae_output_gain": vae_output_gain,
+                                                 "vae_norm_groups": int(vae_norm_groups)})

@@ -24,7 +24,6 @@ where each comes from, so a benchmark can build the real shapes with random weig
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -176,26 +175,20 @@ def build_tiny_wan_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from tools.make_tiny_model import save_tiny_pipeline, scale_vae_output
+
     torch.manual_seed(seed)
     transformer = WanTransformer3DModel(**TINY_WAN_TRANSFORMER_CONFIG)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLWan(**TINY_WAN_VAE_CONFIG)
-    if vae_output_gain != 1.0:
-        with torch.no_grad():
-            vae.decoder.conv_out.weight.mul_(float(vae_output_gain))
-            vae.decoder.conv_out.bias.zero_()
+    scale_vae_output(vae, vae_output_gain)
     tokenizer = build_umt5_tokenizer()
     torch.manual_seed(seed + 2)
     text_encoder = build_umt5_encoder(tokenizer)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=FlowMatchEulerDiscreteScheduler(**WAN21_SCHEDULER_CONFIG))
-    pipe.save_pretrained(out, safe_serialization=True)
-    (out / "TINY_RANDOM_MODEL.json").write_text(
-        json.dumps({"family": "wan", "seed": seed, "random_weights": True, "vae_output_gain": vae_output_gain},
-                   indent=2) + "\n")
-    return out
+    return save_tiny_pipeline(pipe, output_dir, {"family": "wan", "seed": seed, "random_weights": True,
+                                                 "vae_output_gain": vae_output_gain})
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -109,6 +111,27 @@ def follow_umask(root: str | os.PathLike) -> None:
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):
                 os.chmod(path, fmode)
+
+
+@contextmanager
+def staged_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh directory beside `target` (".<name>.partial-<random>": an unpredictable name,
+    so nothing planted beside it is followed); when the block ends without an error its tree
+    follows the umask and it replaces `target` (an existing `target` is removed only then, so an
+    interrupted build never leaves a half-written directory under the real name). On any error it
+    is removed and `target` is untouched. The caller decides whether replacing is allowed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield staging
+        follow_umask(staging)  # mkdtemp's 0700 and safetensors' 0600 would hide the contents from the group
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def fsync_tree(root: str | os.PathLike) -> int:

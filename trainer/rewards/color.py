@@ -109,13 +109,22 @@ def color_prompts(n: int, subjects: tuple[str, ...] = _DEFAULT_SUBJECTS) -> list
     return [f"a {names[i % len(names)]} {subjects[(i // len(names)) % len(subjects)]}" for i in range(n)]
 
 
-def target_color(prompt: str, metadata: dict | None = None) -> str | None:
-    """The palette colour a prompt asks for: metadata["color"] if set, else the first palette
-    word in the prompt; None if neither names one."""
+def metadata_color(metadata: dict | None) -> str | None:
+    """metadata["color"] lower-cased when set (ValueError unless it is a palette name), else None:
+    an explicit colour in a sample's metadata outranks any colour word in its prompt."""
     if metadata and metadata.get("color"):
         name = str(metadata["color"]).lower()
         if name not in _PALETTE:
             raise ValueError(f"metadata color {name!r} is not in the palette {list(_PALETTE)}")
+        return name
+    return None
+
+
+def target_color(prompt: str, metadata: dict | None = None) -> str | None:
+    """The palette colour a prompt asks for: metadata["color"] if set, else the first palette
+    word in the prompt; None if neither names one."""
+    name = metadata_color(metadata)
+    if name is not None:
         return name
     m = _COLOR_RE.search(prompt or "")
     return m.group(1).lower() if m else None

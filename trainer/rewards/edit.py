@@ -56,7 +56,7 @@ import torch
 
 from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch, RewardError
 from trainer.rewards.clip import ClipSimilarityScorer
-from trainer.rewards.color import color_palette, hue_posterior, largest_component, object_mask
+from trainer.rewards.color import color_palette, hue_posterior, largest_component, metadata_color, object_mask
 from trainer.rewards.remote import encode_png_b64
 from trainer.rewards.vlm_judge import DEFAULT_TEMPLATE, VlmJudgeScorer
 
@@ -129,10 +129,8 @@ def source_batch(images: ImageBatch, metadata: list[dict], index: int = 0) -> Im
 def edit_target_color(instruction: str, metadata: dict | None = None) -> str | None:
     """metadata["color"] if set (a palette name), else the LAST palette word of the instruction
     (an edit instruction names the new colour after the old one), else None."""
-    if metadata and metadata.get("color"):
-        name = str(metadata["color"]).lower()
-        if name not in _PALETTE:
-            raise ValueError(f"metadata color {name!r} is not in the palette {list(_PALETTE)}")
+    name = metadata_color(metadata)
+    if name is not None:
         return name
     words = _COLOR_WORD.findall(instruction or "")
     return words[-1].lower() if words else None

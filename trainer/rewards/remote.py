@@ -60,7 +60,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -236,6 +236,58 @@ def _source_index(raw: Any, n_images: int, n_sources: int) -> list[list[int]]:
     return out
 
 
+def _check_rows(prompts: list, metadata: Any, items: list, noun: str,
+                item_problem: Callable[[int, Any], str | None]) -> list:
+    """The request's per-candidate lists checked together: `metadata` (None: one empty object per
+    prompt) a list, prompts / metadata / `items` ("images" or "videos", the `noun`) of one
+    length, each prompt a string, each metadata entry an object or null, and each item passing
+    `item_problem` (which returns the error, or None). Returns the metadata list."""
+    if metadata is None:
+        metadata = [{} for _ in prompts]
+    if not isinstance(metadata, list):
+        raise RequestError(f'"metadata" must be a list of objects, got {type(metadata).__name__}')
+    if not (len(prompts) == len(items) == len(metadata)):
+        raise RequestError(f"{len(items)} {noun}, {len(prompts)} prompts, {len(metadata)} metadata entries")
+    for i, (p, m, item) in enumerate(zip(prompts, metadata, items)):
+        if not isinstance(p, str):
+            raise RequestError(f"prompt {i} must be a string, got {type(p).__name__}")
+        if m is not None and not isinstance(m, dict):
+            raise RequestError(f"metadata {i} must be an object, got {type(m).__name__}")
+        problem = item_problem(i, item)
+        if problem is not None:
+            raise RequestError(problem)
+    return metadata
+
+
+def _png_header(what: str, s: str, limits: RequestLimits,
+                first_frame: tuple[int, int] | None = None) -> tuple[bytes, int, int]:
+    """The bytes and (width, height) of one base64 PNG (`what` names it in errors), read from its
+    header only: refused when its size differs from the video's `first_frame` (when given), and
+    (413) above --max-image-pixels, before anything decodes it."""
+    try:
+        data = base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RequestError(f"{what} is not base64: {e}") from None
+    try:
+        w, h = png_size(data)
+    except ValueError as e:
+        raise RequestError(f"{what} {e}") from None
+    if first_frame is not None and (w, h) != first_frame:
+        raise RequestError(f"{what} is {w}x{h}, but the video's first frame is {first_frame[0]}x{first_frame[1]}")
+    if w * h > limits.max_image_pixels:
+        raise RequestError(f"{what} is {w}x{h} = {w * h} pixels, more than --max-image-pixels="
+                           f"{limits.max_image_pixels}", 413)
+    return data, w, h
+
+
+def _decode_png(what: str, data: bytes) -> np.ndarray:
+    """decode_png, with whatever Pillow raises on a corrupt PNG turned into a RequestError naming `what`."""
+    try:
+        return decode_png(data)
+    except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a corrupt PNG
+        raise RequestError(f"{what} is not a readable PNG: {type(e).__name__}: {str(e)[:200]}") from None
+
+
 def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
                    track: str = "image") -> tuple[Any, list[str], list[dict]]:
     """Parse and validate a POST body; RequestError (400, or 413 for too many pixels) with what is wrong.
@@ -272,35 +324,14 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
         raise RequestError('"source_images" must be a list of base64 PNG strings')
     sources = sources or []
     source_index = _source_index(req.get("source_index"), len(images), len(sources)) if sources else None
-    if metadata is None:
-        metadata = [{} for _ in prompts]
-    if not isinstance(metadata, list):
-        raise RequestError(f'"metadata" must be a list of objects, got {type(metadata).__name__}')
-    if not (len(prompts) == len(images) == len(metadata)):
-        raise RequestError(f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata entries")
-    for i, (p, m, im) in enumerate(zip(prompts, metadata, images)):
-        if not isinstance(p, str):
-            raise RequestError(f"prompt {i} must be a string, got {type(p).__name__}")
-        if m is not None and not isinstance(m, dict):
-            raise RequestError(f"metadata {i} must be an object, got {type(m).__name__}")
-        if not isinstance(im, str):
-            raise RequestError(f"image {i} must be a base64 string, got {type(im).__name__}")
+    metadata = _check_rows(prompts, metadata, images, "images", lambda i, im: None if isinstance(im, str) else
+                           f"image {i} must be a base64 string, got {type(im).__name__}")
     raw: list[bytes] = []
     total = 0
     named = [(f"image {i}", s) for i, s in enumerate(images)] + \
         [(f"source image {i}", s) for i, s in enumerate(sources)]
     for what, s in named:
-        try:
-            data = base64.b64decode(s, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise RequestError(f"{what} is not base64: {e}") from None
-        try:
-            w, h = png_size(data)
-        except ValueError as e:
-            raise RequestError(f"{what} {e}") from None
-        if w * h > limits.max_image_pixels:
-            raise RequestError(f"{what} is {w}x{h} = {w * h} pixels, more than --max-image-pixels="
-                               f"{limits.max_image_pixels}", 413)
+        data, w, h = _png_header(what, s, limits)
         total += w * h
         if total > limits.max_request_pixels:
             raise RequestError(f"the images hold more than --max-request-pixels={limits.max_request_pixels} "
@@ -308,10 +339,7 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
         raw.append(data)
     arrays = []
     for (what, _), data in zip(named, raw):
-        try:
-            arrays.append(decode_png(data))
-        except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a corrupt PNG
-            raise RequestError(f"{what} is not a readable PNG: {type(e).__name__}: {str(e)[:200]}") from None
+        arrays.append(_decode_png(what, data))
     # a peer never names a scorer's source: whatever it put under the key is dropped (module docstring)
     metadata = [{k: v for k, v in (m or {}).items() if k != SOURCE_IMAGES_KEY} for m in metadata]
     if source_index is not None:
@@ -329,39 +357,17 @@ def _decode_videos(prompts: list, videos: list, metadata: Any,
     together) before any frame is decoded."""
     from trainer.rewards.video import VideoBatch
 
-    if metadata is None:
-        metadata = [{} for _ in prompts]
-    if not isinstance(metadata, list):
-        raise RequestError(f'"metadata" must be a list of objects, got {type(metadata).__name__}')
-    if not (len(prompts) == len(videos) == len(metadata)):
-        raise RequestError(f"{len(videos)} videos, {len(prompts)} prompts, {len(metadata)} metadata entries")
-    for i, (p, m, v) in enumerate(zip(prompts, metadata, videos)):
-        if not isinstance(p, str):
-            raise RequestError(f"prompt {i} must be a string, got {type(p).__name__}")
-        if m is not None and not isinstance(m, dict):
-            raise RequestError(f"metadata {i} must be an object, got {type(m).__name__}")
-        if not isinstance(v, list) or not v or not all(isinstance(f, str) for f in v):
-            raise RequestError(f"video {i} must be a non-empty list of base64 PNG strings (its frames)")
+    metadata = _check_rows(prompts, metadata, videos, "videos", lambda i, v: (
+        None if isinstance(v, list) and v and all(isinstance(f, str) for f in v)
+        else f"video {i} must be a non-empty list of base64 PNG strings (its frames)"))
     raw: list[list[bytes]] = []
     total = 0
     for i, clip in enumerate(videos):
         frames, size = [], None
         for j, s in enumerate(clip):
             where = f"video {i} frame {j}"
-            try:
-                data = base64.b64decode(s, validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise RequestError(f"{where} is not base64: {e}") from None
-            try:
-                w, h = png_size(data)
-            except ValueError as e:
-                raise RequestError(f"{where} {e}") from None
-            if size is not None and (w, h) != size:
-                raise RequestError(f"{where} is {w}x{h}, but the video's first frame is {size[0]}x{size[1]}")
+            data, w, h = _png_header(where, s, limits, first_frame=size)
             size = (w, h)
-            if w * h > limits.max_image_pixels:
-                raise RequestError(f"{where} is {w}x{h} = {w * h} pixels, more than --max-image-pixels="
-                                   f"{limits.max_image_pixels}", 413)
             total += w * h
             if total > limits.max_request_pixels:
                 raise RequestError(f"the frames hold more than --max-request-pixels={limits.max_request_pixels} "
@@ -371,14 +377,7 @@ def _decode_videos(prompts: list, videos: list, metadata: Any,
         raw.append(frames)
     clips = []
     for i, frames in enumerate(raw):
-        decoded = []
-        for j, data in enumerate(frames):
-            try:
-                decoded.append(decode_png(data))
-            except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a corrupt PNG
-                raise RequestError(f"video {i} frame {j} is not a readable PNG: {type(e).__name__}: "
-                                   f"{str(e)[:200]}") from None
-        clips.append(np.stack(decoded))
+        clips.append(np.stack([_decode_png(f"video {i} frame {j}", data) for j, data in enumerate(frames)]))
     # as for images: a peer never names a scorer's source (module docstring)
     return VideoBatch(clips), list(prompts), [{k: v for k, v in (m or {}).items() if k != SOURCE_IMAGES_KEY}
                                               for m in metadata]
