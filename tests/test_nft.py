@@ -1,0 +1,266 @@
+"""trainer/nft.py (DiffusionNFT) and the GRPO-Guard functions of trainer/flow_grpo.py, each
+against an independent element-by-element reference in numpy (loops, float64), plus the
+properties the formulas promise (limits, directions, finite gradients)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import flow_grpo as fg
+from trainer import nft
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- references (numpy loops)
+
+def ref_r(adv, c):
+    out = []
+    for a in adv:
+        a = min(max(a, -c), c)
+        out.append(min(max(0.5 + a / c / 2.0, 0.0), 1.0))
+    return np.array(out)
+
+
+def ref_adaptive(xt, sigma, v, x0):
+    """per sample: sum((xt - s v - x0)^2) / n / max(sum|.| / n, 1e-5)"""
+    out = []
+    for i in range(xt.shape[0]):
+        e = (xt[i] - sigma[i] * v[i] - x0[i]).ravel()
+        n = e.size
+        sq = sum(float(x) * float(x) for x in e) / n
+        ab = sum(abs(float(x)) for x in e) / n
+        out.append(sq / max(ab, 1e-5))
+    return np.array(out)
+
+
+def ref_nft_loss(vt, vo, xt, x0, sigma, r, beta, c):
+    total = 0.0
+    for i in range(xt.shape[0]):
+        vp = vo[i] + beta * (vt[i] - vo[i])
+        vn = vo[i] - beta * (vt[i] - vo[i])
+        lp = ref_adaptive(xt[i:i + 1], sigma[i:i + 1], vp[None], x0[i:i + 1])[0]
+        ln = ref_adaptive(xt[i:i + 1], sigma[i:i + 1], vn[None], x0[i:i + 1])[0]
+        total += r[i] * lp + (1 - r[i]) * ln
+    return total / xt.shape[0] * c / beta
+
+
+# ---------------------------------------------------------------- optimality probability
+
+def test_optimality_probability_matches_reference_and_bounds():
+    adv = torch.tensor([-9.0, -5.0, -2.5, 0.0, 1.0, 5.0, 7.0])
+    r = nft.optimality_probability(adv, 5.0)
+    np.testing.assert_allclose(r.numpy(), ref_r(adv.tolist(), 5.0), atol=1e-7)
+    assert r[3].item() == 0.5 and r[0].item() == 0.0 and r[-1].item() == 1.0
+    assert r.dtype == torch.float32 and not r.requires_grad
+    with pytest.raises(ValueError, match="--adv-clip-max"):
+        nft.optimality_probability(adv, 0.0)
+
+
+# ---------------------------------------------------------------- forward process and policies
+
+def test_forward_noise_endpoints_and_reference():
+    x0, eps = _rand(3, 4, 5, seed=1), _rand(3, 4, 5, seed=2)
+    sig = torch.tensor([0.0, 0.3, 1.0])
+    xt = nft.forward_noise(x0.bfloat16(), eps, sig)
+    assert xt.dtype == torch.float32
+    x0b = x0.bfloat16().float()
+    for i, s in enumerate(sig.tolist()):
+        np.testing.assert_allclose(xt[i].numpy(), ((1 - s) * x0b[i] + s * eps[i]).numpy(), atol=1e-6)
+    assert torch.equal(xt[0], x0b[0]) and torch.equal(xt[2], eps[2])
+
+
+def test_implicit_velocities_mirror_about_old_and_limits():
+    vt, vo = _rand(2, 8, seed=3), _rand(2, 8, seed=4)
+    vp, vn = nft.implicit_velocities(vt, vo, 0.3)
+    torch.testing.assert_close(vp + vn, 2 * vo)
+    torch.testing.assert_close(vp, 0.7 * vo + 0.3 * vt)
+    vp1, vn1 = nft.implicit_velocities(vt, vo, 1.0)
+    torch.testing.assert_close(vp1, vt)
+    torch.testing.assert_close(vn1, 2 * vo - vt)
+    vp0, vn0 = nft.implicit_velocities(vt, vo, 1e-9)  # beta -> 0: both collapse onto the old policy
+    torch.testing.assert_close(vp0, vo, atol=1e-7, rtol=0)
+    torch.testing.assert_close(vn0, vo, atol=1e-7, rtol=0)
+
+
+def test_adaptive_x0_loss_matches_reference():
+    x0, eps, v = _rand(3, 2, 6, seed=5), _rand(3, 2, 6, seed=6), _rand(3, 2, 6, seed=7)
+    sig = torch.tensor([0.2, 0.5, 0.9])
+    xt = nft.forward_noise(x0, eps, sig)
+    got = nft.adaptive_x0_loss(xt, sig, v, x0)
+    want = ref_adaptive(xt.double().numpy(), sig.double().numpy(), v.double().numpy(), x0.double().numpy())
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
+    # the exact velocity eps - x0 has zero error; the weight's floor keeps the loss finite
+    exact = nft.adaptive_x0_loss(xt, sig, eps - x0, x0)
+    assert torch.isfinite(exact).all() and exact.abs().max() < 1e-6
+
+
+# ---------------------------------------------------------------- the loss
+
+@pytest.mark.parametrize("beta", [1.0, 0.1])
+def test_nft_loss_matches_reference(beta):
+    b = 4
+    x0, eps = _rand(b, 3, 5, seed=8), _rand(b, 3, 5, seed=9)
+    vt, vo = _rand(b, 3, 5, seed=10), _rand(b, 3, 5, seed=11)
+    sig = torch.tensor([0.1, 0.4, 0.7, 0.95])
+    r = torch.tensor([0.0, 0.3, 0.5, 1.0])
+    xt = nft.forward_noise(x0, eps, sig)
+    loss, st = nft.nft_loss(vt, vo, xt, x0, sig, r, beta, 5.0)
+    want = ref_nft_loss(vt.double().numpy(), vo.double().numpy(), xt.double().numpy(), x0.double().numpy(),
+                        sig.double().numpy(), r.double().numpy(), beta, 5.0)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    assert loss.dim() == 0 and loss.dtype == torch.float32
+    assert st["old_deviation"].item() == pytest.approx(float(((vt - vo) ** 2).mean()), rel=1e-6)
+    assert st["r_mean"].item() == pytest.approx(0.45)
+
+
+def test_nft_loss_gradient_pulls_positive_towards_data_and_negative_away():
+    torch.manual_seed(0)
+    x0, eps = _rand(1, 64, seed=12), _rand(1, 64, seed=13)
+    sig = torch.tensor([0.6])
+    xt = nft.forward_noise(x0, eps, sig)
+    target = eps - x0  # the velocity that reproduces this sample exactly
+    vo = target + 0.5 * _rand(1, 64, seed=14)  # the old policy misses it
+    dist_before = ((vo - target) ** 2).sum().item()
+    for r_val, closer in ((1.0, True), (0.0, False)):
+        vt = vo.clone().requires_grad_(True)
+        loss, _ = nft.nft_loss(vt, vo, xt, x0, sig, torch.tensor([r_val]), 0.5, 5.0)
+        loss.backward()
+        assert torch.isfinite(vt.grad).all()
+        stepped = (vt - 1e-3 * vt.grad).detach()
+        dist_after = ((stepped - target) ** 2).sum().item()
+        assert (dist_after < dist_before) == closer, (r_val, dist_before, dist_after)
+
+
+def test_nft_loss_r_half_has_no_first_order_pull_at_the_old_policy():
+    # r = 1/2 at v_theta = v_old: the positive and negative terms' gradients cancel exactly
+    x0, eps, vo = _rand(2, 16, seed=15), _rand(2, 16, seed=16), _rand(2, 16, seed=17)
+    sig = torch.tensor([0.3, 0.8])
+    xt = nft.forward_noise(x0, eps, sig)
+    vt = vo.clone().requires_grad_(True)
+    loss, _ = nft.nft_loss(vt, vo, xt, x0, sig, torch.full((2,), 0.5), 1.0, 5.0)
+    loss.backward()
+    assert vt.grad.abs().max().item() < 1e-6
+
+
+def test_nft_loss_bad_beta_and_shapes():
+    x = _rand(2, 4)
+    with pytest.raises(ValueError, match="--nft-beta"):
+        nft.nft_loss(x, x, x, x, 0.5, torch.ones(2), 0.0, 5.0)
+    with pytest.raises(ValueError, match="B=2"):
+        nft.nft_loss(x, x, x, x, 0.5, torch.ones(3), 1.0, 5.0)
+
+
+# ---------------------------------------------------------------- schedules
+
+def test_old_policy_decay_schedule():
+    # the recipe's default (flat 0, +0.001 a step, capped at 0.5) and its slow one (flat 75, 0.0075, 0.999)
+    assert nft.old_policy_decay(0, 0, 0.001, 0.5) == 0.0
+    assert nft.old_policy_decay(100, 0, 0.001, 0.5) == pytest.approx(0.1)
+    assert nft.old_policy_decay(10_000, 0, 0.001, 0.5) == 0.5
+    assert nft.old_policy_decay(74, 75, 0.0075, 0.999) == 0.0
+    assert nft.old_policy_decay(175, 75, 0.0075, 0.999) == pytest.approx(0.75)
+    assert nft.old_policy_decay(10_000, 75, 0.0075, 0.999) == 0.999
+    with pytest.raises(ValueError, match="cap"):
+        nft.old_policy_decay(1, 0, 0.1, 1.0)
+
+
+def test_draw_train_sigmas_schedule_distinct_and_deterministic():
+    sched = torch.tensor([1.0, 0.9, 0.75, 0.5, 0.25])
+    a = nft.draw_train_sigmas(sched, 6, 4, torch.Generator().manual_seed(3))
+    b = nft.draw_train_sigmas(sched, 6, 4, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and a.shape == (6, 4)
+    for row in a.tolist():
+        assert len(set(row)) == 4 and set(row) <= set(sched.tolist())
+    with pytest.raises(ValueError, match="--nft-timestep-fraction"):
+        nft.draw_train_sigmas(sched, 1, 6, torch.Generator())
+    u = nft.draw_train_sigmas(sched, 50, 3, torch.Generator().manual_seed(0), "uniform")
+    assert u.min() >= 0.25 and u.max() <= 1.0 and len(set(u.flatten().tolist())) == 150
+    with pytest.raises(ValueError, match="--nft-timestep-distribution"):
+        nft.draw_train_sigmas(sched, 1, 1, torch.Generator(), "logit")
+
+
+def test_num_train_timesteps():
+    assert nft.num_train_timesteps(10, 0.99) == 9
+    assert nft.num_train_timesteps(4, 0.1) == 1
+    with pytest.raises(ValueError):
+        nft.num_train_timesteps(10, 0.0)
+
+
+# ---------------------------------------------------------------- GRPO-Guard
+
+def ref_guard_log_ratio(logp, old, mean, old_mean, std):
+    b, s = logp.shape
+    out = np.zeros((b, s))
+    for i in range(b):
+        for k in range(s):
+            d = (mean[i, k] - old_mean[i, k]).ravel()
+            bias = sum(x * x for x in d) / d.size / (2 * std[i, k] ** 2)
+            out[i, k] = (logp[i, k] - old[i, k] + bias) * std[i, k]
+    return out
+
+
+def test_guard_log_ratio_matches_reference():
+    b, s = 3, 2
+    logp, old = _rand(b, s, seed=20) * 0.01, _rand(b, s, seed=21) * 0.01
+    mean, old_mean = _rand(b, s, 4, 5, seed=22), _rand(b, s, 4, 5, seed=23)
+    std = torch.tensor([[0.1, 0.3], [0.2, 0.05], [0.4, 0.15]])
+    got = fg.guard_log_ratio(logp, old, mean, old_mean, std)
+    want = ref_guard_log_ratio(*(t.double().numpy() for t in (logp, old, mean, old_mean, std)))
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-8)
+
+
+def test_guard_log_ratio_is_centred_and_scale_free_across_steps():
+    # x' = old_mean + std z; the plain log-ratio has mean -b (drifts with std), the guarded one ~0
+    # and the same spread at every step
+    torch.manual_seed(0)
+    n, elems = 4000, 16
+    old_mean = torch.zeros(n, 2, elems)
+    dmu = 0.01 * torch.ones(elems)
+    mean = old_mean + dmu
+    std = torch.tensor([0.3, 0.03]).expand(n, 2)
+    z = torch.randn(n, 2, elems)
+    x = old_mean + std[..., None] * z
+    lp = fg.flow_sde_log_prob(x.flatten(0, 1), mean.flatten(0, 1), std.reshape(-1, 1)).view(n, 2)
+    olp = fg.flow_sde_log_prob(x.flatten(0, 1), old_mean.flatten(0, 1), std.reshape(-1, 1)).view(n, 2)
+    plain = lp - olp
+    guarded = fg.guard_log_ratio(lp, olp, mean, old_mean, std)
+    bias = (dmu ** 2).mean() / (2 * std[0] ** 2)
+    torch.testing.assert_close(plain.mean(0), -bias, rtol=0.1, atol=1e-6)  # the drift grows as std shrinks
+    assert guarded.mean(0).abs().max() < 3 * 0.01 / math.sqrt(n * elems) * 3
+    spread = guarded.std(0)
+    assert spread[0].item() == pytest.approx(spread[1].item(), rel=0.1)
+
+
+def test_guard_step_weight_and_loss_reference():
+    sig = torch.tensor([[0.9, 0.5], [0.9, 0.5]])
+    nxt = torch.tensor([[0.8, 0.25], [0.8, 0.25]])
+    w = fg.guard_step_weight(sig, nxt)
+    torch.testing.assert_close(w, torch.tensor([[10.0, 4.0], [10.0, 4.0]]))
+    with pytest.raises(ValueError):
+        fg.guard_step_weight(torch.tensor([0.5]), torch.tensor([0.5]))
+    logp = (_rand(2, 2, seed=30) * 1e-3).requires_grad_(True)
+    old = _rand(2, 2, seed=31) * 1e-3
+    mean = _rand(2, 2, 6, seed=32)
+    old_mean = mean + 1e-3 * _rand(2, 2, 6, seed=33)
+    std = torch.tensor([[0.2, 0.1], [0.2, 0.1]])
+    adv = torch.tensor([1.5, -0.5])
+    loss, st = fg.grpo_guard_clip_loss(logp, old, mean, old_mean, std, adv, 1e-4, step_weight=w)
+    lr = ref_guard_log_ratio(*(t.detach().double().numpy() for t in (logp, old, mean, old_mean, std)))
+    total = 0.0
+    for i in range(2):
+        for k in range(2):
+            r = math.exp(lr[i, k])
+            a = float(adv[i])
+            total += float(w[i, k]) * max(-a * r, -a * min(max(r, 1 - 1e-4), 1 + 1e-4))
+    assert loss.item() == pytest.approx(total / 4, rel=1e-5)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    # no normalisation, no weight: the guard reduces to the plain objective when mean == old_mean and std == 1
+    plain, _ = fg.grpo_clip_loss(logp.detach(), old, adv, 0.2)
+    same, _ = fg.grpo_guard_clip_loss(logp.detach(), old, mean, mean, torch.ones(2, 2), adv, 0.2)
+    assert same.item() == pytest.approx(plain.item(), rel=1e-6)
