@@ -264,3 +264,50 @@ def test_guard_step_weight_and_loss_reference():
     plain, _ = fg.grpo_clip_loss(logp.detach(), old, adv, 0.2)
     same, _ = fg.grpo_guard_clip_loss(logp.detach(), old, mean, mean, torch.ones(2, 2), adv, 0.2)
     assert same.item() == pytest.approx(plain.item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------- flags and preflight
+
+from tests.test_preflight import base, problems  # noqa: E402,F401  (the valid 2-rank argv fixture)
+
+
+def test_algorithm_defaults_keep_flowgrpo(base):
+    from trainer.config import load_config
+
+    cfg = load_config(base)
+    assert cfg.grpo.algorithm == "flowgrpo" and cfg.grpo.grpo_guard is False
+    assert (cfg.grpo.nft_beta, cfg.grpo.nft_timestep_fraction, cfg.grpo.nft_old_decay_max) == (1.0, 0.99, 0.5)
+
+
+def test_nft_passes_with_its_requirements_and_no_trained_steps(base):
+    argv = [a for a in base]
+    i = argv.index("--sampling-config")
+    argv[i + 1] = '{"num_inference_steps": 10, "height": 256, "width": 256}'  # no SDE key: nft ignores them
+    assert problems(argv + ["--algorithm", "nft", "--adv-clip-max", "5"]) == []
+
+
+def test_nft_refuses_what_it_does_not_combine_with_all_at_once(base):
+    found = problems(base + ["--algorithm", "nft", "--grpo-guard", "--use-kl-loss", "--kl-coef", "0.04",
+                             "--fsdp-trainable-mode", "lora", "--lora-rank", "8", "--fsdp-master-dtype", "fp32",
+                             "--nft-beta", "0", "--nft-old-decay-max", "1.0", "--nft-timestep-fraction", "1.5",
+                             "--rollout-engine-class-path", "sglang"])
+    text = "\n".join(found)
+    for needle in ("--grpo-guard with --algorithm nft", "--adv-clip-max > 0", "--use-kl-loss", "--nft-beta",
+                   "--nft-old-decay-max", "--nft-timestep-fraction", "only the native engine"):
+        assert needle in text, (needle, found)
+
+
+def test_nft_refuses_cfg(base):
+    argv = [a for a in base]
+    i = argv.index("--sampling-config")
+    argv[i + 1] = '{"num_inference_steps": 10, "height": 256, "width": 256, "guidance_scale": 4.0}'
+    assert any("CFG-free" in p for p in problems(argv + ["--algorithm", "nft", "--adv-clip-max", "5"]))
+
+
+def test_grpo_guard_needs_a_gaussian_sde_type(base):
+    assert problems(base + ["--grpo-guard"]) == []
+    argv = [a for a in base]
+    i = argv.index("--sampling-config")
+    argv[i + 1] = '{"num_inference_steps": 10, "height": 256, "width": 256, "sde_type": "cps", "eta": 0.5, ' \
+                  '"sde_indices": [1, 2]}'
+    assert any("--grpo-guard with --sampling-config sde_type 'cps'" in p for p in problems(argv + ["--grpo-guard"]))
