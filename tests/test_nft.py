@@ -311,3 +311,130 @@ def test_grpo_guard_needs_a_gaussian_sde_type(base):
     argv[i + 1] = '{"num_inference_steps": 10, "height": 256, "width": 256, "sde_type": "cps", "eta": 0.5, ' \
                   '"sde_indices": [1, 2]}'
     assert any("--grpo-guard with --sampling-config sde_type 'cps'" in p for p in problems(argv + ["--grpo-guard"]))
+
+
+# ---------------------------------------------------------------- the update on the tiny model
+
+NFT_GRPO = {"grpo__algorithm": "nft", "grpo__adv_clip_max": 5.0, "grpo__nft_beta": 1.0,
+            "grpo__nft_timestep_fraction": 0.5, "grpo__nft_timestep_distribution": "schedule",
+            "grpo__nft_old_decay_flat": 0, "grpo__nft_old_decay_rate": 0.001, "grpo__nft_old_decay_max": 0.5,
+            "grpo__num_updates_per_batch": 1, "grpo__micro_batch_size": 2}
+SCHEDULE = torch.tensor([1.0, 0.9, 0.7, 0.4])
+NFT_ADV = torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from tests.dist.tiny import one_rank_mesh
+
+    yield from one_rank_mesh()
+
+
+def _nft_actor(mesh, **over):
+    from tests.dist.tiny import ADAPTER, make_cfg, tiny_transformer
+    from trainer.actor import Actor
+
+    return Actor(tiny_transformer(), mesh, make_cfg("full", **{**NFT_GRPO, **over}), device=torch.device("cpu"),
+                 adapter=ADAPTER)
+
+
+def _velocity_fn():
+    from tests.dist.tiny import ADAPTER
+    from trainer.loop import make_velocity_fn
+
+    return make_velocity_fn(ADAPTER)
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+
+
+def test_nft_update_trains_every_trainable_param_and_moves_the_old_policy(mesh):
+    from tests.dist.tiny import full_params, make_batch
+    from trainer.core.names import model_name
+
+    actor = _nft_actor(mesh)
+    before = full_params(actor.model)
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    old_before = {k: full(v).clone() for k, v in actor.nft_old.state_dict().items()}
+    m = actor.nft_train_step(make_batch(4), NFT_ADV, _velocity_fn(), SCHEDULE, seed=3)
+    after = full_params(actor.model)
+    trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+    assert trainable and all(not torch.equal(before[n], after[n]) for n in trainable)
+    assert all(torch.equal(before[n], after[n]) for n in actor.never_trained)
+    assert m["train/optimizer_steps"] == 1 and actor.optimizer_steps == 1
+    # the first round's old policy IS the policy: v_theta == v_old in every forward
+    assert m["train/old_deviation"] == 0.0
+    assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 and 0 < m["train/r_mean"] < 1
+    # old <- d old + (1 - d) theta with d = min(1 x 0.001, 0.5)
+    assert m["train/nft_old_decay"] == pytest.approx(0.001)
+    for name, old in actor.nft_old.state_dict().items():
+        want = 0.001 * old_before[name] + 0.999 * after[name].float()
+        torch.testing.assert_close(full(old), want, rtol=1e-5, atol=1e-7)
+
+
+def test_nft_update_lowers_its_loss_and_is_deterministic(mesh):
+    from tests.dist.tiny import full_params, make_batch
+    from trainer.nft import forward_noise, nft_loss, optimality_probability
+
+    vfn = _velocity_fn()
+    batch = make_batch(4)
+
+    def loss_of(actor, draws, v_old):
+        total = 0.0
+        r = optimality_probability(NFT_ADV, 5.0)
+        with torch.no_grad():
+            for (s, e), (sig, noise) in draws.items():
+                x0 = batch[s:e].next_latents[:, -1].float()
+                for j in range(sig.shape[1]):
+                    xt = forward_noise(x0, noise[j], sig[:, j])
+                    total += nft_loss(vfn(actor.model, batch[s:e], xt, sig[:, j]), v_old[(s, e)][j], xt, x0,
+                                      sig[:, j], r[s:e], 1.0, 5.0)[0].item()
+        return total
+
+    actor = _nft_actor(mesh, optim__lr=1e-4)
+    plan = actor._plan(NFT_ADV, torch.ones(4, dtype=torch.bool))
+    draws = actor._nft_draws(batch, plan, SCHEDULE, 3)
+    v_old = actor._nft_old_velocities(batch, plan, draws, vfn, None)
+    first = loss_of(actor, draws, v_old)
+    actor.nft_train_step(batch, NFT_ADV, vfn, SCHEDULE, seed=3)
+    assert loss_of(actor, draws, v_old) < first
+    twin = _nft_actor(mesh, optim__lr=1e-4)
+    twin.nft_train_step(batch, NFT_ADV, vfn, SCHEDULE, seed=3)
+    a, b = full_params(actor.model), full_params(twin.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grpo_guard_update_runs_and_first_update_ratio_is_one(mesh):
+    from tests.dist.tiny import ADAPTER, full_params, make_batch, make_cfg, replay, tiny_transformer
+    from trainer.actor import Actor
+    from trainer.flow_grpo import flow_sde_transition_moments, transition_log_prob
+
+    def replay_moments(model, rows, moments=False):
+        logp = replay(model, rows)
+        if not moments:
+            return logp
+        from trainer.models.base import module_device_dtype
+
+        _, dt = module_device_dtype(model)
+        means, stds = [], []
+        for s in range(rows.num_steps):
+            x = rows.latents[:, s]
+            v = model(hidden_states=x.to(dt), encoder_hidden_states=rows.prompt_embeds.to(dt),
+                      encoder_hidden_states_mask=rows.prompt_embeds_mask, timestep=rows.sigmas[:, s].to(dt),
+                      img_shapes=[(1, 4, 4)] * len(rows), return_dict=False)[0]
+            mean, std = flow_sde_transition_moments(x, v, rows.sigmas[:, s], rows.sigmas_next[:, s], 0.7)
+            means.append(mean)
+            stds.append(std.reshape(-1).expand(len(rows)))
+        return logp, torch.stack(means, 1), torch.stack(stds, 1)
+
+    actor = Actor(tiny_transformer(), mesh, make_cfg("full", grpo__grpo_guard=True, grpo__eps_clip=1e-5),
+                  device=torch.device("cpu"), adapter=ADAPTER)
+    before = full_params(actor.model)
+    m = actor.train_step(make_batch(4), torch.tensor([1.0, -1.0, 0.5, -0.5]), replay_moments)
+    first, second = actor.last_update_stats
+    assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
+    assert math.isfinite(m["train/loss"]) and m["train/optimizer_steps"] == 2
+    after = full_params(actor.model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)

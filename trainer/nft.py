@@ -192,3 +192,21 @@ def num_train_timesteps(num_inference_steps: int, fraction: float) -> int:
     if not (0.0 < fraction <= 1.0):
         raise ValueError(f"--nft-timestep-fraction must be in (0, 1], got {fraction}")
     return max(1, int(num_inference_steps * fraction))
+
+
+def ode_rollout_sampling(sampling):
+    """The sampling config an nft rollout uses: `sampling` (a trainer.sampling.SamplingConfig)
+    with every step deterministic and only the last one recorded.
+
+    The last step is recorded under sde_type "cps", whose std at sigma_next = 0 is exactly 0 and
+    whose mean there, x - sigma * v, is the Euler ODE step to 0 bit for bit (x + v * (0 - sigma)):
+    so the whole rollout is the ODE sampler, any engine that records trained steps returns the
+    clean final latents as that column's next_latents, and no engine change is needed. The
+    recorded log-prob is unused. Height, width, step count, seeds and sample ids are kept.
+    """
+    import dataclasses
+
+    n = int(sampling.num_inference_steps)
+    return dataclasses.replace(sampling, sde_type="cps", eta=1.0, sde_indices=[n - 1], sde_pool=None,
+                               num_sde_steps=0, sde_resample_per_rollout=False, sde_window_size=0,
+                               sde_window_range=None)
