@@ -438,3 +438,47 @@ def test_grpo_guard_update_runs_and_first_update_ratio_is_one(mesh):
     assert math.isfinite(m["train/loss"]) and m["train/optimizer_steps"] == 2
     after = full_params(actor.model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------- through the trainer (torchrun, 2 ranks)
+
+def test_nft_through_the_trainer_resumes_exactly_and_exports(tmp_path, tiny_model_dir):
+    """One launch pair: an uninterrupted nft run of 2 rollouts, and a run resumed from its
+    iteration 0 (--ckpt-step 0) for the second rollout; the weights, the old policy, the
+    schedules' step count and the images sampled after the resume agree bit for bit; the
+    checkpoint exports; the hacking watch's series are logged."""
+    from tests.test_e2e import _dcp_keys, _recipe, _state, _train, assert_resume_is_exact
+    from tools.export_checkpoint import dcp_model_metadata, export_checkpoint, read_dcp_tensors
+
+    extra = ('algorithm = "nft"\nadv-clip-max = 5.0\nnft-timestep-fraction = 0.5\nnft-old-decay-rate = 0.25\n'
+             'nft-old-decay-max = 0.9')
+    recipe = _recipe(tmp_path, tiny_model_dir, "full", extra=extra)
+    a, b = tmp_path / "a", tmp_path / "b"
+    log = _train(recipe, a, "--num-rollout", "2")
+    assert "Traceback" not in log
+    log_b = _train(recipe, b, "--num-rollout", "2", "--load", str(a / "ckpt"), "--ckpt-step", "0")
+    assert "continuing at rollout 1" in log_b
+    assert_resume_is_exact(a, b, 1, (1,), 8, policy_version=2, lr_steps=4)
+
+    keys = _dcp_keys(a / "ckpt", 1)
+    old_keys = sorted(k for k in keys if k.startswith("nft_old."))
+    assert old_keys and {k.split(".")[0] for k in keys} == {"model", "optim", "nft_old"}
+    fa, fb = a / "ckpt" / "t2i" / "iter_0000001" / "fsdp", b / "ckpt" / "t2i" / "iter_0000001" / "fsdp"
+    ta = read_dcp_tensors(fa, old_keys, dcp_model_metadata(fa, "nft_old."))
+    tb = read_dcp_tensors(fb, old_keys, dcp_model_metadata(fb, "nft_old."))
+    assert all(torch.equal(ta[k], tb[k]) for k in old_keys)
+    live = read_dcp_tensors(fa, [f"model.{k[len('nft_old.'):]}" for k in old_keys], dcp_model_metadata(fa))
+    # the old policy lags the policy: after 4 steps its decay is min(4 x 0.25, 0.9) = 0.9
+    assert any(not torch.equal(ta[k], live[f"model.{k[len('nft_old.'):]}"].float()) for k in old_keys)
+    assert _state(a / "ckpt", 1)["nft_old_updates"] == 2
+
+    from trainer.metrics import read_scalars
+
+    scalars = read_scalars(a / "tb")
+    for series in ("train/loss", "train/positive_loss", "train/negative_loss", "train/nft_old_decay",
+                   "train/grad_norm", "reward/advantage_std", "reward/hacking_suspect"):
+        assert series in scalars, series
+    assert [v for _, v in scalars["train/nft_old_decay"]] == pytest.approx([0.5, 0.9])
+
+    info = export_checkpoint(a / "ckpt", "t2i", 1, tmp_path / "export", form="merged", verify=True)
+    assert info["mode"] == "full" and (tmp_path / "export" / "transformer").is_dir()
