@@ -1,8 +1,12 @@
 """trainer/nft.py (DiffusionNFT) and the GRPO-Guard functions of trainer/flow_grpo.py, each
 against an independent element-by-element reference in numpy (loops, float64), plus the
-properties the formulas promise (limits, directions, finite gradients)."""
+properties the formulas promise (limits, directions, finite gradients); the flags and preflight;
+the nft and GRPO-Guard updates on the tiny model in process; and both through the trainer (one
+torchrun pair for nft's exact resume, one single-process run for GRPO-Guard)."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -482,3 +486,26 @@ def test_nft_through_the_trainer_resumes_exactly_and_exports(tmp_path, tiny_mode
 
     info = export_checkpoint(a / "ckpt", "t2i", 1, tmp_path / "export", form="merged", verify=True)
     assert info["mode"] == "full" and (tmp_path / "export" / "transformer").is_dir()
+
+
+def test_grpo_guard_through_the_trainer(tmp_path, tiny_model_dir):
+    """--grpo-guard on the real replay (the adapter's transition means and stds), one process:
+    2 rollouts train, checkpoint and log finite losses with the first update's ratio at 1."""
+    from tests.test_e2e import _recipe
+    from tests.workers.launch import ROOT
+
+    recipe = _recipe(tmp_path, tiny_model_dir, "full", extra="grpo-guard = true")
+    out = tmp_path / "g"
+    cmd = [sys.executable, "-m", "trainer.train", "--config", str(recipe), "--actor-num-gpus-per-node", "1",
+           "--num-rollout", "2", "--eps-clip", "1e-5", "--artifact-root", str(out / "artifacts"),
+           "--save", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb")]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from trainer.metrics import read_scalars
+
+    scalars = read_scalars(out / "tb")
+    assert all(math.isfinite(v) for _, v in scalars["train/loss"]) and len(scalars["train/loss"]) == 2
+    for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
+        assert lo <= 1.0 <= hi
+    assert (out / "ckpt" / "t2i" / "iter_0000001" / "COMMITTED").is_file()
