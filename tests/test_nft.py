@@ -509,3 +509,31 @@ def test_grpo_guard_through_the_trainer(tmp_path, tiny_model_dir):
     for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
         assert lo <= 1.0 <= hi
     assert (out / "ckpt" / "t2i" / "iter_0000001" / "COMMITTED").is_file()
+
+
+# ---------------------------------------------------------------- the demo comparison tool
+
+def test_compare_runs_draws_and_tabulates_two_logged_runs(tmp_path, capsys):
+    from PIL import Image
+
+    from tools.compare_runs import main
+    from trainer.metrics import MetricsLogger
+
+    for name, slope, secs in (("flowgrpo", 0.01, 3.0), ("nft", 0.03, 4.0)):
+        log = MetricsLogger(tmp_path / name, 0, run_name=name)
+        for k in range(6):
+            m = {"reward/named_color_mean": 0.2 + slope * k, "perf/step_time": secs}
+            if k % 2 == 1:
+                m["eval/held_out/named_color_mean"] = 0.1 + slope * k
+            log.log(k, m)
+        log.close()
+    out = tmp_path / "cmp.png"
+    code = main(["--run", "flowgrpo", str(tmp_path / "flowgrpo"), "--run", "nft", str(tmp_path / "nft"),
+                 "--component", "named_color", "--output", str(out), "--window", "2"])
+    text = capsys.readouterr().out
+    assert code == 0 and Image.open(out).size == (1120, 660)
+    rows = [line for line in text.splitlines() if line.startswith("| flowgrpo") or line.startswith("| nft")]
+    assert rows[0].split(" | ")[1:6] == ["6", "0.200 -> 0.245", "0.110 (r1) -> 0.150 (r5)", "3.0", "18 |"]
+    assert rows[1].split(" | ")[2] == "0.200 -> 0.335"
+    assert main(["--run", "a", str(tmp_path / "nft"), "--run", "b", str(tmp_path / "nft"),
+                 "--component", "color", "--output", str(out)]) == 2
