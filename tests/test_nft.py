@@ -537,3 +537,15 @@ def test_compare_runs_draws_and_tabulates_two_logged_runs(tmp_path, capsys):
     assert rows[1].split(" | ")[2] == "0.200 -> 0.335"
     assert main(["--run", "a", str(tmp_path / "nft"), "--run", "b", str(tmp_path / "nft"),
                  "--component", "color", "--output", str(out)]) == 2
+
+
+def test_nft_demo_recipe_differs_from_the_flowgrpo_demo_only_in_the_algorithm_and_outputs():
+    from tests.workers.launch import ROOT
+    from trainer.config import load_config
+
+    flow = load_config(["--config", str(ROOT / "configs" / "tiny_cpu_demo.toml")]).to_dict()
+    nft_ = load_config(["--config", str(ROOT / "configs" / "tiny_cpu_demo_nft.toml")]).to_dict()
+    diff = {(sec, k) for sec in flow for k in flow[sec] if flow[sec][k] != nft_[sec][k]}
+    assert {k for _, k in diff} == {"algorithm", "adv_clip_max", "nft_timestep_fraction",
+                                    "artifact_root", "tensorboard_dir", "save"}, diff
+    assert nft_["grpo"]["algorithm"] == "nft" and nft_["checkpoint"]["save"].endswith("/nft/checkpoints")
