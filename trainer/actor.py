@@ -821,6 +821,10 @@ class Actor:
         from trainer.nft import forward_noise
 
         out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # the swap writes the sharded parameters: a unit still holding gathered weights (no
+        # reshard after forward) would compute with the live ones, so every unit is resharded
+        # on the way in and out
+        reshard_all(self.model)
         with self.nft_old.swapped_in():
             for (s, e), (sig, noise) in draws.items():
                 rows = batch[s:e]
@@ -829,6 +833,7 @@ class Actor:
                                .detach().float() for j in range(sig.shape[1])]
                 if progress is not None:
                     progress()
+            reshard_all(self.model)
         return out
 
     def _nft_backward_microbatch(self, rows: Any, plan: "UpdatePlan", u: int, s: int, e: int,
