@@ -486,6 +486,18 @@ def test_nft_through_the_trainer_resumes_exactly_and_exports(tmp_path, tiny_mode
 
     info = export_checkpoint(a / "ckpt", "t2i", 1, tmp_path / "export", form="merged", verify=True)
     assert info["mode"] == "full" and (tmp_path / "export" / "transformer").is_dir()
+    # the old policy exports like the EMA does
+    info = export_checkpoint(a / "ckpt", "t2i", 1, tmp_path / "old_export", form="merged", verify=True,
+                             old_policy=True)
+    assert info["weights"] == "nft_old_policy"
+    from safetensors.torch import load_file
+
+    written: dict[str, torch.Tensor] = {}
+    for f in (tmp_path / "old_export" / "transformer").glob("*.safetensors"):
+        written.update(load_file(f))
+    lagging = next(k for k in old_keys if not torch.equal(ta[k], live[f"model.{k[len('nft_old.'):]}"].float()))
+    name = lagging[len("nft_old."):]
+    assert torch.equal(written[name], ta[lagging].to(written[name].dtype))
 
 
 def test_grpo_guard_through_the_trainer(tmp_path, tiny_model_dir):
