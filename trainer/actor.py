@@ -13,7 +13,9 @@ Build order (`parallelize`), each step before the next:
 The update (`Actor.train_step`) is model-family independent: the caller supplies
 `replay_fn(model, rows) -> logp [b, S]` (in production, the adapter's replay_transitions over the
 trained-step columns) and the batch, a trainer.trajectory.Trajectory (anything whose
-`batch[start:end]` is those candidates' rows will do).
+`batch[start:end]` is those candidates' rows will do). `Actor.nft_train_step` is the DiffusionNFT
+update (--algorithm nft) beside it, with its own numbered plan over the same micro-batch plan,
+optimizer step and EMA, and an old policy kept like the EMA.
 """
 
 from __future__ import annotations
@@ -409,7 +411,7 @@ class _NftStats:
                              dtype=torch.float64, device=self.device)
         sums = all_reduce_sum(torch.cat([self.sums, gn.reshape(1), extra]).to(cdev)).tolist()
         secs = float(all_reduce_max(torch.tensor([seconds], dtype=torch.float64, device=cdev))[0])
-        k = max(sums[5 + 1], 1.0)
+        k = max(sums[6], 1.0)  # the valid (sample, sigma) elements
         out = {f"train/{name}": sums[i] / k for i, name in enumerate(self._SUMS)}
         out.update({"train/grad_norm": sums[5] / max(sums[7], 1.0), "perf/train_time": secs,
                     "perf/train_transitions_per_s": sums[8] / max(secs, 1e-9),
