@@ -442,6 +442,18 @@ def test_grpo_guard_update_runs_and_first_update_ratio_is_one(mesh):
     assert math.isfinite(m["train/loss"]) and m["train/optimizer_steps"] == 2
     after = full_params(actor.model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    # a partly valid micro-batch takes its valid rows of the guard's tensors too; an invalid
+    # candidate's advantage does not matter
+    results = []
+    for bad in (5.0, -5.0):
+        a = Actor(tiny_transformer(), mesh, make_cfg("full", grpo__grpo_guard=True, grpo__eps_clip=1e-5,
+                                                      grpo__micro_batch_size=2),
+                  device=torch.device("cpu"), adapter=ADAPTER)
+        m = a.train_step(make_batch(4), torch.tensor([1.0, bad, 0.5, -0.5]), replay_moments,
+                         valid=torch.tensor([True, False, True, True]))
+        assert math.isfinite(m["train/loss"])
+        results.append(full_params(a.model))
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
 
 # ---------------------------------------------------------------- through the trainer (torchrun, 2 ranks)
@@ -561,3 +573,24 @@ def test_nft_demo_recipe_differs_from_the_flowgrpo_demo_only_in_the_algorithm_an
     assert {k for _, k in diff} == {"algorithm", "adv_clip_max", "nft_timestep_fraction",
                                     "artifact_root", "tensorboard_dir", "save"}, diff
     assert nft_["grpo"]["algorithm"] == "nft" and nft_["checkpoint"]["save"].endswith("/nft/checkpoints")
+
+
+def test_nft_invalid_candidates_do_not_matter_and_zero_advantages_skip(mesh):
+    from tests.dist.tiny import full_params, make_batch
+
+    vfn = _velocity_fn()
+    valid = torch.tensor([True, False, True, True])
+    results = []
+    for bad in (5.0, -5.0):
+        actor = _nft_actor(mesh)
+        adv = NFT_ADV.clone()
+        adv[1] = bad
+        m = actor.nft_train_step(make_batch(4), adv, vfn, SCHEDULE, seed=1, valid=valid)
+        assert math.isfinite(m["train/loss"])
+        results.append(full_params(actor.model))
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+    actor = _nft_actor(mesh)
+    before = full_params(actor.model)
+    m = actor.nft_train_step(make_batch(4), torch.zeros(4), vfn, SCHEDULE, seed=1)
+    assert m["train/optimizer_steps"] == 0 and actor.skipped_rounds == 1
+    assert all(torch.equal(v, full_params(actor.model)[k]) for k, v in before.items())
