@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("trainer.core", "trainer.dotpath", "trainer.host_arena", "trainer.lr_schedule",
               "trainer.distributed", "trainer.checkpoint_index", "trainer.metrics", "trainer.ema")),
-    ("vocabulary", ("trainer.config", "trainer.sampling", "trainer.flow_grpo", "trainer.trajectory",
+    ("vocabulary", ("trainer.config", "trainer.sampling", "trainer.flow_grpo", "trainer.nft", "trainer.trajectory",
                     "trainer.video")),
     ("contracts", ("trainer.models.base", "trainer.rewards.base", "trainer.data", "trainer.artifacts",
                    "trainer.artifact_writer", "trainer.video_artifacts")),

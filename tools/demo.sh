@@ -7,6 +7,9 @@
 #   bash run.sh demo                      fresh run under runs/demo (EXP_DIR overrides)
 #   bash run.sh demo --num-rollout 20     any training flag overrides the recipe
 #   bash run.sh demo --resume             continue the last run from its newest checkpoint
+#   bash run.sh demo --algorithm nft      the same demo trained with DiffusionNFT
+#                                         (configs/tiny_cpu_demo_nft.toml, outputs in $EXP_DIR/nft;
+#                                         the base model and the prompt files are shared)
 #
 # Steps: train the base model once (tools/make_demo_base.py, cached in $EXP_DIR/demo-base),
 # build the prompt set with the data tools (prepare_data.py -> inspect_data.py), post-train
@@ -20,10 +23,21 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 NPROC=${NPROC:-2}
 
 resume=0
+algorithm=flowgrpo
 args=()
+take_algorithm=0
 for a in "$@"; do
-  if [[ $a == --resume ]]; then resume=1; else args+=("$a"); fi
+  if [[ $take_algorithm == 1 ]]; then algorithm=$a; take_algorithm=0
+  elif [[ $a == --algorithm ]]; then take_algorithm=1
+  elif [[ $a == --algorithm=* ]]; then algorithm=${a#--algorithm=}
+  elif [[ $a == --resume ]]; then resume=1
+  else args+=("$a"); fi
 done
+case $algorithm in
+  flowgrpo) CONFIG=configs/tiny_cpu_demo.toml; RUN_DIR=$EXP_DIR ;;
+  nft) CONFIG=configs/tiny_cpu_demo_nft.toml; RUN_DIR=$EXP_DIR/nft ;;
+  *) echo "demo: error: --algorithm must be flowgrpo or nft, got '$algorithm'" >&2; exit 2 ;;
+esac
 
 mkdir -p "$EXP_DIR"
 t_all=$SECONDS
@@ -50,30 +64,36 @@ PY
   "$PY" tools/inspect_data.py --train "$EXP_DIR/data/demo_train.jsonl" --eval "$EXP_DIR/data/demo_eval.jsonl"
 fi
 
+mkdir -p "$RUN_DIR"
 if [[ $resume == 1 ]]; then
-  args+=(--load "$EXP_DIR/checkpoints")
+  args+=(--load "$RUN_DIR/checkpoints")
 else
-  rm -rf "$EXP_DIR/artifacts" "$EXP_DIR/checkpoints" "$EXP_DIR/tensorboard"
+  rm -rf "$RUN_DIR/artifacts" "$RUN_DIR/checkpoints" "$RUN_DIR/tensorboard"
 fi
 
-echo "[demo] training: torchrun --nproc-per-node $NPROC -m trainer.train --config configs/tiny_cpu_demo.toml ${args[*]:-}"
+echo "[demo] training: torchrun --nproc-per-node $NPROC -m trainer.train --config $CONFIG ${args[*]:-}"
 t_train=$SECONDS
 set +e
-"$(dirname "$PY")/torchrun" --nproc-per-node "$NPROC" -m trainer.train --config configs/tiny_cpu_demo.toml \
-  "${args[@]}" 2>&1 | tee "$EXP_DIR/train.log" | grep --line-buffered -vE "Warning|warn\(|_register_pre_backward_hook|^\s*$|Loading weights"
+"$(dirname "$PY")/torchrun" --nproc-per-node "$NPROC" -m trainer.train --config "$CONFIG" \
+  "${args[@]}" 2>&1 | tee "$RUN_DIR/train.log" | grep --line-buffered -vE "Warning|warn\(|_register_pre_backward_hook|^\s*$|Loading weights"
 status=${PIPESTATUS[0]}
 set -e
-[[ $status == 0 ]] || { echo "[demo] training failed (exit $status); the full log is $EXP_DIR/train.log" >&2; exit "$status"; }
+[[ $status == 0 ]] || { echo "[demo] training failed (exit $status); the full log is $RUN_DIR/train.log" >&2; exit "$status"; }
 t_train=$((SECONDS - t_train))
 
 # the trained reward and the share of shapes in the named colour, both on their 0-1 scale
-"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/reward_curve.png" \
+"$PY" tools/plot_rewards.py --tensorboard-dir "$RUN_DIR/tensorboard" --output "$RUN_DIR/reward_curve.png" \
   --series reward/named_color_mean --y-range 0 1 >/dev/null
-"$PY" tools/plot_rewards.py --tensorboard-dir "$EXP_DIR/tensorboard" --output "$EXP_DIR/color_match_curve.png" \
+"$PY" tools/plot_rewards.py --tensorboard-dir "$RUN_DIR/tensorboard" --output "$RUN_DIR/color_match_curve.png" \
   --series reward/color_match_mean --y-range 0 1 >/dev/null
-"$PY" tools/demo_grid.py --config configs/tiny_cpu_demo.toml --output "$EXP_DIR/before_after.png" 2>/dev/null \
+"$PY" tools/demo_grid.py --config "$CONFIG" --output "$RUN_DIR/before_after.png" 2>/dev/null \
   | sed 's/^demo_grid:/[demo]/'
-"$PY" - "$EXP_DIR" "$t_base" "$t_train" "$((SECONDS - t_all))" <<'PY'
+if [[ -d $EXP_DIR/tensorboard && -d $EXP_DIR/nft/tensorboard ]]; then
+  # both algorithms have run from the same base: the side-by-side figure and table
+  "$PY" tools/compare_runs.py --run flowgrpo "$EXP_DIR/tensorboard" --run nft "$EXP_DIR/nft/tensorboard" \
+    --component named_color --eval-set held_out --output "$EXP_DIR/algorithms.png" | sed 's/^/[demo] /'
+fi
+"$PY" - "$RUN_DIR" "$t_base" "$t_train" "$((SECONDS - t_all))" <<'PY'
 import json, sys
 from pathlib import Path
 exp, t_base, t_train, total = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -100,7 +120,7 @@ for comp in summary["summary"]:
     print(line)
 print(f"[demo] TensorBoard:  tensorboard --logdir {summary['tensorboard_dir']}  (slider: images, probes/held_out)")
 print(f"[demo] images:       {summary['artifact_root']}/t2i/rollout_*/ (eval: {summary['artifact_root']}/eval/t2i/)")
-print(f"[demo] checkpoints:  {summary['save']}  (continue with: bash run.sh demo --resume --num-rollout N)")
+print(f"[demo] checkpoints:  {summary['save']}  (continue with: bash run.sh demo --resume --num-rollout N, plus --algorithm nft for the nft run)")
 print(f"[demo] reward curve: {exp / 'reward_curve.png'}, {exp / 'color_match_curve.png'}")
 print(f"[demo] before/after: {exp / 'before_after.png'}  (held-out prompts: base model left, post-trained right)")
 PY

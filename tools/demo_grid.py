@@ -144,8 +144,13 @@ def _grid(args) -> int:
     last_k, after_dir = done[-1]
 
     engine = NativeEngine(cfg.model.model_path, device="cpu", dtype="fp32")
+    sampling = parse_sampling_config(cfg.rollout.sampling_config)
+    if cfg.grpo.algorithm == "nft":  # the base drawn as the run's evaluation drew it: the ODE path
+        from trainer.nft import ode_rollout_sampling
+
+        sampling = ode_rollout_sampling(sampling)
     base = generate_rollout(engine, QwenImageAdapter(), records, rollout_id=0,
-                            sampling=parse_sampling_config(cfg.rollout.sampling_config), group_size=n,
+                            sampling=sampling, group_size=n,
                             generation_seed=int(cfg.rollout.generation_seed), artifact_root=str(root / "eval_base"),
                             task=eval_task, retention=0, eval=True)
     order = sorted(range(len(base.candidates)), key=lambda i: base.candidates[i])  # (group, slot) order

@@ -34,6 +34,9 @@ It reads the DCP shards of `<save-dir>/<task>/iter_<7 digits>/fsdp/` offline, in
                 --ema-decay > 0, under "ema.*", in fp32) instead of the live ones, in either
                 form; the weights the EMA does not cover (frozen ones) are the checkpoint's or
                 the base's as above. A checkpoint without EMA state is refused.
+--old-policy    export the old policy of an --algorithm nft run ("nft_old.*", fp32) instead of
+                the live weights, in either form, as --ema does; a checkpoint without one is
+                refused. --ema and --old-policy exclude each other.
 
 The output is written into a hidden staging directory next to --output-dir, verified there
 (--verify), fsynced and renamed into place only when complete: an interrupted export never
@@ -90,6 +93,8 @@ DIFFUSERS_LORA_METADATA_KEY = "lora_adapter_metadata"
 MODEL_PREFIX = "model."
 #: DCP key prefix of the EMA of the trainable weights (trainer.ema)
 EMA_PREFIX = "ema."
+#: DCP key prefix of --algorithm nft's old policy (trainer.checkpoint)
+OLD_POLICY_PREFIX = "nft_old."
 
 
 class ExportError(RuntimeError):
@@ -226,6 +231,9 @@ def dcp_model_metadata(fsdp_dir: Path, prefix: str = MODEL_PREFIX) -> dict[str, 
     if not out and prefix == EMA_PREFIX:
         raise ExportError(f"{fsdp_dir} holds no EMA weights ('{EMA_PREFIX}*'): the run was trained without "
                           "--ema-decay; export the live weights (drop --ema)")
+    if not out and prefix == OLD_POLICY_PREFIX:
+        raise ExportError(f"{fsdp_dir} holds no old policy ('{OLD_POLICY_PREFIX}*'): the run was not trained with "
+                          "--algorithm nft; export the live weights (drop --old-policy)")
     if not out:
         raise ExportError(f"{fsdp_dir} holds no '{prefix}*' tensors: not a checkpoint written by "
                           "trainer.checkpoint.save_checkpoint")
@@ -262,11 +270,13 @@ def contract_mode(contract: dict[str, Any]) -> str | None:
 
 
 def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, *,
-                    name_map: Callable[[str], str] | None = None, ema: bool = False) -> Checkpoint:
+                    name_map: Callable[[str], str] | None = None, ema: bool = False,
+                    old_policy: bool = False) -> Checkpoint:
     """Read a committed iteration's sidecars and every model tensor (see Checkpoint).
 
     ema: the trainable tensors are the checkpoint's EMA ("ema.*", fp32) instead of the live ones;
-    the rest stays the model's. Raises when the checkpoint has no EMA.
+    the rest stays the model's. Raises when the checkpoint has no EMA. old_policy: the same with
+    an nft run's old policy ("nft_old.*").
 
     name_map: the model adapter's training-name -> diffusers-name map, applied after the
     wrapper segments are stripped. The mode comes from adapter_contract.json and must agree
@@ -282,10 +292,13 @@ def load_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | Non
         if name in raw_key:
             raise ExportError(f"{d / 'fsdp'}: {raw_key[name]!r} and {key!r} map to the same name {name!r}")
         raw_key[name] = key
-    if ema:
-        ema_meta = dcp_model_metadata(d / "fsdp", EMA_PREFIX)
+    if ema and old_policy:
+        raise ExportError("--ema and --old-policy exclude each other: export one set of weights at a time")
+    if ema or old_policy:
+        prefix = EMA_PREFIX if ema else OLD_POLICY_PREFIX
+        ema_meta = dcp_model_metadata(d / "fsdp", prefix)
         for key in ema_meta:
-            name = name_map(strip_wrapper_segments(key[len(EMA_PREFIX):]))
+            name = name_map(strip_wrapper_segments(key[len(prefix):]))
             if name not in raw_key:
                 raise ExportError(f"{d / 'fsdp'}: the EMA entry {key!r} has no model tensor {name!r}: the "
                                   "checkpoint is inconsistent")
@@ -866,7 +879,8 @@ def _check_output_dir(output_dir: Path) -> None:
 def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None, output_dir: str | os.PathLike,
                       *, form: str, model_adapter_path: str | None = None,
                       base_model_path: str | os.PathLike | None = None, verify: bool = False,
-                      dtype: str | None = None, components: str = "copy", ema: bool = False) -> dict[str, Any]:
+                      dtype: str | None = None, components: str = "copy", ema: bool = False,
+                      old_policy: bool = False) -> dict[str, Any]:
     """Export one committed iteration (see the module docstring). Returns the export_info dict,
     which is also written to <output_dir>/export_info.json.
 
@@ -883,7 +897,7 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
     tdtype = _resolve_dtype(dtype)
     adapter = load_model_adapter(model_adapter_path or resolve_adapter_path(save_dir, task, iteration, base_model_path))
     name_map = getattr(adapter, "weight_name_map", None)
-    ckpt = load_checkpoint(save_dir, task, iteration, name_map=name_map, ema=ema)
+    ckpt = load_checkpoint(save_dir, task, iteration, name_map=name_map, ema=ema, old_policy=old_policy)
     lora = lora_settings(ckpt, getattr(adapter, "lora_target_modules", ())) if ckpt.mode == "lora" else None
 
     base: Path | None = Path(base_model_path) if base_model_path else None
@@ -934,6 +948,8 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
     if ema:
         info["weights"] = "ema"
         info["ema_decay"] = ckpt.trainer_state.get("ema_decay")
+    if old_policy:
+        info["weights"] = "nft_old_policy"
     if lora:
         info["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "scaling": lora.scaling,
                         "training_target_modules": list(lora.target_modules)}
@@ -995,6 +1011,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ema", action="store_true",
                    help="export the EMA of the trainable weights instead of the live ones; the checkpoint must "
                         "have been written with --ema-decay > 0")
+    p.add_argument("--old-policy", action="store_true",
+                   help="export the old policy of an --algorithm nft run instead of the live weights")
     return p.parse_args(argv)
 
 
@@ -1007,7 +1025,8 @@ def _export(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     info = export_checkpoint(args.save_dir, args.task, args.iteration, args.output_dir, form=args.form,
                              model_adapter_path=args.model_adapter_path, base_model_path=args.base_model_path,
-                             verify=args.verify, dtype=args.dtype, components=args.components, ema=args.ema)
+                             verify=args.verify, dtype=args.dtype, components=args.components, ema=args.ema,
+                             old_policy=args.old_policy)
     checked = " (verified)" if "verify" in info else ""
     print(f"exported {info['source']} ({info['mode']}) as {info['form']} to {args.output_dir}{checked}")
     if info.get("base_model_path") and info.get("base_model_path_from") != "--base-model-path":

@@ -4,7 +4,9 @@ optimizer, the FlowGRPO update and the colocate offload.
 The update (`Actor.train_step`) is model-family independent: the caller supplies a `ReplayFn`
 (in production models.base.Replay: the adapter's replay_transitions over the trained-step
 columns) and the batch, a trainer.trajectory.Trajectory (anything whose
-`batch[start:end]` is those candidates' rows will do).
+`batch[start:end]` is those candidates' rows will do). `Actor.nft_train_step` is the DiffusionNFT
+update (--algorithm nft) beside it, with its own numbered plan over the same micro-batch plan,
+optimizer step and EMA, and an old policy kept like the EMA.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from trainer.config import FsdpConfig, GrpoConfig, LoraConfig, OptimConfig
 from trainer.core.dtypes import resolve_dtype
 from trainer.distributed import all_reduce_max, all_reduce_sum, collective_device
 from trainer.ema import ParamEMA
-from trainer.flow_grpo import TransitionMoments, grpo_clip_loss, transition_kl
+from trainer.flow_grpo import (TransitionMoments, grpo_clip_loss, grpo_guard_clip_loss, guard_step_weight,
+                               transition_kl)
 from trainer.host_arena import HostArena
 from trainer.lr_schedule import lr_at_step
 # the model building lives in trainer.train_model; these names stay importable from here
@@ -46,6 +49,10 @@ class ReplayFn(Protocol):
     def __call__(self, model: nn.Module, rows: Any) -> torch.Tensor: ...
 
     def moments(self, model: nn.Module, rows: Any) -> TransitionMoments: ...
+
+
+#: velocity_fn(model, rows, x_t [b, ...], sigma [b]) -> the DiT's velocity [b, ...] (the nft update)
+VelocityFn = Callable[[nn.Module, Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class OffloadError(RuntimeError):
@@ -192,6 +199,51 @@ class UpdateStats:
         }
 
 
+class _NftStats:
+    """nft_train_step's statistics: element-weighted sums on the device (no host sync per
+    micro-batch), reduced once; the optimizer steps' grad norms as UpdateStats keeps them."""
+
+    _SUMS = ("loss", "positive_loss", "negative_loss", "old_deviation", "r_mean")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums = torch.zeros(len(self._SUMS), dtype=torch.float64, device=device)
+        self.elements = 0.0
+        self.grad_norms: list[torch.Tensor] = []
+        self.transitions = 0
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor, st: dict[str, torch.Tensor], k: float) -> None:
+        vals = [loss.detach()] + [st[n] for n in self._SUMS[1:]]
+        self.sums += torch.stack([v.double() for v in vals]).to(self.device) * k
+        self.elements += k
+
+    def add_step(self, grad_norm: torch.Tensor) -> None:
+        self.grad_norms.append(grad_norm.detach().double().reshape(()))
+        self.steps += 1
+
+    def reduce(self, n: int, seconds: float) -> dict[str, float]:
+        cdev = collective_device()
+        gn = torch.stack(self.grad_norms).sum().to(self.device) if self.grad_norms else \
+            torch.zeros((), dtype=torch.float64, device=self.device)
+        extra = torch.tensor([self.elements, float(len(self.grad_norms)), self.transitions, n],
+                             dtype=torch.float64, device=self.device)
+        sums = all_reduce_sum(torch.cat([self.sums, gn.reshape(1), extra]).to(cdev)).tolist()
+        secs = float(all_reduce_max(torch.tensor([seconds], dtype=torch.float64, device=cdev))[0])
+        k = max(sums[6], 1.0)  # the valid (sample, sigma) elements
+        out = {f"train/{name}": sums[i] / k for i, name in enumerate(self._SUMS)}
+        out.update({"train/grad_norm": sums[5] / max(sums[7], 1.0), "perf/train_time": secs,
+                    "perf/train_transitions_per_s": sums[8] / max(secs, 1e-9),
+                    "perf/train_samples_per_s": sums[9] / max(secs, 1e-9)})
+        return out
+
+
+def _clean_latents(rows: Any) -> torch.Tensor:
+    """x0 [b, ...] of an nft rollout: the last recorded column's next latents, the output of the
+    sampler's final (deterministic) step."""
+    return rows.next_latents[:, -1].float()
+
+
 class lora_disabled:
     """Context manager: every peft LoRA layer of `model` computes the base output only (the
     reference policy of the KL term), restored on exit. A model without LoRA is unchanged."""
@@ -335,6 +387,12 @@ class Actor:
         if o.ema_decay > 0:
             self.ema = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad),
                                 float(o.ema_decay), int(o.ema_update_interval))
+        #: --algorithm nft's old policy: a soft copy of the trainable parameters, kept like the EMA
+        #: (sharded fp32, offloaded with AdamW's state) but moved once per rollout on its own
+        #: decay schedule (trainer.nft.old_policy_decay); None under FlowGRPO
+        self.nft_old: ParamEMA | None = None
+        if self.grpo.algorithm == "nft":
+            self.nft_old = ParamEMA(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), 0.0)
 
     # -- construction from the model adapter --------------------------------------------------
     @classmethod
@@ -365,11 +423,15 @@ class Actor:
         state: dict[str, Any] = {"lr_scheduler_steps": self.optimizer_steps, "skipped_rounds": self.skipped_rounds}
         if self.ema is not None:
             state.update({"ema_decay": self.ema.decay, "ema_update_interval": self.ema.interval})
+        if self.nft_old is not None:
+            state["nft_old_updates"] = self.nft_old.updates
         return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.optimizer_steps = int(state["lr_scheduler_steps"])
         self.skipped_rounds = int(state.get("skipped_rounds", 0))
+        if self.nft_old is not None:
+            self.nft_old.updates = int(state.get("nft_old_updates", 0))
 
     # -- the FlowGRPO update ------------------------------------------------------------------
     def train_step(self, batch: Any, advantages: torch.Tensor, replay_fn: ReplayFn,
@@ -417,6 +479,7 @@ class Actor:
         self.model.train()
         fused = {plan.run.index(True)} if self.anchor_from_first_update else set()
         old = self._anchor(batch, plan, replay_fn, fused, progress)
+        old_means = self._last_anchor_means
 
         stats = UpdateStats(self.device, kl=bool(self.kl_coef))
         lr = self.lr_at(self.optimizer_steps)
@@ -430,15 +493,20 @@ class Actor:
             stats.begin_update()
             for (s, e) in part:
                 rows = batch[s:e]
-                if self.kl_coef:
-                    ref_mean = self._reference_means(rows, replay_fn)
+                guard = None
+                if self.kl_coef or self.guard:
+                    ref_mean = self._reference_means(rows, replay_fn) if self.kl_coef else None
                     logp, mean, std = replay_fn.moments(self.model, rows)
-                    kl = transition_kl(mean.flatten(0, 1), ref_mean.flatten(0, 1),
-                                       std.reshape(-1, *([1] * (mean.dim() - 2)))).view(logp.shape)
+                    kl = None if ref_mean is None else transition_kl(
+                        mean.flatten(0, 1), ref_mean.flatten(0, 1),
+                        std.reshape(-1, *([1] * (mean.dim() - 2)))).view(logp.shape)
+                    if self.guard:
+                        old_mean = mean.detach() if u in fused else old_means[(s, e)]
+                        guard = (mean, old_mean, std, guard_step_weight(rows.sigmas, rows.sigmas_next))
                 else:
                     logp, kl = replay_fn(self.model, rows), None
                 anchor = None if u in fused else old[(s, e)]
-                self._backward_microbatch(logp, anchor, adv, plan, u, s, e, stats, kl)
+                self._backward_microbatch(logp, anchor, adv, plan, u, s, e, stats, kl, guard)
                 if progress is not None:
                     progress()
             self.last_update_stats.append({"update": u, **stats.update_ratio_range()})
@@ -455,6 +523,165 @@ class Actor:
                         "train/lr_scheduler_steps": float(self.optimizer_steps)})
         metrics.update(self.memory_metrics())
         return metrics
+
+    # -- the DiffusionNFT update (--algorithm nft) -------------------------------------------------
+    def nft_train_step(self, batch: Any, advantages: torch.Tensor, velocity_fn: VelocityFn, schedule: torch.Tensor,
+                       seed: int, valid: torch.Tensor | None = None,
+                       progress: Callable[[], None] | None = None) -> dict[str, float]:
+        """One DiffusionNFT round on this rank's `batch` (a Trajectory whose last column's
+        next_latents are the clean final latents x0 of an ODE rollout) with advantages [n].
+        velocity_fn(model, rows, x_t, sigma) -> v [b, ...] is the DiT call the replay makes
+        (the adapter's velocity); schedule [N] the rollout's step sigmas; seed fixes this
+        round's draws (the caller derives it from the run seed, the rollout id and the rank, so
+        a resumed run draws the same).
+
+        1. plan (`_plan`, as FlowGRPO's): micro-batches, rank agreement, all-~0 rounds skipped;
+           r = optimality_probability(A, --adv-clip-max) per candidate.
+        2. draw (`_nft_draws`): per candidate K = floor(N x --nft-timestep-fraction) sigmas
+           (draw_train_sigmas) and a standard-normal noise per sigma, from `seed` alone.
+        3. old (`_nft_old_velocities`): v_old at every (micro-batch, sigma) with the old policy's
+           weights swapped in, all before any optimizer step (one swap, no_grad).
+        4. per update: for each micro-batch and sigma, x_t = forward_noise(x0, eps, sigma), v_theta
+           with grad, nft_loss over the valid rows, scaled so the FSDP-mean gradient is the mean
+           over all valid (sample, sigma) of all ranks; clip_grad; lr; AdamW (`_optimizer_step`).
+        5. old policy (`_nft_move_old`): old <- d x old + (1 - d) x theta,
+           d = old_policy_decay(optimizer steps, --nft-old-decay-flat/-rate/-max).
+        6. metrics: one SUM and one MAX reduce.
+        """
+        from trainer.nft import optimality_probability
+
+        t_start = time.perf_counter()
+        g = self.grpo
+        if self.nft_old is None:
+            raise RuntimeError("nft_train_step needs the old policy: build the actor with --algorithm nft")
+        adv = advantages.detach().float().to(self.device)
+        ok = torch.ones(adv.shape[0], dtype=torch.bool, device=self.device) if valid is None \
+            else valid.to(self.device).bool()
+        if ok.shape != adv.shape:
+            raise ValueError(f"valid mask shape {tuple(ok.shape)} != advantages shape {tuple(adv.shape)}")
+        plan = self._plan(adv, ok)
+        metrics: dict[str, float] = {"train/num_microbatches": float(plan.num_microbatches)}
+        if not any(plan.run):
+            self.skipped_rounds += 1
+            metrics.update({"train/optimizer_steps": 0.0, "train/optimizer_skips": float(plan.skipped_microbatches),
+                            "train/skipped_rounds": float(self.skipped_rounds),
+                            "train/lr": self.lr_at(self.optimizer_steps),
+                            "train/lr_scheduler_steps": float(self.optimizer_steps)})
+            return metrics
+        r = optimality_probability(adv.nan_to_num(0.0), float(g.adv_clip_max))
+        self.model.train()
+        draws = self._nft_draws(batch, plan, schedule, seed)
+        v_old = self._nft_old_velocities(batch, plan, draws, velocity_fn, progress)
+
+        stats = _NftStats(self.device)
+        lr = self.lr_at(self.optimizer_steps)
+        skips = plan.skipped_microbatches
+        for u, part in enumerate(plan.parts):
+            if not plan.run[u]:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            for (s, e) in part:
+                self._nft_backward_microbatch(batch[s:e], plan, u, s, e, draws[(s, e)], v_old[(s, e)], r,
+                                              velocity_fn, stats)
+                if progress is not None:
+                    progress()
+            stepped, lr_used = self._optimizer_step(u, stats)
+            if stepped:
+                lr = lr_used
+            else:
+                skips += len(part)
+            self.optimizer.zero_grad(set_to_none=True)
+        decay = self._nft_move_old()
+
+        metrics.update(stats.reduce(plan.n, time.perf_counter() - t_start))
+        metrics.update({"train/lr": lr, "train/optimizer_steps": float(stats.steps),
+                        "train/optimizer_skips": float(skips), "train/skipped_rounds": float(self.skipped_rounds),
+                        "train/lr_scheduler_steps": float(self.optimizer_steps), "train/nft_old_decay": decay})
+        metrics.update(self.memory_metrics())
+        return metrics
+
+    def _nft_draws(self, batch: Any, plan: "UpdatePlan", schedule: torch.Tensor,
+                   seed: int) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """Step 2: per micro-batch (sigmas [b, K] fp32, noise [K, b, ...] fp32), on the device,
+        drawn on the CPU from one generator seeded with `seed`, in plan order."""
+        from trainer.nft import draw_train_sigmas, num_train_timesteps
+
+        g = self.grpo
+        k = num_train_timesteps(int(schedule.numel()), float(g.nft_timestep_fraction))
+        gen = torch.Generator().manual_seed(int(seed))
+        out = {}
+        for u, part in enumerate(plan.parts):
+            for (s, e) in part:
+                if not plan.run[u]:
+                    continue
+                x0 = _clean_latents(batch[s:e])
+                sig = draw_train_sigmas(schedule, e - s, k, gen, str(g.nft_timestep_distribution))
+                noise = torch.randn((k, *x0.shape), generator=gen, dtype=torch.float32)
+                out[(s, e)] = (sig.to(self.device), noise.to(self.device))
+        return out
+
+    @torch.no_grad()
+    def _nft_old_velocities(self, batch: Any, plan: "UpdatePlan", draws: dict, velocity_fn: VelocityFn,
+                            progress: Callable[[], None] | None) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """Step 3: v_old [b, ...] fp32 per (micro-batch, sigma), the old policy's weights swapped
+        into the live model once for all of them (restored bit-exactly after)."""
+        from trainer.nft import forward_noise
+
+        out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # the swap writes the sharded parameters: a unit still holding gathered weights (no
+        # reshard after forward) would compute with the live ones, so every unit is resharded
+        # on the way in and out
+        reshard_all(self.model)
+        with self.nft_old.swapped_in():
+            for (s, e), (sig, noise) in draws.items():
+                rows = batch[s:e]
+                x0 = _clean_latents(rows).to(self.device)
+                out[(s, e)] = [velocity_fn(self.model, rows, forward_noise(x0, noise[j], sig[:, j]), sig[:, j])
+                               .detach().float() for j in range(sig.shape[1])]
+                if progress is not None:
+                    progress()
+            reshard_all(self.model)
+        return out
+
+    def _nft_backward_microbatch(self, rows: Any, plan: "UpdatePlan", u: int, s: int, e: int,
+                                 draw: tuple[torch.Tensor, torch.Tensor], v_old: list[torch.Tensor],
+                                 r: torch.Tensor, velocity_fn: VelocityFn, stats: "_NftStats") -> None:
+        """Step 4, one micro-batch: for each of its K sigmas one forward with grad and the NFT
+        loss over the valid rows, each backward scaled by 1 / K and the global valid share."""
+        from trainer.nft import forward_noise, nft_loss
+
+        g = self.grpo
+        sig, noise = draw
+        x0 = _clean_latents(rows).to(self.device)
+        n_rows = int(plan.valid_host[s:e].sum())
+        k = sig.shape[1]
+        idx = plan.partial_rows.get((s, e))
+        for j in range(k):
+            x_t = forward_noise(x0, noise[j], sig[:, j])
+            v = velocity_fn(self.model, rows, x_t, sig[:, j])
+            stats.transitions += e - s
+            if not n_rows:
+                (v.float().sum() * 0.0).backward()  # FSDP's reduce-scatter must still run on every rank
+                continue
+            vo, xt, xz, sj, rr = v_old[j], x_t, x0, sig[:, j], r[s:e]
+            if idx is not None:
+                v, vo, xt, xz, sj, rr = (t.index_select(0, idx) for t in (v, vo, xt, xz, sj, rr))
+            loss, st = nft_loss(v, vo, xt, xz, sj, rr, float(g.nft_beta), float(g.adv_clip_max))
+            (loss * (n_rows * plan.world / plan.global_valid[u] / k)).backward()
+            stats.add(loss, st, float(n_rows))
+
+    @torch.no_grad()
+    def _nft_move_old(self) -> float:
+        """Step 5: the old policy's soft update at the decay the schedule gives for the optimizer
+        steps taken so far; returns that decay."""
+        from trainer.nft import old_policy_decay
+
+        g = self.grpo
+        decay = old_policy_decay(self.optimizer_steps, int(g.nft_old_decay_flat), float(g.nft_old_decay_rate),
+                                 float(g.nft_old_decay_max))
+        self.nft_old.decay = decay
+        self.nft_old.update()
+        return decay
 
     def _plan(self, adv: torch.Tensor, ok: torch.Tensor) -> "UpdatePlan":
         """Step 1: the micro-batch plan, agreed by every rank, and which updates run. Two tiny
@@ -498,14 +725,26 @@ class Actor:
         """Step 2: pi_old of every micro-batch of the executed updates not in `fused` (whose own
         first forward is the anchor), frozen before any optimizer step."""
         old: dict[tuple[int, int], torch.Tensor] = {}
+        #: GRPO-Guard's pi_old transition means, [b, S, ...] per micro-batch (only with --grpo-guard)
+        self._last_anchor_means = {}
         for u, part in enumerate(plan.parts):
             if plan.run[u] and u not in fused:
                 for (s, e) in part:
-                    old[(s, e)] = replay_fn(self.model, batch[s:e]).detach().float()
+                    if self.guard:
+                        logp, mean, _ = replay_fn.moments(self.model, batch[s:e])
+                        self._last_anchor_means[(s, e)] = mean.detach()
+                    else:
+                        logp = replay_fn(self.model, batch[s:e])
+                    old[(s, e)] = logp.detach().float()
                     if progress is not None:
                         progress()
         self.last_anchor_passes = len(old)
         return old
+
+    @property
+    def guard(self) -> bool:
+        """--grpo-guard: the FlowGRPO loss on GRPO-Guard's normalised, step-weighted ratio."""
+        return bool(self.grpo.grpo_guard)
 
     @property
     def kl_coef(self) -> float:
@@ -522,10 +761,12 @@ class Actor:
 
     def _backward_microbatch(self, logp: torch.Tensor, anchor: torch.Tensor | None, adv: torch.Tensor,
                              plan: "UpdatePlan", u: int, s: int, e: int, stats: "UpdateStats",
-                             kl: torch.Tensor | None = None) -> None:
+                             kl: torch.Tensor | None = None, guard: tuple | None = None) -> None:
         """Step 3, one micro-batch: the clipped loss over its valid rows (anchor None: this very
         forward is pi_old, ratio exactly 1), plus --kl-coef x the mean KL to the reference when
-        `kl` [b, S] is given, scaled to the global valid mean, backward, stats."""
+        `kl` [b, S] is given, scaled to the global valid mean, backward, stats. `guard`
+        (--grpo-guard): (mean, old_mean [b, S, ...], std [b, S], step weight [b, S]), the loss
+        then taken on GRPO-Guard's normalised ratio (flow_grpo.grpo_guard_clip_loss)."""
         g = self.grpo
         if logp.dim() == 1:
             logp = logp[:, None]
@@ -542,7 +783,14 @@ class Actor:
             idx = plan.partial_rows[(s, e)].to(logp.device)
             lp, op, ad = logp.index_select(0, idx), anchor.index_select(0, idx), adv[s:e].index_select(0, idx)
             kl = None if kl is None else kl.index_select(0, idx)
-        loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, g.eps_clip_high)
+            if guard is not None:
+                guard = tuple(t.index_select(0, idx.to(t.device)) for t in guard)
+        if guard is not None:
+            mean, old_mean, std, weight = guard
+            loss, st = grpo_guard_clip_loss(lp, op, mean, old_mean, std, ad, g.eps_clip, g.eps_clip_high,
+                                            step_weight=weight.to(lp.device))
+        else:
+            loss, st = grpo_clip_loss(lp, op, ad, g.eps_clip, g.eps_clip_high)
         if kl is not None:
             st["kl_ref"] = kl.detach().mean()
             loss = loss + self.kl_coef * kl.mean()
@@ -610,6 +858,8 @@ class Actor:
         # the EMA is optimizer-like state: it leaves the device with AdamW's moments
         if self.ema is not None:
             out += [t for t in self.ema.local_tensors() if t.device.type == self.device.type]
+        if self.nft_old is not None:
+            out += [t for t in self.nft_old.local_tensors() if t.device.type == self.device.type]
         return out
 
     def offload(self) -> dict[str, float]:

@@ -222,15 +222,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _dcp_state(model, optimizer, trainable_only: bool, ema) -> dict:
-    """What DCP saves and loads in place: "model", "optim" (when there is an optimizer) and "ema"
-    (only when the run keeps one, so an EMA-off checkpoint has exactly the keys it always had)."""
+def _dcp_state(model, optimizer, trainable_only: bool, ema, old_policy=None) -> dict:
+    """What DCP saves and loads in place: "model", "optim" (when there is an optimizer), "ema"
+    (only when the run keeps one, so an EMA-off checkpoint has exactly the keys it always had)
+    and "nft_old" (--algorithm nft's old policy, ParamEMA.state_dict(); a checkpoint without it
+    cannot resume an nft run: its keys are then missing, which load_checkpoint refuses)."""
     model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
     state = {"model": model_sd}
     if optim_sd is not None:
         state["optim"] = optim_sd
     if ema:
         state["ema"] = ema
+    if old_policy:
+        state["nft_old"] = old_policy
     return state
 
 
@@ -269,6 +273,7 @@ def save_checkpoint(
     trainable_only: bool,
     max_to_keep: int = 0,
     ema: dict[str, torch.Tensor] | None = None,
+    old_policy: dict[str, torch.Tensor] | None = None,
 ) -> bool:
     """Write one checkpoint on every rank (collective). Returns True when it was committed.
 
@@ -306,7 +311,7 @@ def save_checkpoint(
 
     ok = True
     try:
-        state = _dcp_state(model, optimizer, trainable_only, ema)
+        state = _dcp_state(model, optimizer, trainable_only, ema, old_policy)
         # DCP gathers every rank's write result, so one rank's failure raises on all of them
         # (no rank is left waiting in a collective).
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / "fsdp")))
@@ -391,6 +396,7 @@ def load_checkpoint(
     trainable_only: bool,
     iteration: int | None = None,
     ema: dict[str, torch.Tensor] | None = None,
+    old_policy: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
     """Restore model, optimizer and this rank's RNG from the newest COMMITTED iteration
     (or `iteration`). Returns the trainer_state dict, or None when there is nothing to load.
@@ -424,7 +430,7 @@ def load_checkpoint(
     else:
         rng = _parse_rng_state(read_rng_file(rng_file), rng_file)
 
-    state = _dcp_state(model, optimizer, trainable_only, ema)
+    state = _dcp_state(model, optimizer, trainable_only, ema, old_policy)
 
     if not (d / "fsdp" / ".metadata").is_file():
         raise CheckpointError(f"{d / 'fsdp' / '.metadata'} is missing although {d.name} is COMMITTED: the checkpoint "

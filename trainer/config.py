@@ -525,6 +525,54 @@ class GrpoConfig:
     )
     use_dynamic_batch_size: bool = _unsupported(False)
     max_tokens_per_gpu: int | None = _unsupported(None)
+    algorithm: Literal["flowgrpo", "nft"] = _flag(
+        "flowgrpo",
+        "The update: 'flowgrpo' (SDE rollouts with recorded log-probs, the clipped ratio objective on "
+        "replayed steps) or 'nft' (DiffusionNFT: deterministic ODE rollouts, only the clean final latents "
+        "kept, a flow-matching loss on re-noised samples contrasting implicit positive and negative "
+        "policies around a soft-updated old policy). nft needs --adv-clip-max > 0, guidance_scale 1.0 and "
+        "the native engine, and takes no --use-kl-loss / --grpo-guard.",
+    )
+    nft_beta: float = _flag(
+        1.0,
+        "DiffusionNFT's beta: the implicit policies are old +/- beta x (theta - old); must be > 0 "
+        "(the DiffusionNFT recipes: 1.0, 0.1 for OCR and multi-reward). --algorithm nft only.",
+    )
+    nft_timestep_fraction: float = _flag(
+        0.99,
+        "Noise levels trained per sample and update: floor(num_inference_steps x fraction), at least 1; "
+        "in (0, 1] (DiffusionNFT: 0.99, i.e. 9 of 10 steps). Each costs one forward+backward and one "
+        "old-policy forward. --algorithm nft only.",
+    )
+    nft_timestep_distribution: Literal["schedule", "uniform"] = _flag(
+        "schedule",
+        "Where the training sigmas come from: 'schedule' (distinct entries of the rollout's own sigma "
+        "grid, a random subset per sample: DiffusionNFT's choice) or 'uniform' (U(min, max) of that grid). "
+        "Drawn from --rollout-seed and the rollout id, so a resumed run draws the same. --algorithm nft only.",
+    )
+    nft_old_decay_flat: int = _flag(
+        0,
+        "Optimizer steps before the old policy starts lagging (decay 0 = a copy of the policy until then); "
+        ">= 0. DiffusionNFT: 0 (75 in its slow schedule). --algorithm nft only.",
+    )
+    nft_old_decay_rate: float = _flag(
+        0.001,
+        "Growth of the old policy's decay per optimizer step after the flat phase: decay = min((step - "
+        "flat) x rate, --nft-old-decay-max); >= 0. After every update old <- decay x old + (1 - decay) x "
+        "policy. DiffusionNFT: 0.001 (0.0075 in its slow schedule). --algorithm nft only.",
+    )
+    nft_old_decay_max: float = _flag(
+        0.5,
+        "Cap of the old policy's decay; in [0, 1). DiffusionNFT: 0.5 (0.999 in its slow schedule; 0 with "
+        "rate 0 keeps the old policy equal to the policy). --algorithm nft only.",
+    )
+    grpo_guard: bool = _flag(
+        False,
+        "GRPO-Guard on the FlowGRPO update: the log-ratio re-centred by the transition means' drift and "
+        "scaled by the transition std (one clip range fits every step), and each step's term weighted by "
+        "1 / (sigma - sigma_next). Needs sde_type 'sde' or 'dance' and a clip range of the normalised "
+        "ratio's size (~1e-6..1e-5, not FlowGRPO's 1e-4 of the plain one). --algorithm flowgrpo only.",
+    )
 
 
 @dataclass

@@ -312,6 +312,13 @@ def grpo_clip_loss(
     clip_fraction (share of entries with r outside the clip band), approx_kl (mean of
     (r - 1) - log r, >= 0), ratio_mean, ratio_std (population), ratio_min, ratio_max.
     """
+    logp, old_logp, adv = _check_logp_pair(logp, old_logp, advantages)
+    return _clipped_objective(logp - old_logp, adv, eps_clip, eps_clip_high)
+
+
+def _check_logp_pair(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp [B, S] fp32, old_logp [B, S] fp32 detached, advantages [B] fp32 detached), checked."""
     logp = logp.float()
     old_logp = old_logp.detach().float()
     if logp.dim() == 1:
@@ -323,15 +330,23 @@ def grpo_clip_loss(
     adv = advantages.detach().float().reshape(-1)
     if adv.shape[0] != logp.shape[0]:
         raise ValueError(f"advantages must be [B] with B={logp.shape[0]}, got {tuple(advantages.shape)}")
+    return logp, old_logp, adv
+
+
+def _clipped_objective(log_ratio: torch.Tensor, adv: torch.Tensor, eps_clip: float, eps_clip_high: float | None,
+                       step_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate of `grpo_clip_loss` from a log-ratio [B, S]; step_weight [B, S] or
+    [S] (None: 1) multiplies each entry before the mean."""
     lo = 1.0 - float(eps_clip)
     hi = 1.0 + float(eps_clip_high or eps_clip)  # None (or 0) -> symmetric
-
-    log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     a = adv[:, None]
     unclipped = -a * ratio
     clipped = -a * torch.clamp(ratio, lo, hi)
-    loss = torch.maximum(unclipped, clipped).mean()
+    per_entry = torch.maximum(unclipped, clipped)
+    if step_weight is not None:
+        per_entry = per_entry * step_weight.detach().float().to(per_entry.device)
+    loss = per_entry.mean()
 
     with torch.no_grad():
         r = ratio.detach()
@@ -344,6 +359,62 @@ def grpo_clip_loss(
             "ratio_max": r.max(),
         }
     return loss, stats
+
+
+def guard_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
+                    std: torch.Tensor) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio of Gaussian Flow-SDE transitions, [B, S] fp32:
+
+        b     = mean_elems (mean - old_mean)^2 / (2 std^2)      (the ratio-mean bias)
+        log r = (logp - old_logp + b) * std
+
+    With x' = old_mean + std * z the recorded sample, logp - old_logp = mean(z * dmu) / std - b
+    (dmu = mean - old_mean): its expectation over z is -b < 0, so the plain ratio drifts below 1
+    by an amount that grows as std shrinks towards the end of the schedule, and its spread
+    scales with 1 / std. Adding b centres it at 0 and multiplying by std puts every step on the
+    same scale (log r = mean(z * dmu)), so one clip range fits every trained step.
+
+    logp / old_logp [B, S] (the Gaussian log-prob, sde_type "sde" or "dance": the MEAN over the
+    latent elements, as flow_sde_log_prob), mean / old_mean [B, S, ...] transition means, std
+    [B, S] (the transition std of each column, g(sigma) * sqrt(-dt)). Gradients flow through
+    logp and mean.
+    """
+    lp, olp = logp.float(), old_logp.detach().float()
+    if lp.dim() == 1:
+        lp, olp = lp[:, None], olp[:, None]
+    s = std.detach().float().reshape(lp.shape)
+    d = mean.float() - old_mean.detach().float()
+    bias = (d * d).reshape(lp.shape[0], lp.shape[1], -1).mean(dim=2) / (2.0 * s * s)
+    return (lp - olp + bias) * s
+
+
+def guard_step_weight(sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """GRPO-Guard's per-step gradient weight 1 / (sigma - sigma_next) = 1 / (-dt), fp32, the shape
+    of sigma ([B, S]). The normalised log-ratio carries a factor std = g * sqrt(-dt) in its
+    gradient; this weight evens out what each denoising step contributes to the update."""
+    dt = torch.as_tensor(sigma, dtype=torch.float32) - torch.as_tensor(sigma_next, dtype=torch.float32)
+    if bool((dt <= 0).any()):
+        raise ValueError("guard_step_weight needs sigma > sigma_next at every trained step")
+    return 1.0 / dt
+
+
+def grpo_guard_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
+                         std: torch.Tensor, advantages: torch.Tensor, eps_clip: float,
+                         eps_clip_high: float | None = None,
+                         step_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped objective of `grpo_clip_loss` on GRPO-Guard's normalised ratio:
+
+        r    = exp(guard_log_ratio(logp, old_logp, mean, old_mean, std))
+        loss = mean_{B x S} w * max(-A r, -A clip(r, 1 - eps_clip, 1 + (eps_clip_high or eps_clip)))
+
+    w = step_weight [B, S] (`guard_step_weight`; None: 1). Shapes as `guard_log_ratio`,
+    advantages [B]. The normalised log-ratio is of the size of the latents' change per step
+    (~1e-5 .. 1e-3), so its clip range is far below FlowGRPO's. Returns (loss, stats) as
+    `grpo_clip_loss` (the stats describe the normalised ratio).
+    """
+    logp, old_logp, adv = _check_logp_pair(logp, old_logp, advantages)
+    return _clipped_objective(guard_log_ratio(logp, old_logp, mean, old_mean, std), adv, eps_clip, eps_clip_high,
+                              step_weight)
 
 
 def normalize_grouped(

@@ -179,6 +179,32 @@ def make_replay_fn(adapter: Any, *, one_forward: bool = True) -> Replay:
     return Replay(adapter, one_forward=one_forward)
 
 
+def make_velocity_fn(adapter: Any):
+    """velocity_fn(model, rows, x_t, sigma) -> v [b, ...]: the adapter's conditional velocity of
+    `model` at latents x_t [b, ...] (the DiT's layout, as recorded) and noise levels sigma [b],
+    under `rows`' recorded conditioning: the DiT call the replay makes, for the nft update. The
+    scheduler timestep is sigma x num_train_timesteps, the ratio the rollout recorded
+    (timesteps / sigmas of its trained column), so the update feeds the DiT what the sampler
+    would at that sigma."""
+    from trainer.models.base import module_device_dtype
+
+    def velocity(model: torch.nn.Module, rows: Any, x_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        device, dtype = module_device_dtype(model)
+        scale = torch.round(rows.timesteps[:, -1].float() / rows.sigmas[:, -1].float()).to(device)
+        t = sigma.float().to(device) * scale
+        conditions = {k: v.to(device) for k, v in rows.conditions.items()}
+        x = x_t.to(device=device, dtype=dtype or x_t.dtype).contiguous()
+        return adapter.velocity(model, x, t, conditions, rows.geometry, rows.sampler, rollout_dtype=rows.latents.dtype)
+
+    return velocity
+
+
+def nft_draw_seed(rollout_seed: int, rollout_id: int, rank: int) -> int:
+    """The seed of one rank's nft draws (training sigmas and noise) in rollout `rollout_id`: a
+    pure function of the run seed, the rollout and the rank, so a resumed run draws the same."""
+    return (int(rollout_seed) * 1_000_003 + int(rollout_id) * 7919 + int(rank)) % (2 ** 63)
+
+
 def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> Any:
     """Run `evaluate()` with the engine holding the actor's EMA weights, then give the engine the
     live weights back, so the next training rollout samples the policy being trained.
@@ -298,6 +324,12 @@ class Trainer:
         self.group_size = int(cfg.rollout.n_samples_per_prompt)
         self.num_groups = int(cfg.rollout.rollout_batch_size)
         self.sampling = parse_sampling_config(cfg.rollout.sampling_config)
+        #: --algorithm nft: every rollout (and eval) samples with the deterministic ODE path
+        self.nft = cfg.grpo.algorithm == "nft"
+        if self.nft:
+            from trainer.nft import ode_rollout_sampling
+
+            self.sampling = ode_rollout_sampling(self.sampling)
         self.adapter = import_dotpath(cfg.model.model_adapter_path, "--model-adapter-path")()
         apply_attention_policy(self.adapter, self.device)
 
@@ -342,6 +374,7 @@ class Trainer:
                                             load_timings=actor_waves)
         self._record_load("actor", t, actor_waves)
         self.replay_fn = make_replay_fn(self.adapter)
+        self.velocity_fn = make_velocity_fn(self.adapter) if self.nft else None
         lora_targets = (self.actor.lora_config or {}).get("target_modules")
         self.contract = adapter_contract(cfg, list(lora_targets) if lora_targets else None)
         self.syncer = WeightSyncer(sync_kind(cfg), wire_dtype=cfg.sync.weight_sync_wire_dtype,
@@ -418,7 +451,8 @@ class Trainer:
         state = load_checkpoint(load, self.task, model=self.actor.model, optimizer=self.actor.optimizer,
                                 adapter_contract=self.contract, trainable_only=self.actor.mode == "lora",
                                 iteration=self.cfg.checkpoint.ckpt_step,
-                                ema=None if self.actor.ema is None else self.actor.ema.state_dict())
+                                ema=None if self.actor.ema is None else self.actor.ema.state_dict(),
+                                old_policy=None if self.actor.nft_old is None else self.actor.nft_old.state_dict())
         if state is None:  # preflight refuses this; the directory changed since
             raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
@@ -503,8 +537,14 @@ class Trainer:
             with tqdm(desc=f"update {k}", unit="micro-batch", leave=False, disable=not self._progress_bars,
                       dynamic_ncols=True) as bar:
                 batch = traj.without_images() if traj is not None else None
-                m.update(self.actor.train_step(batch, reward.advantages[idx], self.replay_fn,
-                                               reward.valid[idx], progress=bar.update))
+                if self.nft:
+                    m.update(self.actor.nft_train_step(
+                        batch, reward.advantages[idx], self.velocity_fn, self._nft_schedule(),
+                        nft_draw_seed(cfg.rollout.rollout_seed, k, self.rank), reward.valid[idx],
+                        progress=bar.update))
+                else:
+                    m.update(self.actor.train_step(batch, reward.advantages[idx], self.replay_fn,
+                                                   reward.valid[idx], progress=bar.update))
             if debug:
                 after = weights_fingerprint(self.actor.model)
                 m["debug/weights_abs_sum_before"], m["debug/weights_abs_sum_after"] = before, after
@@ -549,6 +589,13 @@ class Trainer:
         m["train/checkpoint_failures"] = float(self.checkpoint_failures)
         self._log_images(k, out, reward)
         return m
+
+    def _nft_schedule(self) -> torch.Tensor:
+        """The rollout's N step sigmas (terminal 0 excluded): where --nft-timestep-distribution
+        draws the training noise levels from."""
+        from trainer.rollout import driver_sigmas
+
+        return torch.tensor(driver_sigmas(self.engine, self.sampling)[:-1], dtype=torch.float32)
 
     @property
     def _progress_bars(self) -> bool:
@@ -731,7 +778,8 @@ class Trainer:
                              trainer_state=state, weight_sync_manifest=manifest, adapter_contract=self.contract,
                              trainable_only=self.actor.mode == "lora",
                              max_to_keep=int(cfg.checkpoint.max_actor_ckpt_to_keep or 0),
-                             ema=None if self.actor.ema is None else self.actor.ema.state_dict())
+                             ema=None if self.actor.ema is None else self.actor.ema.state_dict(),
+                             old_policy=None if self.actor.nft_old is None else self.actor.nft_old.state_dict())
         if not ok:
             self.checkpoint_failures += 1
 

@@ -92,6 +92,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     _check_geometry(cfg, world, errors, warnings)
     _check_model_bounds(cfg, errors)
     _check_grpo(cfg, errors)
+    _check_algorithm(cfg, errors)
     _check_optim(cfg, errors, warnings)
     _check_reward(cfg, errors)
     _check_artifacts_eval_ckpt(cfg, errors, warnings)
@@ -385,6 +386,8 @@ def _check_sampling(cfg: RunConfig, errors: list[str]) -> None:
             return
         errors.extend(trainable_step_zero_routes(parsed))
         return
+    if cfg.grpo.algorithm == "nft":
+        return  # nft samples with the deterministic ODE path: the config's trained steps are not used
     # the evaluation fallback (no redraw): empty exactly when no rollout trains a step
     steps = resolve_sde_indices(parsed, parsed.num_inference_steps, None)
     problem = trained_steps_problem(steps, parsed.num_inference_steps)
@@ -475,7 +478,7 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
         warnings.append(
             "--n-samples-per-prompt 1: a group of one has no reward variance, every advantage is 0; use 2 or more"
         )
-    if ok_u and g.num_updates_per_batch == 1:
+    if ok_u and g.num_updates_per_batch == 1 and g.algorithm != "nft":  # nft has no importance ratio
         warnings.append(
             "--num-updates-per-batch 1: the importance ratio is always exactly 1, so the clipped loss never "
             "clips; use 2 or more"
@@ -542,6 +545,51 @@ def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
             f"--disable-grpo-std-normalization contradicts --generative-advantage-std-mode {mode}; drop one "
             "(the disable flag means 'none')"
         )
+
+
+def _check_algorithm(cfg: RunConfig, errors: list[str]) -> None:
+    """--algorithm nft's own values and the options it does not combine with; --grpo-guard's."""
+    g = cfg.grpo
+    sc = cfg.rollout.sampling_config if isinstance(cfg.rollout.sampling_config, dict) else {}
+    if g.grpo_guard:
+        sde_type = sc.get("sde_type", "sde")
+        if g.algorithm == "nft":
+            errors.append("--grpo-guard with --algorithm nft: GRPO-Guard normalises FlowGRPO's importance ratio and "
+                          "nft has none; drop --grpo-guard, or use --algorithm flowgrpo")
+        elif sde_type == "cps":
+            errors.append("--grpo-guard with --sampling-config sde_type 'cps': its normalisation is derived for the "
+                          "Gaussian log-density of 'sde' / 'dance', and the CPS score has no 1 / (2 std^2); use "
+                          "sde_type 'sde', or drop --grpo-guard")
+    if g.algorithm != "nft":
+        return
+    if not (math.isfinite(g.nft_beta) and g.nft_beta > 0):
+        errors.append(f"--nft-beta must be a finite number > 0, got {g.nft_beta} (DiffusionNFT uses 1.0)")
+    if not (0.0 < g.nft_timestep_fraction <= 1.0):
+        errors.append(f"--nft-timestep-fraction must be in (0, 1], got {g.nft_timestep_fraction} (DiffusionNFT: 0.99)")
+    if g.nft_old_decay_flat < 0 or not (math.isfinite(g.nft_old_decay_rate) and g.nft_old_decay_rate >= 0):
+        errors.append(f"--nft-old-decay-flat ({g.nft_old_decay_flat}) and --nft-old-decay-rate "
+                      f"({g.nft_old_decay_rate}) must be >= 0")
+    if not (0.0 <= g.nft_old_decay_max < 1.0):
+        errors.append(f"--nft-old-decay-max must be in [0, 1), got {g.nft_old_decay_max} (DiffusionNFT: 0.5)")
+    if not g.adv_clip_max > 0:
+        errors.append("--algorithm nft needs --adv-clip-max > 0: it maps each advantage to the optimality probability "
+                      "clip(A, -max, max) / (2 max) + 1/2; set e.g. --adv-clip-max 5 (DiffusionNFT's value)")
+    guidance = sc.get("guidance_scale", 1.0)
+    if isinstance(guidance, (int, float)) and float(guidance) > 1.0:
+        errors.append(f"--algorithm nft with --sampling-config guidance_scale {guidance}: nft trains and samples "
+                      "CFG-free (the loss is on the conditional velocity alone); set guidance_scale 1.0")
+    if g.use_kl_loss or g.kl_coef:
+        errors.append("--algorithm nft with --use-kl-loss / --kl-coef: the KL term is defined on FlowGRPO's SDE "
+                      "transitions, which nft does not record; drop them (the soft old policy is nft's anchor)")
+    engine = cfg.rollout.rollout_engine_class_path
+    if engine:
+        # a custom engine declares nothing preflight can trust here, so it is refused like one without the capability
+        caps = engine_capabilities(resolve_engine_path(engine))
+        if caps is None or not caps.ode_final_latents:
+            why = "" if caps is None else f" ({caps.name} {caps.reasons.get('ode_final_latents', 'does not')})"
+            errors.append(f"--algorithm nft with --rollout-engine-class-path {engine}: nft takes the clean final "
+                          f"latents of an ODE rollout, which only the native engine returns{why}; use "
+                          "--rollout-engine-class-path native")
 
 
 def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:

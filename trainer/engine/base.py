@@ -23,7 +23,8 @@ from trainer.trajectory import EMBEDDED_GUIDANCE, RolloutRequest, Trajectory  # 
 class EngineCapabilities:
     """What an engine class can sample, declared on the class (`capabilities`) so that preflight
     asks the engine instead of knowing each engine's limits. Every missing capability carries the
-    reason preflight quotes (`reasons`, keyed "families", "true_cfg", "sde_types", "kernels")."""
+    reason preflight quotes (`reasons`, keyed "families", "true_cfg", "sde_types", "kernels",
+    "ode_final_latents")."""
 
     #: the engine's name in messages
     name: str
@@ -36,6 +37,9 @@ class EngineCapabilities:
     #: the native kernels options --rollout-compile / --rollout-precision fp8
     compile: bool = True
     fp8: bool = True
+    #: an ODE rollout whose last step is recorded under sde_type "cps" (std 0 there), so the
+    #: trajectory's last next_latents are the clean final latents --algorithm nft trains on
+    ode_final_latents: bool = True
     reasons: dict[str, str] = field(default_factory=dict, hash=False)
 
 

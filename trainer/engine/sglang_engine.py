@@ -222,11 +222,12 @@ class SGLangEngine(EngineMemoryState):
     #: declared here, read by preflight without sglang (this module imports it only when built)
     capabilities = EngineCapabilities(
         name="the SGLang engine", families=("trainer.models.qwen_image.QwenImageAdapter",), true_cfg=False,
-        sde_types=("sde", "dance"), compile=False, fp8=False,
+        sde_types=("sde", "dance"), compile=False, fp8=False, ode_final_latents=False,
         reasons={"families": "bridges SGLang's Qwen-Image pipeline only",
                  "true_cfg": "samples without CFG (its bridge runs one conditional row per candidate)",
                  "sde_types": "bridge is checked for",
-                 "kernels": "SGLang brings its own kernels"})
+                 "kernels": "SGLang brings its own kernels",
+                 "ode_final_latents": "does not sample the 'cps' last step that returns them"})
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int = 512, revision: str | None = None, adapter: Any = None,
