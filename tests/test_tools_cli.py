@@ -286,3 +286,20 @@ def test_make_tiny_model_never_overwrites_without_being_told(tmp_path, capsys):
 
     assert {oct(p.stat().st_mode & 0o777) for p in real.rglob("*") if p.is_file()} == {oct(file_mode())}
     assert oct(real.stat().st_mode & 0o777) == oct(dir_mode())
+
+
+@pytest.mark.parametrize("module", ["tiny_wan", "tiny_flux_kontext", "tiny_qwen_image_edit"])
+def test_every_tiny_model_command_refuses_a_non_empty_directory(module, tmp_path, capsys):
+    """The standalone tiny builders write through make_tiny_model's staging: a real model
+    directory is refused untouched, --overwrite replaces it once the new model is complete."""
+    real = tmp_path / "real_model"
+    (real / "transformer").mkdir(parents=True)
+    weights = real / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(b"the real weights")
+    code, _, err = _run(module, ["--output-dir", str(real)], capsys)
+    assert code == 2 and "Traceback" not in err and "not empty" in err and "--overwrite" in err, err
+    assert weights.read_bytes() == b"the real weights" and sorted(p.name for p in tmp_path.iterdir()) == ["real_model"]
+    code, out, err = _run(module, ["--output-dir", str(real), "--overwrite"], capsys)
+    assert code == 0 and "wrote tiny" in out, err
+    assert weights.read_bytes() != b"the real weights" and (real / "model_index.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["real_model"]  # no staging left

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: this checkout's trainer, not an installed one
@@ -259,28 +260,40 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
                         "--overwrite to replace its contents with the tiny random-weight model")
 
 
-def build_into(family: str, out: Path, *, seed: int, vae_output_gain: float, overwrite: bool) -> Path:
-    """Build in a fresh directory beside `out`, then put it in place: an interrupted build never
-    leaves a half-written --output-dir, and with --overwrite the old contents go only once the
-    new model is complete."""
+def build_staged(build: Callable[[Path], object], out: Path, *, overwrite: bool) -> Path:
+    """build(directory) in a fresh directory beside `out`, then put it in place: an interrupted
+    build never leaves a half-written --output-dir, a non-empty one is refused unless
+    --overwrite, and with --overwrite the old contents go only once the new model is complete.
+    Every tiny-model command writes through here."""
     from trainer.core.files import staged_dir
 
     check_output_dir(out, overwrite)
     with staged_dir(out) as staging:
-        build_family(family, staging, seed=seed, vae_output_gain=vae_output_gain)
+        build(staging)
         check_output_dir(out, overwrite)  # nothing appeared there meanwhile
     return out
+
+
+def build_into(family: str, out: Path, *, seed: int, vae_output_gain: float, overwrite: bool) -> Path:
+    """The tiny pipeline of `family` staged into `out` (build_staged)."""
+    return build_staged(lambda d: build_family(family, d, seed=seed, vae_output_gain=vae_output_gain), out,
+                        overwrite=overwrite)
+
+
+def add_output_flags(parser) -> None:
+    """--output-dir and --overwrite, as every tiny-model command takes them."""
+    parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
+                        help="directory to write the pipeline to (created; must not exist or be empty, unless "
+                             "--overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the contents of a non-empty --output-dir instead of refusing")
 
 
 def main(argv=None) -> int:
     from trainer.cli import run_tool
 
     parser = tool_parser("make_tiny_model", __doc__)
-    parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
-                        help="directory to write the pipeline to (created; must not exist or be empty, unless "
-                             "--overwrite)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the contents of a non-empty --output-dir instead of refusing")
+    add_output_flags(parser)
     parser.add_argument("--family", default="qwen_image", choices=sorted(BUILDERS),
                         help="model family of the pipeline (qwen_image: QwenImagePipeline; sd3: "
                              "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT; flux: "

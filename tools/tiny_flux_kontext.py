@@ -49,18 +49,26 @@ def build_tiny_flux_kontext_pipeline(output_dir, seed: int = 0, vae_output_gain:
 
 
 def main(argv=None) -> int:
-    from trainer.cli import tool_parser
+    from pathlib import Path
+
+    from tools.make_tiny_model import add_output_flags, build_staged
+    from trainer.cli import run_tool, tool_parser
 
     parser = tool_parser("tiny_flux_kontext", __doc__)
-    parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
-                        help="directory to write the pipeline to (created)")
+    add_output_flags(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's output convolution (1: plain random init)")
     args = parser.parse_args(argv)
-    path = build_tiny_flux_kontext_pipeline(args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
-    print(f"wrote tiny FLUX.1-Kontext pipeline to {path}")
-    return 0
+
+    def build() -> int:
+        path = build_staged(lambda d: build_tiny_flux_kontext_pipeline(d, seed=args.seed,
+                                                                       vae_output_gain=args.vae_output_gain),
+                            Path(args.output_dir), overwrite=args.overwrite)
+        print(f"wrote tiny FLUX.1-Kontext pipeline to {path}")
+        return 0
+
+    return run_tool("tiny_flux_kontext", build)
 
 
 if __name__ == "__main__":

@@ -120,11 +120,13 @@ def build_tiny_qwen_image_edit_pipeline(output_dir, seed: int = 0, vae_output_ga
 
 
 def main(argv=None) -> int:
-    from trainer.cli import tool_parser
+    from pathlib import Path
+
+    from tools.make_tiny_model import add_output_flags, build_staged
+    from trainer.cli import run_tool, tool_parser
 
     parser = tool_parser("tiny_qwen_image_edit", __doc__)
-    parser.add_argument("--output-dir", "--output", dest="output_dir", required=True,
-                        help="directory to write the pipeline to (created)")
+    add_output_flags(parser)
     parser.add_argument("--variant", default="2511", choices=sorted(EDIT_VARIANTS),
                         help="2509: Qwen-Image's DiT config; 2511: adds zero_cond_t (condition tokens "
                              "modulated at timestep 0)")
@@ -132,10 +134,16 @@ def main(argv=None) -> int:
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's output convolution (1: plain random init)")
     args = parser.parse_args(argv)
-    path = build_tiny_qwen_image_edit_pipeline(args.output_dir, seed=args.seed,
-                                               vae_output_gain=args.vae_output_gain, variant=args.variant)
-    print(f"wrote tiny Qwen-Image-Edit-{args.variant} pipeline to {path}")
-    return 0
+
+    def build() -> int:
+        path = build_staged(lambda d: build_tiny_qwen_image_edit_pipeline(d, seed=args.seed,
+                                                                          vae_output_gain=args.vae_output_gain,
+                                                                          variant=args.variant),
+                            Path(args.output_dir), overwrite=args.overwrite)
+        print(f"wrote tiny Qwen-Image-Edit-{args.variant} pipeline to {path}")
+        return 0
+
+    return run_tool("tiny_qwen_image_edit", build)
 
 
 if __name__ == "__main__":

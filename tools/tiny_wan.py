@@ -192,16 +192,26 @@ def build_tiny_wan_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 
 
 
 def main(argv=None) -> int:
+    from pathlib import Path
+
+    from tools.make_tiny_model import add_output_flags, build_staged
+    from trainer.cli import run_tool
+
     parser = argparse.ArgumentParser(description="Write a tiny random-weight Wan2.1 text-to-video pipeline "
                                                  "directory (WanPipeline layout), offline.")
-    parser.add_argument("--output-dir", required=True, help="directory to write (created if missing)")
+    add_output_flags(parser)
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same weights)")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's last convolution; > 1 spreads the decoded colours")
     args = parser.parse_args(argv)
-    path = build_tiny_wan_pipeline(args.output_dir, seed=args.seed, vae_output_gain=args.vae_output_gain)
-    print(f"wrote tiny Wan2.1 text-to-video pipeline to {path}")
-    return 0
+
+    def build() -> int:
+        path = build_staged(lambda d: build_tiny_wan_pipeline(d, seed=args.seed, vae_output_gain=args.vae_output_gain),
+                            Path(args.output_dir), overwrite=args.overwrite)
+        print(f"wrote tiny Wan2.1 text-to-video pipeline to {path}")
+        return 0
+
+    return run_tool("tiny_wan", build)
 
 
 if __name__ == "__main__":
