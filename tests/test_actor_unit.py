@@ -493,3 +493,94 @@ def test_engine_from_modules_equals_loaded_engine_and_drops_an_all_ones_mask(tin
     assert built.holds_lora()
     with pytest.raises(WeightSyncError, match="LoRA"):
         syncer.sync(src, built)
+
+
+# ---------------------------------------------------------------- --old-logprob-source rollout
+
+class _CountingReplay:
+    """The tiny replay as a ReplayFn with .moments (the KL path), counting the no_grad calls of
+    each: a no_grad __call__ is an anchor pass, a no_grad .moments the KL reference."""
+
+    def __init__(self) -> None:
+        self.calls = {"anchor": 0, "grad": 0, "reference": 0}
+
+    def __call__(self, model, rows):
+        self.calls["grad" if torch.is_grad_enabled() else "anchor"] += 1
+        return replay(model, rows)
+
+    def moments(self, model, rows):
+        from trainer.flow_grpo import TransitionMoments, flow_sde_transition_moments
+        from trainer.models.base import module_device_dtype
+
+        self.calls["grad" if torch.is_grad_enabled() else "reference"] += 1
+        _, dt = module_device_dtype(model)
+        means, stds, cols = [], [], []
+        for s in range(rows.num_steps):
+            x = rows.latents[:, s]
+            v = model(hidden_states=x.to(dt), encoder_hidden_states=rows.prompt_embeds.to(dt),
+                      encoder_hidden_states_mask=rows.prompt_embeds_mask, timestep=rows.sigmas[:, s].to(dt),
+                      img_shapes=[(1, 4, 4)] * len(rows), return_dict=False)[0]
+            mean, std = flow_sde_transition_moments(x, v, rows.sigmas[:, s], rows.sigmas_next[:, s], 0.7)
+            means.append(mean)
+            stds.append(std.reshape(-1).expand(len(rows)))
+        return TransitionMoments(replay(model, rows), torch.stack(means, 1), torch.stack(stds, 1))
+
+
+def _recorded_batch(mesh, n: int, mode: str, over: dict):
+    """A batch whose log_probs are what an fp32 eager sampler records: the replay of the
+    untrained model, micro-batch by micro-batch at the update's own micro-batch size (so every
+    row goes through the same kernels as the update's forward and is equal to the bit)."""
+    batch = make_batch(n)
+    mb = int(over.get("grpo__micro_batch_size", 1))
+    with torch.no_grad():
+        model = build(mesh, mode, **over).model
+        batch.log_probs = torch.cat([replay(model, batch[s:s + mb]) for s in range(0, n, mb)]).float()
+    return batch
+
+
+@pytest.mark.parametrize("mode, over, valid", [
+    # 2 updates x 2 micro-batches of 1
+    ("full", {}, None),
+    # micro-batches of 2 with an invalid row, LoRA, the KL to the reference on
+    ("lora", {"grpo__micro_batch_size": 2, "fsdp__fsdp_master_dtype": "fp32", "grpo__use_kl_loss": True,
+              "grpo__kl_coef": 0.04}, torch.tensor([True, False, True, True])),
+])
+def test_old_logprobs_from_rollout_equal_the_anchor_replay_bitwise_without_anchor_passes(mesh, mode, over, valid):
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    batch = _recorded_batch(mesh, 4, mode, over)
+    results = {}
+    for source in ("replay", "rollout"):
+        actor = build(mesh, mode, grpo__old_logprob_source=source, **over)
+        fn = _CountingReplay()
+        m = actor.train_step(batch, adv, fn, valid=valid)
+        results[source] = (actor, fn.calls, m)
+    (ref, ref_calls, ref_m), (new, new_calls, new_m) = results["replay"], results["rollout"]
+    # the same updated weights, bit for bit
+    p_ref, p_new = full_params(ref.model), full_params(new.model)
+    assert all(torch.equal(p_ref[k], p_new[k]) for k in p_ref), [k for k in p_ref if not torch.equal(p_ref[k], p_new[k])]
+    # the anchor replay ran for the second update only under replay, never under rollout; the
+    # gradient passes and the KL reference passes are the same
+    assert ref_calls["anchor"] == ref.last_anchor_passes == 4 // int(over.get("grpo__micro_batch_size", 1)) // 2
+    assert new_calls["anchor"] == new.last_anchor_passes == 0
+    assert new_calls["grad"] == ref_calls["grad"] and new_calls["reference"] == ref_calls["reference"]
+    assert (new_calls["reference"] > 0) == bool(over.get("grpo__use_kl_loss"))
+    # the first update's ratio is exactly 1, and the measured rollout-to-replay gap is 0
+    first = new.last_update_stats[0]
+    assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
+    assert new_m.pop("train/rollout_logprob_gap_max") == 0.0 and "train/rollout_logprob_gap_max" not in ref_m
+    timing = {"perf/train_time", "perf/train_transitions_per_s", "perf/train_samples_per_s"}
+    assert {k: v for k, v in ref_m.items() if k not in timing} == {k: v for k, v in new_m.items() if k not in timing}
+
+
+def test_old_logprobs_from_rollout_report_the_gap_and_refuse_the_guard(mesh):
+    """Recorded log-probs off by a known amount (an inexact sampler): the gap is reported and the
+    first update's ratio is exp(-offset), no longer 1; GRPO-Guard is refused in the actor too."""
+    batch = _recorded_batch(mesh, 4, "full", {})
+    batch.log_probs = batch.log_probs + 0.125
+    actor = build(mesh, grpo__old_logprob_source="rollout", grpo__eps_clip=10.0)
+    m = actor.train_step(batch, ADV, _CountingReplay())
+    assert m["train/rollout_logprob_gap_max"] == pytest.approx(0.125, abs=1e-5)
+    assert actor.last_update_stats[0]["ratio_max"].item() == pytest.approx(math.exp(-0.125), rel=1e-4)
+    guarded = build(mesh, grpo__old_logprob_source="rollout", grpo__grpo_guard=True)
+    with pytest.raises(ValueError, match="--old-logprob-source rollout with --grpo-guard"):
+        guarded.train_step(batch, ADV, _CountingReplay())

@@ -397,3 +397,26 @@ def test_sglang_engine_with_a_family_it_does_not_bridge_is_refused(base):
                              "--rollout-engine-class-path", "sglang"])
     assert any("bridges SGLang's Qwen-Image pipeline only" in p and "trainer.models.sd3.SD3Adapter" in p
                and "native" in p for p in found), found
+
+
+def test_old_logprob_source_rollout_refused_with_guard_and_nft_warned_where_inexact(base, monkeypatch):
+    """--old-logprob-source rollout: exact runs pass silently; GRPO-Guard (needs the anchor's
+    transition means) and nft (no log-probs) are refused; a compiled, FP8 or SGLang rollout is
+    warned about (its first ratio carries the rollout-to-replay gap), not refused."""
+    src = ["--old-logprob-source", "rollout"]
+    assert problems(base + src) == [] and warnings_of(base + src) == warnings_of(base)
+    got = problems(base + src + ["--grpo-guard"])
+    assert any("--old-logprob-source rollout with --grpo-guard" in p for p in got), got
+    got = problems(base + src + ["--algorithm", "nft", "--adv-clip-max", "5"])
+    assert any("--old-logprob-source rollout with --algorithm nft" in p for p in got), got
+    # the same options with the default (replay) source raise no anchor complaint
+    assert not any("--old-logprob-source" in p for p in problems(base + ["--grpo-guard"]))
+    import trainer.preflight as pf
+
+    monkeypatch.setattr(pf, "_sglang_importable", lambda: True)  # the engine itself is not what is checked here
+    for extra, flag in ((["--rollout-compile"], "--rollout-compile"),
+                        (["--rollout-precision", "fp8"], "--rollout-precision fp8"),
+                        (["--rollout-engine-class-path", "sglang"], "--rollout-engine-class-path sglang")):
+        warns = [w for w in warnings_of(base + src + extra) if w.startswith("--old-logprob-source rollout")]
+        assert len(warns) == 1 and flag in warns[0] and "not exactly 1" in warns[0], warns
+        assert not any(w.startswith("--old-logprob-source") for w in warnings_of(base + extra))

@@ -238,6 +238,19 @@ class _NftStats:
         return out
 
 
+def _gap_max(gap: torch.Tensor, logp: torch.Tensor, recorded: torch.Tensor, plan: "UpdatePlan",
+             s: int, e: int) -> torch.Tensor:
+    """max(gap, max |logp - recorded| over the valid rows of micro-batch [s, e)), on the device:
+    the row indices are the plan's (already there), so this adds no host sync."""
+    n_ok = int(plan.valid_host[s:e].sum())
+    if not n_ok:
+        return gap
+    d = (logp.detach().double().reshape(recorded.shape) - recorded.double()).abs()
+    if n_ok < e - s:
+        d = d.index_select(0, plan.partial_rows[(s, e)].to(d.device))
+    return torch.maximum(gap, d.max().to(gap.device))
+
+
 def _clean_latents(rows: Any) -> torch.Tensor:
     """x0 [b, ...] of an nft rollout: the last recorded column's next latents, the output of the
     sampler's final (deterministic) step."""
@@ -453,7 +466,10 @@ class Actor:
            forward (with grad) is the anchor: old = logp.detach(), ratio exactly 1 by
            construction. Only the micro-batches of later updates get a separate no_grad anchor
            pass, all of them before the first step (`anchor_from_first_update=False`: every
-           micro-batch gets one).
+           micro-batch gets one). --old-logprob-source rollout (`_recorded_old`): the sampler's
+           recorded log-probs are pi_old and no anchor pass runs; the first executed update's own
+           forward then measures train/rollout_logprob_gap_max (0 where the sampler is the replay
+           to the bit, and then the same weights as the anchor path).
         3. per update (`_backward_microbatch`, `_optimizer_step`): loss over micro-batches
            (per-(sample, step) clipped objective), scaled so the FSDP mean-reduced gradient is the
            mean over all valid (sample, step) of all ranks; clip_grad; lr from the schedule; AdamW.
@@ -477,9 +493,22 @@ class Actor:
             return metrics
 
         self.model.train()
-        fused = {plan.run.index(True)} if self.anchor_from_first_update else set()
-        old = self._anchor(batch, plan, replay_fn, fused, progress)
-        old_means = self._last_anchor_means
+        from_rollout = self.grpo.old_logprob_source == "rollout"
+        if from_rollout and self.guard:
+            raise ValueError("--old-logprob-source rollout with --grpo-guard: GRPO-Guard needs pi_old's transition "
+                             "means, which only the anchor replay computes; use --old-logprob-source replay")
+        first = plan.run.index(True)
+        if from_rollout:
+            fused: set[int] = set()
+            old = self._recorded_old(batch, plan)
+            old_means: dict = {}
+            # the first executed update replays on the rollout's weights: its own forward measures
+            # the rollout-to-replay gap for free (max |replayed - recorded|, valid rows)
+            gap = torch.zeros((), dtype=torch.float64, device=self.device)
+        else:
+            fused = {first} if self.anchor_from_first_update else set()
+            old = self._anchor(batch, plan, replay_fn, fused, progress)
+            old_means = self._last_anchor_means
 
         stats = UpdateStats(self.device, kl=bool(self.kl_coef))
         lr = self.lr_at(self.optimizer_steps)
@@ -506,6 +535,8 @@ class Actor:
                 else:
                     logp, kl = replay_fn(self.model, rows), None
                 anchor = None if u in fused else old[(s, e)]
+                if from_rollout and u == first:
+                    gap = _gap_max(gap, logp, anchor, plan, s, e)
                 self._backward_microbatch(logp, anchor, adv, plan, u, s, e, stats, kl, guard)
                 if progress is not None:
                     progress()
@@ -518,6 +549,8 @@ class Actor:
             self.optimizer.zero_grad(set_to_none=True)
 
         metrics.update(stats.reduce(plan.n, time.perf_counter() - t_start))
+        if from_rollout:
+            metrics["train/rollout_logprob_gap_max"] = float(all_reduce_max(gap.reshape(1).to(collective_device()))[0])
         metrics.update({"train/lr": lr, "train/optimizer_steps": float(stats.steps),
                         "train/optimizer_skips": float(skips), "train/skipped_rounds": float(self.skipped_rounds),
                         "train/lr_scheduler_steps": float(self.optimizer_steps)})
@@ -739,6 +772,15 @@ class Actor:
                     if progress is not None:
                         progress()
         self.last_anchor_passes = len(old)
+        return old
+
+    def _recorded_old(self, batch: Any, plan: "UpdatePlan") -> dict[tuple[int, int], torch.Tensor]:
+        """Step 2 under --old-logprob-source rollout: pi_old of every executed micro-batch is the
+        sampler's recorded log-prob (no forward; exact only where the sampler is the replay to the bit)."""
+        old = {(s, e): batch[s:e].log_probs.to(self.device, non_blocking=True).float()
+               for u, part in enumerate(plan.parts) if plan.run[u] for (s, e) in part}
+        self._last_anchor_means = {}
+        self.last_anchor_passes = 0
         return old
 
     @property

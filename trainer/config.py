@@ -566,6 +566,17 @@ class GrpoConfig:
         "Cap of the old policy's decay; in [0, 1). DiffusionNFT: 0.5 (0.999 in its slow schedule; 0 with "
         "rate 0 keeps the old policy equal to the policy). --algorithm nft only.",
     )
+    old_logprob_source: Literal["replay", "rollout"] = _flag(
+        "replay",
+        "Where the update's pi_old log-probs come from: 'replay' (an anchor pass through the live model before "
+        "any optimizer step; exact) or 'rollout' (the sampler's recorded log-probs; no anchor pass, saving the "
+        "no_grad replay of updates 2..--num-updates-per-batch). Identical to 'replay' only where the sampler is "
+        "the replay to the bit (eager engine in the actor's dtype, replayed at the sampler's batch: in bf16 "
+        "another --micro-batch-size changes GEMM tilings, ~1e-5 nats at real width); elsewhere (--rollout-compile, "
+        "--rollout-precision fp8, the sglang engine: warned) the first update's ratio is no longer exactly 1 but "
+        "carries the rollout-to-replay gap, logged as train/rollout_logprob_gap_max. Not with --grpo-guard or "
+        "--algorithm nft.",
+    )
     grpo_guard: bool = _flag(
         False,
         "GRPO-Guard on the FlowGRPO update: the log-ratio re-centred by the transition means' drift and "

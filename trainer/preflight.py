@@ -92,7 +92,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     _check_geometry(cfg, world, errors, warnings)
     _check_model_bounds(cfg, errors)
     _check_grpo(cfg, errors)
-    _check_algorithm(cfg, errors)
+    _check_algorithm(cfg, errors, warnings)
     _check_optim(cfg, errors, warnings)
     _check_reward(cfg, errors)
     _check_artifacts_eval_ckpt(cfg, errors, warnings)
@@ -547,7 +547,7 @@ def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
         )
 
 
-def _check_algorithm(cfg: RunConfig, errors: list[str]) -> None:
+def _check_algorithm(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
     """--algorithm nft's own values and the options it does not combine with; --grpo-guard's."""
     g = cfg.grpo
     sc = cfg.rollout.sampling_config if isinstance(cfg.rollout.sampling_config, dict) else {}
@@ -560,6 +560,7 @@ def _check_algorithm(cfg: RunConfig, errors: list[str]) -> None:
             errors.append("--grpo-guard with --sampling-config sde_type 'cps': its normalisation is derived for the "
                           "Gaussian log-density of 'sde' / 'dance', and the CPS score has no 1 / (2 std^2); use "
                           "sde_type 'sde', or drop --grpo-guard")
+    _check_old_logprob_source(cfg, errors, warnings)
     if g.algorithm != "nft":
         return
     if not (math.isfinite(g.nft_beta) and g.nft_beta > 0):
@@ -590,6 +591,31 @@ def _check_algorithm(cfg: RunConfig, errors: list[str]) -> None:
             errors.append(f"--algorithm nft with --rollout-engine-class-path {engine}: nft takes the clean final "
                           f"latents of an ODE rollout, which only the native engine returns{why}; use "
                           "--rollout-engine-class-path native")
+
+
+def _check_old_logprob_source(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+    """--old-logprob-source rollout: refused where pi_old needs more than log-probs, warned where
+    the sampler is not the replay to the bit (the first update's ratio then carries the gap)."""
+    g, r = cfg.grpo, cfg.rollout
+    if g.old_logprob_source != "rollout":
+        return
+    if g.algorithm == "nft":
+        errors.append("--old-logprob-source rollout with --algorithm nft: nft records no log-probs (its old policy "
+                      "is a soft parameter copy); drop --old-logprob-source, or use --algorithm flowgrpo")
+    if g.grpo_guard:
+        errors.append("--old-logprob-source rollout with --grpo-guard: GRPO-Guard needs pi_old's transition means, "
+                      "which only the anchor replay computes; use --old-logprob-source replay, or drop --grpo-guard")
+    engine = r.rollout_engine_class_path
+    inexact = [flag for flag, on in (
+        ("--rollout-compile", r.rollout_compile),
+        ("--rollout-precision fp8", r.rollout_precision == "fp8"),
+        ("--rollout-engine-class-path sglang",
+         bool(engine) and resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"])) if on]
+    if inexact:
+        warnings.append(f"--old-logprob-source rollout with {', '.join(inexact)}: the sampler's log-probs are not the "
+                        "replay's to the bit, so the first update's ratio is not exactly 1 but carries the "
+                        "rollout-to-replay gap (logged as train/rollout_logprob_gap_max); use --old-logprob-source "
+                        "replay for the exact pi_old")
 
 
 def _check_optim(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
