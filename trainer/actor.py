@@ -477,19 +477,8 @@ class Actor:
            (ratio_min/max MAX-reduced, the rest averaged over valid (sample, step) elements).
         """
         t_start = time.perf_counter()
-        adv = advantages.detach().float().to(self.device)
-        ok = torch.ones(adv.shape[0], dtype=torch.bool, device=self.device) if valid is None \
-            else valid.to(self.device).bool()
-        if ok.shape != adv.shape:
-            raise ValueError(f"valid mask shape {tuple(ok.shape)} != advantages shape {tuple(adv.shape)}")
-        plan = self._plan(adv, ok)
-        metrics: dict[str, float] = {"train/num_microbatches": float(plan.num_microbatches)}
+        adv, plan, metrics = self._open_round(advantages, valid)
         if not any(plan.run):
-            self.skipped_rounds += 1
-            metrics.update({"train/optimizer_steps": 0.0, "train/optimizer_skips": float(plan.skipped_microbatches),
-                            "train/skipped_rounds": float(self.skipped_rounds),
-                            "train/lr": self.lr_at(self.optimizer_steps),
-                            "train/lr_scheduler_steps": float(self.optimizer_steps)})
             return metrics
 
         self.model.train()
@@ -587,19 +576,8 @@ class Actor:
         g = self.grpo
         if self.nft_old is None:
             raise RuntimeError("nft_train_step needs the old policy: build the actor with --algorithm nft")
-        adv = advantages.detach().float().to(self.device)
-        ok = torch.ones(adv.shape[0], dtype=torch.bool, device=self.device) if valid is None \
-            else valid.to(self.device).bool()
-        if ok.shape != adv.shape:
-            raise ValueError(f"valid mask shape {tuple(ok.shape)} != advantages shape {tuple(adv.shape)}")
-        plan = self._plan(adv, ok)
-        metrics: dict[str, float] = {"train/num_microbatches": float(plan.num_microbatches)}
+        adv, plan, metrics = self._open_round(advantages, valid)
         if not any(plan.run):
-            self.skipped_rounds += 1
-            metrics.update({"train/optimizer_steps": 0.0, "train/optimizer_skips": float(plan.skipped_microbatches),
-                            "train/skipped_rounds": float(self.skipped_rounds),
-                            "train/lr": self.lr_at(self.optimizer_steps),
-                            "train/lr_scheduler_steps": float(self.optimizer_steps)})
             return metrics
         r = optimality_probability(adv.nan_to_num(0.0), float(g.adv_clip_max))
         self.model.train()
@@ -715,6 +693,25 @@ class Actor:
         self.nft_old.decay = decay
         self.nft_old.update()
         return decay
+
+    def _open_round(self, advantages: torch.Tensor, valid: torch.Tensor | None):
+        """(advantages on the device, the round's micro-batch plan, its first metrics), shared by
+        both algorithms' steps; a round in which no micro-batch runs is counted as skipped and its
+        metrics are complete (the caller returns them)."""
+        adv = advantages.detach().float().to(self.device)
+        ok = torch.ones(adv.shape[0], dtype=torch.bool, device=self.device) if valid is None \
+            else valid.to(self.device).bool()
+        if ok.shape != adv.shape:
+            raise ValueError(f"valid mask shape {tuple(ok.shape)} != advantages shape {tuple(adv.shape)}")
+        plan = self._plan(adv, ok)
+        metrics: dict[str, float] = {"train/num_microbatches": float(plan.num_microbatches)}
+        if not any(plan.run):
+            self.skipped_rounds += 1
+            metrics.update({"train/optimizer_steps": 0.0, "train/optimizer_skips": float(plan.skipped_microbatches),
+                            "train/skipped_rounds": float(self.skipped_rounds),
+                            "train/lr": self.lr_at(self.optimizer_steps),
+                            "train/lr_scheduler_steps": float(self.optimizer_steps)})
+        return adv, plan, metrics
 
     def _plan(self, adv: torch.Tensor, ok: torch.Tensor) -> "UpdatePlan":
         """Step 1: the micro-batch plan, agreed by every rank, and which updates run. Two tiny
