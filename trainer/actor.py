@@ -530,19 +530,12 @@ class Actor:
                 if progress is not None:
                     progress()
             self.last_update_stats.append({"update": u, **stats.update_ratio_range()})
-            stepped, lr_used = self._optimizer_step(u, stats)
-            if stepped:
-                lr = lr_used
-            else:
-                skips += len(part)
-            self.optimizer.zero_grad(set_to_none=True)
+            lr, skips = self._close_update(u, stats, len(part), lr, skips)
 
         metrics.update(stats.reduce(plan.n, time.perf_counter() - t_start))
         if from_rollout:
             metrics["train/rollout_logprob_gap_max"] = float(all_reduce_max(gap.reshape(1).to(collective_device()))[0])
-        metrics.update({"train/lr": lr, "train/optimizer_steps": float(stats.steps),
-                        "train/optimizer_skips": float(skips), "train/skipped_rounds": float(self.skipped_rounds),
-                        "train/lr_scheduler_steps": float(self.optimizer_steps)})
+        metrics.update(self._round_metrics(lr, stats, skips))
         metrics.update(self.memory_metrics())
         return metrics
 
@@ -596,18 +589,11 @@ class Actor:
                                               velocity_fn, stats)
                 if progress is not None:
                     progress()
-            stepped, lr_used = self._optimizer_step(u, stats)
-            if stepped:
-                lr = lr_used
-            else:
-                skips += len(part)
-            self.optimizer.zero_grad(set_to_none=True)
+            lr, skips = self._close_update(u, stats, len(part), lr, skips)
         decay = self._nft_move_old()
 
         metrics.update(stats.reduce(plan.n, time.perf_counter() - t_start))
-        metrics.update({"train/lr": lr, "train/optimizer_steps": float(stats.steps),
-                        "train/optimizer_skips": float(skips), "train/skipped_rounds": float(self.skipped_rounds),
-                        "train/lr_scheduler_steps": float(self.optimizer_steps), "train/nft_old_decay": decay})
+        metrics.update({**self._round_metrics(lr, stats, skips), "train/nft_old_decay": decay})
         metrics.update(self.memory_metrics())
         return metrics
 
@@ -835,6 +821,21 @@ class Actor:
             loss = loss + self.kl_coef * kl.mean()
         (loss * (n_rows * plan.world / plan.global_valid[u])).backward()
         stats.add(loss, st, float(n_rows * logp.shape[1]))
+
+    def _close_update(self, u: int, stats: "UpdateStats", n_microbatches: int, lr: float,
+                      skips: int) -> tuple[float, int]:
+        """End of one update of either algorithm: the optimizer step, then the gradients cleared.
+        Returns (the lr the round reports, its skipped micro-batches): a skipped step keeps the
+        last lr and counts the update's micro-batches as skipped."""
+        stepped, lr_used = self._optimizer_step(u, stats)
+        self.optimizer.zero_grad(set_to_none=True)
+        return (lr_used, skips) if stepped else (lr, skips + n_microbatches)
+
+    def _round_metrics(self, lr: float, stats: "UpdateStats", skips: int) -> dict[str, float]:
+        """The optimizer's figures of a round that ran, for either algorithm."""
+        return {"train/lr": lr, "train/optimizer_steps": float(stats.steps), "train/optimizer_skips": float(skips),
+                "train/skipped_rounds": float(self.skipped_rounds),
+                "train/lr_scheduler_steps": float(self.optimizer_steps)}
 
     def _optimizer_step(self, u: int, stats: "UpdateStats") -> tuple[bool, float]:
         """Step 3, end of an update: clip, set the scheduled lr, step. A non-finite grad norm skips
