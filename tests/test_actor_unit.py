@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist.tiny import (ADAPTER, LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state, one_rank_mesh,
-                             replay, tiny_transformer)
+                             replay, replay_moments, tiny_transformer)
 from trainer.actor import Actor, OffloadError, plan_updates
 from trainer.train_model import _assert_trainable_boundary
 from trainer.core.checksum import weights_checksum
@@ -509,21 +509,8 @@ class _CountingReplay:
         return replay(model, rows)
 
     def moments(self, model, rows):
-        from trainer.flow_grpo import TransitionMoments, flow_sde_transition_moments
-        from trainer.models.base import module_device_dtype
-
         self.calls["grad" if torch.is_grad_enabled() else "reference"] += 1
-        _, dt = module_device_dtype(model)
-        means, stds, cols = [], [], []
-        for s in range(rows.num_steps):
-            x = rows.latents[:, s]
-            v = model(hidden_states=x.to(dt), encoder_hidden_states=rows.prompt_embeds.to(dt),
-                      encoder_hidden_states_mask=rows.prompt_embeds_mask, timestep=rows.sigmas[:, s].to(dt),
-                      img_shapes=[(1, 4, 4)] * len(rows), return_dict=False)[0]
-            mean, std = flow_sde_transition_moments(x, v, rows.sigmas[:, s], rows.sigmas_next[:, s], 0.7)
-            means.append(mean)
-            stds.append(std.reshape(-1).expand(len(rows)))
-        return TransitionMoments(replay(model, rows), torch.stack(means, 1), torch.stack(stds, 1))
+        return replay_moments(model, rows)
 
 
 def _recorded_batch(mesh, n: int, mode: str, over: dict):

@@ -427,10 +427,9 @@ def test_nft_update_lowers_its_loss_and_is_deterministic(mesh):
 
 def test_grpo_guard_update_runs_and_first_update_ratio_is_one(mesh):
     from tests.dist.tiny import ADAPTER, full_params, make_batch, make_cfg, replay, tiny_transformer
+    from tests.dist.tiny import replay_moments as tiny_replay_moments
     from trainer.actor import Actor
-    from trainer.flow_grpo import flow_sde_transition_moments, transition_log_prob
-
-    from trainer.flow_grpo import TransitionMoments
+    from trainer.flow_grpo import transition_log_prob
 
     class ReplayMoments:
         """The tiny replay as a ReplayFn with .moments: the guard's transition means and stds."""
@@ -439,19 +438,7 @@ def test_grpo_guard_update_runs_and_first_update_ratio_is_one(mesh):
             return replay(model, rows)
 
         def moments(self, model, rows):
-            from trainer.models.base import module_device_dtype
-
-            _, dt = module_device_dtype(model)
-            means, stds = [], []
-            for s in range(rows.num_steps):
-                x = rows.latents[:, s]
-                v = model(hidden_states=x.to(dt), encoder_hidden_states=rows.prompt_embeds.to(dt),
-                          encoder_hidden_states_mask=rows.prompt_embeds_mask, timestep=rows.sigmas[:, s].to(dt),
-                          img_shapes=[(1, 4, 4)] * len(rows), return_dict=False)[0]
-                mean, std = flow_sde_transition_moments(x, v, rows.sigmas[:, s], rows.sigmas_next[:, s], 0.7)
-                means.append(mean)
-                stds.append(std.reshape(-1).expand(len(rows)))
-            return TransitionMoments(replay(model, rows), torch.stack(means, 1), torch.stack(stds, 1))
+            return tiny_replay_moments(model, rows)
 
     replay_moments = ReplayMoments()
 

@@ -114,6 +114,25 @@ def replay(model: nn.Module, b: Trajectory, eta: float = 0.7) -> torch.Tensor:
     return torch.stack(cols, dim=1)
 
 
+def replay_moments(model: nn.Module, b: Trajectory, eta: float = 0.7):
+    """TransitionMoments of each recorded transition through `model` (what a Replay's .moments
+    returns): replay's log-probs with the transition means [b, S, ...] and stds [b, S]."""
+    from trainer.flow_grpo import TransitionMoments, flow_sde_transition_moments
+    from trainer.models.base import module_device_dtype
+
+    _, dt = module_device_dtype(model)
+    means, stds = [], []
+    for s in range(b.num_steps):
+        x = b.latents[:, s]
+        v = model(hidden_states=x.to(dt), encoder_hidden_states=b.prompt_embeds.to(dt),
+                  encoder_hidden_states_mask=b.prompt_embeds_mask, timestep=b.sigmas[:, s].to(dt),
+                  img_shapes=[(1, LATENT_HW, LATENT_HW)] * len(b), return_dict=False)[0]
+        mean, std = flow_sde_transition_moments(x, v, b.sigmas[:, s], b.sigmas_next[:, s], eta)
+        means.append(mean)
+        stds.append(std.reshape(-1).expand(len(b)))
+    return TransitionMoments(replay(model, b, eta), torch.stack(means, 1), torch.stack(stds, 1))
+
+
 def make_cfg(mode: str = "full", **over: Any) -> RunConfig:
     """A RunConfig whose actor and sync sections are set for the tiny model; `over` sets
     section__field (an unknown one raises)."""
