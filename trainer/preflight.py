@@ -225,7 +225,8 @@ def _check_engine(cfg: RunConfig, errors: list[str]) -> None:
                 "SGLang engine needs it; install it with `pip install .[sglang]` (GPU), or use the CPU test venv "
                 "made by `bash run.sh setup-sglang` (.venv-sglang)")
         _check_engine_capabilities(cfg, engine, errors)
-    if r.sglang_attention_backend and engine and resolve_engine_path(engine) != ENGINE_SHORT_NAMES["sglang"]:
+    caps = engine_capabilities(resolve_engine_path(engine)) if engine else None
+    if r.sglang_attention_backend and engine and not (caps is not None and caps.attention_backend):
         errors.append(f"--sglang-attention-backend {r.sglang_attention_backend} needs --rollout-engine-class-path "
                       f"sglang (this run's engine is {engine}); drop the flag")
 

@@ -37,6 +37,8 @@ class EngineCapabilities:
     #: the native kernels options --rollout-compile / --rollout-precision fp8
     compile: bool = True
     fp8: bool = True
+    #: takes an attention backend of its own (--sglang-attention-backend)
+    attention_backend: bool = False
     #: an ODE rollout whose last step is recorded under sde_type "cps" (std 0 there), so the
     #: trajectory's last next_latents are the clean final latents --algorithm nft trains on
     ode_final_latents: bool = True

@@ -222,7 +222,7 @@ class SGLangEngine(EngineMemoryState):
     #: declared here, read by preflight without sglang (this module imports it only when built)
     capabilities = EngineCapabilities(
         name="the SGLang engine", families=("trainer.models.qwen_image.QwenImageAdapter",), true_cfg=False,
-        sde_types=("sde", "dance"), compile=False, fp8=False, ode_final_latents=False,
+        sde_types=("sde", "dance"), compile=False, fp8=False, attention_backend=True, ode_final_latents=False,
         reasons={"families": "bridges SGLang's Qwen-Image pipeline only",
                  "true_cfg": "samples without CFG (its bridge runs one conditional row per candidate)",
                  "sde_types": "bridge is checked for",
