@@ -10,6 +10,10 @@
 #           diffusers loads both (QwenImagePipeline.from_pretrained / load_lora_adapter);
 #           tools/sample.py samples the merged export;
 #   resident  the same recipe without offload (both sides resident) for 3 rollouts;
+#   speed   (speed-resident / speed-offload: one of them) the product path with the speed options
+#           (SPEED_FLAGS, default the compiled FP8 rollout + --fsdp-compile) for SPEED_ROLLOUTS (6)
+#           rollouts, then tools/bench.py at the same depth and options, and the two steady steps
+#           side by side with their stage split (tests/gpu/compare_product_bench.py);
 #   report  the runs' TensorBoard scalars as JSON.
 # Usage: bash tests/gpu/real_width.sh OUT_DIR PHASE [PHASE ...]   (phases run in the order given)
 # Env: WORK (default /tmp/rw: model, data, runs), LAYERS (DiT blocks, default 30), SHAPE (real |
@@ -47,7 +51,7 @@ train() {  # train NAME LOG NUM_ROLLOUT [flags...]: one run of the 1-device reci
   NPROC=1 bash run.sh train configs/qwen_image_t2i_lora_1gpu.toml \
     --model-path "$MODEL" --reward-model-path "$PICKSCORE" \
     --prompt-data "$DATA/train.jsonl" --eval-prompt-data probe "$DATA/eval.jsonl" \
-    --eval-interval 5 --num-rollout "$n" --save-interval 5 --fsdp-debug-fingerprint \
+    --eval-interval 5 --num-rollout "$n" --save-interval 5 ${DEBUG_FLAGS---fsdp-debug-fingerprint} \
     --artifact-root "$RUNS/$name/artifacts" --save "$RUNS/$name/checkpoints" \
     --tensorboard-dir "$RUNS/$name/tensorboard" "${GEOM[@]}" ${TRAIN_FLAGS:-} "$@" >> "$OUT/$logname.log" 2>&1 || rc=$?
   grep -E "logp parity|fingerprint|loaded the|resumed|Traceback|Error|error:|^\[rollout|failed" "$OUT/$logname.log" | tail -30 || true
@@ -74,8 +78,10 @@ things = ["a red fox", "an old lighthouse", "a bowl of ramen", "a glass robot", 
           "a cat on a windowsill", "a mountain lake", "a cup of coffee", "a dragon made of paper"]
 styles = ["oil painting", "studio photograph", "watercolor", "isometric render", "35mm film still",
           "pencil sketch", "cinematic lighting", "soft morning light", "ultra detailed", "pastel colours"]
+colours = ["red", "green", "blue", "yellow", "cyan", "magenta", "orange", "purple"]
 def prompt():  # ~100-130 bytes: about the bench's 128 text tokens with the byte-level tokenizer
-    p = rng.choice(things) + ", " + ", ".join(rng.sample(styles, 4))
+    # every prompt names a colour, so the speed phase can score with the bench's colour scorer
+    p = rng.choice(things) + ", " + rng.choice(colours) + " palette, " + ", ".join(rng.sample(styles, 4))
     while len(p) < 100:
         p += ", " + rng.choice(styles)
     return p
@@ -124,6 +130,26 @@ PY
       rm -rf "$EXP" ;;
     resident)
       train resident resident 3 --offload-train false --offload-rollout false ;;
+    speed|speed-resident|speed-offload)
+      # The product path with the speed options beside the bench at the same depth, options,
+      # per-GPU share and reward (the bench's colour scorer; PickScore's cost is in the train
+      # phase's figures), on the same machine: steady rollouts only (no checkpoint, no eval),
+      # no debug fingerprint, the artifact writer at its default.
+      SPEED=${SPEED_FLAGS---rollout-compile --rollout-precision fp8 --fsdp-compile}
+      COLOUR=(--reward-scorer-path trainer.rewards.color.ColorScorer --reward-model-path none
+              --reward-required-components color --reward-component-weights '{"pickscore": null, "color": 1.0}'
+              --save-interval 1000 --eval-interval 1000)
+      modes=(resident offload); [[ $phase == speed-* ]] && modes=("${phase#speed-}")
+      for mode in "${modes[@]}"; do
+        off=(); [[ $mode == resident ]] && off=(--offload-train false --offload-rollout false)
+        DEBUG_FLAGS="" train "speed-$mode" "speed-$mode" "${SPEED_ROLLOUTS:-6}" "${off[@]}" $SPEED "${COLOUR[@]}"
+        boff=(); [[ $mode == offload ]] && boff=(--offload)
+        $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
+          --skip dit checksum merged replay update adapter --out "$OUT/bench-speed-$mode.jsonl" \
+          > "$OUT/bench-speed-$mode.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode.log"; exit 1; }
+        $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode.jsonl" \
+          | tee "$OUT/product-vs-bench-$mode.txt"
+      done ;;
     report)
       $PY - "$RUNS" "$OUT/scalars.json" <<'PY'
 import json, sys
@@ -137,7 +163,7 @@ for name, s in res.items():
                  if k.startswith(("perf/", "debug/", "train/ratio", "train/lr", "train/policy_version"))})
 PY
       ;;
-    *) echo "unknown phase $phase (build, train, resume, export, resident, report)" >&2; exit 2 ;;
+    *) echo "unknown phase $phase (build, train, resume, export, resident, speed, speed-resident, speed-offload, report)" >&2; exit 2 ;;
   esac
   echo "== $phase done in $((SECONDS - t0)) s"
 done

@@ -1,0 +1,83 @@
+"""The product path's steady step beside the bench's, stage by stage (tests/gpu/real_width.sh speed).
+
+    python tests/gpu/compare_product_bench.py RUN/tensorboard BENCH.jsonl [--skip-first 2]
+
+The product figures are the medians of the run's TensorBoard series over its steady rollouts:
+the first `--skip-first` rollouts (the compile, the engine's LoRA recompile) and the last one
+(which may write the final checkpoint) are left out. The bench figure is its `step_s` record
+(the FlowGRPO step, the first one when the file holds several) with its stage split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from trainer.metrics import read_scalars  # noqa: E402
+
+#: product series -> the bench stage it is compared with (None: the product path only)
+ROWS = (
+    ("perf/step_time", "step"),
+    ("perf/rollout_time", "rollout"),
+    ("perf/rollout_generate_time", None),
+    ("perf/rollout_artifact_time", None),
+    ("perf/reward_time", "reward"),
+    ("perf/train_time", "update"),
+    ("perf/sync_time", "sync"),
+    ("perf/artifact_flush_time", None),
+)
+
+
+def steady(series: list[tuple[int, float]], skip_first: int) -> list[float]:
+    steps = sorted(series)
+    last = steps[-1][0] if steps else -1
+    return [v for k, v in steps if skip_first <= k < last]
+
+
+def bench_step(path: Path) -> dict:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if r.get("figure") == "step_s" and r.get("algorithm", "flowgrpo") == "flowgrpo"]
+    if not steps:
+        raise SystemExit(f"{path}: no step_s record (did the bench's step phase run?)")
+    return steps[0]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("tensorboard", type=Path)
+    p.add_argument("bench", type=Path)
+    p.add_argument("--skip-first", type=int, default=2)
+    args = p.parse_args(argv)
+    scalars = read_scalars(args.tensorboard)
+    rec = bench_step(args.bench)
+    stages = dict(rec.get("stages", {}))
+    # the bench's update under offload includes the swaps the loop counts inside perf/train_time
+    update = stages.get("update", 0.0) + stages.get("swap_to_train", 0.0)
+    bench = {"step": rec["value"], "rollout": stages.get("rollout", 0.0) + stages.get("actor_offload", 0.0),
+             "reward": stages.get("reward"), "update": update,
+             "sync": stages.get("sync", 0.0) + stages.get("swap_to_sync", 0.0)}
+    print(f"{'figure':34s} {'product (median, n)':>22s} {'bench':>8s} {'product/bench':>14s}")
+    out = {}
+    for tag, stage in ROWS:
+        vals = steady(scalars.get(tag, []), args.skip_first)
+        med = statistics.median(vals) if vals else None
+        b = bench.get(stage) if stage else None
+        ratio = med / b if med is not None and b else None
+        out[tag] = {"product": med, "n": len(vals), "bench": b, "ratio": ratio}
+        print(f"{tag:34s} {('%.3f s' % med if med is not None else '-'):>14s} ({len(vals)}) "
+              f"{('%.3f' % b if b is not None else '-'):>8s} {('%.3f' % ratio if ratio else '-'):>14s}")
+    r = out["perf/step_time"]["ratio"]
+    verdict = "within 5%" if r is not None and r <= 1.05 else "NOT within 5%"
+    print(f"steady step: product {out['perf/step_time']['product']} s, bench {bench['step']:.3f} s: {verdict}")
+    print(json.dumps({"product_vs_bench": out, "bench_record": rec}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
