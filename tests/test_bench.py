@@ -301,6 +301,24 @@ def test_both_algorithms_and_both_old_logprob_sources_in_one_process(tmp_path):
         assert line["first_update_ratio_min"] <= line["first_update_ratio_mean"] <= line["first_update_ratio_max"]
 
 
+def test_fp8_replay_precision_gives_the_gradient_figure_and_keeps_the_first_ratio(tmp_path):
+    """--replay-precision fp8: the LoRA gradient of one micro-batch against the compute dtype's on the
+    same actor and batch (a few percent apart, never identical), and the step's anchored first update
+    still at ratio exactly 1 with the FP8 base in the anchor and the replay alike."""
+    out = tmp_path / "fp8_replay.jsonl"
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--replay-precision", "fp8",
+                      "--skip", "dit", "checksum", "merged", "replay", "offload", "--old-logprob-source", "replay",
+                      "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {line["geometry"]["replay_precision"] for line in lines} == {"fp8"}
+    (grad,) = [line for line in lines if line["figure"] == "replay_fp8_grad_rel_diff"]
+    assert 0 < grad["value"] < 0.2 and grad["cosine"] > 0.98 and grad["lora_b_nonzero"] is True
+    assert grad["grad_norm_fp8"] > 0 and grad["grad_norm_default"] > 0 and 0 < grad["logp_max_abs_diff"] < 0.1
+    (onpolicy,) = [line for line in lines if line["figure"] == "step_onpolicy"]
+    assert onpolicy["value"] == 0.0 and onpolicy["first_update_ratio_mean"] == 1.0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--algorithms", "nft", "--old-logprob-source", "rollout"], "add flowgrpo to --algorithms"),
     (["--algorithms", "nft", "--guidance-scale", "4"], "--algorithms nft samples CFG-free"),

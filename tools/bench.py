@@ -543,7 +543,8 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
     fsdp = FsdpConfig(fsdp_trainable_mode=mode, fsdp_param_dtype=args.dtype, fsdp_reduce_dtype="fp32",
                       fsdp_master_dtype="fp32" if lora else None,
                       fsdp_activation_checkpointing=not args.no_activation_checkpointing,
-                      fsdp_compile=bool(getattr(args, "fsdp_compile", False)))
+                      fsdp_compile=bool(getattr(args, "fsdp_compile", False)),
+                      replay_precision=getattr(args, "replay_precision", "default") if lora else "default")
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
@@ -901,6 +902,57 @@ def phase_update(c: Ctx, actor, batch: dict, adv, valid, replay_fn, mode: str) -
                transitions=int(adv.shape[0]) * len(c.sde_indices))
     c.rep.phase_memory(f"update_{mode}")
     return sec
+
+
+def _lora_gradient(c: Ctx, actor, rows: Any, adv: torch.Tensor, replay_fn) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(this rank's shard of every trainable tensor's gradient, fp32 copies; the replayed log-probs)
+    of the first update's objective at ratio 1, -mean(A x logp), over `rows`; gradients cleared after."""
+    from trainer.train_model import local_shard
+
+    actor.model.train()
+    actor.optimizer.zero_grad(set_to_none=True)
+    logp = replay_fn(actor.model, rows)
+    (-(adv.to(logp.device).float()[:, None] * logp.float()).mean()).backward()
+    grads = [torch.zeros_like(local_shard(p), dtype=torch.float32) if p.grad is None
+             else local_shard(p.grad).detach().float().clone() for p in actor.trainable]
+    actor.optimizer.zero_grad(set_to_none=True)
+    return grads, logp.detach().float().cpu()
+
+
+def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_fn) -> None:
+    """replay_fp8_grad_rel_diff (--replay-precision fp8): |g_fp8 - g_default| / |g_default| of the LoRA
+    gradient of one micro-batch (the first update's objective at ratio 1, _lora_gradient), the same
+    actor and batch with its base GEMMs in FP8 and then in the compute dtype (set_replay_precision
+    both ways, FP8 again after); cosine, both norms and the replayed log-probs' max |difference|
+    ride along. Before the actor's first step LoRA B is 0, so only B has a gradient
+    (lora_b_nonzero says which case was measured)."""
+    from trainer.train_model import set_replay_precision
+
+    a = c.args
+    rows, adv_rows = batch[: a.micro_batch], adv[: a.micro_batch]
+    fp8, logp8 = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
+    set_replay_precision(actor.model, "default")
+    try:
+        ref, logp = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
+    finally:
+        set_replay_precision(actor.model, "fp8")
+    world = c.rep.world_size
+
+    def total(parts) -> float:  # a sum over every rank's shards
+        return c.rep.reduce(float(sum(float(t) for t in parts)), "mean") * world
+
+    diff = total((x - y).double().pow(2).sum() for x, y in zip(fp8, ref))
+    n_ref = total(y.double().pow(2).sum() for y in ref)
+    n_fp8 = total(x.double().pow(2).sum() for x in fp8)
+    dot = total((x.double() * y.double()).sum() for x, y in zip(fp8, ref))
+    rel = math.sqrt(diff / n_ref) if n_ref > 0 else None
+    c.rep.emit("replay_fp8_grad_rel_diff", rel, "fraction",
+               cosine=dot / math.sqrt(n_ref * n_fp8) if n_ref > 0 and n_fp8 > 0 else None,
+               grad_norm_fp8=math.sqrt(n_fp8), grad_norm_default=math.sqrt(n_ref),
+               logp_max_abs_diff=c.rep.reduce(float((logp8 - logp).abs().max()), "max"),
+               micro_batch=a.micro_batch, lora_b_nonzero=actor.optimizer_steps > 0,
+               objective="-mean(A * logp): the first update's at ratio 1")
+    c.rep.phase_memory("replay_precision")
 
 
 def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None = None,
@@ -1471,6 +1523,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's DiT linears in FP8 (the trainer's --rollout-precision)")
     p.add_argument("--fsdp-compile", action="store_true",
                    help="the actor's blocks under torch.compile (the trainer's --fsdp-compile)")
+    p.add_argument("--replay-precision", choices=("default", "fp8"), default="default",
+                   help="the LoRA actor's frozen base GEMMs in FP8 (the trainer's --replay-precision): every replay, "
+                        "update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA "
+                        "gradient with the compute dtype's on the same batch")
     p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
                    help=f"the updates the step phase times, each top to bottom as the trainer's --algorithm runs it, "
                         f"of {ALGORITHMS} (FlowGRPO first, on the bench's actor; nft on a fresh actor built after "
@@ -1651,6 +1707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
                     "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
                     "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype,
+                    "replay_precision": args.replay_precision,
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
         peak = args.peak_tflops
@@ -1711,6 +1768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_profile_replay(c, actor, batch, replay_fn, args.profile_replay)
         if "update" not in skip:
             phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
+        if args.replay_precision == "fp8":  # after the update: LoRA B is no longer 0
+            phase_replay_precision(c, actor, batch, adv, replay_fn)
         if args.sync_kind == "adapter" and "adapter" not in skip:  # installs LoRA in the engine
             phase_sync(c, actor, "adapter")
             phase_sync(c, actor, "adapter", label="adapter_sync_per_tensor_s", gather_mode="per_tensor")
