@@ -1215,7 +1215,17 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                    note="the untimed warm-up step: the compile for the engine's LoRA, a fresh actor's state",
                    **tags)
     stages: dict[str, float] = {}
-    probe = (lambda batch: sampler_replay_gap(c, actor, batch[: a.micro_batch], replay_fn)) if onpolicy else None
+    probe = None
+    if onpolicy:
+        def probe(batch):
+            # with --offload the actor is off the device here: on for the probe, off again (untimed)
+            if a.offload:
+                actor.onload()
+            try:
+                return sampler_replay_gap(c, actor, batch[: a.micro_batch], replay_fn)
+            finally:
+                if a.offload:
+                    actor.offload()
     with timed(c.device) as total:
         traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base, stages, sampling,
                                                             sde_indices, probe)
@@ -1293,9 +1303,8 @@ def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, ro
 
 
 def phase_steps(c: Ctx, actor, replay_fn, kind: str) -> None:
-    """The FlowGRPO steps of --algorithms (one per --old-logprob-source, on the bench's actor),
-    then, with nft in --algorithms, the DiffusionNFT step on a fresh actor built here: the caller
-    drops its own reference to `actor` first (phase_nft_step), so the two never share the device."""
+    """The FlowGRPO steps of --algorithms, one per --old-logprob-source, on the bench's actor. The
+    nft step is phase_nft_step's, on an actor of its own, after the caller drops this one."""
     a = c.args
     if "flowgrpo" in a.algorithms:
         onpolicy = a.old_logprob_source is not None
