@@ -68,10 +68,12 @@ def test_full_fine_tune_refuses_fp8_replay(mesh):
               adapter=ADAPTER)
 
 
-def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh):
-    """The anchor pass and the first update's own forward run the same FP8 GEMMs: ratio 1 exactly;
-    the second update (after a step) is off 1; every LoRA tensor moved."""
-    actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__replay_precision="fp8"),
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh, param_dtype):
+    """The no_grad anchor pass and the first update's own forward (with grad) run the same FP8
+    GEMMs: ratio 1 exactly; the second update (after a step) is off 1."""
+    actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__replay_precision="fp8",
+                                                     fsdp__fsdp_param_dtype=param_dtype, fsdp__fsdp_master_dtype="fp32"),
                   device=torch.device("cpu"), adapter=ADAPTER)
     assert sum(type(m) is FP8FrozenLinear for m in actor.model.modules()) == 16
     actor.anchor_from_first_update = False  # a separate no_grad anchor for every micro-batch, first update included
@@ -92,10 +94,14 @@ def _lora_grads(actor, batch, adv) -> torch.Tensor:
     return out
 
 
-def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh):
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, param_dtype):
     """Same actor, same batch, LoRA B made non-zero (so every LoRA tensor gets a gradient): the FP8
-    base changes the LoRA gradient by a few percent of its norm, and changes it (FP8 is on)."""
-    actor = Actor(tiny_transformer(), mesh, make_cfg("lora"), device=torch.device("cpu"), adapter=ADAPTER)
+    base changes the LoRA gradient by a few percent of its norm against the fp32 and the bf16
+    GEMM, and changes it (FP8 is on)."""
+    actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__fsdp_param_dtype=param_dtype,
+                                                     fsdp__fsdp_master_dtype="fp32"),
+                  device=torch.device("cpu"), adapter=ADAPTER)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in actor.model.named_parameters():
