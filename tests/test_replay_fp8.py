@@ -136,3 +136,16 @@ def test_preflight_names_the_replay_precision_flag_and_its_fix(base, monkeypatch
         hits[1].startswith("--replay-precision fp8") and hits[1].endswith("use --replay-precision default"), got
     monkeypatch.setattr(_torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert not [p for p in problems(base + lora + ["--replay-precision", "fp8"]) if "compute capability" in p]
+
+
+def test_recorded_old_logprobs_with_an_fp8_replay_are_warned_about(base):  # noqa: F811
+    """The sampler runs the base GEMMs in the compute dtype, the FP8 replay does not: with
+    --old-logprob-source rollout the first ratio carries that gap, so preflight says so."""
+    from tests.test_preflight import warnings_of
+
+    lora = ["--fsdp-trainable-mode", "lora", "--lora-rank", "8", "--fsdp-master-dtype", "fp32",
+            "--replay-precision", "fp8"]
+    warns = [w for w in warnings_of(base + lora + ["--old-logprob-source", "rollout"])
+             if w.startswith("--old-logprob-source rollout")]
+    assert len(warns) == 1 and "--replay-precision fp8" in warns[0] and "not exactly 1" in warns[0], warns
+    assert not [w for w in warnings_of(base + lora) if w.startswith("--old-logprob-source")]

@@ -582,7 +582,7 @@ class GrpoConfig:
         "no_grad replay of updates 2..--num-updates-per-batch). Identical to 'replay' only where the sampler is "
         "the replay to the bit (eager engine in the actor's dtype, replayed at the sampler's batch: in bf16 "
         "another --micro-batch-size changes GEMM tilings, ~1e-5 nats at real width); elsewhere (--rollout-compile, "
-        "--rollout-precision fp8, the sglang engine: warned) the first update's ratio is no longer exactly 1 but "
+        "--rollout-precision fp8, --replay-precision fp8, the sglang engine: warned) the first update's ratio is no longer exactly 1 but "
         "carries the rollout-to-replay gap, logged as train/rollout_logprob_gap_max. Not with --grpo-guard or "
         "--algorithm nft.",
     )

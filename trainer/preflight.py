@@ -617,6 +617,7 @@ def _check_old_logprob_source(cfg: RunConfig, errors: list[str], warnings: list[
     inexact = [flag for flag, on in (
         ("--rollout-compile", r.rollout_compile),
         ("--rollout-precision fp8", r.rollout_precision == "fp8"),
+        ("--replay-precision fp8", cfg.fsdp.replay_precision == "fp8"),
         ("--rollout-engine-class-path sglang",
          bool(engine) and resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"])) if on]
     if inexact:
