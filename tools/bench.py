@@ -10,7 +10,10 @@ device's free memory (host RAM on CPU) -- a 20 B model built on a shared CPU hos
 grow until the kernel's OOM killer ends it and disturbs everything else running there.
 
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
-other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch).
+other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch),
+--replay-precision fp8 (the LoRA actor's frozen base GEMMs in FP8, as the trainer's flag: every
+replay, update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA
+gradient with the compute dtype's on one micro-batch).
 
 The step (step_s, split into rollout / reward / update / sync) is timed top to bottom as
 trainer/loop.py runs it, for each of --algorithms (flowgrpo: the SDE rollout and Actor.train_step,
