@@ -232,9 +232,9 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
 
 
 #: a cheap tiny geometry shared by the step tests below
-_TINY_STEP = ["--shape", "tiny", "--device", "cpu", "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1",
-              "2", "--trained-steps", "2", "--prompts", "2", "--group-size", "2", "--micro-batch", "1",
-              "--num-updates", "2", "--dit-batches", "2", "--iters", "1", "--text-tokens", "8"]
+_TINY_STEP = ["--shape", "tiny", "--device", "cpu", "--height", "32", "--width", "32", "--steps", "3",
+              "--sde-pool", "1", "2", "--trained-steps", "2", "--prompts", "2", "--group-size", "2",
+              "--micro-batch", "1", "--num-updates", "2", "--dit-batches", "2", "--iters", "1", "--text-tokens", "8"]
 
 #: every figure the default invocation prints at _TINY_STEP (no --full / --replay-variants / speed options):
 #: the names stay these when other steps are asked for elsewhere

@@ -72,9 +72,9 @@ def test_full_fine_tune_refuses_fp8_replay(mesh):
 def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh, param_dtype):
     """The no_grad anchor pass and the first update's own forward (with grad) run the same FP8
     GEMMs: ratio 1 exactly; the second update (after a step) is off 1."""
-    actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__replay_precision="fp8",
-                                                     fsdp__fsdp_param_dtype=param_dtype, fsdp__fsdp_master_dtype="fp32"),
-                  device=torch.device("cpu"), adapter=ADAPTER)
+    cfg = make_cfg("lora", fsdp__replay_precision="fp8", fsdp__fsdp_param_dtype=param_dtype,
+                   fsdp__fsdp_master_dtype="fp32")
+    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
     assert sum(type(m) is FP8FrozenLinear for m in actor.model.modules()) == 16
     actor.anchor_from_first_update = False  # a separate no_grad anchor for every micro-batch, first update included
     m = actor.train_step(make_batch(4), ADV, replay)

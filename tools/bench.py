@@ -1260,7 +1260,8 @@ def emit_onpolicy(c: Ctx, actor, metrics: dict[str, float], gap: dict[str, float
              rollout_logprob_gap_max=gap_max,
              sampler_replay_gap_max_abs=rep.reduce(gap["gap_max_abs"], "max"),
              sampler_replay_gap_mean=rep.reduce(gap["gap_mean"], "mean"),
-             sampler_replay_kl=rep.reduce(gap["kl_mean"], "mean"), sampler_replay_kl_max=rep.reduce(gap["kl_max"], "max"),
+             sampler_replay_kl=rep.reduce(gap["kl_mean"], "mean"),
+             sampler_replay_kl_max=rep.reduce(gap["kl_max"], "max"),
              kl_ref=metrics.get("train/kl_ref"), gap_rows=c.args.micro_batch,
              note="first_update_*: the actor's first executed update; sampler_replay_*: the step's first micro-batch, "
                   "before the update; value: max |ratio - 1| of the first update")

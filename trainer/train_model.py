@@ -96,8 +96,9 @@ def set_replay_precision(model: nn.Module, precision: str) -> int:
         return 0
     n = convert_frozen_to_fp8(lora_base_layers(model))
     if n == 0:
-        raise ValueError("--replay-precision fp8 found no LoRA-wrapped linear layer in the transformer blocks whose "
-                         "dimensions are multiples of 16: check --lora-target-modules, or use --replay-precision default")
+        raise ValueError("--replay-precision fp8 found no LoRA-wrapped linear layer in the transformer blocks "
+                         "whose dimensions are multiples of 16: check --lora-target-modules, or use "
+                         "--replay-precision default")
     return n
 
 
