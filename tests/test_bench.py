@@ -231,6 +231,107 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
         dit_forward_flops(shape_configs("tiny")[0], 16, step["geometry"]["text_tokens"], 2) / 1e12)
 
 
+#: a cheap tiny geometry shared by the step tests below
+_TINY_STEP = ["--shape", "tiny", "--device", "cpu", "--height", "32", "--width", "32", "--steps", "3",
+              "--sde-pool", "1", "2", "--trained-steps", "2", "--prompts", "2", "--group-size", "2",
+              "--micro-batch", "1", "--num-updates", "2", "--dit-batches", "2", "--iters", "1", "--text-tokens", "8"]
+
+#: every figure the default invocation prints at _TINY_STEP (no --full / --replay-variants / speed options):
+#: the names stay these when other steps are asked for elsewhere
+DEFAULT_FIGURES = {"actor_offload_s_lora", "actor_onload_s_lora", "adapter_sync_per_tensor_s", "adapter_sync_s",
+                   "build_engine_s", "checksum_alt_gb_per_s", "checksum_alt_s", "checksum_gb_per_s", "checksum_s",
+                   "dit_forward_s", "dit_mfu", "engine_release_s", "engine_resume_s", "matmul_tflops",
+                   "merged_sync_noverify_s", "merged_sync_s", "replay_logp_max_abs_err_lora", "replay_mfu_lora",
+                   "replay_transitions_per_s_lora", "reward_s", "rollout_first_s", "rollout_images_per_s",
+                   "rollout_logp_gap_mean", "rollout_mfu", "rollout_replay_kl", "rollout_s", "step_s",
+                   "update_s_lora"}
+
+
+def test_default_invocation_prints_the_same_figure_names(tmp_path):
+    """Without --algorithms / --old-logprob-source the bench prints exactly the figures it always did,
+    one FlowGRPO step_s (now tagged with its algorithm and pi_old source) and no on-policy line."""
+    out = tmp_path / "default.jsonl"
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {line["figure"] for line in lines} == DEFAULT_FIGURES
+    (step,) = [line for line in lines if line["figure"] == "step_s"]
+    assert (step["algorithm"], step["old_logprob_source"]) == ("flowgrpo", "replay")
+    assert set(step["stages"]) == {"rollout", "reward", "update", "sync"}
+
+
+def test_both_algorithms_and_both_old_logprob_sources_in_one_process(tmp_path):
+    """--algorithms flowgrpo nft --old-logprob-source replay rollout under an FP8 rollout: a step_s per
+    FlowGRPO source and one for nft, each split into the same stages, and beside each FlowGRPO step
+    its on-policy figures: the anchored first update's ratio exactly 1, the recorded-log-prob one off
+    1 by no more than the rollout-to-replay gap the actor measured (FP8 makes that gap non-zero)."""
+    out = tmp_path / "steps.jsonl"
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--rollout-precision", "fp8",
+                      "--skip", "dit", "checksum", "merged", "replay", "offload",
+                      "--algorithms", "flowgrpo", "nft", "--old-logprob-source", "replay", "rollout",
+                      "--nft-timestep-fraction", "0.5", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    steps = [line for line in lines if line["figure"] == "step_s"]
+    assert [(s["algorithm"], s.get("old_logprob_source")) for s in steps] == \
+        [("flowgrpo", "replay"), ("flowgrpo", "rollout"), ("nft", None)]
+    for s in steps:
+        assert set(s["stages"]) == {"rollout", "reward", "update", "sync"}, s["stages"]
+        assert all(math.isfinite(v) and v > 0 for v in s["stages"].values())
+        assert s["value"] >= sum(s["stages"].values()) * 0.99, s  # the parts fit inside the whole
+        assert s["candidates"] == 4 and s["update"]["optimizer_steps"] == 2.0
+    nft = steps[2]
+    # the old policy's soft update ran with the step: decay = 4 optimizer steps (the warm-up's 2 + 2) x 0.001
+    assert nft["update"]["nft_old_decay"] == pytest.approx(0.004) and math.isfinite(nft["update"]["old_deviation"])
+    # the FlowGRPO actor stepped in the update phase already (eager engine: no warm-up step); the
+    # fresh nft actor gets one
+    assert [line["algorithm"] for line in lines if line["figure"] == "step_first_s"] == ["nft"]
+
+    onpolicy = {line["old_logprob_source"]: line for line in lines if line["figure"] == "step_onpolicy"}
+    assert set(onpolicy) == {"replay", "rollout"}
+    anchored, recorded = onpolicy["replay"], onpolicy["rollout"]
+    assert anchored["value"] == 0.0 and anchored["first_update_ratio_mean"] == 1.0
+    assert anchored["rollout_logprob_gap_max"] is None
+    gap = recorded["rollout_logprob_gap_max"]
+    assert 0 < gap < 1 and 0 < recorded["value"] <= math.expm1(gap) * (1 + 1e-6)
+    assert math.isfinite(recorded["first_update_ratio_mean"]) and recorded["first_update_ratio_mean"] != 1.0
+    for line in onpolicy.values():
+        # FP8 rounding in the sampler: a small positive KL and log-prob gap on the step's own rows
+        assert 0 < line["sampler_replay_kl"] < 1e-2 and 0 < line["sampler_replay_gap_max_abs"] < 1
+        assert line["first_update_ratio_min"] <= line["first_update_ratio_mean"] <= line["first_update_ratio_max"]
+
+
+def test_fp8_replay_precision_gives_the_gradient_figure_and_keeps_the_first_ratio(tmp_path):
+    """--replay-precision fp8: the LoRA gradient of one micro-batch against the compute dtype's on the
+    same actor and batch (a few percent apart, never identical), and the step's anchored first update
+    still at ratio exactly 1 with the FP8 base in the anchor and the replay alike."""
+    out = tmp_path / "fp8_replay.jsonl"
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--replay-precision", "fp8",
+                      "--skip", "dit", "checksum", "merged", "replay", "offload", "--old-logprob-source", "replay",
+                      "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {line["geometry"]["replay_precision"] for line in lines} == {"fp8"}
+    (grad,) = [line for line in lines if line["figure"] == "replay_fp8_grad_rel_diff"]
+    assert 0 < grad["value"] < 0.2 and grad["cosine"] > 0.98 and grad["lora_b_nonzero"] is True
+    assert grad["grad_norm_fp8"] > 0 and grad["grad_norm_default"] > 0 and 0 < grad["logp_max_abs_diff"] < 0.1
+    (onpolicy,) = [line for line in lines if line["figure"] == "step_onpolicy"]
+    assert onpolicy["value"] == 0.0 and onpolicy["first_update_ratio_mean"] == 1.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algorithms", "nft", "--old-logprob-source", "rollout"], "add flowgrpo to --algorithms"),
+    (["--algorithms", "nft", "--guidance-scale", "4"], "--algorithms nft samples CFG-free"),
+    (["--nft-timestep-fraction", "0"], "--nft-timestep-fraction must be in (0, 1]"),
+])
+def test_step_options_that_do_not_combine_are_usage_errors(argv, message, capsys):
+    from tools.bench import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 def test_parallelize_checkpoints_only_every_kth_block():
     """activation_checkpointing_every=k wraps blocks 0, k, 2k, ... and no others; the output and

@@ -10,7 +10,20 @@ device's free memory (host RAM on CPU) -- a 20 B model built on a shared CPU hos
 grow until the kernel's OOM killer ends it and disturbs everything else running there.
 
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
-other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch).
+other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch),
+--replay-precision fp8 (the LoRA actor's frozen base GEMMs in FP8, as the trainer's flag: every
+replay, update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA
+gradient with the compute dtype's on one micro-batch).
+
+The step (step_s, split into rollout / reward / update / sync) is timed top to bottom as
+trainer/loop.py runs it, for each of --algorithms (flowgrpo: the SDE rollout and Actor.train_step,
+once per --old-logprob-source, with the on-policy figures beside it in step_onpolicy; nft: the ODE
+rollout and Actor.nft_train_step on an actor of its own), each with the speed options. The figures
+of both algorithms and both pi_old sources at the full 60-block shape, one H200, in one process:
+
+    torchrun --nproc-per-node 1 tools/bench.py --shape real --rollout-compile --rollout-precision fp8 \
+        --fsdp-compile --algorithms flowgrpo nft --old-logprob-source replay rollout --iters 1 \
+        --skip dit checksum merged replay update offload --output bench/results/h200x1_steps.jsonl
 
 --family sd3 times the Stable Diffusion 3.5 family instead (tools/bench_sd3.py: SD3.5-Medium's
 2.24 B MMDiT-X, CLIP-L + CLIP-G + T5-XXL, its FLOP model); with --flowgrpo-path DIR it also times
@@ -513,22 +526,34 @@ def build_requests(engine, adapter, sampling, prompts: Sequence[str], group_size
             for g, p in enumerate(prompts) for s in range(group_size)]
 
 
-def actor_cfg(args, mode: str):
-    """The config sections Actor reads, from trainer/config.py's own dataclasses."""
+#: --algorithms nft's advantage clip: the DiffusionNFT recipe's (configs/tiny_cpu_demo_nft.toml); the
+#: config's default 0 is refused with --algorithm nft (the optimality probability divides by it)
+NFT_ADV_CLIP_MAX = 5.0
+
+
+def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
+    """The config sections Actor reads, from trainer/config.py's own dataclasses. algorithm "nft":
+    --algorithm nft with the config's defaults for every --nft-* option (--nft-timestep-fraction
+    as the bench's flag says) and NFT_ADV_CLIP_MAX."""
     from types import SimpleNamespace
 
     from trainer.config import FsdpConfig, GrpoConfig, LoraConfig, OptimConfig
 
     lora = mode == "lora"
+    nft = {} if algorithm == "flowgrpo" else dict(
+        algorithm="nft", adv_clip_max=NFT_ADV_CLIP_MAX,
+        nft_timestep_fraction=float(getattr(args, "nft_timestep_fraction", GrpoConfig.nft_timestep_fraction)))
     fsdp = FsdpConfig(fsdp_trainable_mode=mode, fsdp_param_dtype=args.dtype, fsdp_reduce_dtype="fp32",
                       fsdp_master_dtype="fp32" if lora else None,
                       fsdp_activation_checkpointing=not args.no_activation_checkpointing,
-                      fsdp_compile=bool(getattr(args, "fsdp_compile", False)))
+                      fsdp_compile=bool(getattr(args, "fsdp_compile", False)),
+                      replay_precision=getattr(args, "replay_precision", "default") if lora else "default")
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
         optim=OptimConfig(lr=3e-4 if lora else 1e-5, weight_decay=0.0, adam_eps=1e-8 if lora else 1e-15),
-        grpo=GrpoConfig(eps_clip=1e-4, num_updates_per_batch=args.num_updates, micro_batch_size=args.micro_batch))
+        grpo=GrpoConfig(eps_clip=1e-4, num_updates_per_batch=args.num_updates, micro_batch_size=args.micro_batch,
+                        **nft))
 
 
 def buffers_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -543,15 +568,17 @@ def buffers_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype, *, reshard_after_forward: bool = True,
-                activation_checkpointing: bool | None = None, activation_checkpointing_every: int = 1):
+                activation_checkpointing: bool | None = None, activation_checkpointing_every: int = 1,
+                algorithm: str = "flowgrpo"):
     """trainer.actor.Actor over a fresh random DiT seeded like the engine's (same base weights).
 
     reshard_after_forward / activation_checkpointing (None: as the args say) /
-    activation_checkpointing_every: the replay variants (--replay-variants)."""
+    activation_checkpointing_every: the replay variants (--replay-variants); algorithm: the
+    update it is built for (actor_cfg; "nft" adds the old policy)."""
     from trainer.actor import Actor, build_train_model
 
     fam = family_parts(args.family)
-    cfg = actor_cfg(args, mode)
+    cfg = actor_cfg(args, mode, algorithm)
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
     if activation_checkpointing is not None:
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
@@ -661,10 +688,11 @@ def cfg_rows(c: Ctx) -> int:
     return 2 if req.guidance_scale > 1.0 else 1
 
 
-def rollout(c: Ctx, rollout_id: int) -> tuple[Any, float]:
-    """One rollout of prompts x group_size candidates through engine.generate; (Trajectory, s)."""
-    reqs = build_requests(c.engine, c.adapter, c.sampling, c.prompts, c.args.group_size, c.sde_indices,
-                          c.args.seed, rollout_id)
+def rollout(c: Ctx, rollout_id: int, sampling: Any = None, sde_indices: list[int] | None = None) -> tuple[Any, float]:
+    """One rollout of prompts x group_size candidates through engine.generate; (Trajectory, s).
+    sampling / sde_indices: another sampling config than the bench's (the nft step's ODE one)."""
+    reqs = build_requests(c.engine, c.adapter, sampling or c.sampling, c.prompts, c.args.group_size,
+                          c.sde_indices if sde_indices is None else sde_indices, c.args.seed, rollout_id)
     with timed(c.device) as t:
         traj = c.engine.generate(reqs)
     return traj, t[0]
@@ -786,9 +814,18 @@ def phase_rollout_gap(c: Ctx, actor, traj: Any, replay_fn, variant: str) -> None
     KL between the engine's and the actor's transition Gaussians at the recorded latents (nats
     per element, the log-prob's convention), and rollout_logp_gap_mean, mean(sampler log-prob -
     replay log-prob) (its sample estimate). Both 0 for an eager engine in the actor's dtype."""
+    gap = sampler_replay_gap(c, actor, traj.without_images()[: c.args.micro_batch], replay_fn)
+    c.rep.emit("rollout_replay_kl", gap["kl_mean"], "nats", variant=variant, max=gap["kl_max"])
+    c.rep.emit("rollout_logp_gap_mean", gap["gap_mean"], "nats", variant=variant, max_abs=gap["gap_max_abs"])
+
+
+def sampler_replay_gap(c: Ctx, actor, rows: Any, replay_fn) -> dict[str, float]:
+    """The engine's transitions against the actor's on `rows` (recorded rollout rows), no grad:
+    kl_mean / kl_max, the closed-form KL of the two transition Gaussians at the recorded
+    latents (flow_grpo.transition_kl; nats per element), and gap_mean / gap_max_abs of (sampler
+    log-prob - replay log-prob). Rank-local."""
     from trainer.flow_grpo import transition_kl
 
-    rows = traj.without_images()[: c.args.micro_batch]
     with torch.no_grad():
         _, mean_e, std = replay_fn.moments(c.engine.transformer, rows)
         logp_a, mean_a, _ = replay_fn.moments(actor.model, rows)
@@ -796,8 +833,8 @@ def phase_rollout_gap(c: Ctx, actor, traj: Any, replay_fn, variant: str) -> None
     kl = transition_kl(mean_e.reshape(b * s, -1), mean_a.reshape(b * s, -1).to(mean_e.device),
                        std.reshape(b * s, 1).to(mean_e.device))
     gap = rows.log_probs.float() - logp_a.float().cpu()
-    c.rep.emit("rollout_replay_kl", float(kl.mean()), "nats", variant=variant, max=float(kl.max()))
-    c.rep.emit("rollout_logp_gap_mean", float(gap.mean()), "nats", variant=variant, max_abs=float(gap.abs().max()))
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "gap_mean": float(gap.mean()),
+            "gap_max_abs": float(gap.abs().max())}
 
 
 def score(c: Ctx, traj: Any):
@@ -868,6 +905,57 @@ def phase_update(c: Ctx, actor, batch: dict, adv, valid, replay_fn, mode: str) -
                transitions=int(adv.shape[0]) * len(c.sde_indices))
     c.rep.phase_memory(f"update_{mode}")
     return sec
+
+
+def _lora_gradient(c: Ctx, actor, rows: Any, adv: torch.Tensor, replay_fn) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(this rank's shard of every trainable tensor's gradient, fp32 copies; the replayed log-probs)
+    of the first update's objective at ratio 1, -mean(A x logp), over `rows`; gradients cleared after."""
+    from trainer.train_model import local_shard
+
+    actor.model.train()
+    actor.optimizer.zero_grad(set_to_none=True)
+    logp = replay_fn(actor.model, rows)
+    (-(adv.to(logp.device).float()[:, None] * logp.float()).mean()).backward()
+    grads = [torch.zeros_like(local_shard(p), dtype=torch.float32) if p.grad is None
+             else local_shard(p.grad).detach().float().clone() for p in actor.trainable]
+    actor.optimizer.zero_grad(set_to_none=True)
+    return grads, logp.detach().float().cpu()
+
+
+def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_fn) -> None:
+    """replay_fp8_grad_rel_diff (--replay-precision fp8): |g_fp8 - g_default| / |g_default| of the LoRA
+    gradient of one micro-batch (the first update's objective at ratio 1, _lora_gradient), the same
+    actor and batch with its base GEMMs in FP8 and then in the compute dtype (set_replay_precision
+    both ways, FP8 again after); cosine, both norms and the replayed log-probs' max |difference|
+    ride along. Before the actor's first step LoRA B is 0, so only B has a gradient
+    (lora_b_nonzero says which case was measured)."""
+    from trainer.train_model import set_replay_precision
+
+    a = c.args
+    rows, adv_rows = batch[: a.micro_batch], adv[: a.micro_batch]
+    fp8, logp8 = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
+    set_replay_precision(actor.model, "default")
+    try:
+        ref, logp = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
+    finally:
+        set_replay_precision(actor.model, "fp8")
+    world = c.rep.world_size
+
+    def total(parts) -> float:  # a sum over every rank's shards
+        return c.rep.reduce(float(sum(float(t) for t in parts)), "mean") * world
+
+    diff = total((x - y).double().pow(2).sum() for x, y in zip(fp8, ref))
+    n_ref = total(y.double().pow(2).sum() for y in ref)
+    n_fp8 = total(x.double().pow(2).sum() for x in fp8)
+    dot = total((x.double() * y.double()).sum() for x, y in zip(fp8, ref))
+    rel = math.sqrt(diff / n_ref) if n_ref > 0 else None
+    c.rep.emit("replay_fp8_grad_rel_diff", rel, "fraction",
+               cosine=dot / math.sqrt(n_ref * n_fp8) if n_ref > 0 and n_fp8 > 0 else None,
+               grad_norm_fp8=math.sqrt(n_fp8), grad_norm_default=math.sqrt(n_ref),
+               logp_max_abs_diff=c.rep.reduce(float((logp8 - logp).abs().max()), "max"),
+               micro_batch=a.micro_batch, lora_b_nonzero=actor.optimizer_steps > 0,
+               objective="-mean(A * logp): the first update's at ratio 1")
+    c.rep.phase_memory("replay_precision")
 
 
 def phase_sync(c: Ctx, actor, kind: str, verify: bool = True, label: str | None = None,
@@ -1026,50 +1114,187 @@ def phase_offload(c: Ctx, actor, mode: str) -> None:
     c.rep.phase_memory(f"offload_{mode}")
 
 
-def phase_step(c: Ctx, actor, replay_fn, kind: str) -> None:
-    """step_s: one FlowGRPO step of the rank's candidates, top to bottom as the loop runs it:
-    rollout -> reward -> update -> sync (with --offload: actor offloaded around the rollout,
-    engine released around the update, as a colocated run does)."""
+#: --algorithms: the updates phase_step times
+ALGORITHMS = ("flowgrpo", "nft")
+#: --old-logprob-source: where the FlowGRPO step's pi_old comes from (the trainer's flag)
+OLD_LOGPROB_SOURCES = ("replay", "rollout")
+
+
+def step_label(algorithm: str, source: str = "replay") -> str:
+    """The suffix of a step's memory figure: "" for the default FlowGRPO step (peak_mem_step, as
+    before the other steps existed), "_rollout_logprob" for FlowGRPO on the recorded log-probs,
+    "_nft" for DiffusionNFT."""
+    if algorithm == "nft":
+        return "_nft"
+    return "" if source == "replay" else "_rollout_logprob"
+
+
+@contextlib.contextmanager
+def old_logprob_source(actor, source: str) -> Iterator[None]:
+    """The actor's --old-logprob-source set to `source` inside the block (its GrpoConfig swapped for
+    a copy with that one field changed, as a run started with the flag holds it), restored after."""
+    import dataclasses
+
+    own = actor.grpo
+    actor.grpo = dataclasses.replace(own, old_logprob_source=source)
+    try:
+        yield
+    finally:
+        actor.grpo = own
+
+
+def flowgrpo_update(actor, replay_fn, source: str = "replay") -> Callable[..., dict[str, float]]:
+    """update(batch, adv, valid, rollout_id) -> metrics: Actor.train_step as trainer/loop.py calls it,
+    with pi_old from `source` (--old-logprob-source)."""
+    def update(batch, adv, valid, rollout_id):
+        with old_logprob_source(actor, source):
+            return actor.train_step(batch, adv, replay_fn, valid=valid)
+
+    return update
+
+
+def nft_parts(c: Ctx) -> tuple[Any, list[int]]:
+    """(sampling, sde_indices) of an nft rollout: the bench's sampling config through the loop's own
+    trainer.nft.ode_rollout_sampling (the ODE path, only the last step recorded)."""
+    from trainer.nft import ode_rollout_sampling
+    from trainer.sampling import resolve_sde_indices
+
+    sampling = ode_rollout_sampling(c.sampling)
+    return sampling, resolve_sde_indices(sampling, c.args.steps, rollout_id=0)
+
+
+def nft_update(c: Ctx, actor, sampling: Any) -> Callable[..., dict[str, float]]:
+    """update(batch, adv, valid, rollout_id) -> metrics: Actor.nft_train_step as trainer/loop.py
+    calls it: the loop's velocity function (make_velocity_fn), the rollout's step sigmas without
+    the terminal 0 (Trainer._nft_schedule), the draw seed of nft_draw_seed; the old policy's soft
+    update is the step's own last act (Actor._nft_move_old)."""
+    from trainer.loop import make_velocity_fn, nft_draw_seed
+    from trainer.rollout import driver_sigmas
+
+    velocity_fn = make_velocity_fn(c.adapter)
+    schedule = torch.tensor(driver_sigmas(c.engine, sampling)[:-1], dtype=torch.float32)
+
+    def update(batch, adv, valid, rollout_id):
+        return actor.nft_train_step(batch, adv, velocity_fn, schedule, nft_draw_seed(c.args.seed, rollout_id,
+                                                                                     c.rep.rank), valid)
+
+    return update
+
+
+def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrpo", source: str = "replay",
+               onpolicy: bool = False, warm_up: bool | None = None) -> None:
+    """step_s: one step of the rank's candidates, top to bottom as trainer/loop.py runs it for
+    `algorithm`: rollout -> reward -> update -> sync (with --offload: actor offloaded around the
+    rollout, engine released around the update, as a colocated run does). flowgrpo: the SDE
+    rollout, Actor.train_step with pi_old from `source`; nft: the ODE rollout, Actor.nft_train_step
+    (its old-policy update included). The line carries the stage split (`stages`), the
+    algorithm, the source (flowgrpo), the update's own figures and the device's peak memory.
+
+    warm_up (None: whether the engine is compiled) first runs one untimed step (step_first_s), so
+    the timed one is steady state: the compile of the engine's blocks with LoRA, a fresh actor's
+    AdamW state and compiled shapes.
+
+    onpolicy (flowgrpo): also step_onpolicy beside it, from the timed step itself: the first
+    executed update's max |ratio - 1| (the value) and mean ratio as the actor reports them, its
+    train/rollout_logprob_gap_max (source rollout), and the sampler-vs-replay log-prob gap and
+    closed-form transition KL on the step's first micro-batch (sampler_replay_gap, measured after
+    the reward and before the update, outside every timer)."""
     from trainer.weight_sync import WeightSyncer
 
     a = c.args
     syncer = WeightSyncer(kind, wire_dtype=a.dtype, bucket_size_mb=a.bucket_mb, name_map=c.adapter.weight_name_map,
                           lora_config=actor.lora_config, policy_version=c.engine.policy_version)
-    if c.engine.compile_blocks:
+    sampling, sde_indices = nft_parts(c) if algorithm == "nft" else (None, None)
+    update = nft_update(c, actor, sampling) if algorithm == "nft" else flowgrpo_update(actor, replay_fn, source)
+    tags = {"algorithm": algorithm, **({"old_logprob_source": source} if algorithm == "flowgrpo" else {})}
+    base = 100 if algorithm == "flowgrpo" and source == "replay" else 200 if algorithm == "flowgrpo" else 300
+    if c.engine.compile_blocks if warm_up is None else warm_up:
         # the first rollout with the engine's LoRA recompiles its blocks (a new module structure):
         # sync first, so the untimed step takes that compile and the timed one is steady state
         syncer.sync(actor.model, c.engine)
         with timed(c.device) as t:
-            _one_step(c, actor, replay_fn, syncer, 99, {})
-        c.rep.emit("step_first_s", t[0], "s", sync_kind=kind, note="includes the compile for the engine's LoRA")
+            _one_step(c, update, actor, syncer, base - 1, {}, sampling, sde_indices)
+        c.rep.emit("step_first_s", t[0], "s", sync_kind=kind,
+                   note="the untimed warm-up step: the compile for the engine's LoRA, a fresh actor's state",
+                   **tags)
     stages: dict[str, float] = {}
+    probe = None
+    if onpolicy:
+        def probe(batch):
+            # with --offload the actor is off the device here: on for the probe, off again (untimed)
+            if a.offload:
+                actor.onload()
+            try:
+                return sampler_replay_gap(c, actor, batch[: a.micro_batch], replay_fn)
+            finally:
+                if a.offload:
+                    actor.offload()
     with timed(c.device) as total:
-        traj, degenerate = _one_step(c, actor, replay_fn, syncer, 100, stages)
+        traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base, stages, sampling,
+                                                            sde_indices, probe)
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
-    c.rep.emit("step_s", total[0], "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
-               reward_degenerate=degenerate, candidates=len(traj))
-    c.rep.phase_memory("step")
+    peak = torch.cuda.max_memory_allocated(c.device) / 1e9 if c.device.type == "cuda" else None
+    update_figures = {k.split("/", 1)[1]: v for k, v in metrics.items()
+                      if k in ("train/optimizer_steps", "train/num_microbatches", "train/nft_old_decay",
+                               "train/old_deviation", "train/ratio_mean", "train/ratio_max", "train/ratio_min")}
+    c.rep.emit("step_s", total[0] - probe_s, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
+               reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, update=update_figures, **tags)
+    if onpolicy:
+        emit_onpolicy(c, actor, metrics, gap, tags)
+    c.rep.phase_memory(f"step{step_label(algorithm, source)}")
 
 
-def _one_step(c: Ctx, actor, replay_fn, syncer, rollout_id: int, stages: dict[str, float]) -> tuple[Any, bool]:
-    """The stages of phase_step, their seconds into `stages`; (trajectory, reward degenerate)."""
+def emit_onpolicy(c: Ctx, actor, metrics: dict[str, float], gap: dict[str, float], tags: dict[str, str]) -> None:
+    """step_onpolicy: the on-policy figures of a FlowGRPO step (phase_step's docstring). The value
+    and the first-update fields are rank-local (Actor.last_update_stats), reduced by max here."""
+    first = actor.last_update_stats[0] if actor.last_update_stats else None
+    if first is None:  # every update skipped: nothing was replayed
+        c.rep.emit("step_onpolicy", None, "ratio", skipped=True, **tags)
+        return
+    r_max, r_min, r_mean = (float(first[k]) for k in ("ratio_max", "ratio_min", "ratio_mean"))
+    rep = c.rep
+    gap_max = metrics.get("train/rollout_logprob_gap_max")
+    rep.emit("step_onpolicy", max(r_max - 1.0, 1.0 - r_min), "ratio", **tags,
+             first_update_ratio_mean=rep.reduce(r_mean, "mean"), first_update_ratio_max=rep.reduce(r_max, "max"),
+             first_update_ratio_min=-rep.reduce(-r_min, "max"),
+             rollout_logprob_gap_max=gap_max,
+             sampler_replay_gap_max_abs=rep.reduce(gap["gap_max_abs"], "max"),
+             sampler_replay_gap_mean=rep.reduce(gap["gap_mean"], "mean"),
+             sampler_replay_kl=rep.reduce(gap["kl_mean"], "mean"),
+             sampler_replay_kl_max=rep.reduce(gap["kl_max"], "max"),
+             kl_ref=metrics.get("train/kl_ref"), gap_rows=c.args.micro_batch,
+             note="first_update_*: the actor's first executed update; sampler_replay_*: the step's first micro-batch, "
+                  "before the update; value: max |ratio - 1| of the first update")
+
+
+def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, rollout_id: int,
+              stages: dict[str, float], sampling: Any = None, sde_indices: list[int] | None = None,
+              probe: Callable[[Any], Any] | None = None) -> tuple[Any, bool, dict[str, float], Any, float]:
+    """The stages of phase_step, their seconds into `stages`; (trajectory, reward degenerate, the
+    update's metrics, probe(batch)'s result, probe's seconds). probe runs between the reward and
+    the update, outside every stage: the caller takes its seconds off the step's."""
     a = c.args
     if a.offload:
         with timed(c.device) as t:
             actor.offload()
         stages["actor_offload"] = t[0]
-    traj, stages["rollout"] = rollout(c, rollout_id=rollout_id)
+    traj, stages["rollout"] = rollout(c, rollout_id=rollout_id, sampling=sampling, sde_indices=sde_indices)
     if c.engine.compile_blocks:
         stages["rollout_new_graphs"] = c.engine.last_stats.get("new_graphs", 0.0)
     adv, valid, stages["reward"], degenerate = score(c, traj)
     batch = traj.without_images()
+    found, probe_s = None, 0.0
+    if probe is not None:
+        with timed(c.device) as t:
+            found = probe(batch)
+        probe_s = t[0]
     if a.offload:
         with timed(c.device) as t:
             c.engine.release_memory()
             actor.onload()
         stages["swap_to_train"] = t[0]
     with timed(c.device) as t:
-        actor.train_step(batch, adv, replay_fn, valid=valid)
+        metrics = update(batch, adv, valid, rollout_id)
     stages["update"] = t[0]
     if a.offload:
         with timed(c.device) as t:
@@ -1078,7 +1303,30 @@ def _one_step(c: Ctx, actor, replay_fn, syncer, rollout_id: int, stages: dict[st
     with timed(c.device) as t:
         syncer.sync(actor.model, c.engine)
     stages["sync"] = t[0]
-    return traj, degenerate
+    return traj, degenerate, metrics, found, probe_s
+
+
+def phase_steps(c: Ctx, actor, replay_fn, kind: str) -> None:
+    """The FlowGRPO steps of --algorithms, one per --old-logprob-source, on the bench's actor. The
+    nft step is phase_nft_step's, on an actor of its own, after the caller drops this one."""
+    a = c.args
+    if "flowgrpo" in a.algorithms:
+        onpolicy = a.old_logprob_source is not None
+        for i, source in enumerate(a.old_logprob_source or ["replay"]):
+            # one warm-up per actor: the later sources find the compiled shapes and AdamW state
+            warm = None if not onpolicy else i == 0 and (c.engine.compile_blocks or actor.optimizer_steps == 0)
+            phase_step(c, actor, replay_fn, kind, source=source, onpolicy=onpolicy, warm_up=warm)
+
+
+def phase_nft_step(c: Ctx, replay_fn, kind: str) -> None:
+    """The DiffusionNFT step of --algorithms nft: an actor built for it (its old policy included)
+    over the same seeded base weights, then phase_step; freed after."""
+    actor = build_actor(c.args, "lora", c.mesh, c.device, c.dtype, algorithm="nft")
+    c.rep.phase_memory("build_actor_nft")
+    phase_step(c, actor, replay_fn, kind, algorithm="nft", warm_up=True)
+    actor.optimizer.zero_grad(set_to_none=True)
+    del actor
+    _free(c.device)
 
 
 def run_full(c: Ctx, replay_fn, batch: dict, adv, valid) -> None:
@@ -1288,6 +1536,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's DiT linears in FP8 (the trainer's --rollout-precision)")
     p.add_argument("--fsdp-compile", action="store_true",
                    help="the actor's blocks under torch.compile (the trainer's --fsdp-compile)")
+    p.add_argument("--replay-precision", choices=("default", "fp8"), default="default",
+                   help="the LoRA actor's frozen base GEMMs in FP8 (the trainer's --replay-precision): every replay, "
+                        "update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA "
+                        "gradient with the compute dtype's on the same batch")
+    p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
+                   help=f"the updates the step phase times, each top to bottom as the trainer's --algorithm runs it, "
+                        f"of {ALGORITHMS} (FlowGRPO first, on the bench's actor; nft on a fresh actor built after "
+                        "the FlowGRPO one is freed, with the config's --nft-* defaults and --adv-clip-max "
+                        f"{NFT_ADV_CLIP_MAX}); step_s carries an algorithm field")
+    p.add_argument("--old-logprob-source", nargs="+", default=None, choices=OLD_LOGPROB_SOURCES, metavar="SOURCE",
+                   help=f"the FlowGRPO step once per source, of {OLD_LOGPROB_SOURCES} (the trainer's "
+                        "--old-logprob-source), each with the on-policy figures beside it (step_onpolicy); unset: "
+                        "replay only, without step_onpolicy")
+    p.add_argument("--nft-timestep-fraction", type=float, default=None,
+                   help="the nft step's noise levels per sample, as the trainer's flag (in (0, 1]; unset: the "
+                        "config's default)")
     p.add_argument("--compare", nargs="+", default=[], choices=COMPARE_PATHS, metavar="PATH",
                    help=f"also time the same rollout through other code on the same modules, before the engine's "
                         f"speed options are switched on: any of {COMPARE_PATHS} (flowgrpo needs --flowgrpo-path and "
@@ -1314,6 +1578,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.compare and args.family != "qwen_image":
         p.error(f"--compare times Qwen-Image pipelines, not --family {args.family}'s (--family sd3 times FlowGRPO's "
                 "SD3 rollout with --flowgrpo-path)")
+    args.algorithms = list(dict.fromkeys(args.algorithms))
+    if args.old_logprob_source is not None:
+        args.old_logprob_source = list(dict.fromkeys(args.old_logprob_source))
+        if "flowgrpo" not in args.algorithms:
+            p.error("--old-logprob-source sets the FlowGRPO step's pi_old: add flowgrpo to --algorithms")
+    if "nft" in args.algorithms and args.guidance_scale > 1.0:
+        p.error("--algorithms nft samples CFG-free (the trainer refuses --algorithm nft with guidance_scale > 1): "
+                "drop nft or --guidance-scale")
+    if args.nft_timestep_fraction is None:
+        from trainer.config import GrpoConfig
+
+        args.nft_timestep_fraction = GrpoConfig.nft_timestep_fraction
+    elif not 0.0 < args.nft_timestep_fraction <= 1.0:
+        p.error(f"--nft-timestep-fraction must be in (0, 1], got {args.nft_timestep_fraction}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
                 f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
@@ -1442,6 +1720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
                     "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
                     "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype,
+                    "replay_precision": args.replay_precision,
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
         peak = args.peak_tflops
@@ -1502,13 +1781,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_profile_replay(c, actor, batch, replay_fn, args.profile_replay)
         if "update" not in skip:
             phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
+        if args.replay_precision == "fp8":  # after the update: LoRA B is no longer 0
+            phase_replay_precision(c, actor, batch, adv, replay_fn)
         if args.sync_kind == "adapter" and "adapter" not in skip:  # installs LoRA in the engine
             phase_sync(c, actor, "adapter")
             phase_sync(c, actor, "adapter", label="adapter_sync_per_tensor_s", gather_mode="per_tensor")
         if "offload" not in skip:
             phase_offload(c, actor, "lora")
         if "step" not in skip:
-            phase_step(c, actor, replay_fn, args.sync_kind)
+            phase_steps(c, actor, replay_fn, args.sync_kind)
+            if "nft" in args.algorithms:  # the FlowGRPO actor leaves the device before the nft one is built
+                actor = None
+                _free(device)
+                phase_nft_step(c, replay_fn, args.sync_kind)
         return 0
     finally:
         if created and dist.is_initialized():

@@ -125,6 +125,7 @@ class UpdateStats:
         #: (ratio_max, -ratio_min) over the whole step, and over the current update
         self.ratio_range = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
         self._update_range = self.ratio_range.clone()
+        self._update_start = (self.sums[3].clone(), 0.0)
         self.elements = 0.0  # valid (sample, step) elements behind `sums`; host-side, no device traffic
         self.grad_norms: list[torch.Tensor] = []
         #: KL to the reference (--use-kl-loss): its element-weighted sum, over the step and the update
@@ -136,6 +137,8 @@ class UpdateStats:
     def begin_update(self) -> None:
         self._update_range = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
         self._update_kl = None
+        # where this update's share of the ratio sum starts (a device copy: no host sync)
+        self._update_start = (self.sums[3].clone(), self.elements)
 
     def add(self, loss: torch.Tensor, st: dict[str, torch.Tensor], k: float) -> None:
         rm, rs = st["ratio_mean"].double(), st["ratio_std"].double()
@@ -153,8 +156,11 @@ class UpdateStats:
         self._update_range = torch.maximum(self._update_range, r_range)
 
     def update_ratio_range(self) -> dict[str, torch.Tensor]:
-        """This update's ratio range (and, with the KL term, its largest micro-batch mean KL)."""
+        """This update's ratio range and element-weighted mean ratio (and, with the KL term, its
+        largest micro-batch mean KL)."""
         out = {"ratio_max": self._update_range[0], "ratio_min": -self._update_range[1]}
+        start_sum, start_elements = self._update_start
+        out["ratio_mean"] = (self.sums[3] - start_sum) / max(self.elements - start_elements, 1.0)
         if self._update_kl is not None:
             out["kl_ref_max"] = self._update_kl
         return out
@@ -502,7 +508,8 @@ class Actor:
         stats = UpdateStats(self.device, kl=bool(self.kl_coef))
         lr = self.lr_at(self.optimizer_steps)
         skips = plan.skipped_microbatches
-        #: per executed update, this rank's ratio range (detached tensors; for diagnostics and tests)
+        #: per executed update, this rank's ratio range and mean (detached tensors; for diagnostics,
+        #: tests and the bench's on-policy figures)
         self.last_update_stats = []
         for u, part in enumerate(plan.parts):
             if not plan.run[u]:

@@ -4,6 +4,7 @@ actor, the loop and the sync share.
 
 Build order (`build_train_model`), each step before the next:
   1. LoRA (peft) injected on the target modules, base frozen        (--fsdp-trainable-mode lora)
+     and, with --replay-precision fp8, the blocks' frozen base GEMMs in FP8 (set_replay_precision)
   2. parameters that can never receive a gradient frozen            (the adapter's never_trained_param_names)
   3. trainable parameters cast to the master dtype                  (--fsdp-master-dtype)
   4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing)
@@ -62,6 +63,43 @@ def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha
     if n_lora == 0:
         raise ValueError(f"--lora-target-modules {targets} matched no module of {type(model).__name__}")
     return {"rank": rank, "alpha": alpha, "target_modules": targets, "dropout": dropout}
+
+
+#: --replay-precision: the frozen base GEMMs of the actor's LoRA layers in the compute dtype or in FP8
+REPLAY_PRECISIONS = ("default", "fp8")
+
+
+def lora_base_layers(model: nn.Module) -> list[nn.Module]:
+    """The base layers (the frozen nn.Linear a peft LoRA layer wraps) of every LoRA layer inside
+    the model's repeated transformer blocks, in module order; the embedders and the final
+    projection are not in a block and keep their precision (as the FP8 rollout keeps them)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [m.get_base_layer() for blocks in repeated_block_lists(model) for block in blocks
+            for m in block.modules() if isinstance(m, LoraLayer)]
+
+
+def set_replay_precision(model: nn.Module, precision: str) -> int:
+    """--replay-precision for every forward of the actor (anchor, replay, the nft velocity, the
+    reference with the adapter disabled): "fp8" turns the eligible LoRA base layers of the blocks
+    (lora_base_layers; both dims multiples of 16) into core.fp8.FP8FrozenLinear, whose GEMM is
+    FP8 in forward and whose input gradient uses the unquantized weight; "default" turns them back
+    into nn.Linear. Class swaps only (parameters, names, sharding unchanged), so it may be called
+    before or after parallelize; a compiled block recompiles on the next call. Returns the layers
+    now in FP8. Raises when "fp8" finds no eligible layer (nothing would change)."""
+    from trainer.core.fp8 import convert_frozen_to_fp8, restore_frozen_linears
+
+    if precision not in REPLAY_PRECISIONS:
+        raise ValueError(f"--replay-precision must be one of {REPLAY_PRECISIONS}, got {precision!r}")
+    restore_frozen_linears(model)
+    if precision == "default":
+        return 0
+    n = convert_frozen_to_fp8(lora_base_layers(model))
+    if n == 0:
+        raise ValueError("--replay-precision fp8 found no LoRA-wrapped linear layer in the transformer blocks "
+                         "whose dimensions are multiples of 16: check --lora-target-modules, or use "
+                         "--replay-precision default")
+    return n
 
 
 def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None = None,
@@ -163,7 +201,13 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraC
                              "over CPU-offloaded adapter DTensors has no collective backend")
         targets = lora.lora_target_modules or list(getattr(adapter, "lora_target_modules", ()))
         lora_config = apply_lora(model, targets, lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
+        n_fp8 = set_replay_precision(model, fsdp.replay_precision)
+        if n_fp8:
+            log.info("--replay-precision fp8: %d LoRA base layers run their frozen GEMM in FP8", n_fp8)
     elif mode == "full":
+        if fsdp.replay_precision != "default":
+            raise ValueError(f"--replay-precision {fsdp.replay_precision} applies to the frozen base of LoRA layers; "
+                             "--fsdp-trainable-mode full trains every weight: use --replay-precision default")
         for p in model.parameters():
             p.requires_grad_(True)
     else:

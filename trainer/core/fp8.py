@@ -1,11 +1,17 @@
-"""FP8 (e4m3) linear layers for the rollout DiT: weights quantized once per weight version with one
-scale per output channel, activations quantized per row (token) at every call, one
-`torch._scaled_mm` per layer (Hopper's FP8 tensor cores on CUDA; the same math on CPU).
+"""FP8 (e4m3) linear layers: weights quantized with one scale per output channel, activations
+quantized per row (token) at every call, one `torch._scaled_mm` per layer (Hopper's FP8 tensor
+cores on CUDA; the same math on CPU).
 
-Only the rollout uses it (`--rollout-precision fp8`): the replay stays in the actor's dtype, so an
-FP8 rollout is off-policy by the FP8 rounding, which docs/PERFORMANCE.md measures. The bf16 (or
-fp32) weight stays the module's parameter -- what a sync writes, a checksum reads and a LoRA
-wraps -- and the FP8 copy is a buffer derived from it (`requantize_fp8` after a weight change).
+The rollout DiT (`--rollout-precision fp8`, `FP8Linear`): weights quantized once per weight
+version; the bf16 (or fp32) weight stays the module's parameter -- what a sync writes, a checksum
+reads and a LoRA wraps -- and the FP8 copy is a buffer derived from it (`requantize_fp8` after a
+weight change). An FP8 rollout against a replay in the actor's dtype is off-policy by the FP8
+rounding, which docs/PERFORMANCE.md measures.
+
+The actor's LoRA replay (`--replay-precision fp8`, `FP8FrozenLinear`): the frozen base layer of a
+LoRA-wrapped linear, whose weight FSDP2 gathers for each forward; it is quantized from the
+gathered weight at every call (no persistent copy, so sharding keeps its memory), and the
+gradient w.r.t. the input goes through the unquantized weight (`frozen_fp8_linear`).
 """
 
 from __future__ import annotations
@@ -93,4 +99,71 @@ def requantize_fp8(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     for m in layers:
         m.requantize()
+    return len(layers)
+
+
+class _FrozenFP8Gemm(torch.autograd.Function):
+    """y = fp8_linear(x, q(W), s(W), b) forward; dL/dx = dL/dy @ W backward (W as given, i.e. in
+    the compute dtype FSDP2 gathered it in: a straight-through estimate of the quantized GEMM's
+    input gradient). W and b are frozen: no gradient is returned for them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q, scale = quantize_rowwise(weight.detach())
+        # the weight itself is saved, not a derived copy: FSDP2 frees and re-gathers its storage
+        # around backward exactly as for F.linear's saved weight
+        ctx.save_for_backward(weight)
+        ctx.x_dtype = x.dtype
+        return fp8_linear(x, q, scale.reshape(1, -1), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        gx = grad.to(weight.dtype) @ weight
+        return gx.to(ctx.x_dtype), None, None
+
+
+def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The frozen base GEMM of a LoRA-wrapped linear in FP8, differentiable w.r.t. x only.
+
+    x [..., K] (bf16/fp32); weight [N, K], bias [N] or None, both frozen. Forward:
+    fp8_linear(x, quantize_rowwise(W)) -- W quantized per output channel at this call, x per row
+    -- so equal inputs give bit-equal outputs (the anchor and the replay agree: the first ratio is
+    exactly 1). Backward: dL/dx = dL/dy @ W with W in its own (compute) dtype, not the FP8 copy.
+    Returns [..., N] in x's dtype.
+    """
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise RuntimeError("frozen_fp8_linear is for frozen weights (the LoRA base): this weight trains")
+    return _FrozenFP8Gemm.apply(x, weight, bias)
+
+
+class FP8FrozenLinear(nn.Linear):
+    """A frozen nn.Linear (a LoRA layer's base_layer) whose forward is `frozen_fp8_linear`. Still
+    an nn.Linear with the same parameters and names, so FSDP2, the sync, the checksum and the
+    checkpoint see no difference; `restore_frozen_linears` turns it back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_fp8_linear(x, self.weight, self.bias)
+
+
+def convert_frozen_to_fp8(layers: list[nn.Module]) -> int:
+    """Turn each eligible (fp8_eligible) frozen nn.Linear of `layers` into an FP8FrozenLinear in
+    place (class swap: parameters and names stay). Returns how many were converted."""
+    n = 0
+    for m in layers:
+        if fp8_eligible(m):
+            if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad):
+                raise ValueError(f"an FP8 base GEMM needs a frozen layer; {type(m).__name__} "
+                                 f"{tuple(m.weight.shape)} trains")
+            m.__class__ = FP8FrozenLinear
+            n += 1
+    return n
+
+
+def restore_frozen_linears(model: nn.Module) -> int:
+    """Every FP8FrozenLinear under `model` back to a plain nn.Linear (the bf16 / fp32 GEMM).
+    Returns how many."""
+    layers = [m for m in model.modules() if type(m) is FP8FrozenLinear]
+    for m in layers:
+        m.__class__ = nn.Linear
     return len(layers)

@@ -1,0 +1,151 @@
+"""--replay-precision fp8 on CPU: the frozen base GEMM of the actor's LoRA layers in FP8 (the same
+rowwise-scaled math the FP8 rollout runs, on CPU's _scaled_mm), its input gradient through the
+unquantized weight, the anchor == replay guarantee (first ratio exactly 1), the gradients' distance
+from the default precision on the tiny model, and preflight's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.dist.tiny import ADAPTER, make_batch, make_cfg, one_rank_mesh, replay, tiny_transformer
+from tests.test_preflight import base, problems  # noqa: F401,F811  (base is a fixture)
+from trainer.actor import Actor
+from trainer.core.fp8 import FP8FrozenLinear, fp8_linear, frozen_fp8_linear, quantize_rowwise
+from trainer.train_model import apply_lora, lora_base_layers, set_replay_precision
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    yield from one_rank_mesh()
+
+
+def test_frozen_fp8_gemm_forward_is_the_rollouts_fp8_linear_and_backward_uses_the_weight():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 48, generator=g)
+    b = torch.randn(32, generator=g)
+    x = torch.randn(3, 5, 48, generator=g, requires_grad=True)
+    y = frozen_fp8_linear(x, w, b)
+    q, s = quantize_rowwise(w)
+    assert torch.equal(y, fp8_linear(x.detach(), q, s.reshape(1, -1), b))  # the rollout's FP8 GEMM, bit for bit
+    assert torch.equal(y, frozen_fp8_linear(x.detach(), w, b))             # deterministic: anchor == replay
+    assert not torch.equal(y, nn.functional.linear(x, w, b))                # and it is FP8, not the fp32 GEMM
+    assert (y - nn.functional.linear(x, w, b)).abs().max() < 0.1 * y.abs().max()
+    gy = torch.randn(3, 5, 32, generator=g)
+    y.backward(gy)
+    assert torch.allclose(x.grad, gy @ w, rtol=1e-6, atol=1e-6)  # dL/dx through the unquantized weight
+    with pytest.raises(RuntimeError, match="frozen weights"):
+        frozen_fp8_linear(x, w.requires_grad_(True), b)
+
+
+def test_set_replay_precision_swaps_only_the_blocks_lora_base_layers():
+    model = tiny_transformer()
+    apply_lora(model, ADAPTER.lora_target_modules, rank=4, alpha=8)
+    names = [n for n, _ in model.named_parameters()]
+    bases = lora_base_layers(model)
+    assert len(bases) == 2 * len(ADAPTER.lora_target_modules)  # 2 blocks x 8 attention projections
+    assert set_replay_precision(model, "fp8") == len(bases)
+    assert all(type(m) is FP8FrozenLinear for m in bases)
+    # the embedders and the final projection keep their GEMM; the parameters keep their names
+    assert type(model.proj_out) is nn.Linear and type(model.img_in) is nn.Linear
+    assert [n for n, _ in model.named_parameters()] == names
+    assert set_replay_precision(model, "default") == 0 and all(type(m) is nn.Linear for m in bases)
+    with pytest.raises(ValueError, match="--replay-precision must be one of"):
+        set_replay_precision(model, "fp4")
+    with pytest.raises(ValueError, match="--replay-precision fp8 found no LoRA-wrapped linear"):
+        set_replay_precision(tiny_transformer(), "fp8")
+
+
+def test_full_fine_tune_refuses_fp8_replay(mesh):
+    with pytest.raises(ValueError, match="--fsdp-trainable-mode full trains every weight: use --replay-precision "
+                                         "default"):
+        Actor(tiny_transformer(), mesh, make_cfg("full", fsdp__replay_precision="fp8"), device=torch.device("cpu"),
+              adapter=ADAPTER)
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh, param_dtype):
+    """The no_grad anchor pass and the first update's own forward (with grad) run the same FP8
+    GEMMs: ratio 1 exactly; the second update (after a step) is off 1."""
+    cfg = make_cfg("lora", fsdp__replay_precision="fp8", fsdp__fsdp_param_dtype=param_dtype,
+                   fsdp__fsdp_master_dtype="fp32")
+    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    assert sum(type(m) is FP8FrozenLinear for m in actor.model.modules()) == 16
+    actor.anchor_from_first_update = False  # a separate no_grad anchor for every micro-batch, first update included
+    m = actor.train_step(make_batch(4), ADV, replay)
+    first, second = actor.last_update_stats
+    assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item() and first["ratio_mean"].item() == 1.0
+    assert (second["ratio_max"].item(), second["ratio_min"].item()) != (1.0, 1.0)
+    assert m["train/optimizer_steps"] == 2 and actor.last_anchor_passes == 4
+
+
+def _lora_grads(actor, batch, adv) -> torch.Tensor:
+    """The LoRA gradient of the first update's objective at ratio 1, -mean(A x logp), one flat vector."""
+    actor.optimizer.zero_grad(set_to_none=True)
+    logp = replay(actor.model, batch)
+    (-(adv[:, None] * logp).mean()).backward()
+    out = torch.cat([p.grad.full_tensor().reshape(-1) for p in actor.trainable if p.grad is not None])
+    actor.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, param_dtype):
+    """Same actor, same batch, LoRA B made non-zero (so every LoRA tensor gets a gradient): the FP8
+    base changes the LoRA gradient by a few percent of its norm against the fp32 and the bf16
+    GEMM, and changes it (FP8 is on)."""
+    actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__fsdp_param_dtype=param_dtype,
+                                                     fsdp__fsdp_master_dtype="fp32"),
+                  device=torch.device("cpu"), adapter=ADAPTER)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in actor.model.named_parameters():
+            if "lora_B" in name:
+                p.to_local().copy_(0.05 * torch.randn(p.to_local().shape, generator=g))
+    batch = make_batch(4)
+    ref = _lora_grads(actor, batch, ADV)
+    set_replay_precision(actor.model, "fp8")
+    fp8 = _lora_grads(actor, batch, ADV)
+    assert fp8.shape == ref.shape and torch.isfinite(fp8).all()
+    rel = float((fp8 - ref).norm() / ref.norm())
+    assert 0 < rel < 0.15, rel
+    assert float(torch.nn.functional.cosine_similarity(fp8, ref, dim=0)) > 0.98
+    set_replay_precision(actor.model, "default")
+    assert torch.equal(_lora_grads(actor, batch, ADV), ref)  # the swap back restores the default GEMM exactly
+
+
+def test_preflight_names_the_replay_precision_flag_and_its_fix(base, monkeypatch):  # noqa: F811
+    lora = ["--fsdp-trainable-mode", "lora", "--lora-rank", "8", "--fsdp-master-dtype", "fp32"]
+    assert problems(base + lora + ["--replay-precision", "fp8"]) == []  # CPU here: the CPU FP8 math runs
+    got = problems(base + ["--replay-precision", "fp8"])
+    assert [p for p in got if p.startswith("--replay-precision fp8 with --fsdp-trainable-mode full") and
+            "use --fsdp-trainable-mode lora, or --replay-precision default" in p], got
+    import torch as _torch
+
+    monkeypatch.setattr(_torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(_torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    got = problems(base + lora + ["--replay-precision", "fp8", "--rollout-precision", "fp8"])
+    hits = [p for p in got if "compute capability >= 8.9" in p and "8.0 (NVIDIA A100)" in p]
+    assert len(hits) == 2 and hits[0].startswith("--rollout-precision fp8") and \
+        hits[1].startswith("--replay-precision fp8") and hits[1].endswith("use --replay-precision default"), got
+    monkeypatch.setattr(_torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert not [p for p in problems(base + lora + ["--replay-precision", "fp8"]) if "compute capability" in p]
+
+
+def test_recorded_old_logprobs_with_an_fp8_replay_are_warned_about(base):  # noqa: F811
+    """The sampler runs the base GEMMs in the compute dtype, the FP8 replay does not: with
+    --old-logprob-source rollout the first ratio carries that gap, so preflight says so."""
+    from tests.test_preflight import warnings_of
+
+    lora = ["--fsdp-trainable-mode", "lora", "--lora-rank", "8", "--fsdp-master-dtype", "fp32",
+            "--replay-precision", "fp8"]
+    warns = [w for w in warnings_of(base + lora + ["--old-logprob-source", "rollout"])
+             if w.startswith("--old-logprob-source rollout")]
+    assert len(warns) == 1 and "--replay-precision fp8" in warns[0] and "not exactly 1" in warns[0], warns
+    assert not [w for w in warnings_of(base + lora) if w.startswith("--old-logprob-source")]
