@@ -2,7 +2,7 @@
 against an independent element-by-element reference in numpy (loops, float64), plus the
 properties the formulas promise (limits, directions, finite gradients); the flags and preflight;
 the nft and GRPO-Guard updates on the tiny model in process; and both through the trainer (one
-torchrun pair for nft's exact resume, one single-process run for GRPO-Guard)."""
+torchrun pair for nft's exact resume, one single-process pair for GRPO-Guard: a run and its resume)."""
 
 import math
 import subprocess
@@ -523,18 +523,30 @@ def test_nft_through_the_trainer_resumes_exactly_and_exports(tmp_path, tiny_mode
 
 def test_grpo_guard_through_the_trainer(tmp_path, tiny_model_dir):
     """--grpo-guard on the real replay (the adapter's transition means and stds), one process:
-    2 rollouts train, checkpoint and log finite losses with the first update's ratio at 1."""
-    from tests.test_e2e import _recipe
+    2 rollouts train, checkpoint and log finite losses with the first update's ratio at 1; a run
+    resumed from the first rollout's checkpoint ends with the same weights, policy version and lr
+    step, and samples the second rollout's images byte for byte (the guard keeps no state of its
+    own: it is a function of the replayed transitions)."""
+    from tests.test_e2e import _recipe, assert_resume_is_exact
     from tests.workers.launch import ROOT
 
     recipe = _recipe(tmp_path, tiny_model_dir, "full", extra="grpo-guard = true")
-    out = tmp_path / "g"
-    cmd = [sys.executable, "-m", "trainer.train", "--config", str(recipe), "--actor-num-gpus-per-node", "1",
-           "--num-rollout", "2", "--eps-clip", "1e-5", "--artifact-root", str(out / "artifacts"),
-           "--save", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb")]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def train(out, *args):
+        cmd = [sys.executable, "-m", "trainer.train", "--config", str(recipe), "--actor-num-gpus-per-node", "1",
+               "--num-rollout", "2", "--eps-clip", "1e-5", "--artifact-root", str(out / "artifacts"),
+               "--save", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb"), *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout + proc.stderr
+
+    out, resumed = tmp_path / "g", tmp_path / "g_resumed"
+    train(out)
+    assert "continuing at rollout 1" in train(resumed, "--load", str(out / "ckpt"), "--ckpt-step", "0")
+    pngs = len(list((out / "artifacts" / "t2i" / "rollout_0000001").glob("*.png")))
+    assert pngs > 0
+    assert_resume_is_exact(out, resumed, 1, (1,), pngs, policy_version=2, lr_steps=4)
     from trainer.metrics import read_scalars
 
     scalars = read_scalars(out / "tb")
