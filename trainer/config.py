@@ -76,6 +76,7 @@ PIPELINE_ADAPTERS = {
     "QwenImagePipeline": "trainer.models.qwen_image.QwenImageAdapter",
     "StableDiffusion3Pipeline": "trainer.models.sd3.SD3Adapter",
     "FluxPipeline": "trainer.models.flux.FluxAdapter",
+    "QwenImageEditPlusPipeline": "trainer.models.qwen_image_edit.QwenImageEditAdapter",
 }
 
 
