@@ -231,3 +231,78 @@ def test_text_family_refuses_source_images_and_edit_needs_them(tiny_model_dir, e
                         [dataclasses.replace(make_requests(adapter, engine, {}, sources[:1], group_size=1)[0], media=[])])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         engine.generate(make_requests(adapter, engine, {}, [sources[0] + ".gone"], group_size=1))
+
+
+# ------------------------------------------------------------------------- the task in preflight and recipes
+
+
+def _edit_argv(model_dir, prompts, tmp_path, task="i2i", adapter=None):
+    import json
+
+    return ["--model-path", str(model_dir), "--prompt-data", str(prompts), "--actor-num-gpus-per-node", "1",
+            "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2",
+            "--micro-batch-size", "1", "--sampling-config", json.dumps(SAMPLING), "--generation-task", task,
+            "--num-rollout", "1", "--reward-scorer-path", "color_edit", "--reward-runtime", "cpu",
+            "--artifact-root", str(tmp_path / "a"), *(["--model-adapter-path", adapter] if adapter else [])]
+
+
+def test_preflight_pairs_i2i_with_an_edit_family_and_records_with_images(edit_dir, tiny_model_dir, sources, tmp_path):
+    import json
+
+    from trainer.config import load_config
+    from trainer.preflight import PreflightError, validate
+
+    good = tmp_path / "edit.jsonl"
+    good.write_text(json.dumps({"prompt": "<image> make the square red", "images": [sources[1]],
+                                "metadata": {"task": "i2i", "sample_id": "e0"}}) + "\n")
+    cfg = load_config(_edit_argv(edit_dir, good, tmp_path))
+    assert cfg.model.model_adapter_path == "trainer.models.qwen_image_edit.QwenImageEditAdapter"  # model_index.json
+    validate(cfg, 1)  # raises on any problem
+
+    def problems(argv):
+        with pytest.raises(PreflightError) as e:
+            validate(load_config(argv), 1)
+        return str(e.value)
+
+    t2i = tmp_path / "t2i.jsonl"
+    t2i.write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2i", "sample_id": "p0"}}) + "\n")
+    assert "--model-adapter-path trainer.models.qwen_image_edit.QwenImageEditAdapter is an image-editing family" \
+        in problems(_edit_argv(edit_dir, t2i, tmp_path, task="t2i"))
+    msg = problems(_edit_argv(tiny_model_dir, good, tmp_path))
+    assert "--generation-task i2i needs an image-editing family, but --model-adapter-path " \
+           "trainer.models.qwen_image.QwenImageAdapter is a text-to-image one" in msg
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"prompt": "make it red", "metadata": {"task": "i2i", "sample_id": "e1"}}) + "\n")
+    msg = problems(_edit_argv(edit_dir, bare, tmp_path))
+    assert f"--prompt-data: 1 record(s) have no source image (e.g. {bare}:1)" in msg and "--source edit" in msg
+    gone = tmp_path / "gone.jsonl"
+    gone.write_text(json.dumps({"prompt": "<image> make it red", "images": ["nowhere.png"],
+                                "metadata": {"task": "i2i", "sample_id": "e2"}}) + "\n")
+    assert "--prompt-data: 1 source image(s) do not exist" in problems(_edit_argv(edit_dir, gone, tmp_path))
+
+
+def test_shipped_edit_recipes_load_and_name_the_edit_family(edit_dir, sources, tmp_path, monkeypatch):
+    """configs/qwen_image_edit_i2i_lora_8gpu.toml parses into an i2i run of the edit family with
+    the edit judge and true CFG; configs/tiny_cpu_edit.toml passes preflight on the tiny model
+    (the end-to-end test runs it)."""
+    import json
+    from pathlib import Path
+
+    from trainer.config import load_config, resolve_scorer_path
+    from trainer.preflight import validate
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for var in ("MODEL_DIR", "DATA_DIR", "EXP_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    cfg = load_config(["--config", str(root / "qwen_image_edit_i2i_lora_8gpu.toml")])
+    assert cfg.model.generation_task == "i2i"
+    assert cfg.model.model_adapter_path == "trainer.models.qwen_image_edit.QwenImageEditAdapter"
+    assert resolve_scorer_path(cfg.reward.reward_scorer_path) == "trainer.rewards.edit.EditJudgeScorer"
+    assert cfg.rollout.sampling_config["guidance_scale"] == 4.0 and cfg.lora.lora_rank == 64
+    data = tmp_path / "edit.jsonl"
+    data.write_text(json.dumps({"prompt": "<image> make the square red", "images": [sources[1]],
+                                "metadata": {"task": "i2i", "sample_id": "e0"}}) + "\n")
+    tiny = load_config(["--config", str(root / "tiny_cpu_edit.toml"), "--model-path", str(edit_dir),
+                        "--prompt-data", str(data), "--artifact-root", str(tmp_path / "a"),
+                        "--save", str(tmp_path / "c"), "--tensorboard-dir", str(tmp_path / "tb")])
+    validate(tiny, 2)

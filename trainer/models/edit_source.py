@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+#: the prompt-metadata key under which an editing candidate carries its source files (absolute
+#: paths, record order): the sidecar's reference to the sources, and where the loop reads the
+#: pixels the scorers get under SOURCE_IMAGES_KEY
+SOURCE_PATHS_KEY = "source_paths"
+
 #: the largest source accepted, in pixels: a decompression bomb is refused before it is decoded
 MAX_SOURCE_PIXELS = 4096 * 4096
 
@@ -52,3 +57,24 @@ def source_pixels(path: str | os.PathLike, height: int, width: int) -> Any:
     import numpy as np
 
     return np.asarray(resized_source(open_source_image(path), height, width), dtype=np.uint8).copy()
+
+
+def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: str) -> list[dict]:
+    """Copies of the candidates' metadata with `key` (the rewards' SOURCE_IMAGES_KEY) holding the
+    uint8 pixels of their SOURCE_PATHS_KEY files at each candidate's (height, width), each file
+    decoded once per call and the array shared by the candidates of its record; metadata
+    without sources is returned as it is."""
+    cache: dict[tuple[str, int, int], Any] = {}
+    out = []
+    for md, (h, w) in zip(metadata, sizes):
+        paths = (md or {}).get(SOURCE_PATHS_KEY)
+        if not paths:
+            out.append(md)
+            continue
+        pixels = []
+        for p in paths:
+            if (p, h, w) not in cache:
+                cache[p, h, w] = source_pixels(p, h, w)
+            pixels.append(cache[p, h, w])
+        out.append({**md, key: pixels})
+    return out
