@@ -6,6 +6,7 @@ resume-identity checks and the reward's rise."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -47,6 +48,44 @@ save-interval = 1
 artifact-retention-rollouts = {rollouts}
 {sampling}"""
     path = tmp / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+#: the shipped tiny editing recipe (i2i, LoRA, the colour-edit reward, 16 x 16, true CFG 4)
+EDIT_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu_edit.toml"
+
+
+def write_edit_records(d: Path, n: int = 1) -> Path:
+    """A prompt file of `n` i2i records "<image> make the square red", each on its own
+    blue-square source under d/media/."""
+    from PIL import Image
+
+    (d / "media").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        im = Image.new("RGB", (16, 16), (235, 235, 235))
+        im.paste(Image.new("RGB", (8, 8), (30, 40 + 10 * i, 220)), (4, 4))
+        im.save(d / "media" / f"src{i}.png")
+        lines.append(json.dumps({"prompt": "<image> make the square red", "images": [f"media/src{i}.png"],
+                                 "metadata": {"task": "i2i", "sample_id": f"e{i}"}}))
+    path = d / "edit.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def edit_recipe(tmp: Path, model_dir: Path, train: Path, **keys: str) -> Path:
+    """configs/tiny_cpu_edit.toml with its model-path and prompt-data pointed at `model_dir` and
+    `train`, and each `keys` entry (a top-level key, "_" for "-", or a [sampling-config] key)
+    replaced by the given TOML value; a value None drops the line."""
+    text = EDIT_RECIPE.read_text()
+    values = {"model-path": json.dumps(str(model_dir)), "prompt-data": json.dumps(str(train)),
+              **{k.replace("_", "-") if k.replace("_", "-") in text else k: v for k, v in keys.items()}}
+    for key, value in values.items():
+        text, n = re.subn(rf"^{re.escape(key)} = .*$\n?", "" if value is None else f"{key} = {value}\n", text,
+                          flags=re.M)
+        assert n == 1, key
+    path = tmp / "tiny_cpu_edit.toml"
     path.write_text(text)
     return path
 

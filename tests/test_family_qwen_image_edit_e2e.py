@@ -8,14 +8,13 @@ engine; tools/sample.py edits the record's source with the trained checkpoint.""
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from tests.family_e2e import assert_export_round_trip, assert_lora_resume_is_exact, train_and_resume
+from tests.family_e2e import (assert_export_round_trip, assert_lora_resume_is_exact, edit_recipe, train_and_resume,
+                               write_edit_records)
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
@@ -23,11 +22,6 @@ ADAPTER_PATH = "trainer.models.qwen_image_edit.QwenImageEditAdapter"
 ROLLOUTS = 2
 LAST = ROLLOUTS - 1
 CANDIDATES = 8
-
-#: the shipped tiny recipe: 16x16 (a 2 x 2 token grid, the source another 2 x 2), 3 steps, true
-#: CFG 4, LoRA, the colour-edit reward
-RECIPE = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu_edit.toml"
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -37,34 +31,12 @@ def model_dir(tmp_path_factory):
                                                vae_output_gain=8.0, variant="2511")
 
 
-def write_edit_records(d: Path, n: int = 1) -> Path:
-    """`n` i2i records "<image> make the square red", each on its own blue-square source."""
-    (d / "media").mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i in range(n):
-        im = Image.new("RGB", (16, 16), (235, 235, 235))
-        im.paste(Image.new("RGB", (8, 8), (30, 40 + 10 * i, 220)), (4, 4))
-        im.save(d / "media" / f"src{i}.png")
-        lines.append(json.dumps({"prompt": "<image> make the square red", "images": [f"media/src{i}.png"],
-                                 "metadata": {"task": "i2i", "sample_id": f"e{i}"}}))
-    path = d / "edit.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
     """configs/tiny_cpu_edit.toml on this model and one record: ROLLOUTS rollouts, and a run
     resumed from the first checkpoint."""
     tmp = tmp_path_factory.mktemp("edit_e2e")
-    train = write_edit_records(tmp / "data")
-    text = RECIPE.read_text()
-    for key, value in (("model-path", model_dir), ("prompt-data", train)):
-        text, n = re.subn(rf'^{key} = ".*"$', f'{key} = "{value}"', text, flags=re.M)
-        assert n == 1, key
-    recipe = tmp / "tiny_cpu_edit.toml"
-    recipe.write_text(text)
-    return train_and_resume(recipe, tmp, ROLLOUTS)
+    return train_and_resume(edit_recipe(tmp, model_dir, write_edit_records(tmp / "data")), tmp, ROLLOUTS)
 
 
 def test_lora_resume_is_exact_and_the_sidecar_records_the_source(runs):

@@ -77,6 +77,7 @@ PIPELINE_ADAPTERS = {
     "StableDiffusion3Pipeline": "trainer.models.sd3.SD3Adapter",
     "FluxPipeline": "trainer.models.flux.FluxAdapter",
     "QwenImageEditPlusPipeline": "trainer.models.qwen_image_edit.QwenImageEditAdapter",
+    "FluxKontextPipeline": "trainer.models.flux_kontext.FluxKontextAdapter",
 }
 
 
@@ -122,6 +123,7 @@ SCORER_SHORT_NAMES = {
 #: i2i with them, and t2i with the others)
 EDIT_ADAPTERS = frozenset({
     "trainer.models.qwen_image_edit.QwenImageEditAdapter",
+    "trainer.models.flux_kontext.FluxKontextAdapter",
 })
 
 #: scorers that load a model from --reward-model-path (the others need no weights)

@@ -225,8 +225,8 @@ def _check_edit_task(cfg: RunConfig, errors: list[str]) -> None:
         if m.generation_task == "i2i" and not edit:
             errors.append(f"--generation-task i2i needs an image-editing family, but --model-adapter-path {adapter} "
                           "is a text-to-image one; point --model-path at an editing model (model_index.json "
-                          f"QwenImageEditPlusPipeline) with --model-adapter-path {' or '.join(sorted(EDIT_ADAPTERS))}, "
-                          "or set --generation-task t2i")
+                          "QwenImageEditPlusPipeline or FluxKontextPipeline) with --model-adapter-path "
+                          f"{' or '.join(sorted(EDIT_ADAPTERS))}, or set --generation-task t2i")
         elif m.generation_task == "t2i" and edit:
             errors.append(f"--model-adapter-path {adapter} is an image-editing family: it trains records with "
                           "source images; set --generation-task i2i (or use a text-to-image --model-path)")

@@ -290,7 +290,8 @@ class NativeEngine(EngineMemoryState):
                              "editing record (with images) needs an editing family's --model-path")
         from trainer.models.edit_source import open_source_image
 
-        encoded = encode(self.prompt_encoder, prompt, [open_source_image(p) for p in media], size, self.device)
+        encoded = encode(self.prompt_encoder, prompt, [open_source_image(p) for p in media], size, self.device,
+                         max_sequence_length=self.max_sequence_length)
         return {k: (v[0].to(self.dtype) if v.is_floating_point() else v[0]) for k, v in encoded.items()}
 
     def _init_shape(self, r: RolloutRequest) -> list[int]:

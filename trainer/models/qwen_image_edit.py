@@ -159,10 +159,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return encode
 
     def encode_condition(self, prompt_encoder, prompt: str, images: list, size: tuple[int, int],
-                         device: torch.device) -> dict[str, torch.Tensor]:
+                         device: torch.device, max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
         """{"prompt_embeds" [1, T, D], "prompt_embeds_mask" [1, T], "image_latents" [1, n L, C]}
         of `prompt` shown the PIL `images`, as QwenImageEditPlusPipeline conditions (module
-        docstring) for a size = (height, width) output."""
+        docstring) for a size = (height, width) output. max_sequence_length is unused: the edit
+        pipeline keeps the whole prompt (its vision tokens included)."""
         from trainer.models.edit_geometry import QWEN_EDIT_CONDITION_AREA, area_dimensions
         from trainer.models.edit_source import resized_source
 
