@@ -151,3 +151,21 @@ def test_replay_reproduces_the_sampler_and_the_first_update_trains_everything(ko
 def test_one_source_per_record(engine, adapter, sources):
     with pytest.raises(ValueError, match="edits one source image, a record gave 2"):
         engine.generate(make_requests(adapter, engine, [sources], group_size=1))
+
+
+def test_the_kontext_recipe_passes_preflight_at_8_ranks(kontext_dir, sources, tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from trainer.config import load_config
+    from trainer.preflight import validate
+
+    for var in ("MODEL_DIR", "DATA_DIR", "EXP_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    data = tmp_path / "edit.jsonl"
+    data.write_text(json.dumps({"prompt": "<image> make the square red", "images": [sources[0]],
+                                "metadata": {"task": "i2i", "sample_id": "e0"}}) + "\n")
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "flux1kontext_i2i_lora_8gpu.toml"
+    validate(load_config(["--config", str(recipe), "--model-path", str(kontext_dir), "--prompt-data", str(data),
+                          "--eval-prompt-data", "none", "--artifact-root", str(tmp_path / "a"),
+                          "--save", str(tmp_path / "c"), "--tensorboard-dir", str(tmp_path / "tb")]), 8)

@@ -283,8 +283,9 @@ def test_preflight_pairs_i2i_with_an_edit_family_and_records_with_images(edit_di
 
 def test_shipped_edit_recipes_load_and_name_the_edit_family(edit_dir, sources, tmp_path, monkeypatch):
     """configs/qwen_image_edit_i2i_lora_8gpu.toml parses into an i2i run of the edit family with
-    the edit judge and true CFG; configs/tiny_cpu_edit.toml passes preflight on the tiny model
-    (the end-to-end test runs it)."""
+    the edit judge and true CFG and passes preflight at 8 ranks; configs/tiny_cpu_edit.toml passes
+    it on the tiny model (the end-to-end tests run it); configs/flux1kontext_i2i_lora_8gpu.toml
+    names Kontext with its embedded guidance (tests/test_family_flux_kontext.py checks it)."""
     import json
     from pathlib import Path
 
@@ -302,7 +303,13 @@ def test_shipped_edit_recipes_load_and_name_the_edit_family(edit_dir, sources, t
     data = tmp_path / "edit.jsonl"
     data.write_text(json.dumps({"prompt": "<image> make the square red", "images": [sources[1]],
                                 "metadata": {"task": "i2i", "sample_id": "e0"}}) + "\n")
-    tiny = load_config(["--config", str(root / "tiny_cpu_edit.toml"), "--model-path", str(edit_dir),
-                        "--prompt-data", str(data), "--artifact-root", str(tmp_path / "a"),
-                        "--save", str(tmp_path / "c"), "--tensorboard-dir", str(tmp_path / "tb")])
-    validate(tiny, 2)
+    outputs = ["--prompt-data", str(data), "--artifact-root", str(tmp_path / "a"), "--save", str(tmp_path / "c"),
+               "--tensorboard-dir", str(tmp_path / "tb")]
+    validate(load_config(["--config", str(root / "tiny_cpu_edit.toml"), "--model-path", str(edit_dir), *outputs]), 2)
+    # the 8-device recipe's geometry and flags pass preflight at its world size (the tiny model standing in)
+    validate(load_config(["--config", str(root / "qwen_image_edit_i2i_lora_8gpu.toml"), "--model-path", str(edit_dir),
+                          "--eval-prompt-data", "none", *outputs]), 8)
+    kontext = load_config(["--config", str(root / "flux1kontext_i2i_lora_8gpu.toml")])
+    assert kontext.model.generation_task == "i2i"
+    assert kontext.model.model_adapter_path == "trainer.models.flux_kontext.FluxKontextAdapter"
+    assert kontext.rollout.sampling_config["guidance_scale"] == 2.5
