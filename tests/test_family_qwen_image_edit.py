@@ -313,3 +313,39 @@ def test_shipped_edit_recipes_load_and_name_the_edit_family(edit_dir, sources, t
     assert kontext.model.generation_task == "i2i"
     assert kontext.model.model_adapter_path == "trainer.models.flux_kontext.FluxKontextAdapter"
     assert kontext.rollout.sampling_config["guidance_scale"] == 2.5
+
+
+def test_rollout_hands_each_record_its_sources_and_the_scorers_their_pixels(engine, adapter, sources, tmp_path):
+    """generate_rollout gives an editing family each record's images (the sidecar keeps their
+    paths), and the loop's scorer inputs carry the pixels the engine encoded, decoded once per
+    record and shared by its candidates; the colour-edit scorer scores from them."""
+    import numpy as np
+
+    from trainer import artifacts
+    from trainer.loop import _scorer_inputs
+    from trainer.models.edit_source import SOURCE_PATHS_KEY, source_pixels
+    from trainer.rewards.base import SOURCE_IMAGES_KEY
+    from trainer.rewards.edit import ColorEditScorer
+    from trainer.rollout import generate_rollout
+    from trainer.sampling import parse_sampling_config
+
+    records = [{"prompt": "<image> make the square red", "images": [src],
+                "metadata": {"task": "i2i", "sample_id": f"e{i}"}} for i, src in enumerate(sources[:2])]
+    out = generate_rollout(engine, adapter, records, rollout_id=0, sampling=parse_sampling_config(SAMPLING),
+                           group_size=2, generation_seed=3, artifact_root=tmp_path / "art", task="i2i")
+    traj = out.trajectory
+    assert traj.geometry.media == ("image",) and [m[SOURCE_PATHS_KEY] for m in traj.metadata] == \
+        [[sources[0]]] * 2 + [[sources[1]]] * 2
+    images, prompts, metadata = _scorer_inputs(traj)
+    pix = [m[SOURCE_IMAGES_KEY][0] for m in metadata]
+    assert pix[0] is pix[1] and pix[2] is pix[3] and pix[0].shape == (32, 32, 3) and pix[0].dtype == np.uint8
+    assert np.array_equal(pix[0], source_pixels(sources[0], 32, 32)) and not np.array_equal(pix[0], pix[2])
+    assert SOURCE_IMAGES_KEY not in traj.metadata[0]  # the trajectory (and its sidecar) keeps paths, not pixels
+    from trainer.rewards.base import ImageBatch
+
+    scores = ColorEditScorer().score(ImageBatch.from_any(images), prompts, metadata)["color_edit"]
+    assert scores.shape == (4,) and bool(((scores >= 0) & (scores <= 1)).all())
+    side = artifacts.iter_sidecars(out.artifact_dir)[0]
+    back = artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(side))
+    assert back.metadata[0][SOURCE_PATHS_KEY] == [sources[0]] and torch.equal(
+        back.conditions["image_latents"], traj.conditions["image_latents"][:2])
