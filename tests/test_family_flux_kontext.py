@@ -120,11 +120,13 @@ def test_rollout_records_the_source_and_the_guidance(adapter, batch):
     assert c["guidance"].tolist() == [2.5] * 4 and not batch.guided and batch.geometry.media == ("image",)
 
 
-def test_replay_reproduces_the_sampler_and_the_first_update_trains_everything(kontext_dir, adapter, batch):
+def test_replay_reproduces_the_sampler_and_the_first_update_trains_everything(kontext_dir, adapter, batch, sources):
     from tests.dist.tiny import full_params, make_cfg, one_rank_mesh
     from trainer.actor import Actor
     from trainer.core.names import model_name
+    from trainer.engine.native import NativeEngine
     from trainer.loop import make_replay_fn
+    from trainer.weight_sync import WeightSyncer
 
     actor_model = adapter.load_train_model(str(kontext_dir), dtype=torch.float32)
     with torch.no_grad():
@@ -144,6 +146,15 @@ def test_replay_reproduces_the_sampler_and_the_first_update_trains_everything(ko
         assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
         trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
         assert trainable == set(before) and [n for n in trainable if torch.equal(before[n], after[n])] == []
+        # sync parity: a fresh engine given the new weights holds them and samples what the actor replays
+        fresh = NativeEngine(str(kontext_dir), device="cpu", dtype=torch.float32, adapter=adapter,
+                             max_sequence_length=32)
+        WeightSyncer("full", wire_dtype="fp32", name_map=adapter.weight_name_map).sync(actor.model, fresh)
+        held = {n: p.detach() for n, p in fresh.transformer.named_parameters()}
+        assert all(torch.equal(held[n], t) for n, t in after.items())
+        nxt = fresh.generate(make_requests(adapter, fresh, [[sources[1]]]))
+        with torch.no_grad():
+            torch.testing.assert_close(make_replay_fn(adapter)(actor.model, nxt), nxt.log_probs, atol=1e-5, rtol=0)
     finally:
         next(gen, None)
 

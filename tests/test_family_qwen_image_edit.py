@@ -190,11 +190,16 @@ def test_sidecar_round_trip_replays_the_same(batches, adapter, edit_dir, tmp_pat
         torch.testing.assert_close(adapter.replay_transitions(actor, back), b.log_probs[rows], atol=1e-5, rtol=0)
 
 
-def test_first_update_is_ratio_one_and_trains_every_parameter(edit_dir, adapter, batches):
+def test_first_update_is_ratio_one_and_trains_every_parameter(edit_dir, adapter, batches, sources):
+    """The first update's ratio is exactly 1 and every trainable parameter changes (full with CFG,
+    LoRA without); then sync parity: the new weights synced (full / adapter) into a fresh engine
+    are the actor's, and what that engine samples next the actor replays exactly."""
     from tests.dist.tiny import full_params, make_cfg, one_rank_mesh
     from trainer.actor import Actor
-    from trainer.core.names import model_name
+    from trainer.core.names import model_name, strip_wrapper_segments
+    from trainer.engine.native import NativeEngine
     from trainer.loop import make_replay_fn
+    from trainer.weight_sync import WeightSyncer
 
     gen = one_rank_mesh()
     mesh = next(gen)
@@ -215,6 +220,17 @@ def test_first_update_is_ratio_one_and_trains_every_parameter(edit_dir, adapter,
                 assert trainable == set(before) - set(actor.never_trained)
             else:
                 assert all(".lora_" in n for n in trainable)
+            fresh = NativeEngine(str(edit_dir), device="cpu", dtype=torch.float32, adapter=adapter)
+            syncer = WeightSyncer("full" if mode == "full" else "adapter", wire_dtype="fp32",
+                                  name_map=adapter.weight_name_map, lora_config=actor.lora_config)
+            syncer.sync(actor.model, fresh)
+            held = {strip_wrapper_segments(n): p.detach() for n, p in fresh.transformer.named_parameters()}
+            synced = {strip_wrapper_segments(n): t for n, t in after.items() if n in trainable}
+            assert synced and all(torch.equal(held[n], t) for n, t in synced.items())
+            over = {"guidance_scale": 4.0, "negative_prompt": " "} if guided else {}
+            nxt = fresh.generate(make_requests(adapter, fresh, over, sources[:1]))
+            with torch.no_grad():
+                torch.testing.assert_close(make_replay_fn(adapter)(actor.model, nxt), nxt.log_probs, atol=1e-5, rtol=0)
     finally:
         next(gen, None)
 
