@@ -357,6 +357,7 @@ def test_rollout_hands_each_record_its_sources_and_the_scorers_their_pixels(engi
     assert pix[0] is pix[1] and pix[2] is pix[3] and pix[0].shape == (32, 32, 3) and pix[0].dtype == np.uint8
     assert np.array_equal(pix[0], source_pixels(sources[0], 32, 32)) and not np.array_equal(pix[0], pix[2])
     assert SOURCE_IMAGES_KEY not in traj.metadata[0]  # the trajectory (and its sidecar) keeps paths, not pixels
+    assert all(SOURCE_PATHS_KEY not in m for m in metadata)  # a (remote) scorer gets pixels, never file names
     from trainer.rewards.base import ImageBatch
 
     scores = ColorEditScorer().score(ImageBatch.from_any(images), prompts, metadata)["color_edit"]

@@ -62,8 +62,9 @@ def source_pixels(path: str | os.PathLike, height: int, width: int) -> Any:
 def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: str) -> list[dict]:
     """Copies of the candidates' metadata with `key` (the rewards' SOURCE_IMAGES_KEY) holding the
     uint8 pixels of their SOURCE_PATHS_KEY files at each candidate's (height, width), each file
-    decoded once per call and the array shared by the candidates of its record; metadata
-    without sources is returned as it is."""
+    decoded once per call and the array shared by the candidates of its record, and the paths
+    themselves left out (a remote scorer is sent metadata: it gets the pixels, never this host's
+    file names); metadata without sources is returned as it is."""
     cache: dict[tuple[str, int, int], Any] = {}
     out = []
     for md, (h, w) in zip(metadata, sizes):
@@ -76,5 +77,5 @@ def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: 
             if (p, h, w) not in cache:
                 cache[p, h, w] = source_pixels(p, h, w)
             pixels.append(cache[p, h, w])
-        out.append({**md, key: pixels})
+        out.append({**{k: v for k, v in md.items() if k != SOURCE_PATHS_KEY}, key: pixels})
     return out
