@@ -366,3 +366,39 @@ def test_rollout_hands_each_record_its_sources_and_the_scorers_their_pixels(engi
     back = artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(side))
     assert back.metadata[0][SOURCE_PATHS_KEY] == [sources[0]] and torch.equal(
         back.conditions["image_latents"], traj.conditions["image_latents"][:2])
+
+
+def test_two_sources_per_record_condition_as_the_pipeline_and_replay(edit_dir, engine, adapter, sources, monkeypatch):
+    """A record with two sources: the VL encoder sees "Picture 1 ... Picture 2" and both images,
+    the DiT both latent grids after the target (img_shapes target, source 1, source 2), as
+    QwenImageEditPlusPipeline feeds it; the replay equals the sampler."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
+
+    from trainer.models.edit_source import open_source_image
+
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 32 * 32)
+    pipe = engine.prompt_encoder.pipe
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    handle = engine.transformer.register_forward_hook(
+        lambda m, a, kw, out: seen.append({k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}),
+        with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(image=[open_source_image(p) for p in sources[:2]], prompt="swap their colours", height=32, width=32,
+                 num_inference_steps=2, true_cfg_scale=1.0, output_type="latent",
+                 generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    ours = engine.encode_condition("<image><image> swap their colours", sources[:2], (32, 32))
+    assert torch.equal(ours["prompt_embeds"], seen[0]["encoder_hidden_states"][0])
+    assert torch.equal(ours["image_latents"], seen[0]["hidden_states"][0, 16:])
+    assert [tuple(s) for s in seen[0]["img_shapes"][0]] == [(1, 4, 4)] * 3
+    reqs = make_requests(adapter, engine, {}, [sources[0]], prompt="<image><image> swap their colours")
+    reqs = [dataclasses.replace(r, media=sources[:2]) for r in reqs]
+    traj = engine.generate(reqs)
+    assert traj.geometry.media == ("image", "image") and traj.conditions["image_latents"].shape == (2, 32, 16)
+    adapter.validate_trajectory(traj)
+    actor = adapter.load_train_model(str(edit_dir), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.replay_transitions(actor, traj), traj.log_probs, atol=1e-5, rtol=0)
