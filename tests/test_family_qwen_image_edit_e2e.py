@@ -55,14 +55,21 @@ def test_lora_resume_is_exact_and_the_sidecar_records_the_source(runs):
     assert traj.metadata[0][SOURCE_PATHS_KEY][0].endswith("media/src0.png")
 
 
-def test_the_colour_edit_reward_saw_the_source(runs):
+def test_the_colour_edit_reward_saw_the_source(runs, capsys):
     """The loop put the source pixels into the scorer's metadata: color_edit is scored (not a
-    failure) and its preservation term is logged for every rollout."""
+    failure) for every rollout, and tools/score.py re-scores the last rollout's PNGs from the
+    sources its sidecars name to the training run's figure."""
+    from tools.score import main as score_main
     from trainer.metrics import read_scalars
 
-    scalars = read_scalars(runs[0] / "tb")
-    assert len(scalars["reward/color_edit_mean"]) == ROLLOUTS
-    assert all(0.0 <= v <= 1.0 for _, v in scalars["reward/color_edit_mean"])
+    means = [v for _, v in read_scalars(runs[0] / "tb")["reward/color_edit_mean"]]
+    assert len(means) == ROLLOUTS and all(0.0 <= v <= 1.0 for v in means)
+    assert score_main(["--reward-scorer-path", "color_edit", "--reward-runtime", "cpu",
+                       "--images", str(runs[0] / "artifacts" / "i2i" / f"rollout_{LAST:07d}")]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) == CANDIDATES
+    rescored = sum(line["scores"]["color_edit"] for line in lines) / len(lines)
+    assert rescored == pytest.approx(means[LAST], abs=1e-3)
 
 
 def _fixed_input():
