@@ -33,8 +33,13 @@ FlowGRPO's own SD3 rollout function, imported from that checkout, on the same mo
         --steps 10 --guidance-scale 4.5 --flowgrpo-path runs/flow_grpo --output bench/results/sd3.jsonl
 
 --family flux times FLUX.1-dev (tools/bench_flux.py: its 11.9 B DiT, CLIP-L + T5-XXL, its FLOP model;
---text-tokens is its T5 window). Every family runs the same phases below (family_parts says what
-differs), the speed options included; --compare is Qwen-Image's only.
+--text-tokens is its T5 window). --family qwen_image_edit times Qwen-Image-Edit-2511 editing
+(tools/bench_edit.py's modules: Qwen-Image's DiT with zero_cond_t, Qwen2.5-VL with its vision tower):
+one random source per prompt at the output size, so the DiT's sequence is twice the target's
+tokens (image_tokens counts both) and the text holds the source's vision tokens; its comparison
+with diffusers' QwenImageEditPlusPipeline is tools/bench_edit.py's. Every family runs the same
+phases below (family_parts says what differs), the speed options included; --compare is
+Qwen-Image's only.
 
 Nothing is read from disk: every module (the 20.4 B DiT, the VAE, the Qwen2.5-VL-7B text
 encoder) is built on the meta device from its config, materialised on the rank's device with
@@ -102,7 +107,7 @@ SHAPES = ("real", "tiny")
 #: --compare: other code timed on the engine's own modules
 COMPARE_PATHS = ("diffusers", "flowgrpo")
 #: --family: the DiT families the bench builds
-FAMILIES = ("qwen_image", "sd3", "flux")
+FAMILIES = ("qwen_image", "sd3", "flux", "qwen_image_edit")
 #: phases --skip can leave out
 SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step")
 #: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
@@ -345,7 +350,8 @@ def family_parts(family: str) -> SimpleNamespace:
     sampling: sampling-config keys the family needs; transformer_config(shape): the DiT's config;
     real_param_counts(): (DiT, VAE + text encoders) parameters of the real shape, counted on meta;
     image_tokens(height, width, vae_scale_factor, dit_cfg): tokens of the DiT's image sequence;
-    geometry(dit_cfg): extra keys of every figure's geometry."""
+    geometry(dit_cfg): extra keys of every figure's geometry;
+    sources(directory, n, size): an editing family's source files, one per prompt (absent: t2i)."""
     def tokens(height, width, vae_scale_factor, dit_cfg):
         return image_tokens_for(height, width, vae_scale_factor, int(dit_cfg["patch_size"]))
 
@@ -367,6 +373,33 @@ def family_parts(family: str) -> SimpleNamespace:
                 height, width, vae_scale_factor, 2),
             geometry=lambda dit_cfg: {"embedded_guidance": True,
                                       "dit_single_layers": int(dit_cfg["num_single_layers"])})
+    if family == "qwen_image_edit":
+        from tools import bench_edit
+        from tools.tiny_qwen_image_edit import edit_transformer_config
+        from trainer.models.qwen_image_edit import QwenImageEditAdapter
+
+        def edit_transformer(shape, device, dtype, seed=0):
+            from diffusers import QwenImageTransformer2DModel
+
+            cfg = edit_transformer_config(shape_configs(shape)[0], "2511")
+            return materialise(lambda: QwenImageTransformer2DModel(**cfg), device, dtype, seed,
+                               f"{shape} edit transformer")
+
+        def edit_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=None):
+            return bench_edit.build_edit_engine(shape, device, dtype, max_batch_size, seed=seed)
+
+        return SimpleNamespace(
+            build_engine=edit_engine, build_transformer=edit_transformer, adapter=QwenImageEditAdapter,
+            forward_flops=dit_forward_flops, real_param_counts=real_param_counts,
+            # the instruction with its source's vision tokens sets the text length (--text-tokens unused)
+            prompts=lambda engine, n, text_tokens: [f"<image> make ball number {i} red" for i in range(n)],
+            sampling={"negative_prompt": " "},
+            transformer_config=lambda shape: edit_transformer_config(shape_configs(shape)[0], "2511"),
+            # the DiT's sequence: the target's tokens, then the source's at the same size
+            image_tokens=lambda height, width, vae_scale_factor, dit_cfg: 2 * tokens(height, width, vae_scale_factor,
+                                                                                     dit_cfg),
+            geometry=lambda dit_cfg: {"variant": "2511", "sources_per_prompt": 1},
+            sources=lambda directory, n, size: bench_edit.write_sources(Path(directory), n, size))
     if family == "sd3":
         from tools import bench_sd3
         from trainer.models.sd3 import SD3Adapter
@@ -517,13 +550,19 @@ def make_prompts(n: int, tokenizer, template: str, start_idx: int, text_tokens: 
 
 
 def build_requests(engine, adapter, sampling, prompts: Sequence[str], group_size: int, sde_indices: list[int],
-                   seed: int, rollout_id: int) -> list:
-    """The rollout's RolloutRequests: prompts x group_size candidates, group-major."""
+                   seed: int, rollout_id: int, media: Sequence[str] | None = None) -> list:
+    """The rollout's RolloutRequests: prompts x group_size candidates, group-major; `media`: an
+    editing family's source file of each prompt (None for text-to-image)."""
+    import dataclasses
+
     sigmas = engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps)
-    return [adapter.build_rollout_request(p, group_index=g, slot=s, sample_id=f"bench:{rollout_id}:{g}:{s}",
+    reqs = [adapter.build_rollout_request(p, group_index=g, slot=s, sample_id=f"bench:{rollout_id}:{g}:{s}",
                                           sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
                                           generation_seed=seed)
             for g, p in enumerate(prompts) for s in range(group_size)]
+    if media:
+        reqs = [dataclasses.replace(r, media=[media[r.group_index]]) for r in reqs]
+    return reqs
 
 
 #: --algorithms nft's advantage clip: the DiffusionNFT recipe's (configs/tiny_cpu_demo_nft.toml); the
@@ -639,6 +678,15 @@ class Ctx:
     forward_flops: Callable[..., float] = None
     #: rollout_images_per_s by variant ("eager", "compile", ...), for the in-process ratios
     images_per_s: dict[str, float] = field(default_factory=dict)
+    #: an editing family's source file per prompt (None: text-to-image)
+    media: list[str] | None = None
+
+    def condition(self, prompt_index: int = 0) -> dict:
+        """The engine's conditioning of prompt `prompt_index` (with its source for an edit family)."""
+        if self.media:
+            return self.engine.encode_condition(self.prompts[prompt_index], [self.media[prompt_index]],
+                                                (self.sampling.height, self.sampling.width))
+        return self.engine.encode_prompt(self.prompts[prompt_index])
 
 
 def rollout_variant(args) -> str:
@@ -657,8 +705,8 @@ def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     from trainer.trajectory import SamplerSettings
 
     a, e = c.args, c.engine
-    cond = e.encode_prompt(c.prompts[0])
-    req = build_requests(e, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, a.seed, 0)[0]
+    cond = c.condition(0)
+    req = build_requests(e, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, a.seed, 0, c.media)[0]
     shape = init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor)
     geometry = req.geometry(e.vae_scale_factor)
     one_row = SamplerSettings(req.num_inference_steps, req.eta)  # guidance 1: one conditional row
@@ -684,7 +732,8 @@ def cfg_rows(c: Ctx) -> int:
     """DiT rows per candidate: 2 under true CFG (conditional + unconditional), else 1. Read from
     the family's own rollout request, not from --guidance-scale: FLUX.1 turns the scale into its
     embedded guidance and runs one row."""
-    req = build_requests(c.engine, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, c.args.seed, 0)[0]
+    req = build_requests(c.engine, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, c.args.seed, 0,
+                         c.media)[0]
     return 2 if req.guidance_scale > 1.0 else 1
 
 
@@ -692,7 +741,7 @@ def rollout(c: Ctx, rollout_id: int, sampling: Any = None, sde_indices: list[int
     """One rollout of prompts x group_size candidates through engine.generate; (Trajectory, s).
     sampling / sde_indices: another sampling config than the bench's (the nft step's ODE one)."""
     reqs = build_requests(c.engine, c.adapter, sampling or c.sampling, c.prompts, c.args.group_size,
-                          c.sde_indices if sde_indices is None else sde_indices, c.args.seed, rollout_id)
+                          c.sde_indices if sde_indices is None else sde_indices, c.args.seed, rollout_id, c.media)
     with timed(c.device) as t:
         traj = c.engine.generate(reqs)
     return traj, t[0]
@@ -1473,8 +1522,9 @@ def bench_scorers(args: argparse.Namespace) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = tool_parser("bench", __doc__)
     p.add_argument("--family", choices=FAMILIES, default="qwen_image",
-                   help="model family: qwen_image (Qwen-Image), sd3 (Stable Diffusion 3.5 Medium) or flux "
-                        "(FLUX.1-dev, tools/bench_flux.py)")
+                   help="model family: qwen_image (Qwen-Image), sd3 (Stable Diffusion 3.5 Medium), flux "
+                        "(FLUX.1-dev, tools/bench_flux.py) or qwen_image_edit (Qwen-Image-Edit-2511 editing a "
+                        "random source per prompt, tools/bench_edit.py's modules)")
     p.add_argument("--shape", choices=SHAPES, default="tiny",
                    help="tiny: the family's test model (the default: seconds on a CPU, safe on a shared host); "
                         "real: Qwen-Image 20.4 B / SD3.5-Medium 2.24 B / FLUX.1-dev 11.9 B, a GPU's job: refused "
@@ -1708,7 +1758,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sde_pool": list(args.sde_pool), "guidance_scale": args.guidance_scale, **fam.sampling})
         sde_indices = resolve_sde_indices(sampling, args.steps, rollout_id=0)
         prompts = fam.prompts(engine, args.prompts, args.text_tokens)
-        text_tokens = int(engine.encode_prompt(prompts[0])["prompt_embeds"].shape[0])
+        media = None
+        if hasattr(fam, "sources"):  # an editing family: one random source per prompt, at the output size
+            import atexit
+            import shutil
+            import tempfile
+
+            sources_dir = tempfile.mkdtemp(prefix="bench-sources-")
+            atexit.register(shutil.rmtree, sources_dir, True)
+            media = fam.sources(sources_dir, args.prompts, args.height)
+        text_tokens = int((engine.encode_condition(prompts[0], media[:1], (args.height, args.width)) if media
+                           else engine.encode_prompt(prompts[0]))["prompt_embeds"].shape[0])
         dit_cfg = dict(engine.transformer.config)
         image_tokens = fam.image_tokens(args.height, args.width, engine.vae_scale_factor, dit_cfg)
         geometry = {"family": args.family, "shape": args.shape, "height": args.height, "width": args.width, "steps": args.steps,
@@ -1731,7 +1791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep.emit("build_engine_s", build_s, "s")
         rep.phase_memory("build_engine")
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
-                image_tokens, text_tokens, peak, fam.forward_flops)
+                image_tokens, text_tokens, peak, fam.forward_flops, media=media)
 
         skip = set(args.skip)
         speedups = args.rollout_compile or args.rollout_precision != "default"

@@ -8,7 +8,9 @@ Runs exactly the training rollout path (the native engine, the model family's ad
 rollout driver) on one process and writes, per prompt, one trajectory sidecar and K PNGs under
 OUT/<task>/rollout_<id>/ -- the quickest way to look at what a model or a checkpoint
 produces. Prompt lines are the training schema:
-{"prompt": "...", "metadata": {"task": "t2i", "sample_id": "..."}}.
+{"prompt": "...", "metadata": {"task": "t2i", "sample_id": "..."}}; for an image-editing family
+(Qwen-Image-Edit) {"prompt": "<image> make it red", "images": ["src.png"], "metadata": {"task":
+"i2i", ...}}, each record's images being the sources its candidates edit.
 
 The sampling config must name trained SDE steps (the sidecar records them). It starts from the
 family's recipe geometry: for Qwen-Image 384x384, 12 steps, eta 0.7, sde_indices [1, 3, 5]; for
@@ -62,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter_model.safetensors), or a LoRA run's checkpoint (an iter_<N> directory, or the "
                         "--save directory: its newest committed iteration)")
     p.add_argument("--generation-seed", type=int, default=1234, help="base seed of every candidate's noise")
-    p.add_argument("--task", "--generation-task", dest="task", default="t2i",
-                   help="generation task (names the artifact subdirectory)")
+    p.add_argument("--task", "--generation-task", dest="task", default=None,
+                   help="generation task (names the artifact subdirectory; the prompt file's records must be of "
+                        "it); unset: i2i for an image-editing family (each record's images are its sources), "
+                        "else t2i")
     p.add_argument("--rollout-id", type=int, default=0, help="rollout id of the output directory (>= 0)")
     p.add_argument("--device", default=None, help="cpu / cuda / cuda:N (unset: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16 / fp32 (unset: bf16 on CUDA, fp32 on CPU)")
@@ -204,6 +208,7 @@ def _sample(args: argparse.Namespace) -> int:
         sampling = parse_sampling_config(sampling_geometry(args, adapter))
     except ValueError as e:  # the message names --sampling-config and the key
         raise ToolError(str(e)) from None
+    args.task = args.task or getattr(adapter, "generation_task", "t2i")
     problems = geometry_problems(adapter, args.model_path, sampling.height, sampling.width)
     if problems:
         raise ToolError("\n".join(problems))

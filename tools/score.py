@@ -14,7 +14,9 @@ paired with the prompt lines in order, and the counts must agree. The prompt fil
 {"prompt": "...", "metadata": {...}} per line.
 Output lines: {"image": FILE, "prompt": ..., "group": G or null, "slot": S or null,
 "scores": {component: value or null}}. Scoring goes through the same manager as training
-(--reward-runtime cpu / colocate / remote), so the numbers match the training run's.
+(--reward-runtime cpu / colocate / remote), so the numbers match the training run's; an image
+edit's sidecar names its source files, whose pixels the edit scorers (color_edit, clip_preserve,
+edit_judge) get as in training.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 def _score(args: argparse.Namespace) -> int:
     from PIL import Image
 
+    from trainer.models.edit_source import with_source_pixels
+    from trainer.rewards.base import SOURCE_IMAGES_KEY
     from trainer.rewards.manager import RewardManager
 
     try:
@@ -165,7 +169,10 @@ def _score(args: argparse.Namespace) -> int:
         for r in chunk:
             with Image.open(r["path"]) as im:
                 images.append(im.convert("RGB"))
-        out = manager.score(images, [r["prompt"] for r in chunk], [r["metadata"] for r in chunk])
+        # an edit's sidecar names its sources: the edit scorers get their pixels as in training
+        metadata = with_source_pixels([r["metadata"] for r in chunk], [(im.height, im.width) for im in images],
+                                      SOURCE_IMAGES_KEY)
+        out = manager.score(images, [r["prompt"] for r in chunk], metadata)
         for i, r in enumerate(chunk):
             scores = {}
             for name, t in out.components.items():

@@ -61,7 +61,7 @@ def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: di
 #: the --generation-task values: only tasks with a working replay path. Here, not in models.base
 #: (which re-exports it), because models.base imports torch and the data tools, the prompt reader
 #: and preflight check a task without it
-GENERATION_TASKS = ("t2i",)
+GENERATION_TASKS = ("t2i", "i2i")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,6 +76,8 @@ PIPELINE_ADAPTERS = {
     "QwenImagePipeline": "trainer.models.qwen_image.QwenImageAdapter",
     "StableDiffusion3Pipeline": "trainer.models.sd3.SD3Adapter",
     "FluxPipeline": "trainer.models.flux.FluxAdapter",
+    "QwenImageEditPlusPipeline": "trainer.models.qwen_image_edit.QwenImageEditAdapter",
+    "FluxKontextPipeline": "trainer.models.flux_kontext.FluxKontextAdapter",
 }
 
 
@@ -111,7 +113,18 @@ SCORER_SHORT_NAMES = {
     "aesthetic": "trainer.rewards.aesthetic.AestheticScorer",
     "hpsv21": "trainer.rewards.hpsv2.Hpsv21Scorer",
     "vlm_judge": "trainer.rewards.vlm_judge.VlmJudgeScorer",
+    # i2i: scorers of an edit against its source (metadata["source_images"])
+    "color_edit": "trainer.rewards.edit.ColorEditScorer",
+    "clip_preserve": "trainer.rewards.edit.ClipPreservationScorer",
+    "edit_judge": "trainer.rewards.edit.EditJudgeScorer",
 }
+
+#: the model adapters of the editing families: the task they train (preflight pairs --generation-task
+#: i2i with them, and t2i with the others)
+EDIT_ADAPTERS = frozenset({
+    "trainer.models.qwen_image_edit.QwenImageEditAdapter",
+    "trainer.models.flux_kontext.FluxKontextAdapter",
+})
 
 #: scorers that load a model from --reward-model-path (the others need no weights)
 SCORERS_NEEDING_MODEL = frozenset({
@@ -119,6 +132,7 @@ SCORERS_NEEDING_MODEL = frozenset({
     "trainer.rewards.clipscore.ClipScoreScorer",
     "trainer.rewards.aesthetic.AestheticScorer",
     "trainer.rewards.hpsv2.Hpsv21Scorer",
+    "trainer.rewards.edit.ClipPreservationScorer",
 })
 
 
@@ -225,7 +239,8 @@ class ModelConfig:
     )
     generation_task: str | None = _flag(
         "t2i",
-        "Generation task; must be one of GENERATION_TASKS ('t2i', the default, as in every tool). "
+        "Generation task; must be one of GENERATION_TASKS: 't2i' (the default, as in every tool) or 'i2i' "
+        "(image editing: an editing family, every record with its source images). "
         "Also names the artifact and checkpoint subdirectory.",
     )
     model_path: str | None = _flag(
@@ -606,7 +621,8 @@ class RewardConfig:
     reward_scorer_path: str | None = _flag(
         None,
         "Scorer short name (pickscore, clipscore, aesthetic, hpsv21, vlm_judge, ocr, "
-        "jpeg_compressibility, jpeg_incompressibility, color) or module.Class dotpath (imported: name "
+        "jpeg_compressibility, jpeg_incompressibility, color; for i2i color_edit, clip_preserve, edit_judge) "
+        "or module.Class dotpath (imported: name "
         "only code you trust); required unless --reward-runtime remote.",
     )
     reward_model_path: str | None = _flag(

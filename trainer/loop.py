@@ -154,7 +154,13 @@ def _scorer_inputs(traj: Any) -> tuple[list[torch.Tensor], list[str], list[dict]
     without candidates (it still joins the score gather)."""
     if traj is None:
         return [], [], []
-    return list(traj.images.unbind(0)), list(traj.prompts), [m or {} for m in traj.metadata]
+    metadata = [m or {} for m in traj.metadata]
+    if traj.geometry.media:  # an edit: the scorers get the source pixels the engine conditioned on
+        from trainer.models.edit_source import with_source_pixels
+        from trainer.rewards.base import SOURCE_IMAGES_KEY
+
+        metadata = with_source_pixels(metadata, [(traj.height, traj.width)] * len(traj), SOURCE_IMAGES_KEY)
+    return list(traj.images.unbind(0)), list(traj.prompts), metadata
 
 
 def engine_options(rollout: Any) -> dict[str, Any]:

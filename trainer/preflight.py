@@ -21,6 +21,7 @@ from pathlib import Path
 
 from trainer.config import (
     DEFAULT_MODEL_ADAPTER,
+    EDIT_ADAPTERS,
     ENGINE_SHORT_NAMES,
     FLAGS,
     GENERATION_TASKS,
@@ -210,6 +211,52 @@ def _check_task_and_model(cfg: RunConfig, errors: list[str]) -> None:
     if want and m.model_adapter_path in PIPELINE_ADAPTERS.values() and m.model_adapter_path != want:
         errors.append(f"--model-adapter-path {m.model_adapter_path} does not fit --model-path {m.model_path}: its "
                       f"model_index.json is a {pipeline}; use --model-adapter-path {want}")
+    _check_edit_task(cfg, errors)
+
+
+def _check_edit_task(cfg: RunConfig, errors: list[str]) -> None:
+    """--generation-task i2i pairs with an editing family and records that carry source images
+    (present on disk, one count per prompt file's records); t2i with a text-to-image family. A
+    custom adapter is not second-guessed about its family."""
+    m = cfg.model
+    adapter = m.model_adapter_path
+    if adapter in PIPELINE_ADAPTERS.values():
+        edit = adapter in EDIT_ADAPTERS
+        if m.generation_task == "i2i" and not edit:
+            errors.append(f"--generation-task i2i needs an image-editing family, but --model-adapter-path {adapter} "
+                          "is a text-to-image one; point --model-path at an editing model (model_index.json "
+                          "QwenImageEditPlusPipeline or FluxKontextPipeline) with --model-adapter-path "
+                          f"{' or '.join(sorted(EDIT_ADAPTERS))}, or set --generation-task t2i")
+        elif m.generation_task == "t2i" and edit:
+            errors.append(f"--model-adapter-path {adapter} is an image-editing family: it trains records with "
+                          "source images; set --generation-task i2i (or use a text-to-image --model-path)")
+    if m.generation_task != "i2i":
+        return
+    from trainer.data import DataError, PromptDataset
+
+    files = [("--prompt-data", cfg.rollout.prompt_data)]
+    files += [(f"--eval-prompt-data {name}", path) for name, path in cfg.eval.eval_prompt_data]
+    for flag, path in files:
+        if not path or not Path(path).is_file():
+            continue
+        try:
+            ds = PromptDataset.from_jsonl(path, task="i2i")
+        except DataError:
+            continue  # _check_data_contents reports it
+        where = [f"{path}:{line}" for rec, line in zip(ds.records, ds.lines) if not rec.images]
+        if where:
+            errors.append(f"{flag}: {len(where)} record(s) have no source image (e.g. {', '.join(where[:3])}); an "
+                          "i2i record lists its images (\"images\": [...], one <image> each in the prompt): build "
+                          "the file with tools/prepare_data.py --source edit")
+        gone = [f"{path}:{line} {p}" for rec, line in zip(ds.records, ds.lines) for p in rec.images
+                if not Path(p).is_file()]
+        if gone:
+            errors.append(f"{flag}: {len(gone)} source image(s) do not exist (e.g. {'; '.join(gone[:3])}); check "
+                          "the file with tools/inspect_data.py --decode-media")
+        counts = sorted({len(rec.images) for rec in ds.records if rec.images})
+        if len(counts) > 1:
+            errors.append(f"{flag}: records carry {' or '.join(map(str, counts))} source images; one rollout samples "
+                          "one sequence layout, so every record of a prompt file needs the same number of images")
 
 
 def _check_engine(cfg: RunConfig, errors: list[str]) -> None:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from trainer import artifacts
+from trainer.models.edit_source import SOURCE_PATHS_KEY
 from trainer.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,13 @@ def _prompt_and_metadata(item: Any) -> tuple[str, dict[str, Any]]:
         d = item.to_dict()
         return str(d["prompt"]), dict(d.get("metadata") or {})
     raise TypeError(f"a prompt group must be a PromptRecord, a dict with 'prompt' or a str, got {type(item).__name__}")
+
+
+def _source_images(item: Any) -> list[str]:
+    """A prompt group's source image references (a PromptRecord's resolved `images`, a dict's
+    "images"), [] for none."""
+    images = item.get("images") if isinstance(item, Mapping) else getattr(item, "images", None)
+    return [str(p) for p in images or ()]
 
 
 def driver_sigmas(engine: Any, sampling: Any) -> list[float]:
@@ -157,6 +166,9 @@ def generate_rollout(
             "(with sde_pool / sde_timestep_fraction); a rollout records and trains only those steps")
     sigmas = driver_sigmas(engine, sampling)
     groups = [_prompt_and_metadata(p) for p in prompts]
+    # an editing family is shown each record's source images (a text family ignores them, as before)
+    media = ([_source_images(p) for p in prompts] if hasattr(adapter, "encode_condition")
+             else [[] for _ in prompts])
     mine = local_candidates(len(groups), group_size, rank, world_size)
 
     # 2. artifact directory and retention (one writer; the others wait for it)
@@ -182,9 +194,12 @@ def generate_rollout(
         prompt, metadata = groups[g]
         sample_id = make_sample_id(sampling.sample_id_mode, g, slot, metadata)
         seed = generation_seed if sampling.driver_xt else generation_seed + g * group_size + slot
-        requests.append(adapter.build_rollout_request(
+        if media[g]:  # the sources travel with the candidate: the engine's input, the sidecar's reference
+            metadata = {**metadata, SOURCE_PATHS_KEY: list(media[g])}
+        request = adapter.build_rollout_request(
             prompt, group_index=g, slot=slot, sample_id=sample_id, sampling=sampling, sde_indices=sde_indices,
-            sigmas=sigmas, generation_seed=seed, metadata=metadata))
+            sigmas=sigmas, generation_seed=seed, metadata=metadata)
+        requests.append(dataclasses.replace(request, media=list(media[g])) if media[g] else request)
     t_gen = time.perf_counter()
     traj = engine.generate(requests) if requests else None
     t_gen = time.perf_counter() - t_gen

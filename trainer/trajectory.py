@@ -117,10 +117,15 @@ class RolloutRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
     init_noise_latent_shape: list[int] | None = None
+    #: the source image files of an editing candidate (absolute paths, record order); the engine
+    #: encodes them with the prompt into the conditions the trajectory records. [] for t2i
+    media: list[str] = field(default_factory=list)
 
     def geometry(self, vae_scale_factor: int) -> Geometry:
-        """The Geometry this candidate is sampled at under an engine's VAE factor."""
-        return Geometry(int(self.height), int(self.width), int(vae_scale_factor))
+        """The Geometry this candidate is sampled at under an engine's VAE factor (one "image"
+        entry in `media` per source image)."""
+        return Geometry(int(self.height), int(self.width), int(vae_scale_factor),
+                        media=tuple("image" for _ in self.media))
 
     def sampler_settings(self) -> SamplerSettings:
         """The SamplerSettings its trajectory records (negative_prompt / cfg_renorm only under true CFG)."""

@@ -108,7 +108,7 @@ def geometry_key(r: RolloutRequest) -> tuple:
             float(r.eta), r.sde_type, float(r.sigma_max),
             None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape),
             float(r.guidance_scale), r.negative_prompt if guided else None, bool(r.cfg_renorm) if guided else None,
-            None if r.embedded_guidance is None else float(r.embedded_guidance))
+            None if r.embedded_guidance is None else float(r.embedded_guidance), len(r.media))
 
 
 def check_one_geometry(requests: list[RolloutRequest]) -> None:

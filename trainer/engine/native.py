@@ -231,14 +231,11 @@ class NativeEngine(EngineMemoryState):
             check_request(r)
         check_one_geometry(requests)
         t0 = time.perf_counter()
-        conds: dict[str, dict[str, torch.Tensor]] = {}
-        wanted = [r.prompt for r in requests] + ([requests[0].negative_prompt] if requests[0].guidance_scale > 1 else [])
-        for prompt in wanted:  # the negative prompt of true CFG too: once per call
-            if prompt not in conds:
-                conds[prompt] = self.encode_prompt(prompt)
+        conds, keys, neg_keys = self._encode_conditions(requests)
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
         graphs = _compiled_graphs() if self.compile_blocks else 0
-        parts = [self._generate_chunk(requests[start:start + step], conds) for start in range(0, len(requests), step)]
+        parts = [self._generate_chunk(requests[start:start + step], conds, keys[start:start + step],
+                                      neg_keys[start:start + step]) for start in range(0, len(requests), step)]
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
                            "dit_forwards": float(len(parts) * requests[0].num_inference_steps),
                            "generate_time": time.perf_counter() - t0}
@@ -246,12 +243,63 @@ class NativeEngine(EngineMemoryState):
             self.last_stats["new_graphs"] = float(_compiled_graphs() - graphs)
         return Trajectory.cat(parts)
 
+    def _encode_conditions(self, requests: list[RolloutRequest]) -> tuple[dict, list, list]:
+        """(conditions by key, each request's key, each request's negative key under true CFG else
+        None): every distinct condition encoded once per call. A text-only request's key is its
+        prompt string (the negative prompt is then one condition per call); an editing request's
+        is core.media_key's ConditionKey over prompt AND source content AND size, so two sources
+        under one instruction are two conditions, a group's candidates share one, and the
+        negative condition (which sees the source too) is one per source."""
+        conds: dict[Any, dict[str, torch.Tensor]] = {}
+        guided = requests[0].guidance_scale > 1
+        keys, neg_keys = [], []
+        for r in requests:
+            for prompt, out in ((r.prompt, keys), (r.negative_prompt if guided else None, neg_keys)):
+                if prompt is None:
+                    out.append(None)
+                    continue
+                key = self._condition_key(prompt, r)
+                if key not in conds:
+                    conds[key] = (self.encode_condition(prompt, r.media, (int(r.height), int(r.width)))
+                                  if r.media else self.encode_prompt(prompt))
+                out.append(key)
+        return conds, keys, neg_keys
+
+    def _condition_key(self, prompt: str, r: RolloutRequest) -> Any:
+        if not r.media:
+            return prompt
+        from trainer.core.media_key import MediaKeys
+
+        if getattr(self, "_media_keys", None) is None:
+            self._media_keys = MediaKeys()
+        try:
+            return self._media_keys.condition_key(prompt, r.media, (int(r.height), int(r.width)))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"request {r.sample_id}: source image {e.filename} does not exist; check the "
+                                    "record's images with tools/inspect_data.py --decode-media") from None
+
+    @torch.no_grad()
+    def encode_condition(self, prompt: str, media: list[str], size: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """The conditioning of one prompt shown the source image files `media`, resized for a
+        size = (height, width) output: the adapter's `encode_condition` (an editing family's),
+        row 0, floating tensors in the engine dtype. ValueError naming the adapter when its
+        family takes no source images."""
+        encode = getattr(self.adapter, "encode_condition", None)
+        if encode is None:
+            raise ValueError(f"{type(self.adapter).__name__} takes no source images (a text-to-image family); an "
+                             "editing record (with images) needs an editing family's --model-path")
+        from trainer.models.edit_source import open_source_image
+
+        encoded = encode(self.prompt_encoder, prompt, [open_source_image(p) for p in media], size, self.device,
+                         max_sequence_length=self.max_sequence_length)
+        return {k: (v[0].to(self.dtype) if v.is_floating_point() else v[0]) for k, v in encoded.items()}
+
     def _init_shape(self, r: RolloutRequest) -> list[int]:
         from trainer.sampling import init_noise_shape
 
         return init_noise_shape(r, self.latent_channels, self.vae_scale_factor)
 
-    def _generate_chunk(self, reqs: list[RolloutRequest], conds) -> Trajectory:
+    def _generate_chunk(self, reqs: list[RolloutRequest], conds, keys: list, neg_keys: list) -> Trajectory:
         """Denoise and decode candidates of one geometry together."""
         from trainer.flow_grpo import ode_step, sde_step
         from trainer.sampling import initial_noise, step_noise, timesteps_from_sigmas
@@ -262,13 +310,16 @@ class NativeEngine(EngineMemoryState):
         shape = self._init_shape(r0)
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
         x = self.adapter.initial_latents(x_t, self.transformer, geom).to(device=self.device, dtype=self.dtype)
-        conditions = self.adapter.batch_conditions([conds[r.prompt] for r in reqs])
+        conditions = self.adapter.batch_conditions([conds[k] for k in keys])
         conditions.update(embedded_guidance_condition(r0, b, self.device))  # a guidance-distilled DiT's input
         sigmas = [float(s) for s in r0.sigmas]
         timesteps = timesteps_from_sigmas(sigmas[:-1], self.num_train_timesteps)
         trained = set(int(i) for i in r0.sde_indices)
         if sampler.guided:
-            conditions = with_negative(conditions, self.adapter.batch_conditions([conds[r0.negative_prompt]] * b))
+            negative = self.adapter.batch_conditions([conds[k] for k in neg_keys])
+            # what both branches share (an edit's source latents) is recorded once, unprefixed
+            shared = getattr(self.adapter, "shared_conditions", ())
+            conditions = with_negative(conditions, {k: v for k, v in negative.items() if k not in shared})
         lat, nxt, logps = [], [], []
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)

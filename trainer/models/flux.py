@@ -101,6 +101,7 @@ def flux_velocity(
     cols: int,
     *,
     rollout_dtype: torch.dtype | None = None,
+    img_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Velocity [B, L, 4C] of the FLUX DiT, called exactly as FluxPipeline calls it.
 
@@ -112,6 +113,8 @@ def flux_velocity(
     guidance [B] fp32 (None for a model without guidance_embeds); text ids zeros [T, 3] and
     image ids latent_image_ids(rows, cols), 2-D. No attention mask, as in FluxPipeline. A plain
     forward call: works for the bare module, a peft-injected one and an FSDP2-sharded one.
+    img_ids: the image tokens' ids when the sequence holds more than the rows x cols target grid
+    (Kontext's condition tokens follow it); None: latent_image_ids(rows, cols).
     """
     from trainer.sampling import transformer_timestep
 
@@ -124,7 +127,7 @@ def flux_velocity(
         pooled_projections=pooled_prompt_embeds.to(device=dev, dtype=dt),
         encoder_hidden_states=prompt_embeds.to(device=dev, dtype=dt),
         txt_ids=text_ids(int(prompt_embeds.shape[1]), dev, dt),
-        img_ids=latent_image_ids(rows, cols, dev, dt),
+        img_ids=latent_image_ids(rows, cols, dev, dt) if img_ids is None else img_ids.to(device=dev, dtype=dt),
         return_dict=False,
     )
     return out[0] if isinstance(out, (tuple, list)) else out.sample

@@ -1,0 +1,207 @@
+"""Time the Qwen-Image-Edit rollout against diffusers' QwenImageEditPlusPipeline on the same modules.
+
+    python tools/bench_edit.py                                        (smoke test: the tiny shape, CPU)
+    python tools/bench_edit.py --shape real --height 384 --width 384 --steps 10 --guidance-scale 4 \\
+        --prompts 6 --group-size 16 --output bench/results/h200x1-qwen-image-edit.jsonl
+
+One process, random weights (nothing is read from disk): Qwen-Image's DiT (with the 2511
+variant's zero_cond_t), VAE and Qwen2.5-VL-7B (text model AND vision tower) built on the meta
+device from tools/bench.py's configs and materialised on the device, and the processor of
+Qwen-Image-Edit-2509's config (tools/tiny_qwen_image_edit.py). Sources are random-noise PNGs
+of --source-size, one per prompt. Figures (tools/bench.py's JSON lines):
+
+    edit_rollout_images_per_s     NativeEngine.generate over prompts x group-size candidates
+                                  (sources encoded once per record, CFG in one forward)
+    edit_diffusers_images_per_s   QwenImageEditPlusPipeline.__call__ on the engine's own modules,
+                                  one call per prompt with num_images_per_prompt = group size and the
+                                  source at the output size (its VAE_IMAGE_SIZE set to height x width)
+    edit_rollout_speedup          the ratio of the two
+    edit_replay_transitions_per_s the adapter's replay of every trained column (no grad) on the engine's DiT
+    edit_replay_logp_gap          max |replay - sampler| log-prob in the run's dtype (0 in fp32)
+    peak_mem_<phase>              CUDA only
+
+The update, sync and the whole step are tools/bench.py's (its phases time the DiT's update
+whatever its conditioning; the edit sequence is twice a text-to-image one at the same size).
+--shape real is refused before anything is allocated when its parameters cannot fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: this checkout's trainer and tools
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from trainer.cli import tool_parser  # noqa: E402
+
+
+def build_edit_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch_size: int, seed: int = 0,
+                      variant: str = "2511"):
+    """NativeEngine with the Qwen-Image-Edit adapter over a random `shape` pipeline on `device`."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from tools import bench
+    from tools.make_tiny_model import QWEN_IMAGE_SCHEDULER_CONFIG, build_tokenizer
+    from tools.tiny_qwen_image_edit import (REAL_EDIT_IMAGE_PROCESSOR_CONFIG, TINY_EDIT_IMAGE_PROCESSOR_CONFIG,
+                                            edit_transformer_config)
+    from trainer.engine.native import NativeEngine
+    from trainer.models.qwen_image_edit import QwenImageEditAdapter
+    from trainer.models.qwen_vl_processor import ImagePromptProcessor, build_image_processor
+
+    tokenizer = build_tokenizer()
+    cfg = edit_transformer_config(bench.shape_configs(shape)[0], variant)
+    transformer = bench.materialise(lambda: QwenImageTransformer2DModel(**cfg), device, dtype, seed,
+                                    f"{shape} edit transformer")
+    vae = bench.build_vae(shape, device, dtype, seed + 1)
+    text_encoder = bench.build_text_encoder(shape, tokenizer, device, dtype, seed + 2)
+    processor = ImagePromptProcessor(build_image_processor(
+        REAL_EDIT_IMAGE_PROCESSOR_CONFIG if shape == "real" else TINY_EDIT_IMAGE_PROCESSOR_CONFIG), tokenizer)
+    return NativeEngine.from_modules(transformer, vae, text_encoder, processor, QWEN_IMAGE_SCHEDULER_CONFIG,
+                                     device=device, dtype=dtype, max_batch_size=max_batch_size,
+                                     adapter=QwenImageEditAdapter())
+
+
+def write_sources(directory: Path, n: int, size: int, seed: int = 0) -> list[str]:
+    """`n` random-noise RGB PNGs of size x size under `directory` (distinct files: n conditions)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(n):
+        path = directory / f"source_{i}.png"
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def edit_requests(engine, sampling, sources: list[str], group_size: int, instruction: str) -> list:
+    """prompts x group_size RolloutRequests, group g editing sources[g]."""
+    import dataclasses
+
+    sigmas = engine.sigma_schedule(sampling.height, sampling.width, sampling.num_inference_steps)
+    return [dataclasses.replace(engine.adapter.build_rollout_request(
+        f"<image> {instruction}", group_index=g, slot=s, sample_id=f"g{g}:s{s}", sampling=sampling,
+        sde_indices=list(sampling.sde_indices), sigmas=sigmas, generation_seed=7), media=[src])
+        for g, src in enumerate(sources) for s in range(group_size)]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = tool_parser("bench_edit", __doc__)
+    p.add_argument("--shape", choices=("tiny", "real"), default="tiny", help="module sizes (real: Qwen-Image-Edit's)")
+    p.add_argument("--variant", choices=("2509", "2511"), default="2511", help="2511: the DiT's zero_cond_t")
+    p.add_argument("--height", type=int, default=None, help="output (and source-condition) height; tiny 32, real 384")
+    p.add_argument("--width", type=int, default=None, help="output width; tiny 32, real 384")
+    p.add_argument("--source-size", type=int, default=None, help="side of the random source PNGs (default: height)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps; tiny 4, real 10")
+    p.add_argument("--trained-steps", type=int, nargs="+", default=[1], help="the recorded SDE steps")
+    p.add_argument("--guidance-scale", type=float, default=4.0, help="true CFG (> 1: both branches)")
+    p.add_argument("--prompts", type=int, default=2, help="records (one source each) per rollout")
+    p.add_argument("--group-size", type=int, default=2, help="candidates per record")
+    p.add_argument("--engine-batch-size", type=int, default=0, help="candidates per DiT forward (<= 0: all)")
+    p.add_argument("--iters", type=int, default=1, help="timed repetitions after one warm-up")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    p.add_argument("--skip-diffusers", action="store_true", help="do not time the stock pipeline")
+    p.add_argument("--output", type=Path, default=None, help="JSONL file the figures are appended to")
+    args = p.parse_args(argv)
+    real = args.shape == "real"
+    args.height = args.height or (384 if real else 32)
+    args.width = args.width or (384 if real else 32)
+    args.steps = args.steps or (10 if real else 4)
+    args.source_size = args.source_size or args.height
+    for name in ("prompts", "group_size", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    from tools import bench
+    from trainer.sampling import parse_sampling_config
+
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.shape == "real":
+        dit, rest = bench.real_param_counts()
+        need = (dit + rest) * (torch.finfo(dtype).bits // 8)  # the engine's modules only: no actor here
+        have, where = bench.available_bytes(device.type)
+        if need > have:
+            print(f"bench_edit: --shape real needs ~{need / 1e9:.0f} GB, {where} has {have / 1e9:.0f} GB free; "
+                  "run it on a GPU machine", file=sys.stderr)
+            return 2
+    sampling = parse_sampling_config({"height": args.height, "width": args.width, "num_inference_steps": args.steps,
+                                      "guidance_scale": args.guidance_scale, "negative_prompt": " ", "eta": 1.0,
+                                      "sde_type": "sde", "sde_indices": sorted(set(args.trained_steps))})
+    geometry = {"family": "qwen_image_edit", "variant": args.variant, "shape": args.shape, "height": args.height,
+                "width": args.width, "source_size": args.source_size, "steps": args.steps,
+                "trained_steps": list(sampling.sde_indices), "guidance_scale": args.guidance_scale,
+                "prompts": args.prompts, "group_size": args.group_size, "dtype": str(dtype).replace("torch.", "")}
+    rep = bench.Reporter(args.output, device, geometry)
+    engine = build_edit_engine(args.shape, device, dtype, args.engine_batch_size, variant=args.variant)
+    n = args.prompts * args.group_size
+    instruction = "make the square red"
+    with tempfile.TemporaryDirectory(prefix="bench-edit-") as tmp:
+        sources = write_sources(Path(tmp), args.prompts, args.source_size)
+        requests = edit_requests(engine, sampling, sources, args.group_size, instruction)
+        traj = engine.generate(requests)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(args.iters):
+            with bench.timed(device) as t:
+                traj = engine.generate(requests)
+            times.append(t[0])
+        ours = n / (sum(times) / len(times))
+        rep.emit("edit_rollout_images_per_s", ours, "images/s", conditions_encoded=engine.last_stats["prompts_encoded"])
+        rep.phase_memory("edit_rollout")
+
+        if not args.skip_diffusers:
+            import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
+
+            from trainer.models.edit_source import open_source_image
+
+            pipe = engine.prompt_encoder.pipe
+            pipe.set_progress_bar_config(disable=True)
+            saved = edit_plus.VAE_IMAGE_SIZE
+            edit_plus.VAE_IMAGE_SIZE = args.height * args.width  # the source at the output size, as ours
+            images = [open_source_image(p) for p in sources]
+            try:
+                def stock():
+                    for g, im in enumerate(images):
+                        pipe(image=[im], prompt=instruction, negative_prompt=" ", true_cfg_scale=args.guidance_scale,
+                             height=args.height, width=args.width, num_inference_steps=args.steps,
+                             num_images_per_prompt=args.group_size, output_type="pt",
+                             generator=torch.Generator().manual_seed(g))
+                with torch.no_grad():
+                    stock()  # warm-up
+                    times = []
+                    for _ in range(args.iters):
+                        with bench.timed(device) as t:
+                            stock()
+                        times.append(t[0])
+            finally:
+                edit_plus.VAE_IMAGE_SIZE = saved
+            theirs = n / (sum(times) / len(times))
+            rep.emit("edit_diffusers_images_per_s", theirs, "images/s")
+            rep.emit("edit_rollout_speedup", ours / theirs, "x")
+            rep.phase_memory("edit_diffusers")
+
+        with torch.no_grad():
+            engine.adapter.replay_transitions(engine.transformer, traj)  # warm-up
+            with bench.timed(device) as t:
+                logp = engine.adapter.replay_transitions(engine.transformer, traj)
+        rep.emit("edit_replay_transitions_per_s", traj.log_probs.numel() / t[0], "transitions/s")
+        rep.emit("edit_replay_logp_gap", float((logp.cpu() - traj.log_probs).abs().max()), "nats")
+        rep.phase_memory("edit_replay")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
