@@ -61,7 +61,7 @@ def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: di
 #: the --generation-task values: only tasks with a working replay path. Here, not in models.base
 #: (which re-exports it), because models.base imports torch and the data tools, the prompt reader
 #: and preflight check a task without it
-GENERATION_TASKS = ("t2i",)
+GENERATION_TASKS = ("t2i", "t2v")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,7 +76,12 @@ PIPELINE_ADAPTERS = {
     "QwenImagePipeline": "trainer.models.qwen_image.QwenImageAdapter",
     "StableDiffusion3Pipeline": "trainer.models.sd3.SD3Adapter",
     "FluxPipeline": "trainer.models.flux.FluxAdapter",
+    "WanPipeline": "trainer.models.wan.WanAdapter",
 }
+
+#: the shipped adapters of video families: --generation-task t2v needs one (and --sampling-config
+#: num_frames > 1 needs t2v); the task an image family's adapter serves is t2i
+VIDEO_ADAPTERS = ("trainer.models.wan.WanAdapter",)
 
 
 def pipeline_class_name(model_path) -> str | None:
@@ -111,6 +116,10 @@ SCORER_SHORT_NAMES = {
     "aesthetic": "trainer.rewards.aesthetic.AestheticScorer",
     "hpsv21": "trainer.rewards.hpsv2.Hpsv21Scorer",
     "vlm_judge": "trainer.rewards.vlm_judge.VlmJudgeScorer",
+    # video scorers (required_tracks ("video",)): the t2v task's
+    "video_ocr": "trainer.rewards.video.VideoOcrScorer",
+    "temporal_consistency": "trainer.rewards.video.TemporalConsistencyScorer",
+    "video_vlm_judge": "trainer.rewards.video.VideoJudgeScorer",
 }
 
 #: scorers that load a model from --reward-model-path (the others need no weights)

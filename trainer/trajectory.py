@@ -13,7 +13,8 @@ B candidates, each recorded at the same S trained steps (the rollout's `sde_indi
                                               with true CFG also "negative_prompt_embeds" / "_mask");
                                               an entry `X` with an `X_mask` partner is a padded
                                               token sequence
-    images                   [B, 3, H, W] fp32 in [0, 1] on CPU, or None (dropped before the
+    images                   [B, 3, H, W] fp32 in [0, 1] on CPU ([B, F, 3, H, W] for a video,
+                                              geometry.frames > 1), or None (dropped before the
                                               update; a sidecar stores none)
 
 plus the per-candidate identity (prompt, sample id, group, slot, seed, policy version, prompt
@@ -117,10 +118,12 @@ class RolloutRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
     init_noise_latent_shape: list[int] | None = None
+    #: frames per candidate: 1 for an image, 4k + 1 for a video family (trainer.video)
+    num_frames: int = 1
 
     def geometry(self, vae_scale_factor: int) -> Geometry:
         """The Geometry this candidate is sampled at under an engine's VAE factor."""
-        return Geometry(int(self.height), int(self.width), int(vae_scale_factor))
+        return Geometry(int(self.height), int(self.width), int(vae_scale_factor), frames=int(self.num_frames))
 
     def sampler_settings(self) -> SamplerSettings:
         """The SamplerSettings its trajectory records (negative_prompt / cfg_renorm only under true CFG)."""
@@ -231,8 +234,10 @@ class Trajectory:
             if t.dim() < 1 or int(t.shape[0]) != b:
                 raise ValueError(f"trajectory of {who}: condition {name} has shape {tuple(t.shape)}, expected "
                                  f"[B={b}, ...]")
-        if self.images is not None and (self.images.dim() != 4 or int(self.images.shape[0]) != b):
-            raise ValueError(f"trajectory of {who}: images {tuple(self.images.shape)} must be [B={b}, 3, H, W]")
+        # a video's frames sit after the candidate: [B, F, 3, H, W]
+        dims, layout = (4, "3, H, W") if self.geometry.frames == 1 else (5, f"F={self.geometry.frames}, 3, H, W")
+        if self.images is not None and (self.images.dim() != dims or int(self.images.shape[0]) != b):
+            raise ValueError(f"trajectory of {who}: images {tuple(self.images.shape)} must be [B={b}, {layout}]")
         return self
 
     # -- rows and columns -------------------------------------------------------------------
