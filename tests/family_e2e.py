@@ -61,17 +61,18 @@ def train_and_resume(recipe: Path, tmp: Path, rollouts: int) -> tuple[Path, Path
     return a, b
 
 
-def assert_lora_resume_is_exact(a: Path, b: Path, adapter_path: str, candidates: int) -> dict[str, torch.Tensor]:
+def assert_lora_resume_is_exact(a: Path, b: Path, adapter_path: str, candidates: int, *, task: str = "t2i",
+                                media: str = "*.png") -> dict[str, torch.Tensor]:
     """Iteration 1 of the uninterrupted run and of the resumed one: the same checkpoint tensors
     (some LoRA tensor trained by rollout 1), policy version 2 and lr step 4, the family's adapter
     in the contract, and byte-identical images in the rollout after the resume. Returns a's
     iteration-1 tensors for the family's own checks."""
-    ta = assert_resume_is_exact(a, b, 1, (1,), candidates, policy_version=2, lr_steps=4)
+    ta = assert_resume_is_exact(a, b, 1, (1,), candidates, policy_version=2, lr_steps=4, task=task, media=media)
     assert any("lora_" in n for n in ta)
-    t0 = _model_tensors(a / "ckpt", 0)
+    t0 = _model_tensors(a / "ckpt", 0, task=task)
     assert any(not torch.equal(t, t0[n]) for n, t in ta.items() if "lora_" in n), "rollout 1 trained"
-    assert not (b / "ckpt" / "t2i" / "iter_0000000").exists()  # b started from a's iteration 0
-    contract = json.loads((a / "ckpt" / "t2i" / "iter_0000001" / "adapter_contract.json").read_text())
+    assert not (b / "ckpt" / task / "iter_0000000").exists()  # b started from a's iteration 0
+    contract = json.loads((a / "ckpt" / task / "iter_0000001" / "adapter_contract.json").read_text())
     assert contract["model_adapter_path"] == adapter_path
     return ta
 
@@ -86,7 +87,7 @@ def color_rewards(run: Path, rollouts: int) -> list[float]:
 
 
 def assert_export_round_trip(run: Path, model_dir: Path, out: Path, iteration: int, pipeline_cls, adapter,
-                             fixed_input, sample) -> None:
+                             fixed_input, sample, task: str = "t2i") -> None:
     """Checkpoint `iteration` of `run` exported both ways and loaded three ways, all the same
     function (the transformer's output on the keyword arguments `fixed_input()` returns, the
     same ones at every call): the merged pipeline through
@@ -103,9 +104,9 @@ def assert_export_round_trip(run: Path, model_dir: Path, out: Path, iteration: i
     def forward(model) -> torch.Tensor:
         return model.eval()(**fixed_input(), return_dict=False)[0]
 
-    merged = export_checkpoint(run / "ckpt", "t2i", iteration, out / "merged", form="merged",
+    merged = export_checkpoint(run / "ckpt", task, iteration, out / "merged", form="merged",
                                base_model_path=model_dir, verify=True)
-    adapter_info = export_checkpoint(run / "ckpt", "t2i", iteration, out / "adapter", form="adapter", verify=True)
+    adapter_info = export_checkpoint(run / "ckpt", task, iteration, out / "adapter", form="adapter", verify=True)
     assert merged["verify"]["lora_modules_checked"] > 0 and adapter_info["verify"]["peft_injection_checked"]
 
     pipe = DiffusionPipeline.from_pretrained(str(out / "merged"), local_files_only=True)
@@ -121,7 +122,7 @@ def assert_export_round_trip(run: Path, model_dir: Path, out: Path, iteration: i
     cfg = engine.load_lora_dir(out / "adapter")
     assert (cfg["rank"], cfg["alpha"]) == (4, 8.0)
     torch.testing.assert_close(forward(engine.transformer), want, rtol=1e-5, atol=1e-5)
-    ckpt = {n: t for n, t in _model_tensors(run / "ckpt", iteration).items() if "lora_" in n}
+    ckpt = {n: t for n, t in _model_tensors(run / "ckpt", iteration, task=task).items() if "lora_" in n}
     params = dict(engine.transformer.named_parameters())
     lora = {n.replace(".default", ""): p for n, p in params.items() if ".lora_" in n}
     assert lora.keys() == {n.replace(".default", "") for n in ckpt}

@@ -109,10 +109,10 @@ def _train(recipe: Path, out: Path, *args: str, timeout: float = 300) -> str:
     return proc.stdout + proc.stderr
 
 
-def _model_tensors(ckpt: Path, iteration: int, ema: bool = False) -> dict[str, torch.Tensor]:
+def _model_tensors(ckpt: Path, iteration: int, ema: bool = False, task: str = "t2i") -> dict[str, torch.Tensor]:
     from tools.export_checkpoint import load_checkpoint
 
-    return dict(load_checkpoint(ckpt, "t2i", iteration, ema=ema).tensors.items())
+    return dict(load_checkpoint(ckpt, task, iteration, ema=ema).tensors.items())
 
 
 def _dcp_keys(ckpt: Path, iteration: int) -> set[str]:
@@ -122,28 +122,29 @@ def _dcp_keys(ckpt: Path, iteration: int) -> set[str]:
     return set(FileSystemReader(str(fsdp)).read_metadata().state_dict_metadata)
 
 
-def _state(ckpt: Path, iteration: int) -> dict:
-    return json.loads((ckpt / "t2i" / f"iter_{iteration:07d}" / "trainer_state.json").read_text())
+def _state(ckpt: Path, iteration: int, task: str = "t2i") -> dict:
+    return json.loads((ckpt / task / f"iter_{iteration:07d}" / "trainer_state.json").read_text())
 
 
 def assert_resume_is_exact(a: Path, b: Path, iteration: int, rollouts, candidates: int, *, policy_version: int,
-                           lr_steps: int) -> dict[str, torch.Tensor]:
+                           lr_steps: int, task: str = "t2i", media: str = "*.png") -> dict[str, torch.Tensor]:
     """Runs a (uninterrupted) and b (resumed) agree at checkpoint `iteration`: the same model
     tensors, policy version (`policy_version`), lr step (`lr_steps`) and rollout id, and the same
-    `candidates` PNGs, byte for byte, in each rollout of `rollouts`. Returns a's tensors."""
-    ta, tb = _model_tensors(a / "ckpt", iteration), _model_tensors(b / "ckpt", iteration)
+    `candidates` PNGs (files matching `media`), byte for byte, in each rollout of `rollouts`.
+    Returns a's tensors."""
+    ta, tb = _model_tensors(a / "ckpt", iteration, task=task), _model_tensors(b / "ckpt", iteration, task=task)
     assert ta.keys() == tb.keys() and ta
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name
-    sa, sb = _state(a / "ckpt", iteration), _state(b / "ckpt", iteration)
+    sa, sb = _state(a / "ckpt", iteration, task), _state(b / "ckpt", iteration, task)
     for key in ("policy_version", "lr_scheduler_steps", "rollout_id"):
         assert sa[key] == sb[key], key
     assert sa["policy_version"] == policy_version and sa["lr_scheduler_steps"] == lr_steps
     for rollout in rollouts:
-        da = a / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
-        db = b / "artifacts" / "t2i" / f"rollout_{rollout:07d}"
-        pngs = sorted(p.name for p in da.glob("*.png"))
-        assert len(pngs) == candidates and pngs == sorted(p.name for p in db.glob("*.png"))
+        da = a / "artifacts" / task / f"rollout_{rollout:07d}"
+        db = b / "artifacts" / task / f"rollout_{rollout:07d}"
+        pngs = sorted(p.name for p in da.glob(media))
+        assert len(pngs) == candidates and pngs == sorted(p.name for p in db.glob(media))
         for name in pngs:
             assert (da / name).read_bytes() == (db / name).read_bytes(), f"rollout {rollout} {name}"
     return ta

@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter_model.safetensors), or a LoRA run's checkpoint (an iter_<N> directory, or the "
                         "--save directory: its newest committed iteration)")
     p.add_argument("--generation-seed", type=int, default=1234, help="base seed of every candidate's noise")
-    p.add_argument("--task", "--generation-task", dest="task", default="t2i",
-                   help="generation task (names the artifact subdirectory)")
+    p.add_argument("--task", "--generation-task", dest="task", default=None,
+                   help="generation task (names the artifact subdirectory; unset: the family's, t2v for a video "
+                        "family such as Wan2.1, else t2i)")
     p.add_argument("--rollout-id", type=int, default=0, help="rollout id of the output directory (>= 0)")
     p.add_argument("--device", default=None, help="cpu / cuda / cuda:N (unset: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16 / fp32 (unset: bf16 on CUDA, fp32 on CPU)")
@@ -200,6 +201,7 @@ def _sample(args: argparse.Namespace) -> int:
         adapter = import_dotpath(adapter_path, "--model-adapter-path")()
     except ValueError as e:  # the message names the flag and the dotpath
         raise ToolError(str(e)) from None
+    args.task = args.task or getattr(adapter, "task", "t2i")
     try:
         sampling = parse_sampling_config(sampling_geometry(args, adapter))
     except ValueError as e:  # the message names --sampling-config and the key
@@ -237,8 +239,10 @@ def _sample(args: argparse.Namespace) -> int:
                            artifact_root=args.output_dir, task=args.task, retention=0,
                            weight_manifest_hash=lora_hash)
     n_png = len(list(out.artifact_dir.glob("*.png")))
+    n_video = len(list(out.artifact_dir.glob("*.webp")))
     n_side = len(list(artifacts.iter_sidecars(out.artifact_dir)))
-    print(f"wrote {n_png} PNGs and {n_side} sidecars to {out.artifact_dir} "
+    media = f"{n_video} videos (animated WebP)" if n_video else f"{n_png} PNGs"
+    print(f"wrote {media} and {n_side} sidecars to {out.artifact_dir} "
           f"(load {t_load:.1f}s, sample {out.stats['perf/rollout_time']:.1f}s, trained steps {out.sde_indices})")
     return 0
 

@@ -120,7 +120,16 @@ SCORER_SHORT_NAMES = {
     "video_ocr": "trainer.rewards.video.VideoOcrScorer",
     "temporal_consistency": "trainer.rewards.video.TemporalConsistencyScorer",
     "video_vlm_judge": "trainer.rewards.video.VideoJudgeScorer",
+    "framewise": "trainer.rewards.video.FramewiseScorer",
 }
+
+#: the shipped scorers of the "video" track (a t2v run needs one; a t2i run cannot use them)
+VIDEO_SCORERS = frozenset({
+    "trainer.rewards.video.VideoOcrScorer",
+    "trainer.rewards.video.TemporalConsistencyScorer",
+    "trainer.rewards.video.VideoJudgeScorer",
+    "trainer.rewards.video.FramewiseScorer",
+})
 
 #: scorers that load a model from --reward-model-path (the others need no weights)
 SCORERS_NEEDING_MODEL = frozenset({
@@ -234,8 +243,8 @@ class ModelConfig:
     )
     generation_task: str | None = _flag(
         "t2i",
-        "Generation task; must be one of GENERATION_TASKS ('t2i', the default, as in every tool). "
-        "Also names the artifact and checkpoint subdirectory.",
+        "Generation task; must be one of GENERATION_TASKS ('t2i', the default, as in every tool; 't2v' for a "
+        "video family such as Wan2.1). Also names the artifact and checkpoint subdirectory.",
     )
     model_path: str | None = _flag(
         None,
@@ -606,8 +615,9 @@ class RewardConfig:
     reward_scorer_path: str | None = _flag(
         None,
         "Scorer short name (pickscore, clipscore, aesthetic, hpsv21, vlm_judge, ocr, "
-        "jpeg_compressibility, jpeg_incompressibility, color) or module.Class dotpath (imported: name "
-        "only code you trust); required unless --reward-runtime remote.",
+        "jpeg_compressibility, jpeg_incompressibility, color; for t2v video_ocr, temporal_consistency, "
+        "video_vlm_judge, framewise) or module.Class dotpath (imported: name only code you trust); required "
+        "unless --reward-runtime remote.",
     )
     reward_model_path: str | None = _flag(
         None,
@@ -659,6 +669,21 @@ class RewardConfig:
         2, "Retries of a judge request after a timeout, connection error, 429 or 5xx; then the candidate fails."
     )
     reward_judge_max_tokens: int = _flag(64, "max_tokens of the judge's answer (>= 1).")
+    # an image scorer on a video's frames (--reward-scorer-path framewise, the t2v task)
+    reward_frame_scorer: str = _flag(
+        "ocr", "The image scorer --reward-scorer-path framewise applies to sampled frames of each video (a short "
+        "name or dotpath; its --reward-model-path is the framewise scorer's)."
+    )
+    reward_frame_reduction: Literal["mean", "min"] = _flag(
+        "mean", "How --reward-scorer-path framewise reduces a video's frame scores: 'mean' (its typical frame) or "
+        "'min' (its worst sampled frame)."
+    )
+    reward_frame_every: int | None = _flag(
+        None, "framewise: score every k-th frame (0, k, 2k, ...; k >= 1); exclusive with --reward-frame-count."
+    )
+    reward_frame_count: int | None = _flag(
+        None, "framewise: score n evenly spaced frames, first and last included (n >= 1; 8 when neither rule is set)."
+    )
     # held-out scorers and the reward-hacking watch (docs/rewards.md, "Watching for reward hacking")
     eval_reward_scorers: list[str] | None = _flag(
         None,

@@ -158,7 +158,10 @@ class WanAdapter(FamilyAdapter):
     #: tools/sample.py's geometry when none is given: FlowGRPO's Wan recipe (33 x 240 x 416,
     #: 20 steps, CFG 4.5 with the empty negative prompt)
     sampling_defaults = {"height": 240, "width": 416, "num_frames": 33, "num_inference_steps": 20,
-                         "guidance_scale": 4.5, "negative_prompt": "", "cfg_renorm": False}
+                         "guidance_scale": 4.5, "negative_prompt": "", "cfg_renorm": False, "eta": 1.0,
+                         "sde_type": "wan", "sde_indices": [0]}
+    #: the task this family's runs and tools use
+    task = "t2v"
 
     load_transformer = staticmethod(load_wan_transformer)
     vae_scale_factor_from_config = staticmethod(vae_scale_factor_from_config)
