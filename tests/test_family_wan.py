@@ -255,3 +255,44 @@ def test_first_update_ratio_is_one_and_every_trainable_parameter_changes(engine,
                                    for p in ("to_q", "to_k", "to_v", "to_out.0")}
     finally:
         next(gen, None)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def test_preflight_rules_of_the_video_task(model_dir, tmp_path, monkeypatch):
+    """configs/wan21_t2v_tiny.toml passes; each video rule is one named violation with its fix."""
+    from pathlib import Path
+
+    from trainer.config import load_config
+    from trainer.preflight import PreflightError, validate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2v", "sample_id": "t0"}}) + "\n")
+    monkeypatch.setenv("TINY_WAN", str(model_dir))
+    monkeypatch.setenv("PROMPTS", str(prompts))
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "wan21_t2v_tiny.toml")
+
+    def problems(*argv: str) -> list[str]:
+        try:
+            validate(load_config(["--config", recipe, "--save", str(tmp_path / "ckpt"), "--num-rollout", "2",
+                                  "--artifact-root", str(tmp_path / "art"), *argv]), 2)
+        except PreflightError as e:
+            return e.problems
+        return []
+
+    assert problems() == []
+    (p,) = problems("--sampling-config.num_frames", "8")
+    assert "num_frames 8 is not of the form 4k+1" in p and "use 5 or 9" in p
+    (p,) = problems("--sampling-config.num_frames", "1")
+    assert "t2v samples videos; set num_frames to 4k + 1 >= 5" in p
+    assert any("width 40 is not a multiple of 16" in p for p in problems("--sampling-config.width", "40"))
+    (p,) = problems("--reward-scorer-path", "color")
+    assert "scores images, but --generation-task t2v samples videos" in p
+    assert "--reward-scorer-path framewise --reward-frame-scorer trainer.rewards.color.ColorScorer" in p
+    (p,) = problems("--reward-frame-scorer", "temporal_consistency")
+    assert "is a video scorer; framewise applies an IMAGE scorer" in p
+    (p,) = problems("--reward-frame-every", "4")
+    assert "two frame rules" in p
+    assert any("a video family: set --generation-task t2v" in p for p in problems("--generation-task", "t2i"))
+    assert problems("--reward-scorer-path", "temporal_consistency") == []
