@@ -296,3 +296,34 @@ def test_preflight_rules_of_the_video_task(model_dir, tmp_path, monkeypatch):
     assert "two frame rules" in p
     assert any("a video family: set --generation-task t2v" in p for p in problems("--generation-task", "t2i"))
     assert problems("--reward-scorer-path", "temporal_consistency") == []
+
+
+def test_videos_reach_tensorboard_as_frame_strips(engine, adapter):
+    """The loop shows a video candidate as its frame strip (8 evenly spaced frames; here all 5,
+    2 white pixels apart): in the eval probes' thumbnails and the rollout grid."""
+    from trainer.loop import _eval_thumbnails, _viewable
+    from trainer.video_artifacts import frame_strip
+
+    traj, _ = rollout(engine, adapter, SAMPLING)
+    strip = _viewable(traj.images[0])
+    assert strip.shape == (3, 32, 5 * 32 + 4 * 2) and torch.equal(strip, frame_strip(traj.images[0]))
+    assert torch.equal(_viewable(traj.images[0, 0]), traj.images[0, 0])  # an image stays as it is
+    thumbs = _eval_thumbnails(traj, max_group=1)
+    assert [(g, s) for g, s, _, _ in thumbs] == [(0, 0), (0, 1)]
+    assert all(t.dtype == torch.uint8 and t.shape[0] == 3 and t.shape[2] > t.shape[1] for _, _, _, t in thumbs)
+
+
+def test_the_score_tool_scores_a_rollouts_videos(engine, adapter, tmp_path, capsys):
+    """tools/score.py on a t2v rollout directory: each animated WebP's frames go to a video
+    scorer, its prompt from the group's sidecar."""
+    from tools.score import main
+    from trainer.rollout import generate_rollout
+
+    out = generate_rollout(engine, adapter, ["a red ball"], rollout_id=0, sampling=parse_sampling_config(SAMPLING),
+                           group_size=2, generation_seed=3, artifact_root=tmp_path, task="t2v", retention=0)
+    assert len(list(out.artifact_dir.glob("*.webp"))) == 2
+    assert main(["--reward-scorer-path", "temporal_consistency", "--images", str(out.artifact_dir)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["image"], r["prompt"]) for r in lines] == [("group_00000000_sample_0000.webp", "a red ball"),
+                                                          ("group_00000000_sample_0001.webp", "a red ball")]
+    assert all(0 <= r["scores"]["temporal_consistency"] <= 1 for r in lines)
