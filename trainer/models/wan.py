@@ -153,8 +153,6 @@ class WanAdapter(FamilyAdapter):
     lora_target_modules = WAN_LORA_TARGETS
     max_sequence_length = WAN_MAX_SEQUENCE_LENGTH
     rollout_subfolders = WAN_SUBFOLDERS
-    #: this family draws videos: --generation-task t2v, --sampling-config num_frames 4k+1
-    video = True
     #: tools/sample.py's geometry when none is given: FlowGRPO's Wan recipe (33 x 240 x 416,
     #: 20 steps, CFG 4.5 with the empty negative prompt)
     sampling_defaults = {"height": 240, "width": 416, "num_frames": 33, "num_inference_steps": 20,
