@@ -327,3 +327,28 @@ def test_the_score_tool_scores_a_rollouts_videos(engine, adapter, tmp_path, caps
     assert [(r["image"], r["prompt"]) for r in lines] == [("group_00000000_sample_0000.webp", "a red ball"),
                                                           ("group_00000000_sample_0001.webp", "a red ball")]
     assert all(0 <= r["scores"]["temporal_consistency"] <= 1 for r in lines)
+
+
+def test_the_engine_samples_what_wanpipeline_samples(engine, adapter):
+    """With every step deterministic (the one recorded step is the last under "cps", whose std is 0
+    and whose mean is the Euler step) the engine's video is WanPipeline's from the same x_T, prompt,
+    empty negative prompt and CFG 4.5, up to the rounding of one two-row forward against two."""
+    import dataclasses as dc
+
+    from trainer.sampling import SamplingConfig
+
+    cfg = dc.replace(SamplingConfig(), **{**{k: v for k, v in CFG.items() if k != "sde_indices"},
+                                          "sde_type": "cps", "eta": 0.5})
+    sigmas = engine.sigma_schedule(32, 32, 4)
+    req = adapter.build_rollout_request(PROMPTS[1], group_index=0, slot=0, sample_id="p", sampling=cfg,
+                                        sde_indices=[3], sigmas=sigmas, generation_seed=5)
+    ours = engine.generate([req]).images
+    pipe = engine.prompt_encoder.pipeline
+    pipe.scheduler = type(pipe.scheduler).from_config(engine.scheduler_config)
+    pipe.set_progress_bar_config(disable=True)
+    x_t = initial_noise([16, 2, 4, 4], 5, "p")[None]
+    theirs = pipe(PROMPTS[1], negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=4,
+                  guidance_scale=4.5, latents=x_t, output_type="pt").frames
+    assert ours.shape == theirs.shape == (1, 5, 3, 32, 32)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert (ours - theirs).abs().max() < 1e-5 < (ours - ours.mean()).abs().max()  # not two constant videos
