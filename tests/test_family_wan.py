@@ -352,3 +352,17 @@ def test_the_engine_samples_what_wanpipeline_samples(engine, adapter):
     assert ours.shape == theirs.shape == (1, 5, 3, 32, 32)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     assert (ours - theirs).abs().max() < 1e-5 < (ours - ours.mean()).abs().max()  # not two constant videos
+
+
+def test_bf16_dit_is_uniform_and_replays_the_bf16_sampler(model_dir, adapter):
+    """Loaded in bf16 (actor and engine alike) every DiT parameter is bf16, as FSDP2 computes them
+    (diffusers alone keeps the time embedder, norms and modulation tables in fp32), the RoPE tables
+    stay fp32; and the bf16 engine's log-probs are replayed exactly by a bf16 actor."""
+    bf16 = NativeEngine(str(model_dir), device="cpu", dtype=torch.bfloat16, adapter=adapter)
+    assert {p.dtype for p in bf16.transformer.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in bf16.transformer.buffers()} == {torch.float32}
+    traj, _ = rollout(bf16, adapter, CFG)
+    actor = adapter.load_train_model(str(model_dir), dtype=torch.bfloat16)
+    with torch.no_grad():
+        cols = torch.stack([adapter.replay_transition(actor, traj, c) for c in range(traj.num_steps)], 1)
+    assert torch.equal(cols, traj.log_probs)

@@ -48,10 +48,16 @@ def check_model_dir(model_path, subfolders: Sequence[str] = ("transformer",)) ->
 
 def load_wan_transformer(model_path, *, dtype: torch.dtype | None = None):
     """WanTransformer3DModel from `<model_path>/transformer`, local files only, eval mode; raises
-    ModelFilesError when the weight files do not fill the config."""
+    ModelFilesError when the weight files do not fill the config.
+
+    With a `dtype`, every parameter is in it: diffusers keeps the time embedder, the norms and the
+    modulation tables in fp32 when loading in bf16 (`_keep_in_fp32_modules`), but the actor's FSDP2
+    computes every parameter in --fsdp-param-dtype, and the engine (which loads through here too)
+    must compute what the replay recomputes."""
     from diffusers import WanTransformer3DModel
 
-    return load_checked_transformer(WanTransformer3DModel, check_model_dir(model_path, ("transformer",)), dtype)
+    model = load_checked_transformer(WanTransformer3DModel, check_model_dir(model_path, ("transformer",)), dtype)
+    return _uniform_dtype(model, dtype)
 
 
 def vae_scale_factor_from_config(vae_config) -> int:
@@ -312,6 +318,17 @@ class WanAdapter(FamilyAdapter):
             raise ValueError(f"trajectory of {who}: latents {tuple(lat.shape)} must be [B, S, C, {', '.join(map(str, grid))}]"
                              f" for {traj.geometry.frames} frames of {traj.height}x{traj.width} at vae_scale_factor "
                              f"{traj.vae_scale_factor}")
+
+
+def _uniform_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """Every floating parameter of `model` in `dtype` (None: as loaded), as FSDP2's param_dtype
+    gathers them; buffers (the RoPE tables) stay as they are, as FSDP2 leaves them. Through the
+    tensors, not Module.to, whose diffusers override warns about the fp32-kept modules it casts."""
+    if dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model
 
 
 def _latent_grid(geometry: Geometry) -> list[int]:
