@@ -366,3 +366,13 @@ def test_bf16_dit_is_uniform_and_replays_the_bf16_sampler(model_dir, adapter):
     with torch.no_grad():
         cols = torch.stack([adapter.replay_transition(actor, traj, c) for c in range(traj.num_steps)], 1)
     assert torch.equal(cols, traj.log_probs)
+
+
+def test_the_sample_tool_refuses_a_frame_count_before_loading(model_dir, tmp_path, capsys):
+    from tools.sample import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a", "metadata": {"task": "t2v", "sample_id": "a"}}) + "\n")
+    assert main(["--model-path", str(model_dir), "--prompt-data", str(prompts), "--output-dir", str(tmp_path / "o"),
+                 "--device", "cpu", "--sampling-config", json.dumps({"num_frames": 8})]) == 2
+    assert "num_frames 8 is not of the form 4k+1" in capsys.readouterr().err and not (tmp_path / "o").exists()

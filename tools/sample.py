@@ -207,6 +207,10 @@ def _sample(args: argparse.Namespace) -> int:
     except ValueError as e:  # the message names --sampling-config and the key
         raise ToolError(str(e)) from None
     problems = geometry_problems(adapter, args.model_path, sampling.height, sampling.width)
+    if args.task == "t2v":  # a video family: the frame count's rule too, before the model loads
+        from trainer.video import video_geometry_problems
+
+        problems += video_geometry_problems(sampling.num_frames, sampling.height, sampling.width)
     if problems:
         raise ToolError("\n".join(problems))
     checkpoint = lora_source(args.lora, args.task) if args.lora else None
