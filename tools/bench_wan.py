@@ -261,7 +261,8 @@ def bench_engine(model, geometry, args, device, dtype, base: dict, vae=None):
                         "guidance": args.guidance, "batch": b, "seconds": round(dt, 3), "peak_gb": peak_gb(device),
                         "decode": decode, "path": "native engine (trainer.models.wan), sde_type wan"})
     if args.diffusers_rate.get(geometry):
-        emit(args.out, {**base, "figure": "ratio_per_dit_row", "value": round(rates[False] / args.diffusers_rate[geometry], 3),
+        ratio = rates[False] / args.diffusers_rate[geometry]
+        emit(args.out, {**base, "figure": "ratio_per_dit_row", "value": round(ratio, 3),
                         "unit": "x", "geometry": f"{f}x{h}x{w}",
                         "what": "native engine DiT loop (no decode) / WanPipeline latent output, same modules"})
     cols = sorted({0, (traj.num_steps - 1) // 2, traj.num_steps - 1})

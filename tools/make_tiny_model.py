@@ -300,7 +300,8 @@ def main(argv=None) -> int:
                         help="model family of the pipeline (qwen_image: QwenImagePipeline; sd3: "
                              "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT; flux: "
                              "FluxPipeline with FLUX.1-dev's layout; image editing: qwen_image_edit "
-                             "(QwenImageEditPlusPipeline, 2511 layout), flux_kontext (FluxKontextPipeline); text-to-video: "
+                             "(QwenImageEditPlusPipeline, 2511 layout), flux_kontext (FluxKontextPipeline); "
+                             "text-to-video: "
                              "wan (WanPipeline, Wan2.1 T2V))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,

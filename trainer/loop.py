@@ -528,7 +528,8 @@ class Trainer:
         if self.watch is not None:  # collective: image statistics gathered like the scores
             from trainer.rewards.watch import rollout_watch_metrics
 
-            m.update(rollout_watch_metrics(self.watch, [_viewable(x, gap=0) for x in _scorer_inputs(traj)[0]], local_idx,
+            viewed = [_viewable(x, gap=0) for x in _scorer_inputs(traj)[0]]  # a video: its frame strip
+            m.update(rollout_watch_metrics(self.watch, viewed, local_idx,
                                            self.num_groups * self.group_size, self.group_size, reward))
             if self.watch.suspect:
                 log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None

@@ -315,8 +315,8 @@ class WanAdapter(FamilyAdapter):
         lat = traj.latents
         grid = _latent_grid(traj.geometry)
         if lat.dim() != 6 or list(lat.shape[3:]) != grid:
-            raise ValueError(f"trajectory of {who}: latents {tuple(lat.shape)} must be [B, S, C, {', '.join(map(str, grid))}]"
-                             f" for {traj.geometry.frames} frames of {traj.height}x{traj.width} at vae_scale_factor "
+            raise ValueError(f"trajectory of {who}: latents {tuple(lat.shape)} must be "
+                             f"[B, S, C, {', '.join(map(str, grid))}] for {traj.geometry.frames} frames of {traj.height}x{traj.width} at vae_scale_factor "
                              f"{traj.vae_scale_factor}")
 
 
