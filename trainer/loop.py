@@ -675,7 +675,8 @@ class Trainer:
             shown = traj.rows_of_group(g)[:ROLLOUT_GRID_CANDIDATES]
             captions = [f"s{int(traj.slots[i])} " + _score_text(reward.components, g * self.group_size + int(traj.slots[i]))
                         for i in shown]
-            rows.append((f"group {g}: {traj.prompts[shown[0]]}", [_viewable(traj.images[i]) for i in shown], captions))
+            rows.append((f"group {g}: {traj.prompts[shown[0]]}", [_viewable(traj.images[i]) for i in shown],
+                         captions))
         self.metrics.log_rows_grid(k, "rollout/candidates", rows)
 
     def _log_histograms(self, k: int, reward: Any) -> None:
