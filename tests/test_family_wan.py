@@ -296,6 +296,13 @@ def test_preflight_rules_of_the_video_task(model_dir, tmp_path, monkeypatch):
     assert "two frame rules" in p
     assert any("a video family: set --generation-task t2v" in p for p in problems("--generation-task", "t2i"))
     assert problems("--reward-scorer-path", "temporal_consistency") == []
+    (p,) = problems("--reward-scorer-path", "color_edit")
+    assert "scores an edit against its source images, but --generation-task t2v has no source" in p
+    # the editing task on the video family: the family, the frames and the scorer each named
+    p = problems("--generation-task", "i2i")
+    assert any("i2i needs an image-editing family" in x and "is a text-to-video one" in x for x in p)
+    assert any("num_frames 5 asks for a video, but --generation-task i2i samples images" in x for x in p)
+    assert any("scores videos, but --generation-task i2i samples images: use an edit scorer" in x for x in p)
 
 
 def test_videos_reach_tensorboard_as_frame_strips(engine, adapter):

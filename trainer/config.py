@@ -274,7 +274,8 @@ class ModelConfig:
     model_adapter_path: str = _flag(
         DEFAULT_MODEL_ADAPTER,
         "Dotpath module.Class of the model adapter. Unset = the family --model-path's "
-        "model_index.json names (QwenImagePipeline, StableDiffusion3Pipeline, FluxPipeline, WanPipeline), "
+        "model_index.json names (QwenImagePipeline, StableDiffusion3Pipeline, FluxPipeline, "
+        "QwenImageEditPlusPipeline, FluxKontextPipeline, WanPipeline), "
         "else Qwen-Image's. A new model family is a new adapter plus its task in GENERATION_TASKS. "
         "The module is imported: name only code you trust.",
     )
