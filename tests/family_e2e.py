@@ -100,13 +100,13 @@ def train_and_resume(recipe: Path, tmp: Path, rollouts: int) -> tuple[Path, Path
     return a, b
 
 
-def assert_lora_resume_is_exact(a: Path, b: Path, adapter_path: str, candidates: int,
-                                task: str = "t2i") -> dict[str, torch.Tensor]:
+def assert_lora_resume_is_exact(a: Path, b: Path, adapter_path: str, candidates: int, *, task: str = "t2i",
+                                media: str = "*.png") -> dict[str, torch.Tensor]:
     """Iteration 1 of the uninterrupted run and of the resumed one: the same checkpoint tensors
     (some LoRA tensor trained by rollout 1), policy version 2 and lr step 4, the family's adapter
     in the contract, and byte-identical images in the rollout after the resume. Returns a's
     iteration-1 tensors for the family's own checks."""
-    ta = assert_resume_is_exact(a, b, 1, (1,), candidates, policy_version=2, lr_steps=4, task=task)
+    ta = assert_resume_is_exact(a, b, 1, (1,), candidates, policy_version=2, lr_steps=4, task=task, media=media)
     assert any("lora_" in n for n in ta)
     t0 = _model_tensors(a / "ckpt", 0, task=task)
     assert any(not torch.equal(t, t0[n]) for n, t in ta.items() if "lora_" in n), "rollout 1 trained"

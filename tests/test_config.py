@@ -35,6 +35,7 @@ RECIPES = {
     "sd35m_pickscore": ROOT / "configs" / "sd35m_t2i_lora_pickscore.toml",
     "demo": ROOT / "configs" / "tiny_cpu_demo.toml",
     "flux": ROOT / "configs" / "flux1dev_t2i_lora_pickscore.toml",
+    "wan_ocr": ROOT / "configs" / "wan21_t2v_lora_ocr.toml",
 }
 
 
@@ -506,6 +507,10 @@ def recipe_env(tmp_path):
         d.mkdir(parents=True)
     for name in ("pickapic_train", "pickapic_eval256", "pickapic_eval64"):
         (data / "processed" / "t2i" / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
+    (models / "Wan2.1-T2V-1.3B-Diffusers").mkdir()
+    (data / "processed" / "t2v").mkdir()
+    (data / "processed" / "t2v" / "ocr_train.jsonl").write_text(
+        '{"prompt": "a sign that says \\"open\\"", "metadata": {"task": "t2v", "sample_id": "p0"}}\n')
     (exp / "data").mkdir()
     for name in ("demo_train", "demo_eval"):
         (exp / "data" / f"{name}.jsonl").write_text('{"prompt": "a red square", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
@@ -676,3 +681,16 @@ def test_readme_links_and_commands_exist():
         assert (ROOT / target).exists(), target
     for path in re.findall(r"`(configs/[\w.]+\.toml)`", readme):
         assert (ROOT / path).is_file(), path
+
+
+def test_wan_recipe_is_flowgrpos(recipe_env):
+    """configs/wan21_t2v_lora_ocr.toml holds FlowGRPO's Wan OCR values (docs/video.md's table)."""
+    c = load_config(["--config", str(RECIPES["wan_ocr"])], env=recipe_env)
+    s = c.rollout.sampling_config
+    assert (c.model.generation_task, c.model.model_adapter_path) == ("t2v", "trainer.models.wan.WanAdapter")
+    assert (s["num_frames"], s["height"], s["width"], s["num_inference_steps"]) == (33, 240, 416, 20)
+    assert (s["sde_type"], s["eta"], s["sde_indices"]) == ("wan", 1.0, list(range(19)))
+    assert (s["guidance_scale"], s["negative_prompt"], s["cfg_renorm"]) == (4.5, "", False)
+    assert (c.rollout.n_samples_per_prompt, c.grpo.eps_clip, c.optim.lr, c.optim.weight_decay) == (4, 1e-3, 1e-4, 1e-4)
+    assert (c.lora.lora_rank, c.lora.lora_alpha, c.reward.reward_scorer_path) == (
+        32, 64, "trainer.rewards.video.VideoOcrScorer")

@@ -41,7 +41,7 @@ def test_from_jsonl_reads_records_and_resolves_media(tmp_path):
     ("", "blank line"),
     ("[1, 2]", "expected a JSON object"),
     (json.dumps({"metadata": {"task": "t2i", "sample_id": "z"}}), "missing required key 'prompt'"),
-    (rec("x", "z", task="t2v"), "metadata.task 't2v'"),
+    (rec("x", "z", task="t3d"), "metadata.task 't3d'"),  # not a task (t2v became one)
     (rec("x", "has space"), "sample_id"),
     (rec("a <image>", "z"), "placeholder"),
     (json.dumps({"prompt": "x", "image": ["a.png"], "metadata": {"task": "t2i", "sample_id": "z"}}),

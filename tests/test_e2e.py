@@ -127,10 +127,11 @@ def _state(ckpt: Path, iteration: int, task: str = "t2i") -> dict:
 
 
 def assert_resume_is_exact(a: Path, b: Path, iteration: int, rollouts, candidates: int, *, policy_version: int,
-                           lr_steps: int, task: str = "t2i") -> dict[str, torch.Tensor]:
+                           lr_steps: int, task: str = "t2i", media: str = "*.png") -> dict[str, torch.Tensor]:
     """Runs a (uninterrupted) and b (resumed) agree at checkpoint `iteration`: the same model
     tensors, policy version (`policy_version`), lr step (`lr_steps`) and rollout id, and the same
-    `candidates` PNGs, byte for byte, in each rollout of `rollouts`. Returns a's tensors."""
+    `candidates` PNGs (files matching `media`), byte for byte, in each rollout of `rollouts`.
+    Returns a's tensors."""
     ta, tb = _model_tensors(a / "ckpt", iteration, task=task), _model_tensors(b / "ckpt", iteration, task=task)
     assert ta.keys() == tb.keys() and ta
     for name in ta:
@@ -142,8 +143,8 @@ def assert_resume_is_exact(a: Path, b: Path, iteration: int, rollouts, candidate
     for rollout in rollouts:
         da = a / "artifacts" / task / f"rollout_{rollout:07d}"
         db = b / "artifacts" / task / f"rollout_{rollout:07d}"
-        pngs = sorted(p.name for p in da.glob("*.png"))
-        assert len(pngs) == candidates and pngs == sorted(p.name for p in db.glob("*.png"))
+        pngs = sorted(p.name for p in da.glob(media))
+        assert len(pngs) == candidates and pngs == sorted(p.name for p in db.glob(media))
         for name in pngs:
             assert (da / name).read_bytes() == (db / name).read_bytes(), f"rollout {rollout} {name}"
     return ta

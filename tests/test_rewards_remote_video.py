@@ -119,3 +119,17 @@ def test_source_images_go_with_images_only():
             remote.score(clips(), ["a", "b"], [{"source_images": [source]}, {"source_images": [source]}])
     with serving(ColorScorer()) as url:
         assert RemoteScorer(url, max_retries=0).info()["source_images"] is True
+
+
+def test_the_reward_manager_sends_a_rollouts_videos_to_a_remote_video_scorer():
+    """--reward-runtime remote on the t2v task: the manager asks the server's required track (its
+    GET answer) and sends the rollout's [F, 3, H, W] videos as "videos", in batches."""
+    from trainer.rewards.manager import RewardManager, scorer_tracks
+
+    videos = [torch.from_numpy(v).permute(0, 3, 1, 2).float() / 255 for v in clips().uint8]
+    local = TemporalConsistencyScorer().score(clips(), ["a", "b"], [{}, {}])
+    with serving(TemporalConsistencyScorer()) as url:
+        manager = RewardManager("remote", endpoint=url, batch_size=1, remote_max_retries=0)
+        assert scorer_tracks(manager.scorer) == ("video",)
+        out = manager.score(videos, ["a", "b"])
+    assert torch.equal(out.components["temporal_consistency"], local["temporal_consistency"])

@@ -215,3 +215,23 @@ def test_the_judge_sees_one_grid_per_video_with_the_video_template():
     own = VideoJudgeScorer(reward_judge_prompt_template="Score {prompt}")
     assert own.judge.template == "Score {prompt}"
     assert VideoJudgeScorer.config_fields == VlmJudgeScorer.config_fields
+
+
+def test_the_manager_routes_videos_to_video_scorers_in_batches():
+    """A video scorer gets VideoBatch slices (batch_size 2 over 3 videos, scores in order); an
+    image scorer given videos is refused naming the framewise fix."""
+    from trainer.rewards.base import RewardError
+    from trainer.rewards.manager import RewardManager
+
+    g = torch.Generator().manual_seed(0)
+    videos = [torch.rand(5, 3, 8, 8, generator=g) for _ in range(3)]
+    videos[1] = videos[1][:1].expand(5, 3, 8, 8)  # a still clip: consistency 1
+    manager = RewardManager("cpu", "temporal_consistency", batch_size=2)
+    out = manager.score(videos, ["a", "b", "c"])
+    assert out.num_samples == 3 and out.components["temporal_consistency"][1] == 1.0
+    assert float(out.components["temporal_consistency"][0]) < 0.2
+    framewise = RewardManager("cpu", "framewise", scorer_options={"reward_frame_scorer": "color",
+                                                                  "reward_frame_count": 2})
+    assert framewise.components == ("video_color",) and framewise.score(videos, ["a red ball"] * 3).num_samples == 3
+    with pytest.raises(RewardError, match="--reward-scorer-path framewise --reward-frame-scorer"):
+        RewardManager("cpu", "color").score(videos, ["a", "b", "c"])

@@ -114,15 +114,21 @@ def test_real_configs_have_the_published_sizes():
 
 
 def test_the_wan_bench_runs_on_the_tiny_configuration(tmp_path):
-    """tools/bench_wan.py end to end on the CPU (--tiny): every figure it promises, LoRA replay
-    with and without activation checkpointing."""
+    """tools/bench_wan.py end to end on the CPU (--tiny): every figure it promises: WanPipeline's
+    rollout, the native engine's on the same modules (with and without decode, the ratio per DiT
+    row, the replay vs sampler gap: 0 in fp32), LoRA replay with and without activation
+    checkpointing, and the adapter's own replay."""
     from tools.bench_wan import main as bench
 
     out = tmp_path / "wan.jsonl"
     assert bench(["--tiny", "--iters", "1", "--out", str(out)]) == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["figure"] for r in recs] == ["rollout_videos_per_s", "vae_decode",
-                                           "replay_transition", "replay_transition"]
+    assert [r["figure"] for r in recs] == ["rollout_videos_per_s", "vae_decode", "engine_rollout_videos_per_s",
+                                           "engine_rollout_videos_per_s", "ratio_per_dit_row",
+                                           "replay_vs_sampler_max_abs", "replay_vs_sampler_max_abs",
+                                           "replay_transition", "replay_transition", "replay_transition_ours"]
     assert recs[1]["frames_out"] == 5 and recs[0]["value"] > 0
-    assert [r["activation_checkpointing"] for r in recs[2:]] == [True, False]
-    assert all(r["status"] == "ok" and r["rows"] == 2 and r["lora_params"] > 0 for r in recs[2:])
+    assert [r["decode"] for r in recs[2:4]] == [True, False] and recs[4]["value"] > 0
+    assert [r["value"] for r in recs[5:7]] == [0.0, 0.0]  # fp32: the replay is the sampler
+    assert [r["activation_checkpointing"] for r in recs[7:9]] == [True, False]
+    assert all(r["status"] == "ok" and r["rows"] == 2 and r["lora_params"] > 0 for r in recs[7:])

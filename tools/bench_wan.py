@@ -7,6 +7,14 @@ What it measures (one JSON line per figure, the bench/results format):
             text encoder is not run), true CFG at --guidance, --steps flow-matching Euler steps
             (shift 3.0), output_type="latent": videos/s of the DiT loop; then one VAE decode of
             a latent (fp32, as FlowGRPO keeps the VAE) timed on its own.
+  engine    this project's NativeEngine with the Wan adapter on the SAME transformer and VAE in the
+            same process (prompt embeddings random as above, the text encoder not run): the
+            rollout at FlowGRPO's Wan SDE on every step but the last, CFG in one two-row forward,
+            videos/s with the VAE decode and without it (the DiT loop, comparable to WanPipeline's
+            latent output row for row: `ratio_per_dit_row`); then the bf16 replay vs sampler gap
+            (the adapter's replay of recorded columns at the rollout's batch and at micro-batch 1,
+            max |log-prob difference|), and, with LoRA in, the adapter's replay of one transition
+            at micro-batch 1 (forward + backward, activation checkpointing): `replay_transition_ours`.
   replay    one trained transition at micro-batch 1 as the replay runs it: the conditional and
             unconditional rows in one DiT forward (2 rows under CFG), LoRA (rank --lora-rank on
             to_q / to_k / to_v / to_out.0 of every attention, FlowGRPO's Wan set), loss on the
@@ -137,7 +145,7 @@ def bench_replay(model, geometry, args, device, dtype, base: dict) -> None:
                         "tokens": token_count(shape), "peak_gb": peak_gb(device), "status": status})
 
 
-def bench_rollout(model, geometry, args, device, dtype, base: dict) -> None:
+def bench_rollout(model, geometry, args, device, dtype, base: dict) -> float:
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
@@ -163,6 +171,7 @@ def bench_rollout(model, geometry, args, device, dtype, base: dict) -> None:
         latents = pipe(**kw).frames
         sync(device)
         dt = time.perf_counter() - t0
+    rate = b / dt
     emit(args.out, {**base, "figure": "rollout_videos_per_s", "value": round(b / dt, 4), "unit": "videos/s",
                     "geometry": f"{f}x{h}x{w}", "steps": args.steps, "guidance": args.guidance, "batch": b,
                     "seconds": round(dt, 3), "peak_gb": peak_gb(device), "path": "diffusers WanPipeline, latent out"})
@@ -177,6 +186,124 @@ def bench_rollout(model, geometry, args, device, dtype, base: dict) -> None:
     emit(args.out, {**base, "figure": "vae_decode", "value": round(dt, 3), "unit": "s", "geometry": f"{f}x{h}x{w}",
                     "frames_out": int(video.shape[2]), "dtype": "fp32", "peak_gb": peak_gb(device)})
     del pipe, vae, latents, video
+    return rate
+
+
+class _RandomPrompts:
+    """encode(prompts, device, max_sequence_length) -> {"prompt_embeds": [B, T, D]}: a fixed random
+    embedding per prompt (seeded by the prompt), standing in for UMT5-XXL as the WanPipeline row's
+    random prompt_embeds do."""
+
+    def __init__(self, tokens: int, dim: int, dtype):
+        self.tokens, self.dim, self.dtype = tokens, dim, dtype
+
+    def __call__(self, prompts, device, max_sequence_length):
+        import zlib
+
+        import torch
+
+        rows = [torch.randn(self.tokens, self.dim, generator=torch.Generator().manual_seed(zlib.crc32(p.encode())))
+                for p in prompts]
+        return {"prompt_embeds": torch.stack(rows).to(device, self.dtype)}
+
+
+def bench_engine(model, geometry, args, device, dtype, base: dict, vae=None):
+    """The native engine's rollout on `model` (and a VAE of the run's configuration), its figures,
+    and the trajectory it sampled (for the replay figures)."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from trainer.engine.native import NativeEngine
+    from trainer.models.wan import WanAdapter
+    from trainer.sampling import parse_sampling_config
+
+    f, h, w = geometry
+    adapter = WanAdapter()
+    if vae is None:
+        torch.manual_seed(2)
+        with torch.device(device):
+            vae = AutoencoderKLWan(**(TINY_WAN_VAE_CONFIG if args.tiny else WAN21_VAE_CONFIG)).eval()
+    scheduler = dict(WAN21_SCHEDULER_CONFIG, _class_name="FlowMatchEulerDiscreteScheduler")
+    engine = NativeEngine.from_modules(model, vae, torch.nn.Identity(), None, scheduler, device=device, dtype=dtype,
+                                       adapter=adapter, max_sequence_length=args.text_tokens)
+    engine.vae = engine.vae.to(torch.float32)  # fp32 VAE, as FlowGRPO keeps it
+    engine.prompt_encoder = _RandomPrompts(args.text_tokens, model.config.text_dim, dtype)
+
+    def requests(n: int, steps: int):
+        cfg = parse_sampling_config({"height": h, "width": w, "num_frames": f, "num_inference_steps": steps,
+                                     "guidance_scale": args.guidance, "negative_prompt": "", "cfg_renorm": False,
+                                     "sde_type": "wan", "eta": 1.0, "sde_indices": list(range(steps - 1))})
+        sigmas = engine.sigma_schedule(h, w, steps)
+        return [adapter.build_rollout_request(f"prompt {i // 4}", group_index=i // 4, slot=i % 4,
+                                              sample_id=f"g{i // 4}:s{i % 4}", sampling=cfg,
+                                              sde_indices=list(range(steps - 1)), sigmas=sigmas,
+                                              generation_seed=11) for i in range(n)]
+
+    b = args.rollout_batch
+    engine.generate(requests(1, 2))  # warm-up
+    rates = {}
+    real_decode = adapter.decode
+    traj = None
+    for decode in (True, False):
+        if not decode:  # the DiT loop alone, as WanPipeline's latent output
+            adapter.decode = lambda vae_, latents, geometry_: torch.zeros(latents.shape[0], f, 3, 1, 1)
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        out = engine.generate(requests(b, args.steps))
+        sync(device)
+        dt = time.perf_counter() - t0
+        adapter.decode = real_decode
+        traj = out if decode else traj
+        rates[decode] = b / dt
+        emit(args.out, {**base, "figure": "engine_rollout_videos_per_s", "value": round(b / dt, 4), "unit": "videos/s",
+                        "geometry": f"{f}x{h}x{w}", "steps": args.steps, "trained_steps": args.steps - 1,
+                        "guidance": args.guidance, "batch": b, "seconds": round(dt, 3), "peak_gb": peak_gb(device),
+                        "decode": decode, "path": "native engine (trainer.models.wan), sde_type wan"})
+    if args.diffusers_rate.get(geometry):
+        ratio = rates[False] / args.diffusers_rate[geometry]
+        emit(args.out, {**base, "figure": "ratio_per_dit_row", "value": round(ratio, 3),
+                        "unit": "x", "geometry": f"{f}x{h}x{w}",
+                        "what": "native engine DiT loop (no decode) / WanPipeline latent output, same modules"})
+    cols = sorted({0, (traj.num_steps - 1) // 2, traj.num_steps - 1})
+    with torch.no_grad():
+        for name, rows in (("rollout_batch", traj), ("micro_batch_1", traj[0:1])):
+            gap = max(float((adapter.replay_transition(model, rows, c).float().cpu()
+                             - rows.log_probs[:, c]).abs().max()) for c in cols)
+            emit(args.out, {**base, "figure": "replay_vs_sampler_max_abs", "value": gap, "unit": "nats",
+                            "geometry": f"{f}x{h}x{w}", "replay_rows": name, "columns": cols,
+                            "rows_per_forward": len(rows) * (2 if args.guidance > 1 else 1)})
+    return traj.without_images()
+
+
+def bench_replay_ours(model, traj, geometry, args, device, base: dict) -> None:
+    """The adapter's replay of one recorded transition at micro-batch 1 (both CFG rows in one
+    forward), forward + backward through the LoRA, activation checkpointing on."""
+    import torch
+
+    from trainer.models.wan import WanAdapter
+
+    adapter = WanAdapter()
+    f, h, w = geometry
+    model.enable_gradient_checkpointing()
+    one = traj[0:1]
+    reset_peak(device)
+    times = []
+    try:
+        for _ in range(args.iters + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            adapter.replay_transition(model, one, 0).sum().backward()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        status, secs = "ok", min(times[1:])
+    except torch.OutOfMemoryError:
+        status, secs = "oom", None
+        model.zero_grad(set_to_none=True)
+    emit(args.out, {**base, "figure": "replay_transition_ours", "value": secs, "unit": "s", "geometry": f"{f}x{h}x{w}",
+                    "rows": 2 if args.guidance > 1 else 1, "activation_checkpointing": True,
+                    "peak_gb": peak_gb(device), "status": status, "path": "WanAdapter.replay_transition"})
 
 
 def main(argv=None) -> int:
@@ -184,7 +311,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="1.3b")
     p.add_argument("--geometry", type=parse_geometry, action="append",
                    help="FRAMESxHEIGHTxWIDTH (frames 4k+1, sizes multiples of 16); repeatable")
-    p.add_argument("--what", default="replay,rollout", help="comma list of replay, rollout")
+    p.add_argument("--what", default="replay,rollout,engine", help="comma list of replay, rollout, engine")
     p.add_argument("--steps", type=int, default=20, help="rollout denoising steps (FlowGRPO's Wan recipe: 20)")
     p.add_argument("--guidance", type=float, default=4.5, help="true CFG scale (FlowGRPO's Wan recipe: 4.5)")
     p.add_argument("--rollout-batch", type=int, default=4, help="videos per WanPipeline call")
@@ -211,9 +338,14 @@ def main(argv=None) -> int:
     base = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world_size": 1,
             "model": f"Wan2.1-T2V-{args.size}", "params": n_params, "dtype": str(dtype).replace("torch.", ""),
             "weights": "random"}
+    args.diffusers_rate = {}
     if "rollout" in what:
         for geometry in args.geometry:
-            bench_rollout(model, geometry, args, device, dtype, base)
+            args.diffusers_rate[geometry] = bench_rollout(model, geometry, args, device, dtype, base)
+    trajectories = {}
+    if "engine" in what:
+        for geometry in args.geometry:
+            trajectories[geometry] = bench_engine(model, geometry, args, device, dtype, base)
     if "replay" in what:
         model.requires_grad_(False)
         model.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, init_lora_weights="gaussian",
@@ -223,6 +355,9 @@ def main(argv=None) -> int:
         for geometry in args.geometry:
             bench_replay(model, geometry, args, device, dtype, {**base, "lora_rank": args.lora_rank,
                                                                 "lora_params": n_lora})
+            if geometry in trajectories:
+                bench_replay_ours(model, trajectories[geometry], geometry, args, device,
+                                  {**base, "lora_rank": args.lora_rank, "lora_params": n_lora})
     return 0
 
 

@@ -5,7 +5,7 @@ model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/; sd3
 tools/tiny_sd3.py) so that every consumer loads it through the same code path as the real
 model. It is what the tests and the demo run on.
 
-    python tools/make_tiny_model.py --output-dir tiny [--family qwen_image|sd3|flux] [--seed 0] [--overwrite]
+    python tools/make_tiny_model.py --output-dir tiny [--family qwen_image|sd3|flux|wan] [--seed 0] [--overwrite]
 
 A non-empty --output-dir is refused unless --overwrite (then its contents are replaced once the
 new model is complete); the build goes to a hidden directory beside it first.
@@ -233,6 +233,8 @@ BUILDERS = {
     # image-editing families (docs/editing.md); tools/tiny_qwen_image_edit.py --variant picks 2509
     "qwen_image_edit": ("tools.tiny_qwen_image_edit", "build_tiny_qwen_image_edit_pipeline", "Qwen-Image-Edit-2511"),
     "flux_kontext": ("tools.tiny_flux_kontext", "build_tiny_flux_kontext_pipeline", "FLUX.1-Kontext"),
+    # text-to-video (docs/video.md)
+    "wan": ("tools.tiny_wan", "build_tiny_wan_pipeline", "Wan2.1 text-to-video"),
 }
 
 
@@ -298,7 +300,9 @@ def main(argv=None) -> int:
                         help="model family of the pipeline (qwen_image: QwenImagePipeline; sd3: "
                              "StableDiffusion3Pipeline with an SD3.5-Medium style dual-attention DiT; flux: "
                              "FluxPipeline with FLUX.1-dev's layout; image editing: qwen_image_edit "
-                             "(QwenImageEditPlusPipeline, 2511 layout), flux_kontext (FluxKontextPipeline))")
+                             "(QwenImageEditPlusPipeline, 2511 layout), flux_kontext (FluxKontextPipeline); "
+                             "text-to-video: "
+                             "wan (WanPipeline, Wan2.1 T2V))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's output convolution (1: plain random init); "

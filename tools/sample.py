@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-seed", type=int, default=1234, help="base seed of every candidate's noise")
     p.add_argument("--task", "--generation-task", dest="task", default=None,
                    help="generation task (names the artifact subdirectory; the prompt file's records must be of "
-                        "it); unset: i2i for an image-editing family (each record's images are its sources), "
-                        "else t2i")
+                        "it); unset: the family's: i2i for an image-editing family (each record's images are its "
+                        "sources), t2v for a video family such as Wan2.1, else t2i")
     p.add_argument("--rollout-id", type=int, default=0, help="rollout id of the output directory (>= 0)")
     p.add_argument("--device", default=None, help="cpu / cuda / cuda:N (unset: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16 / fp32 (unset: bf16 on CUDA, fp32 on CPU)")
@@ -204,12 +204,17 @@ def _sample(args: argparse.Namespace) -> int:
         adapter = import_dotpath(adapter_path, "--model-adapter-path")()
     except ValueError as e:  # the message names the flag and the dotpath
         raise ToolError(str(e)) from None
+    # the family's task (an adapter's generation_task), as preflight pairs them in training
+    args.task = args.task or getattr(adapter, "generation_task", "t2i")
     try:
         sampling = parse_sampling_config(sampling_geometry(args, adapter))
     except ValueError as e:  # the message names --sampling-config and the key
         raise ToolError(str(e)) from None
-    args.task = args.task or getattr(adapter, "generation_task", "t2i")
     problems = geometry_problems(adapter, args.model_path, sampling.height, sampling.width)
+    if args.task == "t2v":  # a video family: the frame count's rule too, before the model loads
+        from trainer.video import video_geometry_problems
+
+        problems += video_geometry_problems(sampling.num_frames, sampling.height, sampling.width)
     if problems:
         raise ToolError("\n".join(problems))
     checkpoint = lora_source(args.lora, args.task) if args.lora else None
@@ -242,8 +247,10 @@ def _sample(args: argparse.Namespace) -> int:
                            artifact_root=args.output_dir, task=args.task, retention=0,
                            weight_manifest_hash=lora_hash)
     n_png = len(list(out.artifact_dir.glob("*.png")))
+    n_video = len(list(out.artifact_dir.glob("*.webp")))
     n_side = len(list(artifacts.iter_sidecars(out.artifact_dir)))
-    print(f"wrote {n_png} PNGs and {n_side} sidecars to {out.artifact_dir} "
+    media = f"{n_video} videos (animated WebP)" if n_video else f"{n_png} PNGs"
+    print(f"wrote {media} and {n_side} sidecars to {out.artifact_dir} "
           f"(load {t_load:.1f}s, sample {out.stats['perf/rollout_time']:.1f}s, trained steps {out.sde_indices})")
     return 0
 

@@ -17,6 +17,11 @@ Output lines: {"image": FILE, "prompt": ..., "group": G or null, "slot": S or nu
 (--reward-runtime cpu / colocate / remote), so the numbers match the training run's; an image
 edit's sidecar names its source files, whose pixels the edit scorers (color_edit, clip_preserve,
 edit_judge) get as in training.
+
+Videos (a t2v rollout's group_<8 digits>_sample_<4 digits>.webp, animated WebP): a scorer whose
+track is video (video_ocr, temporal_consistency, video_vlm_judge, framewise, or a remote video
+scorer) reads each file's frames in order (at most MAX_VIDEO_FRAMES per file; every frame is
+checked against Pillow's decompression-bomb limit as it is decoded).
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ if __package__ in (None, ""):  # run as a script: this checkout's trainer, not a
 
 from trainer.cli import ToolError, existing_dir, existing_file, run_tool, tool_parser  # noqa: E402
 
-ARTIFACT_RE = re.compile(r"^group_(\d{8})_sample_(\d{4})\.png$")
+ARTIFACT_RE = re.compile(r"^group_(\d{8})_sample_(\d{4})\.(?:png|webp)$")
+#: frames read from one video file: 4x Wan2.1's 81, so a file cannot make the tool hold unbounded frames
+MAX_VIDEO_FRAMES = 324
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
@@ -108,6 +115,23 @@ def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]] | None) 
     return rows
 
 
+def read_video_frames(path: Path):
+    """The frames of a video file (animated WebP, or any image as one frame) as uint8
+    [F, H, W, 3], in order; more than MAX_VIDEO_FRAMES raises ToolError naming the file."""
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    frames = []
+    with Image.open(path) as im:
+        for frame in ImageSequence.Iterator(im):
+            if len(frames) == MAX_VIDEO_FRAMES:
+                raise ToolError(f"{path}: more than {MAX_VIDEO_FRAMES} frames; not a rollout's video")
+            frames.append(np.asarray(frame.convert("RGB"), dtype=np.uint8))
+    if len({f.shape for f in frames}) != 1:
+        raise ToolError(f"{path}: its frames differ in size; not a rollout's video")
+    return np.stack(frames)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the config's copy of the shipped names: trainer.rewards imports torch, and --help must not wait for it
     from trainer.config import SCORER_SHORT_NAMES as SHIPPED_SCORERS
@@ -153,7 +177,7 @@ def _score(args: argparse.Namespace) -> int:
 
     from trainer.models.edit_source import with_source_pixels
     from trainer.rewards.base import SOURCE_IMAGES_KEY
-    from trainer.rewards.manager import RewardManager
+    from trainer.rewards.manager import RewardManager, scorer_tracks
 
     try:
         rows = match_images(args.images, read_prompt_file(args.prompt_data) if args.prompt_data else None)
@@ -167,11 +191,19 @@ def _score(args: argparse.Namespace) -> int:
         chunk = rows[start:start + args.batch_size]
         images = []
         for r in chunk:
+            if "video" in scorer_tracks(manager.scorer):
+                images.append(read_video_frames(r["path"]))
+                continue
             with Image.open(r["path"]) as im:
                 images.append(im.convert("RGB"))
-        # an edit's sidecar names its sources: the edit scorers get their pixels as in training
-        metadata = with_source_pixels([r["metadata"] for r in chunk], [(im.height, im.width) for im in images],
-                                      SOURCE_IMAGES_KEY)
+        # an edit's sidecar names its sources: the edit scorers get their pixels as in training (a
+        # video's [F, H, W, 3] frames give its size; its sidecar names no sources)
+        sizes = [(im.height, im.width) if hasattr(im, "convert") else tuple(im.shape[1:3]) for im in images]
+        metadata = with_source_pixels([r["metadata"] for r in chunk], sizes, SOURCE_IMAGES_KEY)
+        if images and not hasattr(images[0], "convert"):
+            from trainer.rewards.video import VideoBatch
+
+            images = VideoBatch(images)
         out = manager.score(images, [r["prompt"] for r in chunk], metadata)
         for i, r in enumerate(chunk):
             scores = {}

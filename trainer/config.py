@@ -61,7 +61,7 @@ def _flag(default: Any = None, help: str = "", *, factory: Any = None, hints: di
 #: the --generation-task values: only tasks with a working replay path. Here, not in models.base
 #: (which re-exports it), because models.base imports torch and the data tools, the prompt reader
 #: and preflight check a task without it
-GENERATION_TASKS = ("t2i", "i2i")
+GENERATION_TASKS = ("t2i", "i2i", "t2v")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,7 +78,12 @@ PIPELINE_ADAPTERS = {
     "FluxPipeline": "trainer.models.flux.FluxAdapter",
     "QwenImageEditPlusPipeline": "trainer.models.qwen_image_edit.QwenImageEditAdapter",
     "FluxKontextPipeline": "trainer.models.flux_kontext.FluxKontextAdapter",
+    "WanPipeline": "trainer.models.wan.WanAdapter",
 }
+
+#: the shipped adapters of video families: --generation-task t2v needs one (and --sampling-config
+#: num_frames > 1 needs t2v); the task an image family's adapter serves is t2i
+VIDEO_ADAPTERS = ("trainer.models.wan.WanAdapter",)
 
 
 def pipeline_class_name(model_path) -> str | None:
@@ -117,13 +122,26 @@ SCORER_SHORT_NAMES = {
     "color_edit": "trainer.rewards.edit.ColorEditScorer",
     "clip_preserve": "trainer.rewards.edit.ClipPreservationScorer",
     "edit_judge": "trainer.rewards.edit.EditJudgeScorer",
+    # video scorers (required_tracks ("video",)): the t2v task's
+    "video_ocr": "trainer.rewards.video.VideoOcrScorer",
+    "temporal_consistency": "trainer.rewards.video.TemporalConsistencyScorer",
+    "video_vlm_judge": "trainer.rewards.video.VideoJudgeScorer",
+    "framewise": "trainer.rewards.video.FramewiseScorer",
 }
 
 #: the model adapters of the editing families: the task they train (preflight pairs --generation-task
-#: i2i with them, and t2i with the others)
+#: i2i with them, and t2i with the image families that are neither editing nor video)
 EDIT_ADAPTERS = frozenset({
     "trainer.models.qwen_image_edit.QwenImageEditAdapter",
     "trainer.models.flux_kontext.FluxKontextAdapter",
+})
+
+#: the shipped scorers of the "video" track (a t2v run needs one; a t2i run cannot use them)
+VIDEO_SCORERS = frozenset({
+    "trainer.rewards.video.VideoOcrScorer",
+    "trainer.rewards.video.TemporalConsistencyScorer",
+    "trainer.rewards.video.VideoJudgeScorer",
+    "trainer.rewards.video.FramewiseScorer",
 })
 
 #: scorers that load a model from --reward-model-path (the others need no weights)
@@ -239,9 +257,9 @@ class ModelConfig:
     )
     generation_task: str | None = _flag(
         "t2i",
-        "Generation task; must be one of GENERATION_TASKS: 't2i' (the default, as in every tool) or 'i2i' "
-        "(image editing: an editing family, every record with its source images). "
-        "Also names the artifact and checkpoint subdirectory.",
+        "Generation task; must be one of GENERATION_TASKS: 't2i' (the default, as in every tool), 'i2i' "
+        "(image editing: an editing family, every record with its source images) or 't2v' (a video family "
+        "such as Wan2.1). Also names the artifact and checkpoint subdirectory.",
     )
     model_path: str | None = _flag(
         None,
@@ -256,7 +274,8 @@ class ModelConfig:
     model_adapter_path: str = _flag(
         DEFAULT_MODEL_ADAPTER,
         "Dotpath module.Class of the model adapter. Unset = the family --model-path's "
-        "model_index.json names (QwenImagePipeline, StableDiffusion3Pipeline, FluxPipeline), "
+        "model_index.json names (QwenImagePipeline, StableDiffusion3Pipeline, FluxPipeline, "
+        "QwenImageEditPlusPipeline, FluxKontextPipeline, WanPipeline), "
         "else Qwen-Image's. A new model family is a new adapter plus its task in GENERATION_TASKS. "
         "The module is imported: name only code you trust.",
     )
@@ -621,9 +640,9 @@ class RewardConfig:
     reward_scorer_path: str | None = _flag(
         None,
         "Scorer short name (pickscore, clipscore, aesthetic, hpsv21, vlm_judge, ocr, "
-        "jpeg_compressibility, jpeg_incompressibility, color; for i2i color_edit, clip_preserve, edit_judge) "
-        "or module.Class dotpath (imported: name "
-        "only code you trust); required unless --reward-runtime remote.",
+        "jpeg_compressibility, jpeg_incompressibility, color; for i2i color_edit, clip_preserve, edit_judge; "
+        "for t2v video_ocr, temporal_consistency, video_vlm_judge, framewise) or module.Class dotpath "
+        "(imported: name only code you trust); required unless --reward-runtime remote.",
     )
     reward_model_path: str | None = _flag(
         None,
@@ -675,6 +694,21 @@ class RewardConfig:
         2, "Retries of a judge request after a timeout, connection error, 429 or 5xx; then the candidate fails."
     )
     reward_judge_max_tokens: int = _flag(64, "max_tokens of the judge's answer (>= 1).")
+    # an image scorer on a video's frames (--reward-scorer-path framewise, the t2v task)
+    reward_frame_scorer: str = _flag(
+        "ocr", "The image scorer --reward-scorer-path framewise applies to sampled frames of each video (a short "
+        "name or dotpath; its --reward-model-path is the framewise scorer's)."
+    )
+    reward_frame_reduction: Literal["mean", "min"] = _flag(
+        "mean", "How --reward-scorer-path framewise reduces a video's frame scores: 'mean' (its typical frame) or "
+        "'min' (its worst sampled frame)."
+    )
+    reward_frame_every: int | None = _flag(
+        None, "framewise: score every k-th frame (0, k, 2k, ...; k >= 1); exclusive with --reward-frame-count."
+    )
+    reward_frame_count: int | None = _flag(
+        None, "framewise: score n evenly spaced frames, first and last included (n >= 1; 8 when neither rule is set)."
+    )
     # held-out scorers and the reward-hacking watch (docs/rewards.md, "Watching for reward hacking")
     eval_reward_scorers: list[str] | None = _flag(
         None,

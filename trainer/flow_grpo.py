@@ -63,6 +63,10 @@ def sde_std_dev_t(sigma, eta: float, sde_type: str = "sde", sigma_max: float = 0
         The clamp only keeps g finite at sigma == 1 (step 0); it is not what a sampler that
         never divides by zero would use, which is why preflight rejects a trained step 0.
     "dance" (DanceGRPO): g = eta, constant.
+    "wan" (FlowGRPO's Wan2.1 sampler): g = eta * (sigma_min + (sigma_max - sigma_min) * sigma)
+        with sigma_max the schedule's second sigma (sigmas[1], which the request carries in its
+        sigma_max) and sigma_min its terminal 0, i.e. g = eta * sigma_max * sigma: linear in
+        sigma, finite at sigma == 1 (step 0 trains). eta = 1 is FlowGRPO's (it has no knob).
     "cps" has no diffusion coefficient: its std is a function of the NEXT sigma
     (`cps_transition_moments`), so asking for g under "cps" is a mistake and raises.
     """
@@ -73,8 +77,19 @@ def sde_std_dev_t(sigma, eta: float, sde_type: str = "sde", sigma_max: float = 0
     sigma = torch.as_tensor(sigma, dtype=torch.float32)
     if sde_type == "dance":
         return torch.full_like(sigma, float(eta))
+    if sde_type == "wan":
+        return wan_std_dev_t(sigma, float(sigma_max), 0.0) * float(eta)
     s = torch.where(sigma == 1.0, torch.full_like(sigma, float(sigma_max)), sigma)
     return float(eta) * torch.sqrt(sigma / (1.0 - s))
+
+
+def wan_std_dev_t(sigma, sigma_max: float, sigma_min: float = 0.0) -> torch.Tensor:
+    """FlowGRPO's Wan2.1 diffusion coefficient, fp32, same shape as `sigma`:
+    std_dev_t = sigma_min + (sigma_max - sigma_min) * sigma, where its sampler takes
+    sigma_max = scheduler.sigmas[1] and sigma_min = scheduler.sigmas[-1] (the terminal 0 of
+    every schedule here). The transition mean and std are then the "sde" type's with g = std_dev_t."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32)
+    return float(sigma_min) + (float(sigma_max) - float(sigma_min)) * sigma
 
 
 def flow_sde_transition_moments(

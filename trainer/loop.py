@@ -163,6 +163,17 @@ def _scorer_inputs(traj: Any) -> tuple[list[torch.Tensor], list[str], list[dict]
     return list(traj.images.unbind(0)), list(traj.prompts), metadata
 
 
+def _viewable(media: torch.Tensor, gap: int = 2) -> torch.Tensor:
+    """One candidate as one image [3, H, W] for TensorBoard and the image statistics: an image as
+    it is, a video [F, 3, H, W] as its frame strip (trainer.video_artifacts.frame_strip: 8 evenly
+    spaced frames side by side), since TensorBoard plays video only through moviepy."""
+    if media.dim() == 4:
+        from trainer.video_artifacts import frame_strip
+
+        return frame_strip(media, gap=gap)
+    return media
+
+
 def engine_options(rollout: Any) -> dict[str, Any]:
     """The engine keywords the rollout flags set, only those set: the native engine's speed
     options (--rollout-compile, --rollout-precision; another engine need not know them), the
@@ -523,7 +534,8 @@ class Trainer:
         if self.watch is not None:  # collective: image statistics gathered like the scores
             from trainer.rewards.watch import rollout_watch_metrics
 
-            m.update(rollout_watch_metrics(self.watch, _scorer_inputs(traj)[0], local_idx,
+            viewed = [_viewable(x, gap=0) for x in _scorer_inputs(traj)[0]]  # a video: its frame strip
+            m.update(rollout_watch_metrics(self.watch, viewed, local_idx,
                                            self.num_groups * self.group_size, self.group_size, reward))
             if self.watch.suspect:
                 log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
@@ -669,7 +681,8 @@ class Trainer:
             shown = traj.rows_of_group(g)[:ROLLOUT_GRID_CANDIDATES]
             captions = [f"s{int(traj.slots[i])} " + _score_text(reward.components, g * self.group_size + int(traj.slots[i]))
                         for i in shown]
-            rows.append((f"group {g}: {traj.prompts[shown[0]]}", [traj.images[i] for i in shown], captions))
+            rows.append((f"group {g}: {traj.prompts[shown[0]]}", [_viewable(traj.images[i]) for i in shown],
+                         captions))
         self.metrics.log_rows_grid(k, "rollout/candidates", rows)
 
     def _log_histograms(self, k: int, reward: Any) -> None:
@@ -891,7 +904,7 @@ def _eval_thumbnails(traj: Any, max_group: int) -> list[tuple[int, int, str, tor
     for i, g in enumerate(traj.group_indices.tolist()):
         if g >= max_group:
             continue
-        im = traj.images[i].detach().float().cpu()
+        im = _viewable(traj.images[i]).detach().float().cpu()
         side = max(im.shape[-2:])
         if side > EVAL_THUMB_SIDE:
             size = [max(1, round(d * EVAL_THUMB_SIDE / side)) for d in im.shape[-2:]]

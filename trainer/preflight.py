@@ -84,6 +84,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     warnings: list[str] = []
     world = _check_world(cfg, world_size, errors, warnings, torchrun=torchrun)
     _check_task_and_model(cfg, errors)
+    _check_video_task(cfg, errors)
     _check_engine(cfg, errors)
     _check_fp8_device(cfg, errors)
     _check_trainable(cfg, errors, warnings)
@@ -223,8 +224,11 @@ def _check_edit_task(cfg: RunConfig, errors: list[str]) -> None:
     if adapter in PIPELINE_ADAPTERS.values():
         edit = adapter in EDIT_ADAPTERS
         if m.generation_task == "i2i" and not edit:
+            from trainer.config import VIDEO_ADAPTERS
+
+            kind = "text-to-video" if adapter in VIDEO_ADAPTERS else "text-to-image"
             errors.append(f"--generation-task i2i needs an image-editing family, but --model-adapter-path {adapter} "
-                          "is a text-to-image one; point --model-path at an editing model (model_index.json "
+                          f"is a {kind} one; point --model-path at an editing model (model_index.json "
                           "QwenImageEditPlusPipeline or FluxKontextPipeline) with --model-adapter-path "
                           f"{' or '.join(sorted(EDIT_ADAPTERS))}, or set --generation-task t2i")
         elif m.generation_task == "t2i" and edit:
@@ -257,6 +261,69 @@ def _check_edit_task(cfg: RunConfig, errors: list[str]) -> None:
         if len(counts) > 1:
             errors.append(f"{flag}: records carry {' or '.join(map(str, counts))} source images; one rollout samples "
                           "one sequence layout, so every record of a prompt file needs the same number of images")
+
+
+def _check_video_task(cfg: RunConfig, errors: list[str]) -> None:
+    """t2v against the family, the frames and the scorer (the rules of docs/video.md): t2v needs a
+    video family and a video geometry (trainer.video's rules), a video family and frames need t2v,
+    and a scorer reads the task's track (an image scorer scores a video's frames only through the
+    framewise wrapper; an edit scorer needs i2i's sources; t2i and i2i score images). A custom
+    adapter or scorer is not second-guessed."""
+    from trainer.config import VIDEO_ADAPTERS, VIDEO_SCORERS
+    from trainer.video import video_geometry_problems
+
+    task, adapter = cfg.model.generation_task, cfg.model.model_adapter_path
+    sampling = cfg.rollout.sampling_config if isinstance(cfg.rollout.sampling_config, dict) else {}
+    frames = sampling.get("num_frames", 1)
+    shipped = adapter in PIPELINE_ADAPTERS.values()
+    if task == "t2v" and shipped and adapter not in VIDEO_ADAPTERS:
+        errors.append(f"--generation-task t2v needs a video family, but --model-adapter-path {adapter} draws images: "
+                      f"use a WanPipeline directory ({VIDEO_ADAPTERS[0]}) or --generation-task t2i")
+    if task == "t2i" and adapter in VIDEO_ADAPTERS:
+        errors.append(f"--model-adapter-path {adapter} is a video family: set --generation-task t2v (and "
+                      "--sampling-config num_frames, e.g. 33)")
+    if task in ("t2i", "i2i") and frames != 1:  # an edit is an image too
+        errors.append(f"--sampling-config num_frames {frames} asks for a video, but --generation-task {task} samples "
+                      "images: set --generation-task t2v with a video family (Wan2.1), or drop num_frames for images")
+    if task == "t2v":
+        if isinstance(frames, int) and not isinstance(frames, bool) and frames < 5:
+            errors.append(f"--sampling-config num_frames is {frames}: --generation-task t2v samples videos; set "
+                          "num_frames to 4k + 1 >= 5 (FlowGRPO's Wan recipe: 33, Wan2.1's default: 81)")
+        elif frames != 1:
+            errors.extend(video_geometry_problems(frames, sampling.get("height", 384), sampling.get("width", 384)))
+    rw = cfg.reward
+    scorer = resolve_scorer_path(rw.reward_scorer_path)
+    if rw.reward_runtime == "remote" or scorer is None:
+        return
+    image_scorer = scorer in SCORER_SHORT_NAMES.values() and scorer not in VIDEO_SCORERS
+    edit_scorer = scorer.startswith("trainer.rewards.edit.")
+    if task == "t2v" and image_scorer and edit_scorer:
+        errors.append(f"--reward-scorer-path {rw.reward_scorer_path} scores an edit against its source images, but "
+                      "--generation-task t2v has no source: use a video scorer (video_ocr, temporal_consistency, "
+                      "video_vlm_judge) or framewise with an image scorer")
+    elif task == "t2v" and image_scorer:
+        errors.append(f"--reward-scorer-path {rw.reward_scorer_path} scores images, but --generation-task t2v samples "
+                      f"videos: score its frames with --reward-scorer-path framewise --reward-frame-scorer "
+                      f"{rw.reward_scorer_path} (--reward-frame-reduction mean|min), or use a video scorer "
+                      "(video_ocr, temporal_consistency, video_vlm_judge)")
+    if task in ("t2i", "i2i") and scorer in VIDEO_SCORERS:
+        fix = "an edit scorer (color_edit, clip_preserve, edit_judge)" if task == "i2i" else \
+            "an image scorer (e.g. ocr, pickscore, color)"
+        errors.append(f"--reward-scorer-path {rw.reward_scorer_path} scores videos, but --generation-task {task} "
+                      f"samples images: use {fix}")
+    if scorer == SCORER_SHORT_NAMES["framewise"]:
+        inner = resolve_scorer_path(rw.reward_frame_scorer)
+        if inner in VIDEO_SCORERS:
+            errors.append(f"--reward-frame-scorer {rw.reward_frame_scorer} is a video scorer; framewise applies an "
+                          "IMAGE scorer to frames (e.g. ocr, pickscore, color)")
+        elif inner:
+            _check_dotpath("--reward-frame-scorer", inner, errors)
+        if rw.reward_frame_every is not None and rw.reward_frame_count is not None:
+            errors.append("--reward-frame-every and --reward-frame-count are two frame rules; set one of them")
+        for flag, value in (("--reward-frame-every", rw.reward_frame_every),
+                            ("--reward-frame-count", rw.reward_frame_count)):
+            if value is not None:
+                _positive_int(flag, value, errors)
 
 
 def _check_engine(cfg: RunConfig, errors: list[str]) -> None:

@@ -4,7 +4,8 @@
                driver's sigma schedule, and this rank's contiguous block of the global
                (group, slot) candidate list;
     generate   one engine.generate call for all local candidates (the engine batches them);
-    artifacts  one PNG per candidate (written by the rank that made it) and one sidecar per
+    artifacts  one PNG per candidate (an animated WebP for a video, trainer.video_artifacts;
+               written by the rank that made it) and one sidecar per
                group; a group split over ranks has its small tracks gathered to the rank that
                holds its slot 0, which writes it. With a trainer.artifact_writer.ArtifactWriter
                the files are prepared here and written by its thread while the step goes on;
@@ -280,8 +281,7 @@ def _artifact_jobs(traj: Trajectory | None, out_dir: Path, groups, group_size: i
     if traj is not None:
         images = traj.images.clone() if copy_images else traj.images
         for i in range(len(traj)):
-            path = out_dir / artifacts.image_name(int(traj.group_indices[i]), int(traj.slots[i]))
-            jobs.append(functools.partial(artifacts.write_png, path, images[i]))
+            jobs.append(_media_job(out_dir, int(traj.group_indices[i]), int(traj.slots[i]), images[i]))
         for g in dict.fromkeys(traj.group_indices.tolist()):
             # a list index copies every row tensor: the part is this rollout's own
             by_group[int(g)] = traj[traj.rows_of_group(g)].without_images()
@@ -308,3 +308,15 @@ def _artifact_jobs(traj: Trajectory | None, out_dir: Path, groups, group_size: i
         jobs.append(functools.partial(artifacts.write_sidecar, out_dir / artifacts.sidecar_name(g), tensors,
                                       metadata))
     return jobs
+
+
+def _media_job(out_dir: Path, group: int, slot: int, media: Any) -> Any:
+    """The write of one candidate's file: a PNG of an image [3, H, W], an animated WebP of a
+    video [F, 3, H, W] (trainer.video_artifacts), both beside the group's sidecar."""
+    import functools
+
+    if media.dim() == 4:
+        from trainer.video_artifacts import video_name, write_video
+
+        return functools.partial(write_video, out_dir / video_name(group, slot), media)
+    return functools.partial(artifacts.write_png, out_dir / artifacts.image_name(group, slot), media)

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-SDE_TYPES = ("sde", "dance", "cps")
+SDE_TYPES = ("sde", "dance", "cps", "wan")
 SAMPLE_ID_MODES = ("metadata", "positional", "group_index")
 
 _FLAG = "--sampling-config"
@@ -156,7 +156,9 @@ class SamplingConfig:
     sigma_max: float = 0.99
     #: "sde": FlowGRPO's eta * sqrt(sigma / (1 - sigma)); "dance": DanceGRPO's constant eta;
     #: "cps": FlowGRPO's coefficients-preserving sampler, std = sigma_next * sin(eta * pi / 2)
-    #: (needs 0 < eta <= 1; never trains the last step, whose std is 0)
+    #: (needs 0 < eta <= 1; never trains the last step, whose std is 0); "wan": FlowGRPO's Wan2.1
+    #: sampler, g = eta * sigmas[1] * sigma (eta 1 is FlowGRPO's; sigma_max is unused: the
+    #: schedule's second sigma takes its place; needs num_inference_steps >= 2)
     sde_type: str = "sde"
     #: use the driver's own FlowMatch sigma schedule (sigma_schedule) for generation
     driver_sigmas: bool = True
@@ -185,6 +187,10 @@ class SamplingConfig:
     #: [lo, hi) step range the window lies in: start drawn from lo .. hi - sde_window_size;
     #: null = FlowGRPO's [0, num_inference_steps // 2). Evaluation (rollout_id None) uses start lo
     sde_window_range: list[int] | None = None
+    #: frames per candidate: 1 (an image) for image families; a video family (--generation-task
+    #: t2v) needs 4k + 1 (5, 9, ..., 33, 81: its VAE encodes the first frame alone, then groups
+    #: of 4), checked by preflight against trainer.video's geometry rules
+    num_frames: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every key (lists copied)."""
@@ -205,7 +211,8 @@ class SamplingConfig:
 
 _KEYS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
 #: keys added after the first release, with their defaults (left out of the fingerprint there)
-_LATER_KEYS = {"sde_window_size": 0, "sde_window_range": None, "negative_prompt": " ", "cfg_renorm": True}
+_LATER_KEYS = {"sde_window_size": 0, "sde_window_range": None, "negative_prompt": " ", "cfg_renorm": True,
+               "num_frames": 1}
 #: the window keys and what they cannot be combined with
 _WINDOW_KEYS = ("sde_window_size", "sde_window_range")
 
@@ -365,6 +372,7 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
     take("num_sde_steps", nonneg_int)
     take("sde_timestep_fraction", fraction)
     take("sde_window_size", nonneg_int)
+    take("num_frames", pos_int)
 
     def step_range(v):
         if v is None:

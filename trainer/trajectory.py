@@ -13,7 +13,8 @@ B candidates, each recorded at the same S trained steps (the rollout's `sde_indi
                                               with true CFG also "negative_prompt_embeds" / "_mask");
                                               an entry `X` with an `X_mask` partner is a padded
                                               token sequence
-    images                   [B, 3, H, W] fp32 in [0, 1] on CPU, or None (dropped before the
+    images                   [B, 3, H, W] fp32 in [0, 1] on CPU ([B, F, 3, H, W] for a video,
+                                              geometry.frames > 1), or None (dropped before the
                                               update; a sidecar stores none)
 
 plus the per-candidate identity (prompt, sample id, group, slot, seed, policy version, prompt
@@ -44,9 +45,9 @@ SHARED_FIELDS = ("sde_indices", "geometry", "sampler")
 
 @dataclass(frozen=True)
 class Geometry:
-    """Where the latents live: the image size, the VAE's spatial factor and room for the frames of
-    a video family and the conditioning media of an editing one (no family reads those two yet:
-    frames is 1 and media empty for every text-to-image trajectory)."""
+    """Where the latents live: the image size, the VAE's spatial factor, the frames of a video
+    family and the conditioning media of an editing one (frames is 1 and media empty for every
+    text-to-image trajectory)."""
 
     height: int
     width: int
@@ -118,13 +119,15 @@ class RolloutRequest:
     #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
     init_noise_latent_shape: list[int] | None = None
     #: the source image files of an editing candidate (absolute paths, record order); the engine
-    #: encodes them with the prompt into the conditions the trajectory records. [] for t2i
+    #: encodes them with the prompt into the conditions the trajectory records. [] for t2i / t2v
     media: list[str] = field(default_factory=list)
+    #: frames per candidate: 1 for an image, 4k + 1 for a video family (trainer.video)
+    num_frames: int = 1
 
     def geometry(self, vae_scale_factor: int) -> Geometry:
-        """The Geometry this candidate is sampled at under an engine's VAE factor (one "image"
-        entry in `media` per source image)."""
-        return Geometry(int(self.height), int(self.width), int(vae_scale_factor),
+        """The Geometry this candidate is sampled at under an engine's VAE factor (its frames, and
+        one "image" entry in `media` per source image)."""
+        return Geometry(int(self.height), int(self.width), int(vae_scale_factor), frames=int(self.num_frames),
                         media=tuple("image" for _ in self.media))
 
     def sampler_settings(self) -> SamplerSettings:
@@ -236,8 +239,10 @@ class Trajectory:
             if t.dim() < 1 or int(t.shape[0]) != b:
                 raise ValueError(f"trajectory of {who}: condition {name} has shape {tuple(t.shape)}, expected "
                                  f"[B={b}, ...]")
-        if self.images is not None and (self.images.dim() != 4 or int(self.images.shape[0]) != b):
-            raise ValueError(f"trajectory of {who}: images {tuple(self.images.shape)} must be [B={b}, 3, H, W]")
+        # a video's frames sit after the candidate: [B, F, 3, H, W]
+        dims, layout = (4, "3, H, W") if self.geometry.frames == 1 else (5, f"F={self.geometry.frames}, 3, H, W")
+        if self.images is not None and (self.images.dim() != dims or int(self.images.shape[0]) != b):
+            raise ValueError(f"trajectory of {who}: images {tuple(self.images.shape)} must be [B={b}, {layout}]")
         return self
 
     # -- rows and columns -------------------------------------------------------------------

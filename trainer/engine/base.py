@@ -33,7 +33,7 @@ class EngineCapabilities:
     #: true CFG (guidance_scale > 1: conditional and unconditional rows)
     true_cfg: bool = True
     #: the --sampling-config sde_type values it samples
-    sde_types: tuple[str, ...] = ("sde", "dance", "cps")
+    sde_types: tuple[str, ...] = ("sde", "dance", "cps", "wan")
     #: the native kernels options --rollout-compile / --rollout-precision fp8
     compile: bool = True
     fp8: bool = True
@@ -108,7 +108,8 @@ def geometry_key(r: RolloutRequest) -> tuple:
             float(r.eta), r.sde_type, float(r.sigma_max),
             None if r.init_noise_latent_shape is None else tuple(r.init_noise_latent_shape),
             float(r.guidance_scale), r.negative_prompt if guided else None, bool(r.cfg_renorm) if guided else None,
-            None if r.embedded_guidance is None else float(r.embedded_guidance), len(r.media))
+            None if r.embedded_guidance is None else float(r.embedded_guidance), len(r.media),
+            int(r.num_frames))
 
 
 def check_one_geometry(requests: list[RolloutRequest]) -> None:

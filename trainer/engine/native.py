@@ -297,6 +297,9 @@ class NativeEngine(EngineMemoryState):
     def _init_shape(self, r: RolloutRequest) -> list[int]:
         from trainer.sampling import init_noise_shape
 
+        family_shape = getattr(self.adapter, "init_noise_shape", None)  # a video family's [C, F', h, w]
+        if family_shape is not None:
+            return family_shape(r, self.latent_channels, self.vae_scale_factor)
         return init_noise_shape(r, self.latent_channels, self.vae_scale_factor)
 
     def _generate_chunk(self, reqs: list[RolloutRequest], conds, keys: list, neg_keys: list) -> Trajectory:

@@ -217,9 +217,14 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
         (f"trained SDE steps {steps}:", trained_steps_problem(steps, n)),
         (f"trained SDE steps {steps}:", step_zero_problem(steps, sde_type)),
         ("sigmas:", sigma_count_problem(sigmas, n)),
+        ("--sampling-config sde_type \"wan\":", "needs num_inference_steps >= 2 (its noise scale is the schedule's "
+         "second sigma)" if sde_type == "wan" and n < 2 else None),
     ):
         if problem:
             raise ValueError(f"{where} {problem}")
+    # FlowGRPO's Wan SDE scales its noise by the schedule's second sigma: the request (and so
+    # the trajectory the replay reads) carries it as sigma_max
+    sigma_max = float(sigmas[1]) if sde_type == "wan" else float(sampling.sigma_max)
     shape = sampling.init_noise_latent_shape
     return RolloutRequest(
         prompt=prompt,
@@ -233,13 +238,14 @@ def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample
         sde_indices=steps,
         eta=float(sampling.eta),
         sde_type=sde_type,
-        sigma_max=float(sampling.sigma_max),
+        sigma_max=sigma_max,
         guidance_scale=guidance,
         negative_prompt=str(sampling.negative_prompt),
         cfg_renorm=bool(sampling.cfg_renorm),
         generation_seed=int(generation_seed),
         metadata=dict(metadata or {}),
         init_noise_latent_shape=None if shape is None else [int(v) for v in shape],
+        num_frames=int(getattr(sampling, "num_frames", 1)),
     )
 
 

@@ -113,7 +113,7 @@ class RewardManager:
         Returns fp32 CPU [B] per component. A component a batch did not return is NaN for that
         batch's images (it fails their groups, visibly).
         """
-        batch = ImageBatch.from_any(images)
+        batch = media_batch(images, scorer_tracks(self.scorer), self.scorer_path or self.device)
         n = len(batch)
         prompts = [str(p) for p in prompts]
         if len(prompts) != n:
@@ -136,6 +136,33 @@ class RewardManager:
                 out[name][start:stop] = t
         pop = getattr(self.scorer, "pop_failures", None)
         return ScoreOutput(components=out, score_time=score_time, num_samples=n, failures=pop() if pop else {})
+
+
+def scorer_tracks(scorer: Any) -> tuple[str, ...]:
+    """The media track a scorer requires: its `required_tracks`, for a remote scorer the server's
+    (its GET answer), ("image",) when it declares none."""
+    info = getattr(scorer, "info", None)
+    if callable(info) and hasattr(scorer, "endpoint"):
+        tracks = info().get("required_tracks")
+        if isinstance(tracks, list) and all(isinstance(t, str) for t in tracks):
+            return tuple(tracks)
+    return tuple(getattr(scorer, "required_tracks", ("image",)))
+
+
+def media_batch(media: Any, tracks: tuple[str, ...], source: str) -> Any:
+    """The rollout's media as the batch a scorer of `tracks` takes: a VideoBatch for a video scorer,
+    else an ImageBatch. Videos (one [F, 3, H, W] tensor per candidate, the t2v task's) given to an
+    image scorer raise RewardError naming the fix (preflight refuses that configuration first)."""
+    if "video" in tracks:
+        from trainer.rewards.video import VideoBatch
+
+        return VideoBatch.from_any(media)
+    if isinstance(media, torch.Tensor) and media.dim() == 5 or \
+            isinstance(media, (list, tuple)) and media and isinstance(media[0], torch.Tensor) and media[0].dim() == 4:
+        raise RewardError(f"scorer {source} scores images, but this task's candidates are videos: score their "
+                          "frames with --reward-scorer-path framewise --reward-frame-scorer <that scorer>, or use a "
+                          "video scorer (video_ocr, temporal_consistency, video_vlm_judge)")
+    return ImageBatch.from_any(media)
 
 
 def reward_manager_from_config(reward: RewardConfig, device: str | torch.device = "cpu", *,

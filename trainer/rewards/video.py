@@ -63,6 +63,10 @@ class VideoBatch:
         """uint8 [F, H, W, 3] arrays, one per candidate (read-only by convention)."""
         return self._arrays
 
+    def slice(self, start: int, stop: int) -> "VideoBatch":
+        """Sub-batch [start, stop) sharing the clips (the reward manager's batching)."""
+        return VideoBatch(self._arrays[start:stop])
+
     def frames(self, indices_of) -> tuple[ImageBatch, list[int], list[int]]:
         """(ImageBatch of the chosen frames of every video, in order; owner; index) where frame j
         is frame index[j] of candidate owner[j]. `indices_of(num_frames) -> list[int]` picks the
@@ -139,9 +143,17 @@ class FramewiseScorer:
     "frame_index"."""
 
     required_tracks = ("video",)
+    #: the --reward-frame-* settings (--reward-scorer-path framewise) reach it through these
+    config_fields = ("reward_frame_scorer", "reward_frame_reduction", "reward_frame_every", "reward_frame_count")
 
     def __init__(self, model_path: str | None = None, device: str = "cpu", *, scorer: Any = "ocr",
-                 reduction: str = "mean", every: int | None = None, count: int | None = None):
+                 reduction: str = "mean", every: int | None = None, count: int | None = None,
+                 reward_frame_scorer: Any = None, reward_frame_reduction: str | None = None,
+                 reward_frame_every: int | None = None, reward_frame_count: int | None = None):
+        scorer = reward_frame_scorer if reward_frame_scorer is not None else scorer
+        reduction = reward_frame_reduction if reward_frame_reduction is not None else reduction
+        every = reward_frame_every if reward_frame_every is not None else every
+        count = reward_frame_count if reward_frame_count is not None else count
         if reduction not in REDUCTIONS:
             raise ValueError(f"frame reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if every is None and count is None:
@@ -180,6 +192,8 @@ class FramewiseScorer:
 class VideoOcrScorer(FramewiseScorer):
     """Component "video_ocr": OcrScorer (trainer.rewards.ocr) on every 4th frame, mean per video
     (FlowGRPO's Wan recipe trains OCR; its video OCR reward reads every 4th frame)."""
+
+    config_fields = ()  # fixed: OCR, every 4th frame, mean
 
     def __init__(self, model_path: str | None = None, device: str = "cpu"):
         from trainer.rewards.ocr import OcrScorer

@@ -1,0 +1,339 @@
+"""The Wan2.1 text-to-video adapter: diffusers' WanPipeline (WanTransformer3DModel, AutoencoderKLWan,
+the UMT5 text encoder), both published sizes (1.3B, 14B).
+
+The actor loads only the transformer; the engine loads the UMT5 encoder, the VAE and the scheduler
+config. Rollout and replay share one DiT call (`conditioned_velocity`), made as WanPipeline makes
+it: the DiT patchifies itself, the timestep is the scheduler's (sigma x 1000), true CFG is
+v_uncond + g * (v_cond - v_uncond) with no rescale (here both rows in one forward).
+
+A trajectory of this family holds latents unpacked [B, S, C, F', H', W'] (C = 16 latent channels,
+F' = (F - 1) // 4 + 1 latent frames of an F-frame video, H' = H / 8, W' = W / 8) and the
+condition "prompt_embeds" [B, 512, 4096]: UMT5's last hidden state of every prompt, cut after its
+real tokens and zero-padded to the fixed window (WanPipeline's `_get_t5_prompt_embeds`; the DiT
+takes no mask, the zeros are its padding). True CFG adds "negative_prompt_embeds" (the empty
+negative prompt's, WanPipeline's default). The engine decodes to videos [B, F, 3, H, W] in [0, 1]
+(WanPipeline's output_type="pt" layout); a one-frame request decodes to an image [B, 3, H, W].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from trainer.models.base import (FamilyAdapter, GeometryBounds, check_pipeline_dir, load_checked_transformer,
+                                 read_config_json, split_negative)
+from trainer.sampling import SamplingConfig
+from trainer.trajectory import Geometry, RolloutRequest, SamplerSettings, Trajectory
+
+#: the attention projections of every block (self-attention attn1 and text cross-attention attn2
+#: both have them): FlowGRPO's Wan LoRA targets (scripts/train_wan2_1.py; its list also names the
+#: add_*_proj / to_add_out of joint blocks, which Wan2.1 T2V does not have)
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+
+#: the model directory's subfolders the engine loads
+WAN_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+
+#: UMT5 tokens per prompt: WanPipeline's default window, what FlowGRPO's Wan training encodes with
+WAN_MAX_SEQUENCE_LENGTH = 512
+
+
+def check_model_dir(model_path, subfolders: Sequence[str] = ("transformer",)) -> Path:
+    """The model directory as a Path after checking it is a local diffusers Wan directory holding
+    `subfolders`. Raises FileNotFoundError naming --model-path."""
+    return check_pipeline_dir(model_path, subfolders, family="Wan2.1", family_flag=" --family wan",
+                              pipeline="WanPipeline", expected=WAN_SUBFOLDERS)
+
+
+def load_wan_transformer(model_path, *, dtype: torch.dtype | None = None):
+    """WanTransformer3DModel from `<model_path>/transformer`, local files only, eval mode; raises
+    ModelFilesError when the weight files do not fill the config.
+
+    With a `dtype`, every parameter is in it: diffusers keeps the time embedder, the norms and the
+    modulation tables in fp32 when loading in bf16 (`_keep_in_fp32_modules`), but the actor's FSDP2
+    computes every parameter in --fsdp-param-dtype, and the engine (which loads through here too)
+    must compute what the replay recomputes."""
+    from diffusers import WanTransformer3DModel
+
+    model = load_checked_transformer(WanTransformer3DModel, check_model_dir(model_path, ("transformer",)), dtype)
+    return _uniform_dtype(model, dtype)
+
+
+def vae_scale_factor_from_config(vae_config) -> int:
+    """Spatial compression of an AutoencoderKLWan: its config's scale_factor_spatial (8), WanPipeline's
+    rule, else 2 ** len(temperal_downsample) for a config written before that key existed."""
+    value = vae_config.get("scale_factor_spatial") if hasattr(vae_config, "get") else None
+    if value is None:
+        value = 2 ** len(vae_config["temperal_downsample"])
+    return int(value)
+
+
+def vae_temporal_factor_from_config(vae_config) -> int:
+    """Temporal compression of an AutoencoderKLWan: scale_factor_temporal (4), else 2 ** (levels
+    that halve time)."""
+    value = vae_config.get("scale_factor_temporal") if hasattr(vae_config, "get") else None
+    if value is None:
+        value = 2 ** sum(bool(v) for v in vae_config["temperal_downsample"])
+    return int(value)
+
+
+def unipc_flow_sigmas(scheduler_config: dict, num_inference_steps: int) -> list[float]:
+    """The N + 1 sigmas (terminal 0 included) of UniPCMultistepScheduler.set_timesteps(N) with
+    use_flow_sigmas (the scheduler the published Wan2.1 Diffusers checkpoints ship):
+    s = linspace(1, 1/T, N + 1)[:-1] in float64, the static flow shift
+    shift * s / (1 + (shift - 1) * s), s[0] lowered by 1e-6 when it is 1 (the scheduler's guard
+    against log(0)), then float32 and a terminal 0. FlowGRPO's Wan sampler reads these sigmas."""
+    import numpy as np
+
+    cfg = dict(scheduler_config)
+    if not cfg.get("use_flow_sigmas", False):
+        raise ValueError("scheduler/scheduler_config.json is a UniPCMultistepScheduler without use_flow_sigmas: not a "
+                         "flow-matching schedule this sampler can run; use the Wan2.1 Diffusers checkpoint's scheduler")
+    if cfg.get("use_dynamic_shifting") or cfg.get("shift_terminal") or cfg.get("final_sigmas_type", "zero") != "zero":
+        raise ValueError("scheduler/scheduler_config.json sets use_dynamic_shifting / shift_terminal / a final sigma "
+                         "other than zero, which this sampler does not implement")
+    n = int(num_inference_steps)
+    if n < 1:
+        raise ValueError(f"num_inference_steps must be >= 1, got {n}")
+    t_train = int(cfg.get("num_train_timesteps", 1000))
+    shift = float(cfg.get("flow_shift", 1.0))
+    s = np.linspace(1, 1 / t_train, n + 1)[:-1]
+    s = shift * s / (1 + (shift - 1) * s)
+    if abs(s[0] - 1) < 1e-6:
+        s[0] -= 1e-6
+    return [float(v) for v in s.astype(np.float32)] + [0.0]
+
+
+def wan_sigma_schedule(scheduler_config: dict, num_inference_steps: int) -> list[float]:
+    """WanPipeline's sigmas for the directory's scheduler: the UniPC flow sigmas of the published
+    checkpoints (unipc_flow_sigmas), or FlowMatchEulerDiscreteScheduler.set_timesteps(N) without
+    sigmas (sampling.scheduler_sigma_schedule; the static shift needs no sequence length)."""
+    from trainer.sampling import scheduler_sigma_schedule
+
+    if scheduler_config.get("_class_name") == "UniPCMultistepScheduler":
+        return unipc_flow_sigmas(scheduler_config, num_inference_steps)
+    return scheduler_sigma_schedule(scheduler_config, num_inference_steps, 0)
+
+
+# ----------------------------------------------------------------------------- the DiT call
+
+
+def dit_velocity(transformer, latents: torch.Tensor, timesteps: torch.Tensor,
+                 prompt_embeds: torch.Tensor) -> torch.Tensor:
+    """Velocity [B, C, F', H', W'] of the Wan DiT, called as WanPipeline calls it: latents in the
+    dtype the module computes in, the fp32 scheduler timesteps [B] as they are (the DiT embeds
+    them in its fp32 time embedder), prompt_embeds [B, T, D] cast to the latents' dtype. A plain
+    forward call: works for the bare module, a peft-injected one and an FSDP2-sharded one."""
+    out = transformer(hidden_states=latents, timestep=timesteps.to(latents.device),
+                      encoder_hidden_states=prompt_embeds.to(device=latents.device, dtype=latents.dtype),
+                      return_dict=False)
+    return out[0] if isinstance(out, (tuple, list)) else out.sample
+
+
+def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """v = v_uncond + g * (v_cond - v_uncond), WanPipeline's guidance (no rescale)."""
+    return uncond + float(guidance_scale) * (cond - uncond)
+
+
+def conditioned_velocity(transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor], *,
+                         guidance_scale: float = 1.0) -> torch.Tensor:
+    """The engine's and the replay's one velocity call: dit_velocity at guidance 1, else true CFG
+    in ONE forward of 2B rows (unconditional first), then cfg_combine. WanPipeline runs the two
+    branches as two forwards; every row is independent in the DiT, so the result is the same up
+    to the GEMM's batch-size-dependent rounding. Gradients reach the policy through both rows."""
+    pos, neg = split_negative(conditions)
+    if float(guidance_scale) <= 1.0:
+        return dit_velocity(transformer, x, t, pos["prompt_embeds"])
+    b = int(x.shape[0])
+    embeds = pos["prompt_embeds"]
+    both = dit_velocity(transformer, torch.cat([x, x]), torch.cat([t, t]),
+                        torch.cat([neg["prompt_embeds"].to(embeds.device, embeds.dtype), embeds]))
+    return cfg_combine(both[:b], both[b:], guidance_scale)
+
+
+class WanAdapter(FamilyAdapter):
+    """The Wan2.1 text-to-video family (trainer/models/base.py: FamilyAdapter holds the shared part)."""
+
+    family = "wan"
+    lora_target_modules = WAN_LORA_TARGETS
+    max_sequence_length = WAN_MAX_SEQUENCE_LENGTH
+    rollout_subfolders = WAN_SUBFOLDERS
+    #: tools/sample.py's geometry when none is given: FlowGRPO's Wan recipe (33 x 240 x 416,
+    #: 20 steps, CFG 4.5 with the empty negative prompt)
+    sampling_defaults = {"height": 240, "width": 416, "num_frames": 33, "num_inference_steps": 20,
+                         "guidance_scale": 4.5, "negative_prompt": "", "cfg_renorm": False, "eta": 1.0,
+                         "sde_type": "wan", "sde_indices": [0]}
+    #: the generation task this family trains (its runs' and tools' task)
+    generation_task = "t2v"
+
+    load_transformer = staticmethod(load_wan_transformer)
+    vae_scale_factor_from_config = staticmethod(vae_scale_factor_from_config)
+
+    @classmethod
+    def geometry_bounds(cls, model_path) -> GeometryBounds:
+        """Sizes are multiples of the VAE's spatial factor x the DiT's patch (16: WanPipeline's
+        check_inputs); no size limit (3-D RoPE); the UMT5 window of 512 tokens. From vae/ and
+        transformer/config.json."""
+        vae, dit = read_config_json(model_path, "vae"), read_config_json(model_path, "transformer")
+        vsf = vae_scale_factor_from_config(vae) if vae and ("scale_factor_spatial" in vae or
+                                                             "temperal_downsample" in vae) else None
+        patch = dit.get("patch_size") if dit else None
+        ph = int(patch[1]) if isinstance(patch, list) and len(patch) == 3 else None
+        known = vsf is not None and ph is not None
+        return GeometryBounds(multiple=vsf * ph if known else None, max_sequence_length=WAN_MAX_SEQUENCE_LENGTH,
+                              why_multiple=f"vae/config.json's spatial factor {vsf} x transformer/config.json's "
+                                           f"patch_size {patch}")
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+        """transformer and UMT5 encoder in `dtype`, the VAE in fp32 (as FlowGRPO's Wan training and
+        diffusers' Wan examples keep it: its decode is where bf16 shows), the tokenizer and
+        scheduler_config, from a local diffusers Wan directory; each module moved to `device`."""
+        from diffusers import AutoencoderKLWan
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from trainer.sampling import load_scheduler_config
+
+        path = check_model_dir(model_path, self.rollout_subfolders)
+        return {
+            "scheduler_config": load_scheduler_config(str(path)),
+            "transformer": self.load_transformer(path, dtype=dtype).to(device),
+            "vae": AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32,
+                                                    local_files_only=True).to(device),
+            "text_encoder": UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), dtype=dtype,
+                                                             local_files_only=True).to(device),
+            "tokenizer": AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True),
+            "path": path,
+        }
+
+    # -- the engine's side -----------------------------------------------------------------
+
+    def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
+        """encode(prompts, device, max_sequence_length) -> {"prompt_embeds": [B, T, D]}:
+        WanPipeline._get_t5_prompt_embeds (the prompt cleaned as there, UMT5 over the padded
+        window, each row cut after its real tokens and zero-padded back to T). The pipeline object
+        only lends that; it shares the engine's modules."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                           scheduler=FlowMatchEulerDiscreteScheduler())
+
+        def encode(prompts: list[str], device: torch.device, max_sequence_length: int) -> dict[str, torch.Tensor]:
+            embeds = pipe._get_t5_prompt_embeds(prompt=prompts, max_sequence_length=max_sequence_length,
+                                                device=device, dtype=text_encoder.dtype)
+            return {"prompt_embeds": embeds}
+
+        encode.pipeline = pipe
+        return encode
+
+    def batch_conditions(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per-candidate {"prompt_embeds": [T, D]} -> [B, T, D] (every prompt fills the same window)."""
+        shapes = {tuple(r["prompt_embeds"].shape) for r in rows}
+        if len(shapes) != 1:
+            raise ValueError(f"Wan prompt_embeds of one batch have different shapes {sorted(shapes)}; the engine "
+                             "must encode every prompt with one max_sequence_length")
+        return {"prompt_embeds": torch.stack([r["prompt_embeds"] for r in rows])}
+
+    def sigma_schedule(self, scheduler_config: dict, num_inference_steps: int, geometry: Geometry) -> list[float]:
+        """WanPipeline's sigmas for the directory's scheduler (wan_sigma_schedule: static shift 3.0,
+        so the geometry plays no part)."""
+        return wan_sigma_schedule(scheduler_config, num_inference_steps)
+
+    def latent_geometry(self, vae) -> tuple[int, int]:
+        return vae_scale_factor_from_config(vae.config), int(vae.config.z_dim)
+
+    def init_noise_shape(self, request: Any, latent_channels: int, vae_scale_factor: int) -> list[int]:
+        """One candidate's x_T shape: init_noise_latent_shape when set, else [C, F', H / vsf, W / vsf]
+        with F' = (num_frames - 1) // 4 + 1 (trainer.video.candidate_noise_shape, WanPipeline's
+        prepare_latents without the batch)."""
+        from trainer.video import candidate_noise_shape
+
+        if request.init_noise_latent_shape is not None:
+            return [int(v) for v in request.init_noise_latent_shape]
+        return list(candidate_noise_shape(int(request.num_frames), int(request.height), int(request.width),
+                                          channels=int(latent_channels), spatial=int(vae_scale_factor)))
+
+    def initial_latents(self, x_t: torch.Tensor, transformer, geometry: Geometry) -> torch.Tensor:
+        """x_T [B, C, F', H', W'] is already the DiT's layout; checked against the geometry and the
+        DiT's in_channels."""
+        want = [int(transformer.config.in_channels), *_latent_grid(geometry)]
+        if list(x_t.shape[1:]) != want:
+            raise ValueError(f"x_T shape {list(x_t.shape[1:])} does not fit {geometry.frames} x {geometry.height} x "
+                             f"{geometry.width} on this model (expected {want}); fix --sampling-config "
+                             "init_noise_latent_shape or num_frames/height/width")
+        return x_t
+
+    def velocity(self, transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor],
+                 geometry: Geometry, sampler: SamplerSettings, *, rollout_dtype: Any = None) -> torch.Tensor:
+        """conditioned_velocity: the DiT called as WanPipeline calls it (the fp32 timestep as it is,
+        so rollout_dtype plays no part), true CFG as that pipeline does it. cfg_renorm under CFG
+        raises (build_rollout_request refuses it: WanPipeline has no rescale)."""
+        if sampler.guided and sampler.cfg_renorm:
+            raise ValueError("cfg_renorm is QwenImagePipeline's rescale; WanPipeline has none: set "
+                             "--sampling-config cfg_renorm false")
+        return conditioned_velocity(transformer, x, t, conditions,
+                                    guidance_scale=sampler.guidance_scale if sampler.guided else 1.0)
+
+    def decode(self, vae, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        """Final latents [B, C, F', H', W'] -> videos [B, F, 3, H, W] float32 in [0, 1] on CPU (an
+        image [B, 3, H, W] for a one-frame geometry), as WanPipeline decodes: z * latents_std +
+        latents_mean per channel, the VAE's decode, then (x / 2 + 0.5) clamped."""
+        cfg = vae.config
+        z = latents.to(vae.dtype)
+        shape = (1, int(cfg.z_dim), 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean).view(shape).to(z.device, z.dtype)
+        # the pipeline's own arithmetic (a division by 1 / std), so the frames are its bits
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(shape).to(z.device, z.dtype)
+        video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # [B, 3, F, H, W]
+        video = (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).cpu().contiguous()
+        return video[:, 0] if int(geometry.frames) == 1 else video
+
+    # -- rollout --------------------------------------------------------------------------
+
+    def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
+                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
+                              generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
+        """One candidate as an engine RolloutRequest (models.base.standard_rollout_request) after
+        refusing an invalid video geometry (trainer.video.video_geometry_problems: num_frames 4k+1,
+        sizes multiples of 16) and cfg_renorm under CFG, a rescale WanPipeline does not have."""
+        from trainer.video import video_geometry_problems
+
+        problems = video_geometry_problems(getattr(sampling, "num_frames", 1), sampling.height, sampling.width)
+        if problems:
+            raise ValueError("; ".join(problems))
+        if float(sampling.guidance_scale) > 1.0 and sampling.cfg_renorm:
+            raise ValueError("--sampling-config cfg_renorm is true, but WanPipeline's CFG has no rescale (it is "
+                             "QwenImagePipeline's); set cfg_renorm false for this family")
+        return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                             sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                             generation_seed=generation_seed, metadata=metadata)
+
+    def check_trajectory(self, traj: Trajectory, who: str) -> None:
+        """Raise ValueError unless the latents are unpacked [B, S, C, F', H', W'] of the geometry."""
+        lat = traj.latents
+        grid = _latent_grid(traj.geometry)
+        if lat.dim() != 6 or list(lat.shape[3:]) != grid:
+            raise ValueError(f"trajectory of {who}: latents {tuple(lat.shape)} must be "
+                             f"[B, S, C, {', '.join(map(str, grid))}] for {traj.geometry.frames} frames of {traj.height}x{traj.width} at vae_scale_factor "
+                             f"{traj.vae_scale_factor}")
+
+
+def _uniform_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """Every floating parameter of `model` in `dtype` (None: as loaded), as FSDP2's param_dtype
+    gathers them; buffers (the RoPE tables) stay as they are, as FSDP2 leaves them. Through the
+    tensors, not Module.to, whose diffusers override warns about the fp32-kept modules it casts."""
+    if dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model
+
+
+def _latent_grid(geometry: Geometry) -> list[int]:
+    """[F', H', W'] of a geometry: (frames - 1) // 4 + 1 latent frames, H / vsf, W / vsf."""
+    from trainer.video import latent_frames
+
+    vsf = int(geometry.vae_scale_factor)
+    return [latent_frames(int(geometry.frames)), int(geometry.height) // vsf, int(geometry.width) // vsf]
