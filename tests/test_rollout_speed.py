@@ -130,7 +130,7 @@ def test_compiled_engine_equals_eager_and_compiles_once_per_geometry(tiny_model_
     first = eng.generate(reqs)
     assert eng.last_stats["new_graphs"] > 0  # compiled on the first rollout
     again = eng.generate(make_requests(adapter, eng, SAMPLING, prompts=["a red ball", "dog"], group_size=2, seed=8))
-    assert eng.last_stats["new_graphs"] == 0  # fixed shapes: the next rollout reuses the graphs
+    assert eng.last_stats["new_graphs"] == 0  # the same shapes: the next rollout reuses the graphs
     want = ref.generate(reqs)
     assert torch.equal(first.latents, want.latents) and torch.equal(first.log_probs, want.log_probs)
     assert not torch.equal(again.latents, first.latents)
