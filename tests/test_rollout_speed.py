@@ -18,7 +18,7 @@ from trainer.core.fp8 import E4M3_MAX, FP8Linear, convert_to_fp8, fp8_linear, qu
 from trainer.core.manifest import build_manifest
 from trainer.core.modules import COMPILED_BLOCK_GRAPH_LIMIT, repeated_blocks
 from trainer.core.names import model_name
-from trainer.engine.native import NativeEngine
+from trainer.engine.native import NativeEngine, _compiled_graphs
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
 
@@ -130,7 +130,7 @@ def test_compiled_engine_equals_eager_and_compiles_once_per_geometry(tiny_model_
     first = eng.generate(reqs)
     assert eng.last_stats["new_graphs"] > 0  # compiled on the first rollout
     again = eng.generate(make_requests(adapter, eng, SAMPLING, prompts=["a red ball", "dog"], group_size=2, seed=8))
-    assert eng.last_stats["new_graphs"] == 0  # fixed shapes: the next rollout reuses the graphs
+    assert eng.last_stats["new_graphs"] == 0  # the same shapes: the next rollout reuses the graphs
     want = ref.generate(reqs)
     assert torch.equal(first.latents, want.latents) and torch.equal(first.log_probs, want.log_probs)
     assert not torch.equal(again.latents, first.latents)
@@ -193,3 +193,114 @@ def test_compiled_actor_keeps_names_and_starts_at_ratio_one(eager_compile):
         assert m["train/loss"] == m_plain["train/loss"] and m["train/grad_norm"] == m_plain["train/grad_norm"]
     finally:
         next(gen, None)
+
+
+#: the tiny tokenizer has one token per byte, so these prompts' text lengths all differ
+VARYING = ["red", "a blue cube", "two green balls", "a small yellow cone on a table", "cat", "a shiny grey torus",
+           "an old brown box", "pink"]
+SMALL = parse_sampling_config({"height": 32, "width": 32, "num_inference_steps": 2, "eta": 0.7,
+                               "sde_type": "sde", "sde_indices": [1]})
+
+
+def test_compiled_engine_stops_compiling_after_warm_up_whatever_the_prompt_lengths(tiny_model_dir, eager_compile):
+    """text_conditioning trims each batch to its longest prompt, and drops the mask when every
+    row has that length: with fixed shapes each new length was a new graph, until dynamo's limit.
+    With dynamic=None a warm-up that shows two lengths and batch sizes, masked and not, leaves
+    graphs that serve any later length."""
+    adapter = QwenImageAdapter()
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, compile_blocks=True)
+    ref = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+    start = _compiled_graphs()  # the counter is the process's: other tests' graphs are in it
+    warm_up = [(VARYING[0:2], 2), (VARYING[2:4], 1), ([VARYING[4]], 2), ([VARYING[5]], 1)]  # masked x 2, mask-free x 2
+    for prompts, group in warm_up:
+        eng.generate(make_requests(adapter, eng, SMALL, prompts=prompts, group_size=group))
+    graphs = _compiled_graphs()
+    assert 0 < graphs - start <= 8, graphs - start  # per block kind: masked / mask-free, each static then dynamic
+    later = [([VARYING[6], VARYING[3]], 2), ([VARYING[7]], 2), (VARYING[1:4], 1), ([VARYING[2], VARYING[6]], 1)]
+    for prompts, group in later:
+        reqs = make_requests(adapter, eng, SMALL, prompts=prompts, group_size=group, seed=11)
+        got = eng.generate(reqs)
+        assert eng.last_stats["new_graphs"] == 0, (prompts, group)
+    want = ref.generate(reqs)  # the dynamic-shape graph computes what the eager blocks do
+    assert torch.equal(got.latents, want.latents) and torch.equal(got.log_probs, want.log_probs)
+    assert _compiled_graphs() == graphs
+
+
+def varied_text_batch(n: int, lengths: list[int], seed: int):
+    """make_batch with prompt_embeds of the longest length and a mask giving row i lengths[i] tokens."""
+    b = make_batch(n, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths) + 3  # trailing padding every row masks: text_conditioning trims it
+    b.conditions["prompt_embeds"] = torch.randn(n, width, b.prompt_embeds.shape[-1], generator=g)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, t in enumerate(lengths):
+        mask[i, :t] = 1
+    b.conditions["prompt_embeds_mask"] = mask
+    return b
+
+
+def test_compiled_actor_stops_compiling_after_warm_up_whatever_the_text_lengths(eager_compile):
+    """The actor's compiled, checkpointed blocks over micro-batches of 2 whose text lengths vary
+    (masked when the two differ, mask-free when equal), through the loop's own replay: after
+    three warm-up steps no step compiles a graph, and each step's first update still has ratio 1.
+    With fixed shapes every step compiled 4-6 more graphs (32 after six steps)."""
+    from trainer.actor import Actor
+    from trainer.loop import make_replay_fn
+    from tests.dist.tiny import ADAPTER
+
+    gen = one_rank_mesh()
+    mesh = next(gen)
+    try:
+        actor = Actor(tiny_transformer(), mesh,
+                      make_cfg("lora", fsdp__fsdp_master_dtype="fp32", fsdp__fsdp_compile=True,
+                               fsdp__fsdp_activation_checkpointing=True, grpo__micro_batch_size=2),
+                      device=torch.device("cpu"), adapter=ADAPTER)
+        replay_fn = make_replay_fn(ADAPTER)
+        # update 0 replays rows 0-1 with grad; rows 2-3 get a no_grad anchor pass, then update 1:
+        # each (grad mode, masked or not) variant sees two text lengths in the three warm-up steps
+        steps = [[7, 3, 5, 5], [9, 9, 12, 8], [4, 15, 11, 11],
+                 [6, 6, 13, 2], [17, 10, 3, 3], [20, 20, 14, 6]]
+        new = []
+        for i, lengths in enumerate(steps):
+            before = _compiled_graphs()
+            actor.train_step(varied_text_batch(4, lengths, seed=i), ADV, replay_fn)
+            new.append(_compiled_graphs() - before)
+            first = actor.last_update_stats[0]
+            assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
+        assert new[0] > 0 and sum(new) <= 16, new  # the bound COMPILED_BLOCK_GRAPH_LIMIT's comment states
+        assert new[3:] == [0, 0, 0], new
+    finally:
+        next(gen, None)
+
+
+def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch):
+    """The loop's perf/*_new_graphs and its warning when dynamo gives up on a function (which
+    then runs eagerly without any other sign)."""
+    from types import SimpleNamespace
+
+    from trainer.core.modules import CompileWatch
+    from trainer.loop import Trainer
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    try:
+        fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+        watch = CompileWatch()
+        loop = SimpleNamespace(_compile_watch=watch)
+        m: dict[str, float] = {}
+        fn(torch.ones(2))
+        Trainer._count_graphs(loop, m, "perf/actor_new_graphs")
+        assert m == {"perf/actor_new_graphs": 1.0}
+        fn(torch.ones(2))
+        Trainer._count_graphs(loop, m, "perf/actor_new_graphs")
+        assert m == {"perf/actor_new_graphs": 0.0}  # same shape: the graph is reused
+        assert watch.limit_warning() is None
+        for n in (3, 4, 5):  # a new fixed shape each call: past the limit of 2
+            fn(torch.ones(n))
+        Trainer._count_graphs(loop, m, "perf/actor_new_graphs")
+        assert m == {"perf/actor_new_graphs": 1.0}  # the third shape was not compiled
+        msg = watch.limit_warning()
+        assert msg is not None and "recompile limit (2)" in msg and "TORCH_LOGS=recompiles" in msg
+        assert watch.limit_warning() is None  # reported once
+    finally:
+        torch._dynamo.reset()

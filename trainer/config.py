@@ -343,8 +343,9 @@ class RolloutConfig:
     )
     rollout_compile: bool = _flag(
         False,
-        "torch.compile each repeated DiT block of the native engine (compiled once per sampling "
-        "geometry, reused by every rollout). Pays on a GPU; the rollout then differs from the "
+        "torch.compile each repeated DiT block of the native engine (compiled over the first rollouts: "
+        "a static graph, then one with the text length and batch dynamic, reused by every later rollout "
+        "whatever its prompts' lengths; perf/rollout_new_graphs counts them). Pays on a GPU; the rollout then differs from the "
         "eager replay by kernel rounding (docs/PERFORMANCE.md gives the measured log-prob gap).",
     )
     rollout_precision: Literal["default", "fp8"] = _flag(
@@ -421,7 +422,8 @@ class FsdpConfig:
     fsdp_compile: bool = _flag(
         False,
         "torch.compile each repeated transformer block of the actor (inside its checkpointing "
-        "and FSDP2 wrappers). Pays on a GPU; compiled once, on the first update.",
+        "and FSDP2 wrappers). Pays on a GPU; compiled over the first updates (a static graph, then one "
+        "with the text length dynamic; perf/actor_new_graphs counts them).",
     )
     replay_precision: Literal["default", "fp8"] = _flag(
         "default",

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from trainer.core.modules import CompileWatch
 from trainer.core.redact import redact_url, redact_urls
 from trainer.dotpath import import_dotpath
 from trainer.models.base import Replay
@@ -391,6 +392,8 @@ class Trainer:
                                             load_timings=actor_waves)
         self._record_load("actor", t, actor_waves)
         self.replay_fn = make_replay_fn(self.adapter)
+        # graphs compiled per stage and dynamo's recompile-limit hits (see _count_graphs)
+        self._compile_watch = (CompileWatch() if cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile else None)
         self.velocity_fn = make_velocity_fn(self.adapter) if self.nft else None
         lora_targets = (self.actor.lora_config or {}).get("target_modules")
         self.contract = adapter_contract(cfg, list(lora_targets) if lora_targets else None)
@@ -498,6 +501,7 @@ class Trainer:
         prompts = [self.dataset[i] for i in self.order.groups_for_rollout(k)]
 
         # 2. rollout: the engine owns the device
+        self._count_graphs(m, None)
         with Timer(self.device) as t:
             out = generate_rollout(
                 self.engine, self.adapter, prompts, rollout_id=k, sampling=self.sampling, group_size=self.group_size,
@@ -507,6 +511,7 @@ class Trainer:
                 weight_manifest_hash=self._manifest_hash(), writer=self.artifact_writer)
         m["perf/rollout_time"] = t.elapsed
         m.update(t.memory("rollout"))
+        self._count_graphs(m, "perf/rollout_new_graphs" if cfg.rollout.rollout_compile else None)
         m.update({k_: v for k_, v in out.stats.items() if k_ != "perf/rollout_time"})
 
         # 3. reward: score locally, all-gather the small vectors, same advantages on every rank
@@ -542,6 +547,7 @@ class Trainer:
                 self.stop_reason = self.watch.message() if cfg.reward.stop_on_hacking else None
 
         # 4. update: the actor owns the device
+        self._count_graphs(m, None)
         with Timer(self.device) as t:
             m.update(begin_update(self.actor, self.engine, offload_train=colo.offload_train,
                                   offload_rollout=colo.offload_rollout))
@@ -571,6 +577,7 @@ class Trainer:
                              k, before, after, after - before)
         m["perf/train_time"] = t.elapsed
         m.update(t.memory("train"))
+        self._count_graphs(m, "perf/actor_new_graphs" if cfg.fsdp.fsdp_compile else None)
 
         # 5. sync: the new weights into this rank's engine, verified, then committed
         with Timer(self.device) as t:
@@ -601,12 +608,23 @@ class Trainer:
             m["perf/eval_time"] = t.elapsed
             m.update(t.memory("eval"))
 
+        if self._compile_watch is not None and (msg := self._compile_watch.limit_warning()) and self.rank == 0:
+            log.warning("rollout %d: %s", k, msg)
         m["perf/step_time"] = time.perf_counter() - t_step
         if "hwm" in (host := host_memory_gb()):
             m["perf/host_peak_gb"] = host["hwm"]
         m["train/checkpoint_failures"] = float(self.checkpoint_failures)
         self._log_images(k, out, reward)
         return m
+
+    def _count_graphs(self, m: dict[str, float], key: str | None) -> None:
+        """With compiled blocks: m[key] = graphs compiled since the last call (key None: only
+        move the mark). After the first steps it should read 0; a steady non-zero count means an
+        input shape keeps changing, and every graph counts toward dynamo's recompile limit."""
+        if self._compile_watch is not None:
+            new = self._compile_watch.new_graphs()
+            if key is not None:
+                m[key] = float(new)
 
     def _nft_schedule(self) -> torch.Tensor:
         """The rollout's N step sigmas (terminal 0 excluded): where --nft-timestep-distribution

@@ -114,15 +114,92 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 #: torch.compile keyword arguments of regional compilation (the engine's and the actor's repeated
-#: blocks): fixed shapes, so one graph per sampling geometry / micro-batch shape and no dynamic
-#: shape guards. Tests add backend="eager" to check the wiring without inductor's codegen time.
-REGIONAL_COMPILE_KWARGS: dict = {"dynamic": False}
+#: blocks). Tests add backend="eager" to check the wiring without inductor's codegen time.
+#:
+#: dynamic=None: dynamo's automatic dynamic shapes. A block is first compiled for the exact shapes
+#: it sees; when a later call differs in a dimension (the text length, the batch), dynamo compiles
+#: it once more with that dimension symbolic, and that graph then serves every later length. The
+#: text length does vary: qwen_image.text_conditioning trims each micro-batch to its longest
+#: prompt and drops an all-ones mask (in eager mode that saves attention work and lets SDPA take
+#: its flash kernel), and the engine's rollouts and evals differ in batch size. With fixed shapes
+#: (dynamic=False) every new length was a new graph per variant, past dynamo's limit within a few
+#: steps, after which the blocks ran eagerly. The alternatives weighed:
+#: - torch._dynamo.mark_dynamic on the text dimension only: it must mark the very tensors that
+#:   enter a compiled block (the text stream, its mask, the text RoPE table are all made inside
+#:   the DiT's forward), which takes a hook outside the compiled region and family-specific
+#:   knowledge of the block's arguments; automatic dynamic finds the varying dimensions itself,
+#:   for every family, at the cost of one static graph per variant before the dynamic one.
+#: - bucketing the text length (pad to a multiple, with the mask): bounded but needs the mask
+#:   always, so it gives up the mask-free flash path of one-prompt micro-batches, and pays
+#:   attention over the padding.
+#: Fixed-length inputs (SD3 and FLUX pad every prompt to max_sequence_length, with no mask)
+#: never trigger it and keep their static graphs.
+REGIONAL_COMPILE_KWARGS: dict = {"dynamic": None}
 
 #: graphs one compiled block may keep before dynamo stops compiling it and runs it eagerly (with a
-#: warning only). A LoRA training step runs each compiled actor block in up to 7 variants (the
-#: no-grad anchor replay, the grad replay, its recomputation under checkpointing, train / eval
-#: mode; 7 were counted on an H200 run), which leaves one spare under dynamo's default of 8.
-COMPILED_BLOCK_GRAPH_LIMIT = 32
+#: warning only; the loop's perf/actor_new_graphs and perf/rollout_new_graphs show it). The blocks
+#: of a model share one code object, so the count is over all of them. A LoRA training step runs
+#: the compiled actor blocks in 4 variants (grad replay vs no-grad anchor pass; the last block's
+#: never-trained LoRA parameters are a guard of their own), each with and without a text mask, and
+#: each of those 8 compiles at most twice: static for the first length it sees, then once with the
+#: text length (and batch) dynamic; at most 16. Counted on CPU (tests/test_rollout_speed.py),
+#: micro-batches of varying text length: 6 + 4 + 2 graphs in the first three steps, then none
+#: (with fixed shapes: 6 in every step, 32 after six and the limit hit). The engine: 7 over four
+#: warm-up rollouts of varying prompt lengths and batch sizes (1 among them, which dynamo always
+#: specializes), then none (fixed shapes: one more per new length); LoRA arriving is a variant
+#: of its own, so about twice that once it has. The engine's blocks and any actor block not
+#: wrapped for checkpointing run the same block class's forward, so in one process they share
+#: the count: about 16 + 14, hence 64 (the limit is only a ceiling: graphs are compiled as the
+#: inputs need them, never to fill it).
+COMPILED_BLOCK_GRAPH_LIMIT = 64
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has produced in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def recompile_limit_hits() -> int:
+    """How often dynamo gave up compiling a function in this process because it reached its
+    recompile limit (after which that function runs eagerly). Read from dynamo's counters, where
+    the hit is recorded as an unsupported construct ("Dynamo recompile limit exceeded"; older
+    releases say "cache_size_limit")."""
+    from torch._dynamo.utils import counters
+
+    return sum(int(n) for reason, n in counters["unimplemented"].items()
+               if "recompile limit" in reason.lower() or "cache_size_limit" in reason.lower())
+
+
+class CompileWatch:
+    """Graphs compiled and recompile-limit hits between two points of a run, for the loop's
+    per-step metrics and its warning: a block that hit dynamo's limit silently runs eagerly, and
+    the step gets slower with no other sign."""
+
+    def __init__(self) -> None:
+        self.graphs, self.hits = compiled_graphs(), recompile_limit_hits()
+
+    def new_graphs(self) -> int:
+        """Graphs compiled since the last call (or construction); moves the mark."""
+        now = compiled_graphs()
+        new, self.graphs = now - self.graphs, now
+        return new
+
+    def limit_warning(self) -> str | None:
+        """A message when dynamo hit its recompile limit since the last call, else None; moves
+        the mark."""
+        now = recompile_limit_hits()
+        new, self.hits = now - self.hits, now
+        if new <= 0:
+            return None
+        import torch._dynamo
+
+        cfg = torch._dynamo.config
+        limit = getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+        return (f"torch.compile hit its recompile limit ({limit}) {new} time(s): the compiled blocks now run "
+                "eagerly (slower, results unchanged). Run with TORCH_LOGS=recompiles to see which input "
+                "keeps changing, or turn off --rollout-compile / --fsdp-compile")
 
 
 def raise_recompile_limit(limit: int = COMPILED_BLOCK_GRAPH_LIMIT) -> int:

@@ -90,9 +90,10 @@ class NativeEngine(EngineMemoryState):
       geometry at once.
     max_sequence_length: text tokens the prompt encoder keeps; None: the adapter's own
       (`max_sequence_length`; Qwen-Image's 512 window after the template prefix).
-    compile_blocks: torch.compile each repeated DiT block (regional compilation, fixed shapes:
-      one compile per geometry, reused by every later rollout; `last_stats["new_graphs"]` counts
-      graphs compiled during a call). Off by default: it pays on a GPU, not on CPU.
+    compile_blocks: torch.compile each repeated DiT block (regional compilation; a static graph
+      first, then one with the text length and batch dynamic once they vary, reused by every
+      later rollout whatever its prompts' lengths; `last_stats["new_graphs"]` counts graphs
+      compiled during a call). Off by default: it pays on a GPU, not on CPU.
     precision: "default" (every module in `dtype`) or "fp8": the DiT blocks' linear layers run
       as FP8 GEMMs (trainer/core/fp8.py), re-quantized after every weight sync.
     """
@@ -193,7 +194,7 @@ class NativeEngine(EngineMemoryState):
             self._fp8_of_weight = {id(m.weight): m for m in self.transformer.modules() if isinstance(m, FP8Linear)}
         if compile_blocks and not self.compile_blocks:
             self.compile_blocks = True
-            raise_recompile_limit()  # a geometry each for rollouts and evals, one more once LoRA is in
+            raise_recompile_limit()  # static + dynamic graphs, masked or not, one more set once LoRA is in
             for block in blocks:
                 block.compile(**REGIONAL_COMPILE_KWARGS)
 
@@ -569,9 +570,9 @@ def _normalize_lora_config(cfg: dict[str, Any], default_targets=()) -> dict[str,
 
 def _compiled_graphs() -> int:
     """Graphs torch.compile has produced in this process so far (dynamo's own counter)."""
-    from torch._dynamo.utils import counters
+    from trainer.core.modules import compiled_graphs
 
-    return int(counters["stats"]["unique_graphs"])
+    return compiled_graphs()
 
 
 def move_module_to_host(module: torch.nn.Module, arena: HostArena) -> None:
