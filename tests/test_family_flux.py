@@ -571,7 +571,7 @@ def test_bench_counts_one_dit_row_per_candidate_under_the_embedded_guidance(engi
     from tools.bench import cfg_rows
     from trainer.sampling import parse_sampling_config
 
-    ctx = SimpleNamespace(engine=engine, adapter=adapter, sampling=sampling, prompts=PROMPTS, sde_indices=[1, 2],
+    ctx = SimpleNamespace(engine=engine, adapter=adapter, sampling=sampling, prompts=PROMPTS, sde_indices=[1, 2], media=None,
                           args=SimpleNamespace(seed=0))
     assert sampling.guidance_scale == 3.5 and cfg_rows(ctx) == 1
     qwen_sampling = parse_sampling_config(dict(SAMPLING, guidance_scale=4.0))
