@@ -284,6 +284,9 @@ def test_preflight_pairs_i2i_with_an_edit_family_and_records_with_images(edit_di
     t2i.write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2i", "sample_id": "p0"}}) + "\n")
     assert "--model-adapter-path trainer.models.qwen_image_edit.QwenImageEditAdapter is an image-editing family" \
         in problems(_edit_argv(edit_dir, t2i, tmp_path, task="t2i"))
+    # an edit scorer on a text-to-image run: nothing to compare the image against
+    msg = problems(_edit_argv(tiny_model_dir, t2i, tmp_path, task="t2i"))
+    assert "scores an edit against its source images, but --generation-task t2i has no source" in msg
     msg = problems(_edit_argv(tiny_model_dir, good, tmp_path))
     assert "--generation-task i2i needs an image-editing family, but --model-adapter-path " \
            "trainer.models.qwen_image.QwenImageAdapter is a text-to-image one" in msg

@@ -298,6 +298,8 @@ def test_preflight_rules_of_the_video_task(model_dir, tmp_path, monkeypatch):
     assert problems("--reward-scorer-path", "temporal_consistency") == []
     (p,) = problems("--reward-scorer-path", "color_edit")
     assert "scores an edit against its source images, but --generation-task t2v has no source" in p
+    (p,) = problems("--reward-frame-scorer", "color_edit")
+    assert "scores an edit against its source images, which a video's frames do not have" in p
     # the editing task on the video family: the family, the frames and the scorer each named
     p = problems("--generation-task", "i2i")
     assert any("i2i needs an image-editing family" in x and "is a text-to-video one" in x for x in p)

@@ -539,7 +539,8 @@ class Trainer:
         if self.watch is not None:  # collective: image statistics gathered like the scores
             from trainer.rewards.watch import rollout_watch_metrics
 
-            viewed = [_viewable(x, gap=0) for x in _scorer_inputs(traj)[0]]  # a video: its frame strip
+            # the candidates as the scorers see them (a video: its frame strip), not their sources
+            viewed = [_viewable(x, gap=0) for x in (traj.images.unbind(0) if traj is not None else [])]
             m.update(rollout_watch_metrics(self.watch, viewed, local_idx,
                                            self.num_groups * self.group_size, self.group_size, reward))
             if self.watch.suspect:

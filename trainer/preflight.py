@@ -267,7 +267,8 @@ def _check_video_task(cfg: RunConfig, errors: list[str]) -> None:
     """t2v against the family, the frames and the scorer (the rules of docs/video.md): t2v needs a
     video family and a video geometry (trainer.video's rules), a video family and frames need t2v,
     and a scorer reads the task's track (an image scorer scores a video's frames only through the
-    framewise wrapper; an edit scorer needs i2i's sources; t2i and i2i score images). A custom
+    framewise wrapper; an edit scorer needs i2i's sources, as a frame scorer too; t2i and i2i score
+    images). A custom
     adapter or scorer is not second-guessed."""
     from trainer.config import VIDEO_ADAPTERS, VIDEO_SCORERS
     from trainer.video import video_geometry_problems
@@ -306,6 +307,10 @@ def _check_video_task(cfg: RunConfig, errors: list[str]) -> None:
                       f"videos: score its frames with --reward-scorer-path framewise --reward-frame-scorer "
                       f"{rw.reward_scorer_path} (--reward-frame-reduction mean|min), or use a video scorer "
                       "(video_ocr, temporal_consistency, video_vlm_judge)")
+    if task == "t2i" and edit_scorer:
+        errors.append(f"--reward-scorer-path {rw.reward_scorer_path} scores an edit against its source images, but "
+                      "--generation-task t2i has no source: use an image scorer (e.g. pickscore, ocr, color), or "
+                      "--generation-task i2i with an editing family")
     if task in ("t2i", "i2i") and scorer in VIDEO_SCORERS:
         fix = "an edit scorer (color_edit, clip_preserve, edit_judge)" if task == "i2i" else \
             "an image scorer (e.g. ocr, pickscore, color)"
@@ -316,6 +321,9 @@ def _check_video_task(cfg: RunConfig, errors: list[str]) -> None:
         if inner in VIDEO_SCORERS:
             errors.append(f"--reward-frame-scorer {rw.reward_frame_scorer} is a video scorer; framewise applies an "
                           "IMAGE scorer to frames (e.g. ocr, pickscore, color)")
+        elif inner and inner.startswith("trainer.rewards.edit."):
+            errors.append(f"--reward-frame-scorer {rw.reward_frame_scorer} scores an edit against its source images, "
+                          "which a video's frames do not have: use an image scorer (e.g. ocr, pickscore, color)")
         elif inner:
             _check_dotpath("--reward-frame-scorer", inner, errors)
         if rw.reward_frame_every is not None and rw.reward_frame_count is not None:

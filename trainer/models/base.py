@@ -195,6 +195,14 @@ def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None) -> A
     return model.eval()
 
 
+def refuse_cfg_renorm(sampling: Any, pipeline: str) -> None:
+    """Raise ValueError when --sampling-config asks for cfg_renorm under true CFG: that rescale is
+    QwenImagePipeline's, and `pipeline` (the family's diffusers pipeline) has none."""
+    if float(sampling.guidance_scale) > 1.0 and sampling.cfg_renorm:
+        raise ValueError(f"--sampling-config cfg_renorm is true, but {pipeline}'s CFG has no rescale (it is "
+                         "QwenImagePipeline's); set cfg_renorm false for this family")
+
+
 def standard_rollout_request(prompt: str, *, group_index: int, slot: int, sample_id: str,
                              sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],
                              generation_seed: int, metadata: dict | None = None) -> RolloutRequest:

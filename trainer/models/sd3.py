@@ -22,7 +22,8 @@ import torch
 
 from trainer.core.names import model_name
 from trainer.models.base import (ATTENTION_LORA_TARGETS, FamilyAdapter, GeometryBounds, check_pipeline_dir,
-                                 load_checked_transformer, read_config_json, split_negative)
+                                 load_checked_transformer, read_config_json, refuse_cfg_renorm,
+                                 split_negative)
 from trainer.sampling import SamplingConfig
 from trainer.trajectory import Geometry, RolloutRequest, SamplerSettings, Trajectory
 
@@ -289,9 +290,7 @@ class SD3Adapter(FamilyAdapter):
                               generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
         """One candidate as an engine RolloutRequest (models.base.standard_rollout_request) after
         refusing cfg_renorm under CFG, a rescale this family's pipeline does not have."""
-        if float(sampling.guidance_scale) > 1.0 and sampling.cfg_renorm:
-            raise ValueError("--sampling-config cfg_renorm is true, but StableDiffusion3Pipeline's CFG has no rescale "
-                             "(it is QwenImagePipeline's); set cfg_renorm false for this family")
+        refuse_cfg_renorm(sampling, "StableDiffusion3Pipeline")
         return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
                                              sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
                                              generation_seed=generation_seed, metadata=metadata)

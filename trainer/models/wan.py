@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from trainer.models.base import (FamilyAdapter, GeometryBounds, check_pipeline_dir, load_checked_transformer,
-                                 read_config_json, split_negative)
+                                 read_config_json, refuse_cfg_renorm, split_negative)
 from trainer.sampling import SamplingConfig
 from trainer.trajectory import Geometry, RolloutRequest, SamplerSettings, Trajectory
 
@@ -303,9 +303,7 @@ class WanAdapter(FamilyAdapter):
         problems = video_geometry_problems(getattr(sampling, "num_frames", 1), sampling.height, sampling.width)
         if problems:
             raise ValueError("; ".join(problems))
-        if float(sampling.guidance_scale) > 1.0 and sampling.cfg_renorm:
-            raise ValueError("--sampling-config cfg_renorm is true, but WanPipeline's CFG has no rescale (it is "
-                             "QwenImagePipeline's); set cfg_renorm false for this family")
+        refuse_cfg_renorm(sampling, "WanPipeline")
         return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
                                              sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
                                              generation_seed=generation_seed, metadata=metadata)
