@@ -2,7 +2,8 @@
 against an independent element-by-element reference in numpy (loops, float64), plus the
 properties the formulas promise (limits, directions, finite gradients); the flags and preflight;
 the nft and GRPO-Guard updates on the tiny model in process; and both through the trainer (one
-torchrun pair for nft's exact resume, one single-process pair for GRPO-Guard: a run and its resume)."""
+torchrun pair for nft's exact resume, one single-process pair for GRPO-Guard: a run and its resume;
+nft on the video and editing tasks, one single-process run each)."""
 
 import math
 import subprocess
@@ -615,3 +616,45 @@ def test_nft_invalid_candidates_do_not_matter_and_zero_advantages_skip(mesh):
     m = actor.nft_train_step(make_batch(4), torch.zeros(4), vfn, SCHEDULE, seed=1)
     assert m["train/optimizer_steps"] == 0 and actor.skipped_rounds == 1
     assert all(torch.equal(v, full_params(actor.model)[k]) for k, v in before.items())
+
+
+# ---------------------------------------------------------------- nft on the video and editing tasks
+
+@pytest.mark.parametrize("task", ["t2v", "i2i"])
+def test_nft_trains_the_video_and_editing_tasks_through_the_trainer(tmp_path, task):
+    """--algorithm nft on the tiny Wan model (t2v: 5-frame videos, 6-D latents) and the tiny
+    Qwen-Image-Edit model (i2i: the source latents in the conditioning), one process, 2 rollouts,
+    CFG-free as nft samples: finite losses, the old policy in the checkpoint, videos / images
+    written. The nft update needs only the clean final latents and the conditions, which both
+    tasks record as t2i does."""
+    from tests.family_e2e import edit_recipe, write_edit_records
+    from tests.workers.launch import ROOT
+    from trainer.metrics import read_scalars
+
+    if task == "t2v":
+        from tests.test_family_wan_e2e import recipe
+        from tools.tiny_wan import build_tiny_wan_pipeline
+
+        config = recipe(tmp_path, build_tiny_wan_pipeline(tmp_path / "model", seed=0, vae_output_gain=8.0))
+        media = "*.webp"
+    else:
+        from tools.tiny_qwen_image_edit import build_tiny_qwen_image_edit_pipeline
+
+        model = build_tiny_qwen_image_edit_pipeline(tmp_path / "model", seed=0, vae_output_gain=8.0, variant="2511")
+        config = edit_recipe(tmp_path, model, write_edit_records(tmp_path / "data"))
+        media = "*.png"
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.train", "--config", str(config), "--actor-num-gpus-per-node", "1",
+           "--num-rollout", "2", "--algorithm", "nft", "--adv-clip-max", "5", "--sampling-config.guidance_scale",
+           "1.0", "--artifact-root", str(out / "artifacts"), "--save", str(out / "ckpt"),
+           "--tensorboard-dir", str(out / "tb")]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = [v for _, v in read_scalars(out / "tb")["train/loss"]]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(out / "ckpt" / task / "iter_0000001" / "fsdp")).read_metadata().state_dict_metadata
+    assert any(k.startswith("nft_old.") for k in keys)
+    assert list((out / "artifacts" / task / "rollout_0000001").glob(media))
