@@ -195,10 +195,12 @@ def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None) -> A
     return model.eval()
 
 
-def refuse_cfg_renorm(sampling: Any, pipeline: str) -> None:
-    """Raise ValueError when --sampling-config asks for cfg_renorm under true CFG: that rescale is
-    QwenImagePipeline's, and `pipeline` (the family's diffusers pipeline) has none."""
-    if float(sampling.guidance_scale) > 1.0 and sampling.cfg_renorm:
+def refuse_cfg_renorm(guidance_scale: float, cfg_renorm: bool, pipeline: str) -> None:
+    """Raise ValueError when cfg_renorm is asked for under true CFG (guidance_scale > 1): that
+    rescale is QwenImagePipeline's, and `pipeline` (the family's diffusers pipeline) has none. The
+    families without it call this when building a request and again in their velocity (a
+    trajectory recorded elsewhere can carry the setting)."""
+    if float(guidance_scale) > 1.0 and cfg_renorm:
         raise ValueError(f"--sampling-config cfg_renorm is true, but {pipeline}'s CFG has no rescale (it is "
                          "QwenImagePipeline's); set cfg_renorm false for this family")
 

@@ -270,9 +270,7 @@ class SD3Adapter(FamilyAdapter):
         timestep as it is, so rollout_dtype plays no part), true CFG as that pipeline does it. A
         cfg_renorm under CFG raises (build_rollout_request refuses it: the SD3 pipelines have no
         rescale)."""
-        if sampler.guided and sampler.cfg_renorm:
-            raise ValueError("cfg_renorm is QwenImagePipeline's rescale; StableDiffusion3Pipeline has none: set "
-                             "--sampling-config cfg_renorm false")
+        refuse_cfg_renorm(sampler.guidance_scale, sampler.cfg_renorm, "StableDiffusion3Pipeline")
         return conditioned_velocity(transformer, x, t, conditions,
                                     guidance_scale=sampler.guidance_scale if sampler.guided else 1.0)
 
@@ -290,7 +288,7 @@ class SD3Adapter(FamilyAdapter):
                               generation_seed: int, metadata: dict | None = None) -> RolloutRequest:
         """One candidate as an engine RolloutRequest (models.base.standard_rollout_request) after
         refusing cfg_renorm under CFG, a rescale this family's pipeline does not have."""
-        refuse_cfg_renorm(sampling, "StableDiffusion3Pipeline")
+        refuse_cfg_renorm(sampling.guidance_scale, sampling.cfg_renorm, "StableDiffusion3Pipeline")
         return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
                                              sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
                                              generation_seed=generation_seed, metadata=metadata)

@@ -270,9 +270,7 @@ class WanAdapter(FamilyAdapter):
         """conditioned_velocity: the DiT called as WanPipeline calls it (the fp32 timestep as it is,
         so rollout_dtype plays no part), true CFG as that pipeline does it. cfg_renorm under CFG
         raises (build_rollout_request refuses it: WanPipeline has no rescale)."""
-        if sampler.guided and sampler.cfg_renorm:
-            raise ValueError("cfg_renorm is QwenImagePipeline's rescale; WanPipeline has none: set "
-                             "--sampling-config cfg_renorm false")
+        refuse_cfg_renorm(sampler.guidance_scale, sampler.cfg_renorm, "WanPipeline")
         return conditioned_velocity(transformer, x, t, conditions,
                                     guidance_scale=sampler.guidance_scale if sampler.guided else 1.0)
 
@@ -303,7 +301,7 @@ class WanAdapter(FamilyAdapter):
         problems = video_geometry_problems(getattr(sampling, "num_frames", 1), sampling.height, sampling.width)
         if problems:
             raise ValueError("; ".join(problems))
-        refuse_cfg_renorm(sampling, "WanPipeline")
+        refuse_cfg_renorm(sampling.guidance_scale, sampling.cfg_renorm, "WanPipeline")
         return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
                                              sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
                                              generation_seed=generation_seed, metadata=metadata)
