@@ -31,8 +31,8 @@ from typing import Any, Sequence
 import torch
 
 from trainer.models.base import GeometryBounds, check_pipeline_dir, pack_latents, packed_grid, read_config_json
-from trainer.models.qwen_image import (QwenImageAdapter, dit_velocity, guided_velocity, load_qwen_image_transformer,
-                                       pad_text, prompt_template_start_idx, vae_scale_factor_from_config)
+from trainer.models.qwen_image import (QwenImageAdapter, dit_velocity, guided_velocity, pad_text,
+                                       prompt_template_start_idx, vae_scale_factor_from_config)
 from trainer.trajectory import Geometry, SamplerSettings, Trajectory
 
 #: the condition name of the packed source latents
@@ -108,25 +108,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def load_rollout_modules(self, model_path, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
         """Qwen-Image's modules plus the processor: the "tokenizer" entry is an
-        ImagePromptProcessor (the tokenizer and the image processor of processor/)."""
-        from diffusers import AutoencoderKLQwenImage
-        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-
+        ImagePromptProcessor (the tokenizer and the image processor of processor/). The directory
+        is checked first as an edit directory, so a missing processor/ is named as such."""
         from trainer.models.qwen_vl_processor import ImagePromptProcessor
-        from trainer.sampling import load_scheduler_config
 
         path = check_edit_model_dir(model_path, self.rollout_subfolders)
-        tokenizer = Qwen2Tokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
-        return {
-            "scheduler_config": load_scheduler_config(str(path)),
-            "transformer": load_qwen_image_transformer(path, dtype=dtype).to(device),
-            "vae": AutoencoderKLQwenImage.from_pretrained(str(path), subfolder="vae", dtype=dtype,
-                                                          local_files_only=True).to(device),
-            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                str(path / "text_encoder"), dtype=dtype, local_files_only=True).to(device),
-            "tokenizer": ImagePromptProcessor.from_pretrained(path / "processor", tokenizer=tokenizer),
-            "path": path,
-        }
+        modules = super().load_rollout_modules(path, dtype=dtype, device=device)
+        modules["tokenizer"] = ImagePromptProcessor.from_pretrained(path / "processor", tokenizer=modules["tokenizer"])
+        return modules
 
     def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
         """encode(prompts, device, max_sequence_length) of the instruction alone (no source; the
