@@ -16,9 +16,9 @@ from tests.dist.tiny import make_batch, make_cfg, one_rank_mesh, replay, tiny_tr
 from tests.test_engine import make_requests
 from trainer.core.fp8 import E4M3_MAX, FP8Linear, convert_to_fp8, fp8_linear, quantize_rowwise
 from trainer.core.manifest import build_manifest
-from trainer.core.modules import COMPILED_BLOCK_GRAPH_LIMIT, repeated_blocks
+from trainer.core.modules import COMPILED_BLOCK_GRAPH_LIMIT, compiled_graphs, repeated_blocks
 from trainer.core.names import model_name
-from trainer.engine.native import NativeEngine, _compiled_graphs
+from trainer.engine.native import NativeEngine
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
 
@@ -210,11 +210,11 @@ def test_compiled_engine_stops_compiling_after_warm_up_whatever_the_prompt_lengt
     adapter = QwenImageAdapter()
     eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, compile_blocks=True)
     ref = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
-    start = _compiled_graphs()  # the counter is the process's: other tests' graphs are in it
+    start = compiled_graphs()  # the counter is the process's: other tests' graphs are in it
     warm_up = [(VARYING[0:2], 2), (VARYING[2:4], 1), ([VARYING[4]], 2), ([VARYING[5]], 1)]  # masked x 2, mask-free x 2
     for prompts, group in warm_up:
         eng.generate(make_requests(adapter, eng, SMALL, prompts=prompts, group_size=group))
-    graphs = _compiled_graphs()
+    graphs = compiled_graphs()
     assert 0 < graphs - start <= 8, graphs - start  # per block kind: masked / mask-free, each static then dynamic
     later = [([VARYING[6], VARYING[3]], 2), ([VARYING[7]], 2), (VARYING[1:4], 1), ([VARYING[2], VARYING[6]], 1)]
     for prompts, group in later:
@@ -223,7 +223,7 @@ def test_compiled_engine_stops_compiling_after_warm_up_whatever_the_prompt_lengt
         assert eng.last_stats["new_graphs"] == 0, (prompts, group)
     want = ref.generate(reqs)  # the dynamic-shape graph computes what the eager blocks do
     assert torch.equal(got.latents, want.latents) and torch.equal(got.log_probs, want.log_probs)
-    assert _compiled_graphs() == graphs
+    assert compiled_graphs() == graphs
 
 
 def varied_text_batch(n: int, lengths: list[int], seed: int):
@@ -262,9 +262,9 @@ def test_compiled_actor_stops_compiling_after_warm_up_whatever_the_text_lengths(
                  [6, 6, 13, 2], [17, 10, 3, 3], [20, 20, 14, 6]]
         new = []
         for i, lengths in enumerate(steps):
-            before = _compiled_graphs()
+            before = compiled_graphs()
             actor.train_step(varied_text_batch(4, lengths, seed=i), ADV, replay_fn)
-            new.append(_compiled_graphs() - before)
+            new.append(compiled_graphs() - before)
             first = actor.last_update_stats[0]
             assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
         assert new[0] > 0 and sum(new) <= 16, new  # the bound COMPILED_BLOCK_GRAPH_LIMIT's comment states

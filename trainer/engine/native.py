@@ -46,7 +46,7 @@ import torch
 from trainer.core.checksum import weights_checksum
 from trainer.core.dtypes import engine_dtype
 from trainer.core.manifest import build_manifest, verify_manifest
-from trainer.core.modules import ModuleTreeSnapshot, model_has_lora
+from trainer.core.modules import ModuleTreeSnapshot, compiled_graphs, model_has_lora
 from trainer.core.names import is_lora_name, strip_wrapper_segments
 from trainer.host_arena import HostArena, typed_view
 from trainer.models.base import with_negative
@@ -234,14 +234,14 @@ class NativeEngine(EngineMemoryState):
         t0 = time.perf_counter()
         conds, keys, neg_keys = self._encode_conditions(requests)
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
-        graphs = _compiled_graphs() if self.compile_blocks else 0
+        graphs = compiled_graphs() if self.compile_blocks else 0
         parts = [self._generate_chunk(requests[start:start + step], conds, keys[start:start + step],
                                       neg_keys[start:start + step]) for start in range(0, len(requests), step)]
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
                            "dit_forwards": float(len(parts) * requests[0].num_inference_steps),
                            "generate_time": time.perf_counter() - t0}
         if self.compile_blocks:
-            self.last_stats["new_graphs"] = float(_compiled_graphs() - graphs)
+            self.last_stats["new_graphs"] = float(compiled_graphs() - graphs)
         return Trajectory.cat(parts)
 
     def _encode_conditions(self, requests: list[RolloutRequest]) -> tuple[dict, list, list]:
@@ -566,13 +566,6 @@ def _normalize_lora_config(cfg: dict[str, Any], default_targets=()) -> dict[str,
     if isinstance(targets, str):
         targets = [targets]
     return {"rank": int(rank), "alpha": float(alpha), "target_modules": tuple(sorted(targets))}
-
-
-def _compiled_graphs() -> int:
-    """Graphs torch.compile has produced in this process so far (dynamo's own counter)."""
-    from trainer.core.modules import compiled_graphs
-
-    return compiled_graphs()
 
 
 def move_module_to_host(module: torch.nn.Module, arena: HostArena) -> None:
