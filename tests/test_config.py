@@ -36,7 +36,12 @@ RECIPES = {
     "demo": ROOT / "configs" / "tiny_cpu_demo.toml",
     "flux": ROOT / "configs" / "flux1dev_t2i_lora_pickscore.toml",
     "wan_ocr": ROOT / "configs" / "wan21_t2v_lora_ocr.toml",
+    "qwen_edit": ROOT / "configs" / "qwen_image_edit_i2i_lora_8gpu.toml",
+    "kontext": ROOT / "configs" / "flux1kontext_i2i_lora_8gpu.toml",
+    "tiny_edit": ROOT / "configs" / "tiny_cpu_edit.toml",
 }
+#: the recipes written for 2 CPU processes (the others for 8 GPUs)
+TWO_RANK_RECIPES = {"demo", "tiny_edit"}
 
 
 def write(tmp_path: Path, text: str, name: str = "r.toml") -> Path:
@@ -514,6 +519,19 @@ def recipe_env(tmp_path):
     (exp / "data").mkdir()
     for name in ("demo_train", "demo_eval"):
         (exp / "data" / f"{name}.jsonl").write_text('{"prompt": "a red square", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
+    # the edit recipes: their model directories, and records whose source image exists beside them
+    for d in (models / "Qwen-Image-Edit-2511", models / "FLUX.1-Kontext-dev", exp / "tiny-edit",
+              data / "processed" / "i2i" / "media"):
+        d.mkdir(parents=True)
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(data / "processed" / "i2i" / "media" / "src.png")
+    (exp / "data" / "media").mkdir()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(exp / "data" / "media" / "src.png")
+    edit = '{"prompt": "<image> make it blue", "images": ["media/src.png"], "metadata": {"task": "i2i", "sample_id": "e0"}}\n'
+    for path in (data / "processed" / "i2i" / "train.jsonl", data / "processed" / "i2i" / "eval.jsonl",
+                 exp / "data" / "edit_train.jsonl"):
+        path.write_text(edit)
     return {"MODEL_DIR": str(models), "DATA_DIR": str(data), "EXP_DIR": str(exp)}
 
 
@@ -521,7 +539,7 @@ def recipe_env(tmp_path):
 def test_shipped_recipes_pass_preflight(name, recipe_env):
     cfg = load_config(["--config", str(RECIPES[name])], env=recipe_env)
     world = recipe_world_size(cfg)
-    assert world == (2 if name == "demo" else 8)
+    assert world == (2 if name in TWO_RANK_RECIPES else 8)
     assert validate(cfg, world) == []
     assert validate(cfg, None) == []
     # the same recipe on a torchrun world it was not written for is refused, naming the fix
