@@ -8,6 +8,7 @@ parameter trained, sidecar round trip)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -405,3 +406,73 @@ def test_two_sources_per_record_condition_as_the_pipeline_and_replay(edit_dir, e
     actor = adapter.load_train_model(str(edit_dir), dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(adapter.replay_transitions(actor, traj), traj.log_probs, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------- the source file, read once
+
+
+def test_a_rollout_opens_each_source_file_once(engine, adapter, sources, monkeypatch):
+    """With CFG (the instruction's and the negative's conditions both show the source) and two
+    candidates per record, each record's file is opened once per rollout: its condition key and
+    its pixels come from that one read."""
+    import builtins
+    import os
+
+    watched = {os.path.abspath(p) for p in sources}
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(os.fspath(file)) in watched:
+            opened.append(os.path.abspath(os.fspath(file)))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    reqs = make_requests(adapter, engine, {"guidance_scale": 4.0, "negative_prompt": " "}, sources[:2])
+    engine.generate(reqs)
+    assert sorted(opened) == sorted(os.path.abspath(p) for p in sources[:2])
+    assert engine.last_stats["prompts_encoded"] == 4.0
+
+
+def test_source_read_once_keys_and_decodes_the_same_bytes(sources):
+    from trainer.core.media_key import MediaKeys
+    from trainer.models.edit_source import load_source, open_source_image
+
+    src = load_source(sources[0])
+    assert src.key == MediaKeys().key(sources[0]) == load_source(sources[2]).key  # a renamed copy: one key
+    assert src.key != load_source(sources[1]).key
+    assert src.image.mode == "RGB" and src.image.tobytes() == open_source_image(sources[0]).tobytes()
+
+
+def test_corrupt_oversized_and_missing_sources_keep_their_errors(engine, adapter, sources, tmp_path, monkeypatch):
+    """A source that does not decode, has too many pixels (from its header) or too many bytes is
+    a ValueError naming the file and the fix, from the file functions and from the engine alike;
+    a missing one a FileNotFoundError naming the request and the file."""
+    from trainer.models import edit_source
+
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not an image" * 8)
+    for load in (edit_source.open_source_image, edit_source.load_source):
+        with pytest.raises(ValueError, match=f"source image {corrupt} does not decode .*inspect_data.py --decode-media"):
+            load(corrupt)
+    with pytest.raises(ValueError, match=f"source image {corrupt} does not decode"):
+        engine.generate(make_requests(adapter, engine, {}, [str(corrupt)], group_size=1))
+
+    monkeypatch.setattr(edit_source, "MAX_SOURCE_PIXELS", 40 * 40 - 1)  # the sources are 40 x 40
+    for load in (edit_source.open_source_image, edit_source.load_source):
+        with pytest.raises(ValueError, match=f"source image {sources[0]} is 40x40, more than 1599 pixels; downscale it"):
+            load(sources[0])
+    with pytest.raises(ValueError, match="is 40x40, more than 1599 pixels"):
+        engine.generate(make_requests(adapter, engine, {}, sources[:1], group_size=1))
+    monkeypatch.undo()
+
+    size = os.path.getsize(sources[0])
+    monkeypatch.setattr(edit_source, "MAX_SOURCE_BYTES", size - 1)
+    for load in (edit_source.open_source_image, edit_source.load_source):
+        with pytest.raises(ValueError, match=f"source image {sources[0]} is {size} bytes, more than {size - 1}; "
+                                             "downscale or recompress it"):
+            load(sources[0])
+    monkeypatch.undo()
+
+    with pytest.raises(FileNotFoundError, match=f"request p0:s0: source image {sources[0]}.gone does not exist"):
+        engine.generate(make_requests(adapter, engine, {}, [sources[0] + ".gone"], group_size=1))

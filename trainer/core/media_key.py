@@ -40,6 +40,12 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def bytes_key(data: bytes) -> str:
+    """"sha256:<hex>" of a media file's bytes already in memory: the key MediaKeys.key gives that
+    file, without reading it again."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
 def pixels_key(array: Any) -> str:
     """"pixels:<sha256 hex>" of a decoded image: its dtype, shape and bytes (numpy uint8 [H, W, 3]
     or anything with .numpy(): a CPU tensor)."""

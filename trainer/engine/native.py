@@ -250,34 +250,48 @@ class NativeEngine(EngineMemoryState):
         prompt string (the negative prompt is then one condition per call); an editing request's
         is core.media_key's ConditionKey over prompt AND source content AND size, so two sources
         under one instruction are two conditions, a group's candidates share one, and the
-        negative condition (which sees the source too) is one per source."""
+        negative condition (which sees the source too) is one per source. Each source file is
+        read once per call (edit_source.load_source): its key and its pixels come from one read."""
         conds: dict[Any, dict[str, torch.Tensor]] = {}
+        loaded: dict[str, Any] = {}
         guided = requests[0].guidance_scale > 1
         keys, neg_keys = [], []
         for r in requests:
+            sources = self._load_sources(r, loaded)
             for prompt, out in ((r.prompt, keys), (r.negative_prompt if guided else None, neg_keys)):
                 if prompt is None:
                     out.append(None)
                     continue
-                key = self._condition_key(prompt, r)
+                key = self._condition_key(prompt, r, sources)
                 if key not in conds:
-                    conds[key] = (self.encode_condition(prompt, r.media, (int(r.height), int(r.width)))
-                                  if r.media else self.encode_prompt(prompt))
+                    conds[key] = (self._encode_with_sources(prompt, sources, (int(r.height), int(r.width)))
+                                  if sources else self.encode_prompt(prompt))
                 out.append(key)
         return conds, keys, neg_keys
 
-    def _condition_key(self, prompt: str, r: RolloutRequest) -> Any:
-        if not r.media:
-            return prompt
-        from trainer.core.media_key import MediaKeys
+    def _load_sources(self, r: RolloutRequest, loaded: dict[str, Any]) -> list:
+        """The request's sources (edit_source.Source), each file read at most once into `loaded`."""
+        from trainer.models.edit_source import load_source
 
-        if getattr(self, "_media_keys", None) is None:
-            self._media_keys = MediaKeys()
-        try:
-            return self._media_keys.condition_key(prompt, r.media, (int(r.height), int(r.width)))
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"request {r.sample_id}: source image {e.filename} does not exist; check the "
-                                    "record's images with tools/inspect_data.py --decode-media") from None
+        if r.media:
+            self._edit_encoder()  # a text family refuses sources before any file is read
+        out = []
+        for path in r.media:
+            if path not in loaded:
+                try:
+                    loaded[path] = load_source(path)
+                except FileNotFoundError as e:
+                    raise FileNotFoundError(f"request {r.sample_id}: {e}") from None
+            out.append(loaded[path])
+        return out
+
+    @staticmethod
+    def _condition_key(prompt: str, r: RolloutRequest, sources: list) -> Any:
+        if not sources:
+            return prompt
+        from trainer.core.media_key import condition_key
+
+        return condition_key(prompt, [s.key for s in sources], (int(r.height), int(r.width)))
 
     @torch.no_grad()
     def encode_condition(self, prompt: str, media: list[str], size: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -285,14 +299,21 @@ class NativeEngine(EngineMemoryState):
         size = (height, width) output: the adapter's `encode_condition` (an editing family's),
         row 0, floating tensors in the engine dtype. ValueError naming the adapter when its
         family takes no source images."""
+        from trainer.models.edit_source import load_source
+
+        self._edit_encoder()
+        return self._encode_with_sources(prompt, [load_source(p) for p in media], size)
+
+    def _edit_encoder(self):
         encode = getattr(self.adapter, "encode_condition", None)
         if encode is None:
             raise ValueError(f"{type(self.adapter).__name__} takes no source images (a text-to-image family); an "
                              "editing record (with images) needs an editing family's --model-path")
-        from trainer.models.edit_source import open_source_image
+        return encode
 
-        encoded = encode(self.prompt_encoder, prompt, [open_source_image(p) for p in media], size, self.device,
-                         max_sequence_length=self.max_sequence_length)
+    def _encode_with_sources(self, prompt: str, sources: list, size: tuple[int, int]) -> dict[str, torch.Tensor]:
+        encoded = self._edit_encoder()(self.prompt_encoder, prompt, [s.image for s in sources], size, self.device,
+                                       max_sequence_length=self.max_sequence_length)
         return {k: (v[0].to(self.dtype) if v.is_floating_point() else v[0]) for k, v in encoded.items()}
 
     def _init_shape(self, r: RolloutRequest) -> list[int]:

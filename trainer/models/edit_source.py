@@ -7,7 +7,9 @@ compares the edit with what the model was conditioned on, not with another resiz
 
 from __future__ import annotations
 
+import io
 import os
+from dataclasses import dataclass
 from typing import Any
 
 #: the prompt-metadata key under which an editing candidate carries its source files (absolute
@@ -18,19 +20,49 @@ SOURCE_PATHS_KEY = "source_paths"
 #: the largest source accepted, in pixels: a decompression bomb is refused before it is decoded
 MAX_SOURCE_PIXELS = 4096 * 4096
 
+#: the largest source file read, in bytes. A source is read whole, once, and hashed and decoded
+#: from those bytes, so its size is bounded before it is read (a 4096 x 4096 RGBA image at 16 bits
+#: a channel is 128 MiB uncompressed; no image within MAX_SOURCE_PIXELS needs more)
+MAX_SOURCE_BYTES = 256 << 20
 
-def open_source_image(path: str | os.PathLike) -> Any:
-    """The RGB PIL image of a source file, fully read. FileNotFoundError naming the file when it
-    is gone; ValueError naming it when it does not decode or has more than MAX_SOURCE_PIXELS
-    pixels (checked from its header, before the pixels are decoded)."""
-    from PIL import Image
 
+@dataclass(frozen=True)
+class Source:
+    """A source file read once: its content key (core.media_key's "sha256:<hex>" of the bytes,
+    what the engine's condition cache keys it by) and its RGB PIL image, both from the same bytes,
+    so the key always names the pixels the model was shown even if the file changes meanwhile."""
+
+    path: str
+    key: str
+    image: Any
+
+
+def read_source_bytes(path: str | os.PathLike) -> bytes:
+    """The bytes of a source file, from one open. FileNotFoundError naming the file when it is
+    gone; ValueError naming it when it holds more than MAX_SOURCE_BYTES (checked from its size
+    before reading, and by reading at most one byte more, for a file that grows meanwhile)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"source image {path} does not exist; check the record's images with "
                                 "tools/inspect_data.py --decode-media")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(MAX_SOURCE_BYTES + 1) if size <= MAX_SOURCE_BYTES else b""
+    if size > MAX_SOURCE_BYTES or len(data) > MAX_SOURCE_BYTES:
+        raise ValueError(f"source image {path} is {max(size, len(data))} bytes, more than {MAX_SOURCE_BYTES}; "
+                         "downscale or recompress it (tools/prepare_data.py keeps the file as it is)")
+    return data
+
+
+def decode_source(data: bytes, path: str | os.PathLike) -> Any:
+    """The RGB PIL image of a source file's bytes `data`, fully decoded; `path` names it in
+    errors. ValueError naming it when it does not decode or has more than MAX_SOURCE_PIXELS pixels
+    (checked from its header, before the pixels are decoded)."""
+    from PIL import Image
+
+    path = os.fspath(path)
     try:
-        with Image.open(path) as im:
+        with Image.open(io.BytesIO(data)) as im:
             if im.width * im.height > MAX_SOURCE_PIXELS:
                 raise ValueError(f"source image {path} is {im.width}x{im.height}, more than {MAX_SOURCE_PIXELS} "
                                  "pixels; downscale it (tools/prepare_data.py keeps the file as it is)")
@@ -40,6 +72,22 @@ def open_source_image(path: str | os.PathLike) -> Any:
     except Exception as e:  # noqa: BLE001 - any decoder failure names the file
         raise ValueError(f"source image {path} does not decode ({type(e).__name__}: {e}); check it with "
                          "tools/inspect_data.py --decode-media") from None
+
+
+def open_source_image(path: str | os.PathLike) -> Any:
+    """The RGB PIL image of a source file, fully read (read_source_bytes, then decode_source:
+    their errors)."""
+    return decode_source(read_source_bytes(path), path)
+
+
+def load_source(path: str | os.PathLike) -> Source:
+    """The Source of a file: read once (read_source_bytes), its content key hashed from and its
+    image decoded from those bytes (decode_source); their errors."""
+    from trainer.core.media_key import bytes_key
+
+    path = os.fspath(path)
+    data = read_source_bytes(path)
+    return Source(path, bytes_key(data), decode_source(data, path))
 
 
 def resized_source(image: Any, height: int, width: int) -> Any:
