@@ -159,6 +159,46 @@ def test_condition_cache_is_keyed_by_prompt_and_media(engine, adapter, batches, 
     adapter.validate_trajectory(b)
 
 
+def test_cfg_vae_encodes_each_source_once_and_samples_as_the_whole_condition_path(engine, adapter, sources,
+                                                                                  monkeypatch):
+    """Under true CFG the VAE encodes each distinct source once per rollout (the instruction's and
+    the negative's conditions share its latents; only the VL encoder runs per prompt), and the
+    rollout is bit for bit the one sampled from conditions encoded whole, one per prompt and
+    source (each with its own VAE encode of the source, the instruction's latents recorded)."""
+    from trainer.core.media_key import MediaKeys
+
+    vae = engine.prompt_encoder.pipe.vae
+    encoded = []
+    real_encode = vae.encode
+
+    def counting_encode(x, *args, **kwargs):
+        encoded.append(tuple(x.shape))
+        return real_encode(x, *args, **kwargs)
+
+    monkeypatch.setattr(vae, "encode", counting_encode)
+    reqs = make_requests(adapter, engine, {"guidance_scale": 4.0, "negative_prompt": " "}, sources[:2])
+    traj = engine.generate(reqs)  # 2 records x 2 candidates, both CFG branches
+    assert len(encoded) == 2 and engine.last_stats["sources_encoded"] == 2.0
+    assert engine.last_stats["prompts_encoded"] == 4.0
+
+    media_keys, conds, keys, neg_keys = MediaKeys(), {}, [], []
+    for r in reqs:
+        for prompt, out in ((r.prompt, keys), (r.negative_prompt, neg_keys)):
+            key = media_keys.condition_key(prompt, r.media, (r.height, r.width))
+            if key not in conds:
+                conds[key] = engine.encode_condition(prompt, r.media, (r.height, r.width))
+            out.append(key)
+    assert len(encoded) == 2 + 4  # whole conditions: a VAE encode per prompt and source
+    for k, n in zip(keys, neg_keys):  # the negative's own latents are the instruction's, bit for bit
+        assert torch.equal(conds[k]["image_latents"], conds[n]["image_latents"])
+    with torch.no_grad():
+        whole = engine._generate_chunk(reqs, conds, keys, neg_keys)
+    for name in ("latents", "next_latents", "log_probs", "images"):
+        assert torch.equal(getattr(traj, name), getattr(whole, name)), name
+    assert traj.conditions.keys() == whole.conditions.keys()
+    assert all(torch.equal(traj.conditions[k], whole.conditions[k]) for k in traj.conditions)
+
+
 def test_replay_reproduces_the_sampler_fp32_with_and_without_cfg(edit_dir, adapter, batches):
     actor = adapter.load_train_model(str(edit_dir), dtype=torch.float32)
     with torch.no_grad():

@@ -232,28 +232,32 @@ class NativeEngine(EngineMemoryState):
             check_request(r)
         check_one_geometry(requests)
         t0 = time.perf_counter()
-        conds, keys, neg_keys = self._encode_conditions(requests)
+        conds, keys, neg_keys, n_sources = self._encode_conditions(requests)
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
         graphs = compiled_graphs() if self.compile_blocks else 0
         parts = [self._generate_chunk(requests[start:start + step], conds, keys[start:start + step],
                                       neg_keys[start:start + step]) for start in range(0, len(requests), step)]
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
+                           "sources_encoded": float(n_sources),
                            "dit_forwards": float(len(parts) * requests[0].num_inference_steps),
                            "generate_time": time.perf_counter() - t0}
         if self.compile_blocks:
             self.last_stats["new_graphs"] = float(compiled_graphs() - graphs)
         return Trajectory.cat(parts)
 
-    def _encode_conditions(self, requests: list[RolloutRequest]) -> tuple[dict, list, list]:
+    def _encode_conditions(self, requests: list[RolloutRequest]) -> tuple[dict, list, list, int]:
         """(conditions by key, each request's key, each request's negative key under true CFG else
-        None): every distinct condition encoded once per call. A text-only request's key is its
+        None, the number of distinct sources VAE-encoded): every distinct condition encoded once per call. A text-only request's key is its
         prompt string (the negative prompt is then one condition per call); an editing request's
         is core.media_key's ConditionKey over prompt AND source content AND size, so two sources
         under one instruction are two conditions, a group's candidates share one, and the
         negative condition (which sees the source too) is one per source. Each source file is
-        read once per call (edit_source.load_source): its key and its pixels come from one read."""
+        read once per call (edit_source.load_source): its key and its pixels come from one read;
+        and the VAE encodes each distinct source once per call, the instruction's and the
+        negative's conditions sharing its latents (only the text / VL encoder runs per prompt)."""
         conds: dict[Any, dict[str, torch.Tensor]] = {}
         loaded: dict[str, Any] = {}
+        latents: dict[Any, dict[str, torch.Tensor]] = {}  # encode_source's, by (source keys, size)
         guided = requests[0].guidance_scale > 1
         keys, neg_keys = [], []
         for r in requests:
@@ -264,10 +268,10 @@ class NativeEngine(EngineMemoryState):
                     continue
                 key = self._condition_key(prompt, r, sources)
                 if key not in conds:
-                    conds[key] = (self._encode_with_sources(prompt, sources, (int(r.height), int(r.width)))
+                    conds[key] = (self._encode_with_sources(prompt, sources, (int(r.height), int(r.width)), latents)
                                   if sources else self.encode_prompt(prompt))
                 out.append(key)
-        return conds, keys, neg_keys
+        return conds, keys, neg_keys, len(latents)
 
     def _load_sources(self, r: RolloutRequest, loaded: dict[str, Any]) -> list:
         """The request's sources (edit_source.Source), each file read at most once into `loaded`."""
@@ -301,8 +305,10 @@ class NativeEngine(EngineMemoryState):
         family takes no source images."""
         from trainer.models.edit_source import load_source
 
-        self._edit_encoder()
-        return self._encode_with_sources(prompt, [load_source(p) for p in media], size)
+        encode = self._edit_encoder()
+        images = [load_source(p).image for p in media]
+        return self._row(encode(self.prompt_encoder, prompt, images, size, self.device,
+                                max_sequence_length=self.max_sequence_length))
 
     def _edit_encoder(self):
         encode = getattr(self.adapter, "encode_condition", None)
@@ -311,9 +317,22 @@ class NativeEngine(EngineMemoryState):
                              "editing record (with images) needs an editing family's --model-path")
         return encode
 
-    def _encode_with_sources(self, prompt: str, sources: list, size: tuple[int, int]) -> dict[str, torch.Tensor]:
-        encoded = self._edit_encoder()(self.prompt_encoder, prompt, [s.image for s in sources], size, self.device,
-                                       max_sequence_length=self.max_sequence_length)
+    def _encode_with_sources(self, prompt: str, sources: list, size: tuple[int, int],
+                             latents: dict) -> dict[str, torch.Tensor]:
+        """The adapter's encode_instruction of `prompt` shown the sources, beside its
+        encode_source latents, which are encoded once per distinct (sources, size) into `latents`
+        (the generate call's) and are the same tensors in every condition that shows them."""
+        self._edit_encoder()
+        images = [s.image for s in sources]
+        which = (tuple(s.key for s in sources), tuple(size))
+        if which not in latents:
+            latents[which] = self._row(self.adapter.encode_source(self.prompt_encoder, images, size, self.device))
+        text = self._row(self.adapter.encode_instruction(self.prompt_encoder, prompt, images, self.device,
+                                                         max_sequence_length=self.max_sequence_length))
+        return {**text, **latents[which]}
+
+    def _row(self, encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Row 0 of each encoded tensor, floating ones in the engine dtype."""
         return {k: (v[0].to(self.dtype) if v.is_floating_point() else v[0]) for k, v in encoded.items()}
 
     def _init_shape(self, r: RolloutRequest) -> list[int]:

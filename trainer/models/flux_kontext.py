@@ -40,6 +40,13 @@ def kontext_img_ids(rows: int, cols: int, device: Any = None, dtype: torch.dtype
         device=device, dtype=dtype)
 
 
+def check_one_source(images: list) -> None:
+    """ValueError unless a record gave exactly one source (FluxKontextPipeline takes one)."""
+    if len(images) != 1:
+        raise ValueError(f"FLUX.1-Kontext edits one source image, a record gave {len(images)}; keep one image "
+                         "per record (tools/prepare_data.py --source edit --image-column with one image)")
+
+
 class FluxKontextAdapter(FluxAdapter):
     """FLUX.1-Kontext-dev (module docstring); FLUX.1's loading, text encoding, schedule, decode
     and request (guidance_scale is the embedded guidance), its own conditioning."""
@@ -72,21 +79,31 @@ class FluxKontextAdapter(FluxAdapter):
 
     def encode_condition(self, prompt_encoder, prompt: str, images: list, size: tuple[int, int],
                          device: torch.device, max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
-        """The instruction's FLUX conditioning plus "image_latents" [1, L, 4C]: the one source
-        resized to size = (height, width), VAE-encoded and packed as FluxKontextPipeline does.
-        ValueError for more than one source (Kontext takes one)."""
+        """The instruction's FLUX conditioning plus "image_latents" [1, L, 4C]: encode_instruction's,
+        then encode_source's (the engine calls the two apart, to encode a source once per rollout)."""
+        out = self.encode_instruction(prompt_encoder, prompt, images, device, max_sequence_length)
+        out.update(self.encode_source(prompt_encoder, images, size, device))
+        return out
+
+    def encode_instruction(self, prompt_encoder, prompt: str, images: list, device: torch.device,
+                           max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+        """FLUX.1's text conditioning of the instruction (CLIP pooled + T5 states); Kontext's text
+        encoders do not see the source, so `images` only has its count checked."""
+        check_one_source(images)
+        return prompt_encoder([prompt], device, int(max_sequence_length or self.max_sequence_length))
+
+    def encode_source(self, prompt_encoder, images: list, size: tuple[int, int],
+                      device: torch.device) -> dict[str, torch.Tensor]:
+        """{"image_latents" [1, L, 4C]}: the one source resized to size = (height, width),
+        VAE-encoded ((z - shift) * scale, argmax) and packed as FluxKontextPipeline does."""
         from trainer.models.edit_source import resized_source
 
-        if len(images) != 1:
-            raise ValueError(f"FLUX.1-Kontext edits one source image, a record gave {len(images)}; keep one image "
-                             "per record (tools/prepare_data.py --source edit --image-column with one image)")
+        check_one_source(images)
         pipe = prompt_encoder.pipe
         height, width = size
         pixels = pipe.image_processor.preprocess(resized_source(images[0], height, width), height, width)
         z = pipe._encode_vae_image(pixels.to(device=device, dtype=pipe.vae.dtype), generator=None)
-        out = prompt_encoder([prompt], device, int(max_sequence_length or self.max_sequence_length))
-        out[IMAGE_LATENTS] = pack_latents(z)
-        return out
+        return {IMAGE_LATENTS: pack_latents(z)}
 
     def batch_conditions(self, rows) -> dict[str, torch.Tensor]:
         """FLUX.1's stacked text conditions plus the stacked source latents."""

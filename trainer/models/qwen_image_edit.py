@@ -12,7 +12,9 @@ An edit candidate is conditioned on an instruction AND its record's source image
   each source; the velocity is its output over the target tokens (the 2511 DiT's zero_cond_t
   modulates the condition tokens at timestep 0 inside the model);
 - true CFG as the pipeline does it: the negative prompt is encoded with the same source images,
-  and the combined velocity is rescaled to the conditional one's norm per token.
+  and the combined velocity is rescaled to the conditional one's norm per token. The source
+  latents do not depend on the prompt: the engine VAE-encodes each source once (encode_source)
+  and runs only the VL encoder per prompt (encode_instruction).
 
 The trajectory records the encoded condition: "prompt_embeds" / "_mask" (and "negative_*"),
 plus "image_latents" [B, n_sources * L, C], stored once for both CFG branches
@@ -94,7 +96,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     family = "qwen_image_edit"
     rollout_subfolders = ("transformer", "vae", "text_encoder", "tokenizer", "processor", "scheduler")
-    #: conditions both CFG branches read, recorded once (the engine drops their negative copy)
+    #: conditions both CFG branches read: encoded once per source (encode_source) and recorded once
     shared_conditions = (IMAGE_LATENTS,)
     #: the generation task this family trains
     generation_task = "i2i"
@@ -119,7 +121,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def prompt_encoder(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict):
         """encode(prompts, device, max_sequence_length) of the instruction alone (no source; the
-        engine calls encode_condition for records with images). `tokenizer` is the
+        engine calls encode_instruction / encode_source for records with images). `tokenizer` is the
         ImagePromptProcessor load_rollout_modules returns (or a bare tokenizer, then wrapped with
         a default image processor). The callable carries the pipeline as `.pipe`."""
         from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
@@ -151,24 +153,44 @@ class QwenImageEditAdapter(QwenImageAdapter):
                          device: torch.device, max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
         """{"prompt_embeds" [1, T, D], "prompt_embeds_mask" [1, T], "image_latents" [1, n L, C]}
         of `prompt` shown the PIL `images`, as QwenImageEditPlusPipeline conditions (module
-        docstring) for a size = (height, width) output. max_sequence_length is unused: the edit
-        pipeline keeps the whole prompt (its vision tokens included)."""
+        docstring) for a size = (height, width) output: encode_instruction's, then encode_source's
+        (the engine calls the two apart, to encode a source once for both CFG branches)."""
+        out = self.encode_instruction(prompt_encoder, prompt, images, device, max_sequence_length)
+        out.update(self.encode_source(prompt_encoder, images, size, device))
+        return out
+
+    def encode_instruction(self, prompt_encoder, prompt: str, images: list, device: torch.device,
+                           max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+        """{"prompt_embeds" [1, T, D], "prompt_embeds_mask" [1, T]}: the Qwen2.5-VL encoder over
+        `prompt` shown each PIL image resized to ~384 x 384 at its aspect (the pipeline's
+        CONDITION_IMAGE_SIZE). max_sequence_length is unused: the edit pipeline keeps the whole
+        prompt (its vision tokens included)."""
         from trainer.models.edit_geometry import QWEN_EDIT_CONDITION_AREA, area_dimensions
+
+        pipe = prompt_encoder.pipe
+        vl_images = []
+        for image in images:
+            cw, ch = area_dimensions(QWEN_EDIT_CONDITION_AREA, image.width / image.height)
+            vl_images.append(pipe.image_processor.resize(image, ch, cw))
+        return prompt_encoder([prompt], device, 0, images=vl_images)
+
+    def encode_source(self, prompt_encoder, images: list, size: tuple[int, int],
+                      device: torch.device) -> dict[str, torch.Tensor]:
+        """{"image_latents" [1, n L, C]}: each PIL image resized to size = (height, width),
+        VAE-encoded (the pipeline's _encode_vae_image: argmax, so deterministic, normalised) and
+        packed 2 x 2, the sources one after the other. It does not depend on the prompt, so both
+        CFG branches share it."""
         from trainer.models.edit_source import resized_source
 
         pipe = prompt_encoder.pipe
         height, width = size
-        vl_images, latents = [], []
+        latents = []
         for image in images:
-            cw, ch = area_dimensions(QWEN_EDIT_CONDITION_AREA, image.width / image.height)
-            vl_images.append(pipe.image_processor.resize(image, ch, cw))
             pixels = pipe.image_processor.preprocess(resized_source(image, height, width), height, width)
             pixels = pixels.unsqueeze(2).to(device=device, dtype=pipe.vae.dtype)
             z = pipe._encode_vae_image(pixels, generator=None)[:, :, 0]  # [1, C, h, w], normalised
             latents.append(pack_latents(z))
-        out = prompt_encoder([prompt], device, 0, images=vl_images)
-        out[IMAGE_LATENTS] = torch.cat(latents, dim=1)
-        return out
+        return {IMAGE_LATENTS: torch.cat(latents, dim=1)}
 
     def batch_conditions(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The text rows zero-padded with their mask (pad_text) and the source latents stacked
