@@ -247,14 +247,15 @@ class NativeEngine(EngineMemoryState):
 
     def _encode_conditions(self, requests: list[RolloutRequest]) -> tuple[dict, list, list, int]:
         """(conditions by key, each request's key, each request's negative key under true CFG else
-        None, the number of distinct sources VAE-encoded): every distinct condition encoded once per call. A text-only request's key is its
-        prompt string (the negative prompt is then one condition per call); an editing request's
-        is core.media_key's ConditionKey over prompt AND source content AND size, so two sources
-        under one instruction are two conditions, a group's candidates share one, and the
-        negative condition (which sees the source too) is one per source. Each source file is
-        read once per call (edit_source.load_source): its key and its pixels come from one read;
-        and the VAE encodes each distinct source once per call, the instruction's and the
-        negative's conditions sharing its latents (only the text / VL encoder runs per prompt)."""
+        None, the number of distinct sources VAE-encoded): every distinct condition encoded once per
+        call. A text-only request's key is its prompt string (the negative prompt is then one
+        condition per call); an editing request's is core.media_key's ConditionKey over prompt AND
+        source content AND size, so two sources under one instruction are two conditions, a
+        group's candidates share one, and the negative condition (which sees the source too) is
+        one per source. Each source file is read once per call (edit_source.load_source): its key
+        and its pixels come from one read; and the VAE encodes each distinct source once per call,
+        the instruction's and the negative's conditions sharing its latents (only the text / VL
+        encoder runs per prompt)."""
         conds: dict[Any, dict[str, torch.Tensor]] = {}
         loaded: dict[str, Any] = {}
         latents: dict[Any, dict[str, torch.Tensor]] = {}  # encode_source's, by (source keys, size)
