@@ -1,26 +1,70 @@
-"""tools/bench_edit.py on the tiny shape on CPU: every figure is emitted, the rollout encodes one
-condition per source and CFG branch, diffusers' edit pipeline runs on the engine's own modules,
-and the fp32 replay equals the sampler."""
+"""tools/bench_edit.py on the tiny shape on CPU, for both editing families: every figure is
+emitted, the rollout encodes one condition per source and CFG branch and VAE-encodes each source
+once, diffusers' edit pipeline runs on the engine's own modules with the source at the output
+size, and the fp32 replay equals the sampler; --shape real is refused before it allocates."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 
-def test_bench_edit_tiny_emits_every_figure(tmp_path):
-    from tools.bench_edit import main
+#: per family: (conditions, sources) the rollout of 2 records x 2 candidates encodes
+ENCODED = {"qwen_image_edit": (4.0, 2.0),  # 2 sources x (instruction, negative); the VAE once a source
+           "flux_kontext": (2.0, 2.0)}  # no true CFG: the instruction per source
 
+
+@pytest.mark.parametrize("family", sorted(ENCODED))
+def test_bench_edit_tiny_emits_every_figure(family, tmp_path, monkeypatch):
+    from tools import bench_edit
+
+    seq_lens = []
+
+    def hooked(build):
+        def wrapped(*args, **kwargs):
+            engine = build(*args, **kwargs)
+            engine.transformer.register_forward_hook(
+                lambda m, a, kw, out: seq_lens.append(int(kw["hidden_states"].shape[1])), with_kwargs=True)
+            return engine
+        return wrapped
+
+    monkeypatch.setattr(bench_edit, "build_edit_engine", hooked(bench_edit.build_edit_engine))
+    monkeypatch.setattr(bench_edit, "build_kontext_engine", hooked(bench_edit.build_kontext_engine))
     out = tmp_path / "edit.jsonl"
-    assert main(["--prompts", "2", "--group-size", "2", "--steps", "2", "--output", str(out)]) == 0
+    argv = ["--prompts", "2", "--group-size", "2", "--steps", "2", "--output", str(out)]
+    assert bench_edit.main(argv + (["--family", family] if family != "qwen_image_edit" else [])) == 0
     lines = {d["figure"]: d for d in map(json.loads, out.read_text().splitlines())}
     assert set(lines) == {"edit_rollout_images_per_s", "edit_diffusers_images_per_s", "edit_rollout_speedup",
                           "edit_replay_transitions_per_s", "edit_replay_logp_gap"}
-    assert lines["edit_rollout_images_per_s"]["conditions_encoded"] == 4.0  # 2 sources x (instruction, negative)
+    rollout = lines["edit_rollout_images_per_s"]
+    assert (rollout["conditions_encoded"], rollout["sources_encoded"]) == ENCODED[family]
     assert all(d["value"] > 0 for k, d in lines.items() if k != "edit_replay_logp_gap")
     assert lines["edit_replay_logp_gap"]["value"] == 0.0
     speed = lines["edit_rollout_speedup"]["value"]
     ratio = lines["edit_rollout_images_per_s"]["value"] / lines["edit_diffusers_images_per_s"]["value"]
-    assert abs(speed - ratio) < 1e-9 and lines["edit_rollout_speedup"]["geometry"]["family"] == "qwen_image_edit"
+    assert abs(speed - ratio) < 1e-9 and all(d["geometry"]["family"] == family for d in lines.values())
+    # every DiT call, ours, the stock pipeline's and the replay's, saw 32 px / VAE 8 (Qwen's 4 x 2
+    # packing or FLUX's 8 x 2) = 16 target tokens and 16 of the source at the output size
+    assert seq_lens and set(seq_lens) == {32}
+    # warm-up + timed rollout (2 steps each), the stock pipeline (2 calls of 2 steps, twice; Qwen's
+    # true CFG runs its two branches as two calls), the replay (warm-up + timed)
+    stock = 2 * 2 * 2 * (2 if family == "qwen_image_edit" else 1)
+    assert len(seq_lens) == 2 * 2 + stock + 2 * 1
+
+
+@pytest.mark.parametrize("family", sorted(ENCODED))
+def test_bench_edit_real_shape_is_refused_before_allocating(family, monkeypatch, capsys):
+    from tools import bench, bench_edit
+
+    def never(*args, **kwargs):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(bench, "available_bytes", lambda device_type: (2 << 30, "this test's host"))
+    monkeypatch.setattr(bench_edit, "build_edit_engine", never)
+    monkeypatch.setattr(bench_edit, "build_kontext_engine", never)
+    assert bench_edit.main(["--family", family, "--shape", "real", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"bench_edit: --family {family} --shape real needs ~" in err and "this test's host has 2 GB free" in err
 
 
 def test_bench_edit_refuses_bad_counts(capsys):

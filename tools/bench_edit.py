@@ -1,20 +1,37 @@
-"""Time the Qwen-Image-Edit rollout against diffusers' QwenImageEditPlusPipeline on the same modules.
+"""Time an editing family's rollout against diffusers' own edit pipeline on the same modules.
 
     python tools/bench_edit.py                                        (smoke test: the tiny shape, CPU)
     python tools/bench_edit.py --shape real --height 384 --width 384 --steps 10 --guidance-scale 4 \\
         --prompts 6 --group-size 16 --output bench/results/h200x1-qwen-image-edit.jsonl
+    python tools/bench_edit.py --family flux_kontext --shape real --height 512 --width 512 --steps 6 \\
+        --guidance-scale 2.5 --text-tokens 128 --prompts 2 --group-size 21 \\
+        --output bench/results/h200x1-flux-kontext.jsonl
 
-One process, random weights (nothing is read from disk): Qwen-Image's DiT (with the 2511
-variant's zero_cond_t), VAE and Qwen2.5-VL-7B (text model AND vision tower) built on the meta
-device from tools/bench.py's configs and materialised on the device, and the processor of
-Qwen-Image-Edit-2509's config (tools/tiny_qwen_image_edit.py). Sources are random-noise PNGs
-of --source-size, one per prompt. Figures (tools/bench.py's JSON lines):
+One process, random weights (nothing is read from disk), built on the meta device from the
+bench's configs and materialised on the device:
+
+    --family qwen_image_edit   Qwen-Image's DiT (with the 2511 variant's zero_cond_t), VAE and
+                               Qwen2.5-VL-7B (text model AND vision tower) from tools/bench.py, and
+                               the processor of Qwen-Image-Edit-2509's config
+                               (tools/tiny_qwen_image_edit.py); against QwenImageEditPlusPipeline
+                               with true CFG (--guidance-scale, default 4)
+    --family flux_kontext      FLUX.1-dev's DiT, VAE, CLIP-L and T5-XXL from tools/bench_flux.py
+                               (FLUX.1-Kontext-dev's configs equal them); against
+                               FluxKontextPipeline with the embedded guidance (--guidance-scale,
+                               default 2.5: Kontext-dev's published setting; the pipeline's own
+                               call defaults are 28 steps and 3.5) and the T5 window --text-tokens
+
+Sources are random-noise PNGs of --source-size, one per prompt. The defaults at --shape real are
+the family's recipe (configs/qwen_image_edit_i2i_lora_8gpu.toml: 384 px, 10 steps;
+configs/flux1kontext_i2i_lora_8gpu.toml: 512 px, 6 steps, T5 window 128). Figures (tools/bench.py's
+JSON lines, the geometry naming the family):
 
     edit_rollout_images_per_s     NativeEngine.generate over prompts x group-size candidates
-                                  (sources encoded once per record, CFG in one forward)
-    edit_diffusers_images_per_s   QwenImageEditPlusPipeline.__call__ on the engine's own modules,
-                                  one call per prompt with num_images_per_prompt = group size and the
-                                  source at the output size (its VAE_IMAGE_SIZE set to height x width)
+                                  (each source read and VAE-encoded once, CFG in one forward)
+    edit_diffusers_images_per_s   the stock pipeline's __call__ on the engine's own modules, one
+                                  call per prompt with num_images_per_prompt = group size and the
+                                  source at the output size (Qwen: its VAE_IMAGE_SIZE set to height
+                                  x width; Kontext: max_area = height x width, _auto_resize off)
     edit_rollout_speedup          the ratio of the two
     edit_replay_transitions_per_s the adapter's replay of every trained column (no grad) on the engine's DiT
     edit_replay_logp_gap          max |replay - sampler| log-prob in the run's dtype (0 in fp32)
@@ -28,6 +45,7 @@ whatever its conditioning; the edit sequence is twice a text-to-image one at the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -66,6 +84,28 @@ def build_edit_engine(shape: str, device: torch.device, dtype: torch.dtype, max_
                                      adapter=QwenImageEditAdapter())
 
 
+def build_kontext_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch_size: int,
+                         max_sequence_length: int, seed: int = 0):
+    """NativeEngine with the FLUX.1-Kontext adapter over a random FLUX.1 `shape` pipeline on
+    `device` (tools/bench_flux.py's modules: Kontext-dev is FLUX.1-dev's architecture)."""
+    from tools.bench_flux import build_flux_engine
+    from trainer.models.flux_kontext import FluxKontextAdapter
+
+    return build_flux_engine(shape, device, dtype, max_batch_size, max_sequence_length, seed,
+                             adapter=FluxKontextAdapter())
+
+
+def real_param_counts(family: str) -> tuple[int, int]:
+    """(DiT, the other modules) parameters of `family`'s real shape, counted on the meta device."""
+    if family == "flux_kontext":
+        from tools.bench_flux import real_param_counts as flux_counts
+
+        return flux_counts()
+    from tools.bench import real_param_counts as qwen_counts
+
+    return qwen_counts()
+
+
 def write_sources(directory: Path, n: int, size: int, seed: int = 0) -> list[str]:
     """`n` random-noise RGB PNGs of size x size under `directory` (distinct files: n conditions)."""
     import numpy as np
@@ -91,16 +131,33 @@ def edit_requests(engine, sampling, sources: list[str], group_size: int, instruc
         for g, src in enumerate(sources) for s in range(group_size)]
 
 
+#: the family defaults (shape-independent): the recipe's guidance, noise level and T5 window
+FAMILY_DEFAULTS = {"qwen_image_edit": {"guidance_scale": 4.0, "eta": 1.0, "real": (384, 10)},
+                   "flux_kontext": {"guidance_scale": 2.5, "eta": 0.9, "real": (512, 6)}}
+#: the tiny shape's size and steps, any family
+TINY_DEFAULTS = (32, 4)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = tool_parser("bench_edit", __doc__)
-    p.add_argument("--shape", choices=("tiny", "real"), default="tiny", help="module sizes (real: Qwen-Image-Edit's)")
-    p.add_argument("--variant", choices=("2509", "2511"), default="2511", help="2511: the DiT's zero_cond_t")
-    p.add_argument("--height", type=int, default=None, help="output (and source-condition) height; tiny 32, real 384")
-    p.add_argument("--width", type=int, default=None, help="output width; tiny 32, real 384")
+    p.add_argument("--family", choices=tuple(FAMILY_DEFAULTS), default="qwen_image_edit",
+                   help="the editing family timed against its diffusers pipeline")
+    p.add_argument("--shape", choices=("tiny", "real"), default="tiny", help="module sizes (real: the family's)")
+    p.add_argument("--variant", choices=("2509", "2511"), default="2511",
+                   help="qwen_image_edit only; 2511: the DiT's zero_cond_t")
+    p.add_argument("--height", type=int, default=None,
+                   help="output (and source-condition) height; tiny 32, real 384 (qwen_image_edit) / 512 "
+                        "(flux_kontext)")
+    p.add_argument("--width", type=int, default=None, help="output width; the height's defaults")
     p.add_argument("--source-size", type=int, default=None, help="side of the random source PNGs (default: height)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps; tiny 4, real 10")
+    p.add_argument("--steps", type=int, default=None,
+                   help="denoising steps; tiny 4, real 10 (qwen_image_edit) / 6 (flux_kontext)")
     p.add_argument("--trained-steps", type=int, nargs="+", default=[1], help="the recorded SDE steps")
-    p.add_argument("--guidance-scale", type=float, default=4.0, help="true CFG (> 1: both branches)")
+    p.add_argument("--guidance-scale", type=float, default=None,
+                   help="qwen_image_edit: true CFG (> 1: both branches; default 4); flux_kontext: the embedded "
+                        "guidance (default 2.5)")
+    p.add_argument("--text-tokens", type=int, default=128,
+                   help="flux_kontext: the T5 window (max_sequence_length) of both rollouts; must be 1-512")
     p.add_argument("--prompts", type=int, default=2, help="records (one source each) per rollout")
     p.add_argument("--group-size", type=int, default=2, help="candidates per record")
     p.add_argument("--engine-batch-size", type=int, default=0, help="candidates per DiT forward (<= 0: all)")
@@ -110,41 +167,97 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-diffusers", action="store_true", help="do not time the stock pipeline")
     p.add_argument("--output", type=Path, default=None, help="JSONL file the figures are appended to")
     args = p.parse_args(argv)
-    real = args.shape == "real"
-    args.height = args.height or (384 if real else 32)
-    args.width = args.width or (384 if real else 32)
-    args.steps = args.steps or (10 if real else 4)
+    size, steps = FAMILY_DEFAULTS[args.family]["real"] if args.shape == "real" else TINY_DEFAULTS
+    args.height = args.height or size
+    args.width = args.width or size
+    args.steps = args.steps or steps
     args.source_size = args.source_size or args.height
+    if args.guidance_scale is None:
+        args.guidance_scale = FAMILY_DEFAULTS[args.family]["guidance_scale"]
     for name in ("prompts", "group_size", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 1 <= args.text_tokens <= 512:
+        p.error(f"--text-tokens must be 1-512 (T5's window in the FLUX pipelines), got {args.text_tokens}")
     return args
+
+
+def edit_sampling(args):
+    """The rollout's SamplingConfig: Qwen-Image-Edit with true CFG against the negative prompt " ",
+    Kontext with its embedded guidance and no negative."""
+    from trainer.sampling import parse_sampling_config
+
+    config = {"height": args.height, "width": args.width, "num_inference_steps": args.steps,
+              "guidance_scale": args.guidance_scale, "eta": FAMILY_DEFAULTS[args.family]["eta"], "sde_type": "sde",
+              "sde_indices": sorted(set(args.trained_steps))}
+    if args.family == "qwen_image_edit":
+        config["negative_prompt"] = " "
+    return parse_sampling_config(config)
+
+
+@contextlib.contextmanager
+def stock_pipeline(args, engine, sources: list[str], instruction: str):
+    """Yields a callable running the family's diffusers pipeline once per source (num_images_per_prompt
+    = group size) on the engine's own modules, the source at the output size."""
+    from trainer.models.edit_source import open_source_image, resized_source
+
+    pipe = engine.prompt_encoder.pipe
+    pipe.set_progress_bar_config(disable=True)
+    if args.family == "flux_kontext":
+        images = [resized_source(open_source_image(p), args.height, args.width) for p in sources]
+
+        def run():
+            for g, im in enumerate(images):
+                pipe(image=im, prompt=instruction, height=args.height, width=args.width,
+                     max_area=args.height * args.width, _auto_resize=False, guidance_scale=args.guidance_scale,
+                     num_inference_steps=args.steps, num_images_per_prompt=args.group_size,
+                     max_sequence_length=args.text_tokens, output_type="pt",
+                     generator=torch.Generator().manual_seed(g))
+        yield run
+        return
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
+
+    images = [open_source_image(p) for p in sources]
+    saved = edit_plus.VAE_IMAGE_SIZE
+    edit_plus.VAE_IMAGE_SIZE = args.height * args.width  # the source at the output size, as ours
+
+    def run():
+        for g, im in enumerate(images):
+            pipe(image=[im], prompt=instruction, negative_prompt=" ", true_cfg_scale=args.guidance_scale,
+                 height=args.height, width=args.width, num_inference_steps=args.steps,
+                 num_images_per_prompt=args.group_size, output_type="pt", generator=torch.Generator().manual_seed(g))
+    try:
+        yield run
+    finally:
+        edit_plus.VAE_IMAGE_SIZE = saved
 
 
 def main(argv=None) -> int:
     from tools import bench
-    from trainer.sampling import parse_sampling_config
 
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.shape == "real":
-        dit, rest = bench.real_param_counts()
+        dit, rest = real_param_counts(args.family)
         need = (dit + rest) * (torch.finfo(dtype).bits // 8)  # the engine's modules only: no actor here
         have, where = bench.available_bytes(device.type)
         if need > have:
-            print(f"bench_edit: --shape real needs ~{need / 1e9:.0f} GB, {where} has {have / 1e9:.0f} GB free; "
-                  "run it on a GPU machine", file=sys.stderr)
+            print(f"bench_edit: --family {args.family} --shape real needs ~{need / 1e9:.0f} GB, {where} has "
+                  f"{have / 1e9:.0f} GB free; run it on a GPU machine", file=sys.stderr)
             return 2
-    sampling = parse_sampling_config({"height": args.height, "width": args.width, "num_inference_steps": args.steps,
-                                      "guidance_scale": args.guidance_scale, "negative_prompt": " ", "eta": 1.0,
-                                      "sde_type": "sde", "sde_indices": sorted(set(args.trained_steps))})
-    geometry = {"family": "qwen_image_edit", "variant": args.variant, "shape": args.shape, "height": args.height,
-                "width": args.width, "source_size": args.source_size, "steps": args.steps,
-                "trained_steps": list(sampling.sde_indices), "guidance_scale": args.guidance_scale,
-                "prompts": args.prompts, "group_size": args.group_size, "dtype": str(dtype).replace("torch.", "")}
+    sampling = edit_sampling(args)
+    geometry = {"family": args.family, "shape": args.shape, "height": args.height, "width": args.width,
+                "source_size": args.source_size, "steps": args.steps, "trained_steps": list(sampling.sde_indices),
+                "guidance_scale": args.guidance_scale, "prompts": args.prompts, "group_size": args.group_size,
+                "dtype": str(dtype).replace("torch.", "")}
+    if args.family == "qwen_image_edit":
+        geometry["variant"] = args.variant
+        engine = build_edit_engine(args.shape, device, dtype, args.engine_batch_size, variant=args.variant)
+    else:
+        geometry["text_tokens"] = args.text_tokens
+        engine = build_kontext_engine(args.shape, device, dtype, args.engine_batch_size, args.text_tokens)
     rep = bench.Reporter(args.output, device, geometry)
-    engine = build_edit_engine(args.shape, device, dtype, args.engine_batch_size, variant=args.variant)
     n = args.prompts * args.group_size
     instruction = "make the square red"
     with tempfile.TemporaryDirectory(prefix="bench-edit-") as tmp:
@@ -159,35 +272,18 @@ def main(argv=None) -> int:
                 traj = engine.generate(requests)
             times.append(t[0])
         ours = n / (sum(times) / len(times))
-        rep.emit("edit_rollout_images_per_s", ours, "images/s", conditions_encoded=engine.last_stats["prompts_encoded"])
+        rep.emit("edit_rollout_images_per_s", ours, "images/s", conditions_encoded=engine.last_stats["prompts_encoded"],
+                 sources_encoded=engine.last_stats["sources_encoded"])
         rep.phase_memory("edit_rollout")
 
         if not args.skip_diffusers:
-            import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
-
-            from trainer.models.edit_source import open_source_image
-
-            pipe = engine.prompt_encoder.pipe
-            pipe.set_progress_bar_config(disable=True)
-            saved = edit_plus.VAE_IMAGE_SIZE
-            edit_plus.VAE_IMAGE_SIZE = args.height * args.width  # the source at the output size, as ours
-            images = [open_source_image(p) for p in sources]
-            try:
-                def stock():
-                    for g, im in enumerate(images):
-                        pipe(image=[im], prompt=instruction, negative_prompt=" ", true_cfg_scale=args.guidance_scale,
-                             height=args.height, width=args.width, num_inference_steps=args.steps,
-                             num_images_per_prompt=args.group_size, output_type="pt",
-                             generator=torch.Generator().manual_seed(g))
-                with torch.no_grad():
-                    stock()  # warm-up
-                    times = []
-                    for _ in range(args.iters):
-                        with bench.timed(device) as t:
-                            stock()
-                        times.append(t[0])
-            finally:
-                edit_plus.VAE_IMAGE_SIZE = saved
+            with stock_pipeline(args, engine, sources, instruction) as stock, torch.no_grad():
+                stock()  # warm-up
+                times = []
+                for _ in range(args.iters):
+                    with bench.timed(device) as t:
+                        stock()
+                    times.append(t[0])
             theirs = n / (sum(times) / len(times))
             rep.emit("edit_diffusers_images_per_s", theirs, "images/s")
             rep.emit("edit_rollout_speedup", ours / theirs, "x")

@@ -153,10 +153,11 @@ def build_flux_transformer(shape: str, device: torch.device, dtype: torch.dtype,
 
 
 def build_flux_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch_size: int,
-                      max_sequence_length: int, seed: int = 0):
-    """NativeEngine over a random FLUX `shape` pipeline on `device`, through FluxAdapter; the
-    tokenizers are tools/tiny_flux.py's (their ids fit every vocabulary; the text length is
-    max_sequence_length whatever the prompt)."""
+                      max_sequence_length: int, seed: int = 0, adapter=None):
+    """NativeEngine over a random FLUX `shape` pipeline on `device`, through `adapter` (FluxAdapter
+    by default; FLUX.1-Kontext's has FLUX.1-dev's modules too); the tokenizers are
+    tools/tiny_flux.py's (their ids fit every vocabulary; the text length is max_sequence_length
+    whatever the prompt)."""
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -185,7 +186,8 @@ def build_flux_engine(shape: str, device: torch.device, dtype: torch.dtype, max_
     return NativeEngine.from_modules(transformer, vae, torch.nn.ModuleDict({"clip": clip, "t5": t5}),
                                      {"clip": clip_tok, "t5": t5_tok}, FLUX_DEV_SCHEDULER_CONFIG, device=device,
                                      dtype=dtype, max_batch_size=max_batch_size,
-                                     max_sequence_length=max_sequence_length, adapter=FluxAdapter())
+                                     max_sequence_length=max_sequence_length,
+                                     adapter=FluxAdapter() if adapter is None else adapter)
 
 
 def flux_prompts(n: int) -> list[str]:
