@@ -243,3 +243,39 @@ def test_lora_on_both_experts_first_ratio_one_and_each_expert_learns_only_from_i
             assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
     finally:
         next(gen, None)
+
+
+def test_preflight_checks_the_experts_and_guidance_scale_2(model_dir, tmp_path, monkeypatch):
+    """configs/wan22_t2v_tiny.toml passes on the two-expert model; a broken declaration, a missing
+    expert and guidance_scale_2 without CFG or on a one-DiT model are each one named violation."""
+    from pathlib import Path
+
+    from tools.tiny_wan import build_tiny_wan_pipeline
+    from trainer.config import load_config
+    from trainer.preflight import PreflightError, validate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2v", "sample_id": "t0"}}) + "\n")
+    monkeypatch.setenv("PROMPTS", str(prompts))
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "wan22_t2v_tiny.toml")
+
+    def problems(model, *argv: str) -> list[str]:
+        monkeypatch.setenv("TINY_WAN22", str(model))
+        try:
+            validate(load_config(["--config", recipe, "--save", str(tmp_path / "ckpt"), "--num-rollout", "2",
+                                  "--artifact-root", str(tmp_path / "art"), *argv]), 2)
+        except PreflightError as e:
+            return e.problems
+        return []
+
+    assert problems(model_dir) == []
+    (p,) = problems(model_dir, "--sampling-config.guidance_scale", "1.0")
+    assert "guidance_scale_2 is 3.0 but guidance_scale is 1.0" in p
+    (p,) = problems(variant(model_dir, tmp_path, boundary_ratio=2))
+    assert "boundary_ratio is 2: it must be a number in (0, 1)" in p and "--model-path" in p
+    shutil.rmtree(tmp_path / "variant")
+    (p,) = problems(variant(model_dir, tmp_path, drop="transformer_2"))
+    assert "declares transformer_2" in p and "no transformer_2/ subfolder" in p
+    one_dit = build_tiny_wan_pipeline(tmp_path / "wan21", seed=0)
+    (p,) = problems(one_dit)
+    assert "guidance_scale_2 is 3.0, but --model-path" in p and "has one DiT" in p
