@@ -269,8 +269,8 @@ def _check_wan_experts(model_path: str | None, sampling: dict, errors: list[str]
     needs two experts and CFG (guidance_scale > 1), from JSON only, before any weights load."""
     from trainer.models.wan import WAN_SECOND_EXPERT, read_boundary_ratio
 
-    if not model_path or not Path(model_path).is_dir():
-        return
+    if not model_path or pipeline_class_name(model_path) is None:
+        return  # no readable model_index.json: loading names the missing file
     try:
         ratio = read_boundary_ratio(model_path)
     except ValueError as e:
