@@ -269,6 +269,9 @@ def test_preflight_checks_the_experts_and_guidance_scale_2(model_dir, tmp_path, 
         return []
 
     assert problems(model_dir) == []
+    nft = problems(model_dir, "--algorithm", "nft", "--adv-clip-max", "5", "--sampling-config.guidance_scale",
+                   "1.0", "--sampling-config.guidance_scale_2", "null")
+    assert len(nft) == 1 and "--algorithm nft with --model-path" in nft[0] and "use --algorithm flowgrpo" in nft[0]
     (p,) = problems(model_dir, "--sampling-config.guidance_scale", "1.0")
     assert "guidance_scale_2 is 3.0 but guidance_scale is 1.0" in p
     (p,) = problems(variant(model_dir, tmp_path, boundary_ratio=2))
