@@ -209,38 +209,42 @@ def test_guidance_scale_2_needs_cfg_and_two_experts(engine, adapter):
 # ---------------------------------------------------------------- training
 
 
-def test_lora_on_both_experts_first_ratio_one_and_each_expert_learns_only_from_its_columns(engine, adapter,
-                                                                                           model_dir):
-    """LoRA on to_q / to_k / to_v / to_out.0 of both experts, the actor holding both under FSDP2
-    (one rank): ratio exactly 1 on the first update. Trained on the column of each side, every
-    LoRA tensor of both experts moves; trained on the high-noise column only, the low-noise
-    expert's tensors get no gradient and stay put, while every high-noise one moves."""
+@pytest.mark.parametrize("mode, columns, experts", [
+    ("lora", (0, 2), ("transformer", "transformer_2")),
+    ("lora", (0, 1), ("transformer",)),
+    ("full", (1, 2), ("transformer_2",)),
+], ids=["lora-both-sides", "lora-high-noise-column", "full-low-noise-column"])
+def test_first_ratio_is_one_and_each_expert_learns_only_from_its_columns(engine, adapter, model_dir, mode, columns,
+                                                                         experts):
+    """The actor holds both experts under FSDP2 (one rank), LoRA on to_q / to_k / to_v / to_out.0
+    of both or a full fine-tune: ratio exactly 1 on the first update, and exactly the trainable
+    parameters of the experts that ran a trained column move (every one of them): trained on a
+    column of each side, both experts; on one side only, the other expert gets no gradient and
+    stays put. Nothing frozen moves."""
     from tests.dist.tiny import full_params, make_cfg, one_rank_mesh
     from trainer.actor import Actor
     from trainer.core.names import model_name
     from trainer.loop import make_replay_fn
 
     batch, _ = rollout(engine, adapter, {**CFG_2, "eta": 1.0})
-    batch = batch.without_images()
+    rows = batch.without_images().columns(*columns)
     gen = one_rank_mesh()
     mesh = next(gen)
     try:
-        for columns, experts in (((0, 2), ("transformer", "transformer_2")), ((0, 1), ("transformer",))):
-            rows = batch.columns(*columns)
-            run_cfg = make_cfg("lora", optim__lr=1e-2, fsdp__fsdp_master_dtype="fp32", grpo__eps_clip=0.5)
-            actor = Actor.from_adapter(adapter, str(model_dir), mesh, run_cfg, device=torch.device("cpu"))
-            before = full_params(actor.model)
-            m = actor.train_step(rows, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter))
-            after = full_params(actor.model)
-            first = actor.last_update_stats[0]
-            assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
-            assert math.isfinite(m["train/loss"])
-            trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
-            assert all(".lora_" in n for n in trainable)
-            assert {n.split(".")[0] for n in trainable} == {"transformer", "transformer_2"}
-            moved = {n for n in trainable if not torch.equal(before[n], after[n])}
-            assert moved == {n for n in trainable if n.split(".")[0] in experts}, (columns, sorted(trainable - moved)[:4])
-            assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+        run_cfg = make_cfg(mode, optim__lr=1e-2, fsdp__fsdp_master_dtype="fp32", grpo__eps_clip=0.5)
+        actor = Actor.from_adapter(adapter, str(model_dir), mesh, run_cfg, device=torch.device("cpu"))
+        before = full_params(actor.model)
+        m = actor.train_step(rows, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter))
+        after = full_params(actor.model)
+        first = actor.last_update_stats[0]
+        assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+        assert math.isfinite(m["train/loss"])
+        trainable = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+        assert all(".lora_" in n for n in trainable) == (mode == "lora")
+        assert {n.split(".")[0] for n in trainable} == {"transformer", "transformer_2"}
+        moved = {n for n in trainable if not torch.equal(before[n], after[n])}
+        assert moved == {n for n in trainable if n.split(".")[0] in experts}, sorted(trainable - moved)[:4]
+        assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
     finally:
         next(gen, None)
 
