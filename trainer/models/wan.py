@@ -156,6 +156,7 @@ class WanExperts(torch.nn.Module):
         module's forward, it is the FSDP2 root's: both experts' non-block weights are gathered
         here, and only the blocks of an expert that has rows run."""
         high = pick_experts(timestep, self.boundary)
+        # one host sync per DiT call: which experts run is a choice of modules, made on the host
         n_high = int(high.sum())
         if n_high in (0, high.numel()):
             expert = self.transformer if n_high else self.transformer_2
@@ -291,7 +292,7 @@ def row_guidance(t: torch.Tensor, guidance_scale: float, guidance_scale_2: float
     high = pick_experts(t, boundary)
     if bool(high.all()) or not bool(high.any()):
         return float(guidance_scale) if bool(high.all()) else g2
-    return torch.where(high, torch.tensor(float(guidance_scale)), torch.tensor(g2))
+    return torch.where(high, float(guidance_scale), g2)
 
 
 def conditioned_velocity(transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor], *,
