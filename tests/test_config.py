@@ -39,6 +39,7 @@ RECIPES = {
     "qwen_edit": ROOT / "configs" / "qwen_image_edit_i2i_lora_8gpu.toml",
     "kontext": ROOT / "configs" / "flux1kontext_i2i_lora_8gpu.toml",
     "tiny_edit": ROOT / "configs" / "tiny_cpu_edit.toml",
+    "wan22_pickscore": ROOT / "configs" / "wan22_t2v_lora_pickscore.toml",
 }
 #: the recipes written for 2 CPU processes (the others for 8 GPUs)
 TWO_RANK_RECIPES = {"demo", "tiny_edit"}
@@ -513,9 +514,12 @@ def recipe_env(tmp_path):
     for name in ("pickapic_train", "pickapic_eval256", "pickapic_eval64"):
         (data / "processed" / "t2i" / f"{name}.jsonl").write_text('{"prompt": "a red panda in a teacup", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
     (models / "Wan2.1-T2V-1.3B-Diffusers").mkdir()
+    (models / "Wan2.2-T2V-A14B-Diffusers").mkdir()
     (data / "processed" / "t2v").mkdir()
     (data / "processed" / "t2v" / "ocr_train.jsonl").write_text(
         '{"prompt": "a sign that says \\"open\\"", "metadata": {"task": "t2v", "sample_id": "p0"}}\n')
+    (data / "processed" / "t2v" / "pickapic_train.jsonl").write_text(
+        '{"prompt": "a red panda in a teacup", "metadata": {"task": "t2v", "sample_id": "p0"}}\n')
     (exp / "data").mkdir()
     for name in ("demo_train", "demo_eval"):
         (exp / "data" / f"{name}.jsonl").write_text('{"prompt": "a red square", "metadata": {"task": "t2i", "sample_id": "p0"}}\n')
@@ -712,3 +716,16 @@ def test_wan_recipe_is_flowgrpos(recipe_env):
     assert (c.rollout.n_samples_per_prompt, c.grpo.eps_clip, c.optim.lr, c.optim.weight_decay) == (4, 1e-3, 1e-4, 1e-4)
     assert (c.lora.lora_rank, c.lora.lora_alpha, c.reward.reward_scorer_path) == (
         32, 64, "trainer.rewards.video.VideoOcrScorer")
+
+
+def test_wan22_recipe_is_flow_factorys(recipe_env):
+    """configs/wan22_t2v_lora_pickscore.toml holds Flow-Factory's Wan2.2 LoRA values (its header)."""
+    c = load_config(["--config", str(RECIPES["wan22_pickscore"])], env=recipe_env)
+    s = c.rollout.sampling_config
+    assert c.model.model_path.endswith("Wan2.2-T2V-A14B-Diffusers") and c.model.generation_task == "t2v"
+    assert (s["num_frames"], s["height"], s["width"], s["num_inference_steps"]) == (5, 480, 480, 10)
+    assert (s["guidance_scale"], s["guidance_scale_2"], s["sde_type"], s["eta"]) == (4.0, 3.0, "sde", 0.9)
+    assert (s["sde_resample_per_rollout"], s["num_sde_steps"], s["sde_pool"]) == (True, 1, [1, 2, 3])
+    assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt, c.grpo.eps_clip) == (48, 16, 1e-4)
+    assert (c.lora.lora_rank, c.lora.lora_alpha, c.optim.lr, c.optim.weight_decay) == (64, 128, 1e-4, 1e-4)
+    assert not c.grpo.use_kl_loss and (c.optim.ema_decay, c.optim.clip_grad) == (0.9, 1.0)

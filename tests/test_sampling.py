@@ -42,7 +42,8 @@ def test_defaults_match_reference_table():
     assert c.sde_window_size == 0 and c.sde_window_range is None
     assert set(c.to_dict()) == {f.name for f in dataclasses.fields(sp.SamplingConfig)}
     assert c.num_frames == 1  # the video key, added later (an image is one frame)
-    assert len(c.to_dict()) == 21
+    assert c.guidance_scale_2 is None  # a two-expert model's low-noise scale, added later
+    assert len(c.to_dict()) == 22
     assert c.negative_prompt == " " and c.cfg_renorm is True  # used only when guidance_scale > 1
     assert sp.parse_sampling_config({}) == c == sp.parse_sampling_config("{}")
 
@@ -53,7 +54,8 @@ def test_parse_dict_and_json_string_and_fingerprint():
     assert a == b and a.sde_pool == [1, 2, 3, 4, 5] and a.sde_resample_per_rollout
     # the keys added later are left out at their defaults: older artifacts keep their fingerprint
     d = {k: v for k, v in a.to_dict().items()
-         if k not in ("sde_window_size", "sde_window_range", "negative_prompt", "cfg_renorm", "num_frames")}
+         if k not in ("sde_window_size", "sde_window_range", "negative_prompt", "cfg_renorm", "num_frames",
+                      "guidance_scale_2")}
     blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
     assert a.fingerprint() == hashlib.sha256(blob.encode()).hexdigest() == b.fingerprint()
     assert sp.parse_sampling_config(None).fingerprint() == (

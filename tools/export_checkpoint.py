@@ -58,6 +58,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -164,6 +165,30 @@ class Checkpoint:
     trainer_state: dict[str, Any]
     mode: str
     tensors: CheckpointTensors = field(repr=False)
+
+
+#: the transformers of a two-expert model (Wan2.2 A14B): the trainer holds both in one module, so
+#: a checkpoint names their tensors "transformer.<name>" and "transformer_2.<name>"
+EXPERT_COMPONENTS = ("transformer", "transformer_2")
+
+
+def expert_components(ckpt: Checkpoint) -> tuple[str, ...] | None:
+    """EXPERT_COMPONENTS when every tensor of the checkpoint belongs to one of them and the second
+    one is there (a two-expert run), else None (one transformer, names without a component)."""
+    heads = {n.split(".", 1)[0] for n in ckpt.tensors}
+    return EXPERT_COMPONENTS if heads == set(EXPERT_COMPONENTS) else None
+
+
+def expert_checkpoint(ckpt: Checkpoint, component: str) -> Checkpoint:
+    """The view of a two-expert checkpoint that holds one expert's tensors under the names of its
+    own transformer ("transformer_2.blocks.0..." -> "blocks.0..."), so every one-transformer step
+    (merge, adapter, verification) runs on it unchanged; read tensors are shared."""
+    prefix = component + "."
+    src = ckpt.tensors
+    view = CheckpointTensors(src.fsdp_dir, {n[len(prefix):]: k for n, k in src._raw_key.items() if n.startswith(prefix)},
+                             src._meta)
+    view._cache = {n[len(prefix):]: t for n, t in src._cache.items() if n.startswith(prefix)}
+    return dataclasses.replace(ckpt, tensors=view)
 
 
 def find_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | None) -> tuple[Path, int]:
@@ -411,15 +436,16 @@ def merge_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.
 # the base model's transformer files
 
 
-def base_transformer_layout(base: Path) -> tuple[list[str], dict[str, str], str | None]:
+def base_transformer_layout(base: Path, component: str = "transformer") -> tuple[list[str], dict[str, str], str | None]:
     """(safetensors file names, tensor name -> file name, index file name or None) of
-    <base>/transformer/, read from the safetensors headers (no tensor data)."""
+    <base>/<component>/ (transformer/, or a two-expert model's transformer_2/), read from the
+    safetensors headers (no tensor data)."""
     from safetensors import safe_open
 
-    tdir = base / "transformer"
+    tdir = base / component
     if not (tdir / "config.json").is_file():
-        raise ExportError(f"--base-model-path {str(base)!r} has no transformer/config.json: not a diffusers "
-                          "pipeline directory")
+        raise ExportError(f"--base-model-path {str(base)!r} has no {component}/config.json: not a diffusers "
+                          "pipeline directory of the model this run trained")
     index_files = sorted(tdir.glob("*.safetensors.index.json"))
     if len(index_files) > 1:
         raise ExportError(f"{tdir} holds several safetensors index files {[p.name for p in index_files]}; "
@@ -463,7 +489,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
 
 
 def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str, str],
-                                 adapter: Any = None) -> list[str]:
+                                 adapter: Any = None, component: str = "transformer") -> list[str]:
     """Base transformer weights a full fine-tune checkpoint lacks, checked to be exactly ones the
     trainer freezes as never trained (the model adapter's never_trained_param_names on the base's
     architecture): those equal the base. Any other gap means a damaged checkpoint or the wrong base."""
@@ -471,7 +497,7 @@ def missing_from_full_checkpoint(ckpt: Checkpoint, base: Path, located: dict[str
     if not missing:
         return []
     adapter = adapter or load_model_adapter(DEFAULT_ADAPTER)
-    frozen = set(adapter.never_trained_param_names(_meta_transformer(base / "transformer", _not_a_pipeline(base))))
+    frozen = set(adapter.never_trained_param_names(_meta_transformer(base / component, _not_a_pipeline(base))))
     unexplained = [n for n in missing if n not in frozen]
     if unexplained:
         raise ExportError(f"{ckpt.path / 'fsdp'} lacks {len(unexplained)} trained transformer weights of the base at "
@@ -507,22 +533,25 @@ def _size_on_disk(path: Path) -> int:
 
 
 def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lora: LoraSettings | None,
-                             dtype: torch.dtype | None, adapter: Any = None) -> dict[str, Any]:
-    """Write <out>/transformer/ with the base's file layout and the trained weights (module docstring).
+                             dtype: torch.dtype | None, adapter: Any = None,
+                             component: str = "transformer") -> dict[str, Any]:
+    """Write <out>/transformer/ with the base's file layout and the trained weights (module docstring);
+    `component`: the base's subfolder it is made from (transformer_2 for a two-expert model's
+    second DiT, with `ckpt` that expert's view, expert_checkpoint).
 
     Works one base file at a time: memory stays at about one base shard plus that shard's
     checkpoint tensors (full fine-tune) or the adapter (LoRA). Returns a summary for export_info.json."""
     from safetensors import safe_open
 
-    files, located, index = base_transformer_layout(base)
-    tdir = base / "transformer"
+    files, located, index = base_transformer_layout(base, component)
+    tdir = base / component
     pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
     unknown = sorted(n for n in ckpt.tensors if not is_lora_name(n) and n not in located)
     unknown += sorted(f"{m}.weight" for m in pairs if f"{m}.weight" not in located)
     if unknown:
         raise ExportError(f"the checkpoint has {len(unknown)} weights the base transformer at {tdir} does not, e.g. "
                           f"{unknown[:3]}: --base-model-path is not the model this run trained")
-    from_base = missing_from_full_checkpoint(ckpt, base, located, adapter) if ckpt.mode == "full" else []
+    from_base = missing_from_full_checkpoint(ckpt, base, located, adapter, component) if ckpt.mode == "full" else []
     out_tdir.mkdir(parents=True)
     for extra in sorted(tdir.iterdir()):  # config.json and anything else that is not weights
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name != index:
@@ -564,8 +593,8 @@ def write_merged_transformer(ckpt: Checkpoint, base: Path, out_tdir: Path, *, lo
             "lora_modules_merged": len(pairs)}
 
 
-def place_components(base: Path, out: Path, how: str) -> list[str]:
-    """Put every entry of the base pipeline directory except transformer/ into `out`:
+def place_components(base: Path, out: Path, how: str, skip: tuple[str, ...] = ("transformer",)) -> list[str]:
+    """Put every entry of the base pipeline directory except `skip` (the transformers written) into `out`:
     copy (default; a self-contained export), hardlink (no extra space, same filesystem only;
     the files are shared, so editing one edits the other) or symlink (absolute links: the export
     breaks when the base moves). Returns the entry names."""
@@ -575,7 +604,7 @@ def place_components(base: Path, out: Path, how: str) -> list[str]:
         raise ExportError(f"--base-model-path {str(base)!r} has no model_index.json: not a diffusers pipeline "
                           "directory")
     names = []
-    entries = [e for e in sorted(base.iterdir()) if e.name != "transformer"]
+    entries = [e for e in sorted(base.iterdir()) if e.name not in skip]
     # links cost no bytes: count entries then, not gigabytes
     progress = Progress(f"component ({how})", [1 if how != "copy" else _size_on_disk(e) for e in entries])
     for entry in entries:
@@ -676,7 +705,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, magnitude: float) -> bool:
     return bool(((got.double() - want).abs() <= eps * (want.abs() + 4.0 * magnitude)).all())
 
 
-def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | None) -> dict[str, Any]:
+def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | None,
+                  component: str = "transformer") -> dict[str, Any]:
     """Reload the written transformer, file by file, and check it against the checkpoint and the base.
 
     - no lora_A / lora_B / base_layer tensor is present (a "transformer" of adapter tensors is
@@ -692,9 +722,9 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     from safetensors import safe_open
 
     problems: list[str] = []
-    _, base_located, _ = base_transformer_layout(base)
+    _, base_located, _ = base_transformer_layout(base, component)
     try:
-        _, written_located, _ = base_transformer_layout(out)
+        _, written_located, _ = base_transformer_layout(out, component)
     except ExportError as e:
         raise ExportError(f"--verify failed for the merged export in {out}: {e}") from None
     bad_names = [n for n in written_located if is_lora_name(n) or "base_layer" in n.split(".")]
@@ -703,18 +733,18 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     if set(written_located) != set(base_located):
         problems.append(f"names differ from the base: missing {sorted(set(base_located) - set(written_located))[:3]}, "
                         f"extra {sorted(set(written_located) - set(base_located))[:3]}")
-    model = _meta_transformer(out / "transformer", "the merged export is incomplete")
+    model = _meta_transformer(out / component, "the merged export is incomplete")
     expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     del model
     pairs = lora_pairs(ckpt.tensors, ckpt.path / "fsdp") if lora else {}
     changed = 0
     shape_bad: list[str] = sorted(set(expected_shapes) - set(written_located))
     written_files = sorted(set(written_located.values()))
-    progress = Progress("--verify shard", [_size_on_disk(out / "transformer" / f) for f in written_files])
+    progress = Progress("--verify shard", [_size_on_disk(out / component / f) for f in written_files])
     for fname in written_files:
-        progress_size = _size_on_disk(out / "transformer" / fname)
+        progress_size = _size_on_disk(out / component / fname)
         with contextlib.ExitStack() as files:
-            fw = files.enter_context(safe_open(str(out / "transformer" / fname), "pt"))
+            fw = files.enter_context(safe_open(str(out / component / fname), "pt"))
             base_files: dict[str, Any] = {}  # each base shard opened once, not once per tensor
             keys = list(fw.keys())
             trained = ckpt.tensors.load([k for k in keys if k in ckpt.tensors]) if ckpt.mode == "full" else {}
@@ -726,7 +756,7 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
                     continue
                 bname = base_located[name]
                 if bname not in base_files:
-                    base_files[bname] = files.enter_context(safe_open(str(base / "transformer" / bname), "pt"))
+                    base_files[bname] = files.enter_context(safe_open(str(base / component / bname), "pt"))
                 base_w = base_files[bname].get_tensor(name)
                 module = name[: -len(".weight")] if name.endswith(".weight") else None
                 if ckpt.mode == "full":
@@ -762,7 +792,8 @@ def verify_merged(out: Path, ckpt: Checkpoint, base: Path, lora: LoraSettings | 
     return {"tensors": len(written_located), "lora_modules_checked": len(pairs), "lora_modules_changed": changed}
 
 
-def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path | None) -> dict[str, Any]:
+def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path | None,
+                   component: str = "transformer") -> dict[str, Any]:
     """Reload the written adapter and check it against the checkpoint.
 
     - adapter_config.json loads as a peft LoraConfig with the checkpoint's rank and alpha;
@@ -800,7 +831,7 @@ def verify_adapter(out: Path, ckpt: Checkpoint, lora: LoraSettings, base: Path |
     if base is not None:
         from peft import inject_adapter_in_model
 
-        model = _meta_transformer(base / "transformer", _not_a_pipeline(base))
+        model = _meta_transformer(base / component, _not_a_pipeline(base))
         inject_adapter_in_model(config, model, adapter_name="default")
         injected = {PEFT_PREFIX + strip_wrapper_segments(n): tuple(p.shape)
                     for n, p in model.named_parameters() if is_lora_name(n)}
@@ -954,18 +985,31 @@ def export_checkpoint(save_dir: str | os.PathLike, task: str, iteration: int | N
         info["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "scaling": lora.scaling,
                         "training_target_modules": list(lora.target_modules)}
     try:
+        experts = expert_components(ckpt)
+        # a two-expert model: each expert exported on its own, as its transformer of the pipeline
+        parts = [(c, expert_checkpoint(ckpt, c)) for c in experts] if experts else [("transformer", ckpt)]
+        if experts:
+            info["experts"] = list(experts)
         if form == "merged":
-            info["components"] = {"mode": components, "entries": place_components(base, staging, components)}
-            info["transformer"] = write_merged_transformer(ckpt, base, staging / "transformer", lora=lora, dtype=tdtype,
-                                                           adapter=adapter)
+            info["components"] = {"mode": components, "entries": place_components(
+                base, staging, components, skip=tuple(c for c, _ in parts))}
+        for c, part in parts if form == "merged" else ():
+            key = "" if c == "transformer" else c[len("transformer"):]  # "", "_2": export_info keys
+            info["transformer" + key] = write_merged_transformer(part, base, staging / c, lora=lora, dtype=tdtype,
+                                                                 adapter=adapter, component=c)
+        for c, part in parts:
+            key = "" if c == "transformer" else c[len("transformer"):]
+            if form == "merged":
+                if verify:  # once every transformer is written: it checks model_index.json's components too
+                    info["verify" + key] = verify_merged(staging, part, base, lora, component=c)
+                continue
+            # two experts: one adapter directory per expert (<out>/transformer/, <out>/transformer_2/)
+            where = staging / c if experts else staging
+            info["adapter" + key] = write_adapter(part, where, lora, dtype=tdtype,
+                                                  base_model_name_or_path=None if base is None else str(base.resolve()))
             if verify:
-                info["verify"] = verify_merged(staging, ckpt, base, lora)
-        else:
-            info["adapter"] = write_adapter(ckpt, staging, lora, dtype=tdtype,
-                                            base_model_name_or_path=None if base is None else str(base.resolve()))
-            if verify:
-                info["verify"] = verify_adapter(staging, ckpt, lora, base)
-                if not info["verify"]["peft_injection_checked"]:
+                info["verify" + key] = verify_adapter(where, part, lora, base, component=c)
+                if not info["verify" + key]["peft_injection_checked"]:
                     log.warning("--verify: no base model (pass --base-model-path), so the peft injection check "
                                 "was skipped; the file was checked against the checkpoint")
         (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")

@@ -144,7 +144,8 @@ def lora_source(path: str, task: str) -> tuple[str, int | None] | None:
     """Where --lora's weights are: None for a PEFT adapter directory, else (save dir, iteration or
     None for the newest) of a checkpoint. ToolError, before anything loads, for anything else."""
     d = Path(path)
-    if (d / "adapter_config.json").is_file():
+    # a two-expert model's (Wan2.2 A14B) adapter export: one adapter directory per transformer
+    if (d / "adapter_config.json").is_file() or (d / "transformer_2" / "adapter_config.json").is_file():
         return None
     tail = d.name[len("iter_"):]
     if d.name.startswith("iter_") and tail.isdigit():

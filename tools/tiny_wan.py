@@ -165,13 +165,27 @@ def build_umt5_encoder(tokenizer, d_model: int = TINY_UMT5_D_MODEL):
     return UMT5EncoderModel(config).eval()
 
 
-def build_tiny_wan_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0) -> Path:
+#: Wan2.2-T2V-A14B's expert switch: WanPipeline's boundary_ratio in its model_index.json (the
+#: high-noise expert runs at timesteps >= 0.875 x 1000)
+WAN22_A14B_BOUNDARY_RATIO = 0.875
+
+#: the tiny two-expert model's boundary: with the tiny scheduler at 4 steps (timesteps 1000,
+#: 857.7, 602.2, 8.9) the first two steps run the high-noise expert, the last two the low-noise one
+TINY_WAN22_BOUNDARY_RATIO = 0.7
+
+
+def build_tiny_wan_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 1.0,
+                            boundary_ratio: float | None = None) -> Path:
     """Write a complete tiny Wan2.1 text-to-video pipeline to `output_dir` (created; existing
     files there are overwritten) and return its path. Deterministic in `seed`.
 
     vae_output_gain scales the decoder's last convolution (bias zeroed), as for the tiny image
     models: at random init a decoder maps every latent to nearly one grey, and a gain spreads
-    the colours so a pixel reward has something to climb."""
+    the colours so a pixel reward has something to climb.
+
+    boundary_ratio: a Wan2.2 A14B-shaped two-expert pipeline instead: a second DiT of the same
+    config (its own weights, drawn after seed + 3) as `transformer_2`, and this boundary_ratio in
+    model_index.json."""
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
@@ -185,10 +199,16 @@ def build_tiny_wan_pipeline(output_dir, seed: int = 0, vae_output_gain: float = 
     tokenizer = build_umt5_tokenizer()
     torch.manual_seed(seed + 2)
     text_encoder = build_umt5_encoder(tokenizer)
+    experts = {}
+    if boundary_ratio is not None:
+        torch.manual_seed(seed + 3)
+        experts = {"transformer_2": WanTransformer3DModel(**TINY_WAN_TRANSFORMER_CONFIG),
+                   "boundary_ratio": float(boundary_ratio)}
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=FlowMatchEulerDiscreteScheduler(**WAN21_SCHEDULER_CONFIG))
+                       scheduler=FlowMatchEulerDiscreteScheduler(**WAN21_SCHEDULER_CONFIG), **experts)
     return save_tiny_pipeline(pipe, output_dir, {"family": "wan", "seed": seed, "random_weights": True,
-                                                 "vae_output_gain": vae_output_gain})
+                                                 "vae_output_gain": vae_output_gain,
+                                                 "boundary_ratio": boundary_ratio})
 
 
 def main(argv=None) -> int:
@@ -203,12 +223,17 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same weights)")
     parser.add_argument("--vae-output-gain", type=float, default=1.0,
                         help="scale of the VAE decoder's last convolution; > 1 spreads the decoded colours")
+    parser.add_argument("--two-experts", action="store_true",
+                        help="a Wan2.2 A14B-shaped pipeline: a second DiT (transformer_2) and boundary_ratio "
+                             f"{TINY_WAN22_BOUNDARY_RATIO} in model_index.json")
     args = parser.parse_args(argv)
+    ratio = TINY_WAN22_BOUNDARY_RATIO if args.two_experts else None
 
     def build() -> int:
-        path = build_staged(lambda d: build_tiny_wan_pipeline(d, seed=args.seed, vae_output_gain=args.vae_output_gain),
+        path = build_staged(lambda d: build_tiny_wan_pipeline(d, seed=args.seed, vae_output_gain=args.vae_output_gain,
+                                                              boundary_ratio=ratio),
                             Path(args.output_dir), overwrite=args.overwrite)
-        print(f"wrote tiny Wan2.1 text-to-video pipeline to {path}")
+        print(f"wrote tiny {'Wan2.2 (two-expert)' if args.two_experts else 'Wan2.1'} text-to-video pipeline to {path}")
         return 0
 
     return run_tool("tiny_wan", build)

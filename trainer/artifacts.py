@@ -247,6 +247,8 @@ def group_sidecar_payload(traj: Trajectory, *, task: str, rollout_id: int | None
         "guidance_scale": repr(float(g.guidance_scale)),
         "negative_prompt": json.dumps(g.negative_prompt),
         "cfg_renorm": json.dumps(bool(g.cfg_renorm)),
+        "guidance_scale_2": json.dumps(g.sampler.guidance_scale_2),
+        "expert_boundary": json.dumps(g.sampler.expert_boundary),
         "frames": str(int(g.geometry.frames)),
         "media": json.dumps(list(g.geometry.media)),
         "latent_dtype": g.latent_dtype,
@@ -315,7 +317,15 @@ def sidecar_sampler_settings(metadata: Mapping[str, str]) -> SamplerSettings:
                            sde_type=metadata["sde_type"], sigma_max=float(metadata.get("sigma_max", "0.99")),
                            guidance_scale=float(metadata.get("guidance_scale", "1.0")),
                            negative_prompt=json.loads(metadata.get("negative_prompt", "null")),
-                           cfg_renorm=bool(json.loads(metadata.get("cfg_renorm", "false"))))
+                           cfg_renorm=bool(json.loads(metadata.get("cfg_renorm", "false"))),
+                           guidance_scale_2=_optional_float(metadata.get("guidance_scale_2", "null")),
+                           expert_boundary=_optional_float(metadata.get("expert_boundary", "null")))
+
+
+def _optional_float(text: str) -> float | None:
+    """A sidecar's JSON number or null (a two-expert model's settings; absent in older sidecars)."""
+    value = json.loads(text)
+    return None if value is None else float(value)
 
 
 def _fingerprint(sampling: Any) -> str:

@@ -263,6 +263,43 @@ def _check_edit_task(cfg: RunConfig, errors: list[str]) -> None:
                           "one sequence layout, so every record of a prompt file needs the same number of images")
 
 
+def _check_wan_experts(model_path: str | None, sampling: dict, algorithm: str, errors: list[str]) -> None:
+    """A Wan directory's experts (trainer.models.wan.read_boundary_ratio: a two-expert declaration
+    the pipeline could not run, a declared expert's missing subfolder), guidance_scale_2, which
+    needs two experts and CFG (guidance_scale > 1), and --algorithm nft, which two experts do not
+    train: from JSON only, before any weights load."""
+    from trainer.models.wan import WAN_SECOND_EXPERT, read_boundary_ratio
+
+    if not model_path or pipeline_class_name(model_path) is None:
+        return  # no readable model_index.json: loading names the missing file
+    try:
+        ratio = read_boundary_ratio(model_path)
+    except ValueError as e:
+        errors.append(str(e))
+        return
+    if ratio is not None and algorithm == "nft":
+        # nft draws each rank's noise levels from its own seed, so one micro-batch would run
+        # the high-noise expert on one rank and both on another: FSDP2 gathers each block's
+        # weights collectively, and ranks calling different blocks would wait for each other
+        errors.append(f"--algorithm nft with --model-path {model_path}, a two-expert (Wan2.2 A14B) model: nft's "
+                      "per-rank noise levels would make the ranks run different experts, which the sharded "
+                      "actor cannot; use --algorithm flowgrpo (the default) with this model")
+    if ratio is not None and not (Path(model_path) / WAN_SECOND_EXPERT).is_dir():
+        errors.append(f"--model-path {model_path}: model_index.json declares {WAN_SECOND_EXPERT} (Wan2.2's low-noise "
+                      f"expert) but there is no {WAN_SECOND_EXPERT}/ subfolder; restore it from the model's "
+                      "Diffusers checkpoint")
+    g2 = sampling.get("guidance_scale_2")
+    if g2 is None:
+        return
+    if ratio is None:
+        errors.append(f"--sampling-config guidance_scale_2 is {g2}, but --model-path {model_path} has one DiT: it is "
+                      "the low-noise expert's scale of a two-expert (Wan2.2 A14B) model; remove it")
+    elif not isinstance(sampling.get("guidance_scale", 1.0), (int, float)) or sampling.get("guidance_scale", 1.0) <= 1:
+        errors.append(f"--sampling-config guidance_scale_2 is {g2} but guidance_scale is "
+                      f"{sampling.get('guidance_scale', 1.0)}: WanPipeline runs CFG (for both experts) only when "
+                      "guidance_scale > 1; set guidance_scale > 1 or remove guidance_scale_2")
+
+
 def _check_video_task(cfg: RunConfig, errors: list[str]) -> None:
     """t2v against the family, the frames and the scorer (the rules of docs/video.md): t2v needs a
     video family and a video geometry (trainer.video's rules), a video family and frames need t2v,
@@ -286,6 +323,8 @@ def _check_video_task(cfg: RunConfig, errors: list[str]) -> None:
     if task in ("t2i", "i2i") and frames != 1:  # an edit is an image too
         errors.append(f"--sampling-config num_frames {frames} asks for a video, but --generation-task {task} samples "
                       "images: set --generation-task t2v with a video family (Wan2.1), or drop num_frames for images")
+    if adapter in VIDEO_ADAPTERS:
+        _check_wan_experts(cfg.model.model_path, sampling, cfg.grpo.algorithm, errors)
     if task == "t2v":
         if isinstance(frames, int) and not isinstance(frames, bool) and frames < 5:
             errors.append(f"--sampling-config num_frames is {frames}: --generation-task t2v samples videos; set "

@@ -144,6 +144,10 @@ class SamplingConfig:
     #: 1.0 = no guidance; > 1 = true CFG (guidance_scale_problem): conditional and unconditional
     #: rows in one DiT forward, in the rollout and in the replay alike
     guidance_scale: float = 1.0
+    #: a two-expert model's (Wan2.2 A14B) CFG scale for its low-noise expert's steps (WanPipeline's
+    #: guidance_scale_2); null: guidance_scale. Applies only under CFG (guidance_scale > 1), and
+    #: only to a two-expert --model-path
+    guidance_scale_2: float | None = None
     #: the unconditional prompt of true CFG (QwenImagePipeline's default is " "); unused at 1.0
     negative_prompt: str = " "
     #: rescale the combined CFG velocity to the conditional velocity's norm per token, as
@@ -212,7 +216,7 @@ class SamplingConfig:
 _KEYS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
 #: keys added after the first release, with their defaults (left out of the fingerprint there)
 _LATER_KEYS = {"sde_window_size": 0, "sde_window_range": None, "negative_prompt": " ", "cfg_renorm": True,
-               "num_frames": 1}
+               "num_frames": 1, "guidance_scale_2": None}
 #: the window keys and what they cannot be combined with
 _WINDOW_KEYS = ("sde_window_size", "sde_window_range")
 
@@ -357,6 +361,7 @@ def parse_sampling_config(d: Mapping[str, Any] | str | SamplingConfig | None) ->
     take("width", pos_int)
     take("num_inference_steps", pos_int)
     take("guidance_scale", guidance)
+    take("guidance_scale_2", lambda v: (None, None) if v is None else guidance(v))
     take("negative_prompt", lambda v: (None, v) if isinstance(v, str) else ("must be a string (\" \" by default)", None))
     take("cfg_renorm", boolean)
     take("eta", eta)

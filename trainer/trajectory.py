@@ -72,6 +72,11 @@ class SamplerSettings:
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
     cfg_renorm: bool = False
+    #: a two-expert (Wan2.2 A14B) model's CFG scale of the low-noise expert; None: guidance_scale
+    guidance_scale_2: float | None = None
+    #: the timestep at and above which a two-expert model ran its high-noise expert (the replay
+    #: picks each column's expert from its recorded timestep and this); None: one DiT
+    expert_boundary: float | None = None
 
     @property
     def guided(self) -> bool:
@@ -118,6 +123,10 @@ class RolloutRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: x_T shape override ([C, h, w] unpacked latent); None = [z_dim, *latent grid]
     init_noise_latent_shape: list[int] | None = None
+    #: a two-expert model's low-noise CFG scale (None: guidance_scale) and expert boundary
+    #: timestep (None: one DiT); the model adapter fills the boundary from the model directory
+    guidance_scale_2: float | None = None
+    expert_boundary: float | None = None
     #: the source image files of an editing candidate (absolute paths, record order); the engine
     #: encodes them with the prompt into the conditions the trajectory records. [] for t2i / t2v
     media: list[str] = field(default_factory=list)
@@ -137,7 +146,10 @@ class RolloutRequest:
                                sde_type=str(self.sde_type), sigma_max=float(self.sigma_max),
                                guidance_scale=float(self.guidance_scale),
                                negative_prompt=self.negative_prompt if guided else None,
-                               cfg_renorm=bool(self.cfg_renorm) if guided else False)
+                               cfg_renorm=bool(self.cfg_renorm) if guided else False,
+                               guidance_scale_2=None if self.guidance_scale_2 is None or not guided
+                               else float(self.guidance_scale_2),
+                               expert_boundary=None if self.expert_boundary is None else float(self.expert_boundary))
 
 
 @dataclass

@@ -499,12 +499,35 @@ class NativeEngine(EngineMemoryState):
         """Install a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as
         peft's save_pretrained / tools/export_checkpoint.py --form adapter write it). Returns
         the LoRA config used."""
+        d = Path(path)
+        # a two-expert model's export: one adapter directory per transformer, loaded under the
+        # names the engine's two-expert module gives them ("transformer.", "transformer_2.")
+        parts = [(d / c, c + ".") for c in ("transformer", "transformer_2")]
+        if all((p / "adapter_config.json").is_file() for p, _ in parts):
+            cfg, named = None, []
+            for part, prefix in parts:
+                part_cfg, part_named = self._read_lora_dir(part)
+                if cfg is not None and (cfg["rank"], cfg["alpha"]) != (part_cfg["rank"], part_cfg["alpha"]):
+                    raise WeightSyncError(f"--lora {str(path)!r}: its transformer/ and transformer_2/ adapters have "
+                                          "different r / lora_alpha; re-export the checkpoint")
+                cfg = cfg or part_cfg
+                named += [(prefix + n, t) for n, t in part_named]
+        else:
+            cfg, named = self._read_lora_dir(d)
+            # a diffusers pipeline-level LoRA file also prefixes the component ("transformer.")
+            named = [(n.removeprefix("transformer."), t) for n, t in named]
+        self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
+        return dict(self._lora_config)  # normalised, as installed
+
+    @staticmethod
+    def _read_lora_dir(d: Path) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+        """(LoRA config, [(name, tensor)]) of one PEFT adapter directory, peft's "base_model.model."
+        prefix and adapter-name segment removed as in a sync."""
         from safetensors.torch import load_file
 
-        d = Path(path)
         cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
         if not cfg_file.is_file() or not weights.is_file():
-            raise FileNotFoundError(f"--lora {str(path)!r} must be a PEFT adapter directory holding "
+            raise FileNotFoundError(f"--lora {str(d)!r} must be a PEFT adapter directory holding "
                                     "adapter_config.json and adapter_model.safetensors")
         try:
             raw = json.loads(cfg_file.read_text())
@@ -518,11 +541,7 @@ class NativeEngine(EngineMemoryState):
         except Exception as e:  # safetensors raises its own error types for truncated / garbled files
             raise ValueError(f"--lora: {weights} is not a readable safetensors file ({e}); re-export the "
                              "adapter") from None
-        # peft's "base_model.model." prefix and adapter-name segment go as in a sync; a diffusers
-        # pipeline-level LoRA file also prefixes the component ("transformer.")
-        named = [(strip_wrapper_segments(key).removeprefix("transformer."), tensor) for key, tensor in tensors.items()]
-        self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
-        return dict(self._lora_config)  # normalised, as installed
+        return cfg, [(strip_wrapper_segments(key), tensor) for key, tensor in tensors.items()]
 
     def get_weights_checksum(self) -> str:
         """core.checksum.weights_checksum over the DiT's parameters (diffusers names, wrapper

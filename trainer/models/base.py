@@ -175,12 +175,12 @@ class ModelFilesError(ValueError):
     """A model directory's files contradict each other; the message names the file to fix."""
 
 
-def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None) -> Any:
-    """`model_cls.from_pretrained(<path>/transformer)`, local files only, eval mode; `dtype` None
+def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None, subfolder: str = "transformer") -> Any:
+    """`model_cls.from_pretrained(<path>/<subfolder>)`, local files only, eval mode; `dtype` None
     keeps the stored dtype. Weights the files lack, have extra or shape differently raise
     ModelFilesError naming the config: diffusers leaves such weights on the meta device and only
     warns, and the first use then fails with "Cannot copy out of meta tensor", which names nothing."""
-    kwargs: dict[str, Any] = {"subfolder": "transformer", "local_files_only": True}
+    kwargs: dict[str, Any] = {"subfolder": subfolder, "local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
     model, info = model_cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
@@ -189,8 +189,8 @@ def load_checked_transformer(model_cls: Any, path: Path, dtype: Any = None) -> A
         ("unexpected_keys", "weights in the files have no place in the config"),
         ("mismatched_keys", "weights have another shape than the config says")) if info.get(k)]
     if problems:
-        raise ModelFilesError(f"{path / 'transformer' / 'config.json'} does not match the weight files in "
-                              f"{path / 'transformer'}: {'; '.join(problems)}. Restore the config.json that was "
+        raise ModelFilesError(f"{path / subfolder / 'config.json'} does not match the weight files in "
+                              f"{path / subfolder}: {'; '.join(problems)}. Restore the config.json that was "
                               "saved with these weights (or the weights of this config)")
     return model.eval()
 

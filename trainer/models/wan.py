@@ -1,5 +1,13 @@
-"""The Wan2.1 text-to-video adapter: diffusers' WanPipeline (WanTransformer3DModel, AutoencoderKLWan,
-the UMT5 text encoder), both published sizes (1.3B, 14B).
+"""The Wan text-to-video adapter: diffusers' WanPipeline (WanTransformer3DModel, AutoencoderKLWan,
+the UMT5 text encoder): Wan2.1 (1.3B, 14B: one DiT) and Wan2.2-T2V-A14B (two DiTs, "experts").
+
+Wan2.2 A14B is the same WanPipeline with a second DiT: model_index.json declares `transformer_2`
+and `boundary_ratio`. At a step with scheduler timestep t >= boundary_ratio x num_train_timesteps
+the pipeline runs `transformer` (the high-noise expert) at guidance_scale, below it
+`transformer_2` (the low-noise expert) at guidance_scale_2 (guidance_scale when unset). Here both
+load into one `WanExperts` module, so the engine, the replay and the weight names see one DiT;
+the expert of a step is a pure function of its recorded timestep and the boundary the trajectory
+records (`expert_boundary`), so the replay runs the expert the sampler ran.
 
 The actor loads only the transformer; the engine loads the UMT5 encoder, the VAE and the scheduler
 config. Rollout and replay share one DiT call (`conditioned_velocity`), made as WanPipeline makes
@@ -17,6 +25,7 @@ negative prompt's, WanPipeline's default). The engine decodes to videos [B, F, 3
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,20 +44,145 @@ WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 #: the model directory's subfolders the engine loads
 WAN_SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
+#: the second expert's model_index.json entry and subfolder (Wan2.2 A14B's low-noise DiT)
+WAN_SECOND_EXPERT = "transformer_2"
+
 #: UMT5 tokens per prompt: WanPipeline's default window, what FlowGRPO's Wan training encodes with
 WAN_MAX_SEQUENCE_LENGTH = 512
 
 
 def check_model_dir(model_path, subfolders: Sequence[str] = ("transformer",)) -> Path:
     """The model directory as a Path after checking it is a local diffusers Wan directory holding
-    `subfolders`. Raises FileNotFoundError naming --model-path."""
-    return check_pipeline_dir(model_path, subfolders, family="Wan2.1", family_flag=" --family wan",
-                              pipeline="WanPipeline", expected=WAN_SUBFOLDERS)
+    `subfolders`, plus `transformer_2/` when its model_index.json declares that expert (read_boundary_ratio
+    checks the declaration). Raises FileNotFoundError / ValueError naming --model-path."""
+    extra = (WAN_SECOND_EXPERT,) if Path(model_path).is_dir() and read_boundary_ratio(model_path) is not None else ()
+    return check_pipeline_dir(model_path, tuple(subfolders) + extra, family="Wan", family_flag=" --family wan",
+                              pipeline="WanPipeline", expected=WAN_SUBFOLDERS + extra)
+
+
+def _declared(entry: Any) -> bool:
+    """Whether a model_index.json component entry names a class (diffusers writes [null, null]
+    for an optional component the pipeline was saved without)."""
+    return isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(v, str) for v in entry)
+
+
+def read_boundary_ratio(model_path) -> float | None:
+    """The boundary_ratio of a two-expert Wan directory (Wan2.2 A14B: model_index.json declares
+    `transformer_2` and a boundary_ratio in (0, 1)), None for a one-DiT (Wan2.1) directory or one
+    without a readable model_index.json (loading reports that). Raises ValueError naming
+    --model-path and the fix for a declaration the pipeline could not run: a boundary_ratio
+    without the second expert or outside (0, 1), a second expert without a boundary, no first
+    expert, or timestep-per-token input (`expand_timesteps`: Wan2.2 TI2V-5B, not supported)."""
+    import json
+    import math
+
+    try:
+        index = json.loads((Path(model_path) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict):
+        return None
+    where = f"--model-path {str(model_path)!r}: model_index.json"
+    if index.get("expand_timesteps"):
+        raise ValueError(f"{where} sets expand_timesteps (Wan2.2 TI2V-5B, one timestep per token), which this "
+                         "trainer does not run; use a Wan2.1 or Wan2.2-T2V-A14B Diffusers directory")
+    ratio, second = index.get("boundary_ratio"), _declared(index.get(WAN_SECOND_EXPERT))
+    if not _declared(index.get("transformer")) and (second or ratio is not None):
+        raise ValueError(f"{where} declares no `transformer` (the high-noise expert); this trainer needs both "
+                         "experts of Wan2.2-T2V-A14B: restore the transformer entry and transformer/")
+    if ratio is None and not second:
+        return None
+    if not second:
+        raise ValueError(f"{where} sets boundary_ratio {ratio} but declares no {WAN_SECOND_EXPERT} (the "
+                         "low-noise expert WanPipeline switches to below the boundary); restore the "
+                         f"{WAN_SECOND_EXPERT} entry and subfolder, or remove boundary_ratio for a one-DiT model")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 < ratio < 1:
+        raise ValueError(f"{where} declares {WAN_SECOND_EXPERT} but its boundary_ratio is {ratio!r}: it must be a "
+                         "number in (0, 1), the fraction of num_train_timesteps where WanPipeline switches from "
+                         "the high-noise to the low-noise expert (Wan2.2-T2V-A14B ships 0.875); fix "
+                         "model_index.json")
+    return float(ratio)
+
+
+def expert_boundary(boundary_ratio: float, scheduler_config: dict) -> float:
+    """The timestep at and above which WanPipeline runs the high-noise expert, on the engine's
+    recorded timesteps (sigma x num_train_timesteps in fp32): boundary_ratio x num_train_timesteps,
+    rounded up to an integer under the UniPC scheduler, whose timesteps the pipeline compares are
+    the integer parts of sigma x T (int(t) >= b exactly when t >= ceil(b)). The choice can differ
+    from the stock pipeline's only for a sigma within fp32 rounding of the boundary."""
+    import math
+
+    b = float(boundary_ratio) * int(scheduler_config.get("num_train_timesteps", 1000))
+    return float(math.ceil(b)) if scheduler_config.get("_class_name") == "UniPCMultistepScheduler" else b
+
+
+class WanExperts(torch.nn.Module):
+    """Wan2.2 A14B's two DiTs as one module: `transformer` (high noise, t >= boundary) and
+    `transformer_2` (low noise), under the names WanPipeline gives them, so parameter names, the
+    sync, checkpoints and LoRA cover both ("transformer.blocks.0...", "transformer_2.blocks.0...").
+    `boundary_ratio` is model_index.json's, `boundary` expert_boundary's timestep; its forward
+    runs each row through its expert (pick_experts)."""
+
+    _no_split_modules = ["WanTransformerBlock"]
+    _repeated_blocks = ["WanTransformerBlock"]
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, boundary_ratio: float,
+                 boundary: float):
+        super().__init__()
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        self.boundary_ratio = float(boundary_ratio)
+        self.boundary = float(boundary)
+
+    @property
+    def config(self):
+        """The high-noise expert's config (both experts share in_channels and the patch size)."""
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def add_adapter(self, config, adapter_name: str = "default") -> None:
+        """The same peft LoRA on both experts (the engine installs a synced adapter through this)."""
+        for expert in (self.transformer, self.transformer_2):
+            expert.add_adapter(config, adapter_name=adapter_name)
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                return_dict: bool = False):
+        """Each row through the expert WanPipeline runs at its timestep (pick_experts): a batch of one
+        expert goes through it whole (the one-DiT call, bit for bit); a mixed one (the replay's
+        columns on both sides of the boundary) as two sub-batches put back in row order. Being the
+        module's forward, it is the FSDP2 root's: both experts' non-block weights are gathered
+        here, and only the blocks of an expert that has rows run."""
+        high = pick_experts(timestep, self.boundary)
+        # one host sync per DiT call: which experts run is a choice of modules, made on the host
+        n_high = int(high.sum())
+        if n_high in (0, high.numel()):
+            expert = self.transformer if n_high else self.transformer_2
+            return expert(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                          return_dict=False)
+        out = None
+        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+            idx = rows.nonzero().squeeze(1).to(hidden_states.device)
+            v = expert(hidden_states=hidden_states[idx], timestep=timestep[idx.to(timestep.device)],
+                       encoder_hidden_states=encoder_hidden_states[idx], return_dict=False)[0]
+            if out is None:
+                out = v.new_empty((hidden_states.shape[0], *v.shape[1:]))
+            out = out.index_copy(0, idx, v)
+        return (out,)
+
+
+def pick_experts(timesteps: torch.Tensor, boundary: float) -> torch.Tensor:
+    """Bool [B]: True where a row runs the high-noise expert (timestep >= boundary), WanPipeline's
+    rule on the recorded fp32 timesteps."""
+    return timesteps.float() >= float(boundary)
 
 
 def load_wan_transformer(model_path, *, dtype: torch.dtype | None = None):
     """WanTransformer3DModel from `<model_path>/transformer`, local files only, eval mode; raises
-    ModelFilesError when the weight files do not fill the config.
+    ModelFilesError when the weight files do not fill the config. A two-expert directory
+    (read_boundary_ratio) gives a WanExperts of both DiTs (transformer_2 checked the same way).
 
     With a `dtype`, every parameter is in it: diffusers keeps the time embedder, the norms and the
     modulation tables in fp32 when loading in bf16 (`_keep_in_fp32_modules`), but the actor's FSDP2
@@ -56,8 +190,16 @@ def load_wan_transformer(model_path, *, dtype: torch.dtype | None = None):
     must compute what the replay recomputes."""
     from diffusers import WanTransformer3DModel
 
-    model = load_checked_transformer(WanTransformer3DModel, check_model_dir(model_path, ("transformer",)), dtype)
-    return _uniform_dtype(model, dtype)
+    path = check_model_dir(model_path, ("transformer",))
+    model = _uniform_dtype(load_checked_transformer(WanTransformer3DModel, path, dtype), dtype)
+    ratio = read_boundary_ratio(path)
+    if ratio is None:
+        return model
+    from trainer.sampling import load_scheduler_config
+
+    low = _uniform_dtype(load_checked_transformer(WanTransformer3DModel, path, dtype, subfolder=WAN_SECOND_EXPERT),
+                         dtype)
+    return WanExperts(model, low, ratio, expert_boundary(ratio, load_scheduler_config(str(path)))).eval()
 
 
 def vae_scale_factor_from_config(vae_config) -> int:
@@ -131,17 +273,36 @@ def dit_velocity(transformer, latents: torch.Tensor, timesteps: torch.Tensor,
     return out[0] if isinstance(out, (tuple, list)) else out.sample
 
 
-def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-    """v = v_uncond + g * (v_cond - v_uncond), WanPipeline's guidance (no rescale)."""
-    return uncond + float(guidance_scale) * (cond - uncond)
+def cfg_combine(uncond: torch.Tensor, cond: torch.Tensor, guidance_scale: float | torch.Tensor) -> torch.Tensor:
+    """v = v_uncond + g * (v_cond - v_uncond), WanPipeline's guidance (no rescale); g a float or a
+    per-row tensor broadcastable to the velocity."""
+    g = guidance_scale if isinstance(guidance_scale, torch.Tensor) else float(guidance_scale)
+    return uncond + g * (cond - uncond)
+
+
+def row_guidance(t: torch.Tensor, guidance_scale: float, guidance_scale_2: float | None,
+                 boundary: float | None) -> float | torch.Tensor:
+    """The CFG scale of every row: guidance_scale for the high-noise expert's rows and
+    guidance_scale_2 (guidance_scale when None) for the low-noise expert's (WanPipeline's
+    current_guidance_scale). A float when every row has the same one (the one-DiT case and every
+    sampler step), else a [B] fp32 tensor."""
+    g2 = float(guidance_scale if guidance_scale_2 is None else guidance_scale_2)
+    if boundary is None or g2 == float(guidance_scale):
+        return float(guidance_scale)
+    high = pick_experts(t, boundary)
+    if bool(high.all()) or not bool(high.any()):
+        return float(guidance_scale) if bool(high.all()) else g2
+    return torch.where(high, float(guidance_scale), g2)
 
 
 def conditioned_velocity(transformer, x: torch.Tensor, t: torch.Tensor, conditions: dict[str, torch.Tensor], *,
-                         guidance_scale: float = 1.0) -> torch.Tensor:
+                         guidance_scale: float = 1.0, guidance_scale_2: float | None = None) -> torch.Tensor:
     """The engine's and the replay's one velocity call: dit_velocity at guidance 1, else true CFG
     in ONE forward of 2B rows (unconditional first), then cfg_combine. WanPipeline runs the two
     branches as two forwards; every row is independent in the DiT, so the result is the same up
-    to the GEMM's batch-size-dependent rounding. Gradients reach the policy through both rows."""
+    to the GEMM's batch-size-dependent rounding. Gradients reach the policy through both rows.
+    As in WanPipeline, CFG runs when guidance_scale > 1; a WanExperts transformer then combines
+    the low-noise expert's rows at guidance_scale_2 (row_guidance)."""
     pos, neg = split_negative(conditions)
     if float(guidance_scale) <= 1.0:
         return dit_velocity(transformer, x, t, pos["prompt_embeds"])
@@ -149,7 +310,25 @@ def conditioned_velocity(transformer, x: torch.Tensor, t: torch.Tensor, conditio
     embeds = pos["prompt_embeds"]
     both = dit_velocity(transformer, torch.cat([x, x]), torch.cat([t, t]),
                         torch.cat([neg["prompt_embeds"].to(embeds.device, embeds.dtype), embeds]))
-    return cfg_combine(both[:b], both[b:], guidance_scale)
+    g = row_guidance(t, guidance_scale, guidance_scale_2, getattr(transformer, "boundary", None))
+    if isinstance(g, torch.Tensor):
+        g = g.to(device=both.device, dtype=both.dtype).view(b, *([1] * (both.dim() - 1)))
+    return cfg_combine(both[:b], both[b:], g)
+
+
+def check_expert_boundary(transformer, sampler: SamplerSettings) -> None:
+    """Raise ValueError unless the trajectory's recorded expert boundary (sampler.expert_boundary)
+    is the transformer's (WanExperts.boundary; None for one DiT): a replay must pick each column's
+    expert as the sampler did, and guidance_scale_2 exists only with two experts."""
+    have = getattr(transformer, "boundary", None)
+    want = getattr(sampler, "expert_boundary", None)
+    if (have is None) != (want is None) or (have is not None and float(have) != float(want)):
+        raise ValueError(f"the trajectory was sampled with expert boundary {want} (timestep where Wan2.2 switches "
+                         f"experts; None: one DiT) but this transformer's is {have}: replay it with the --model-path "
+                         "it was sampled from")
+    if have is None and getattr(sampler, "guidance_scale_2", None) is not None:
+        raise ValueError("--sampling-config guidance_scale_2 is set, but --model-path has one DiT: it is the "
+                         "low-noise expert's scale of a two-expert (Wan2.2 A14B) model; remove it")
 
 
 class WanAdapter(FamilyAdapter):
@@ -169,6 +348,15 @@ class WanAdapter(FamilyAdapter):
 
     load_transformer = staticmethod(load_wan_transformer)
     vae_scale_factor_from_config = staticmethod(vae_scale_factor_from_config)
+    #: the loaded model's expert boundary (WanExperts.boundary; None: one DiT): what the requests
+    #: this adapter builds record, set whenever it loads a transformer
+    expert_boundary: float | None = None
+
+    def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None) -> Any:
+        """FamilyAdapter.load_train_model, remembering the model's expert boundary."""
+        model = super().load_train_model(model_path, dtype=dtype, revision=revision)
+        self.expert_boundary = getattr(model, "boundary", None)
+        return model
 
     @classmethod
     def geometry_bounds(cls, model_path) -> GeometryBounds:
@@ -197,9 +385,11 @@ class WanAdapter(FamilyAdapter):
         from trainer.sampling import load_scheduler_config
 
         path = check_model_dir(model_path, self.rollout_subfolders)
+        transformer = self.load_transformer(path, dtype=dtype).to(device)
+        self.expert_boundary = getattr(transformer, "boundary", None)
         return {
             "scheduler_config": load_scheduler_config(str(path)),
-            "transformer": self.load_transformer(path, dtype=dtype).to(device),
+            "transformer": transformer,
             "vae": AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32,
                                                     local_files_only=True).to(device),
             "text_encoder": UMT5EncoderModel.from_pretrained(str(path / "text_encoder"), dtype=dtype,
@@ -217,8 +407,11 @@ class WanAdapter(FamilyAdapter):
         only lends that; it shares the engine's modules."""
         from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                           scheduler=FlowMatchEulerDiscreteScheduler())
+        experts = ({"transformer": transformer.transformer, "transformer_2": transformer.transformer_2,
+                    "boundary_ratio": transformer.boundary_ratio} if isinstance(transformer, WanExperts)
+                   else {"transformer": transformer})
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                           scheduler=FlowMatchEulerDiscreteScheduler(), **experts)
 
         def encode(prompts: list[str], device: torch.device, max_sequence_length: int) -> dict[str, torch.Tensor]:
             embeds = pipe._get_t5_prompt_embeds(prompt=prompts, max_sequence_length=max_sequence_length,
@@ -271,8 +464,10 @@ class WanAdapter(FamilyAdapter):
         so rollout_dtype plays no part), true CFG as that pipeline does it. cfg_renorm under CFG
         raises (build_rollout_request refuses it: WanPipeline has no rescale)."""
         refuse_cfg_renorm(sampler.guidance_scale, sampler.cfg_renorm, "WanPipeline")
+        check_expert_boundary(transformer, sampler)
         return conditioned_velocity(transformer, x, t, conditions,
-                                    guidance_scale=sampler.guidance_scale if sampler.guided else 1.0)
+                                    guidance_scale=sampler.guidance_scale if sampler.guided else 1.0,
+                                    guidance_scale_2=sampler.guidance_scale_2)
 
     def decode(self, vae, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         """Final latents [B, C, F', H', W'] -> videos [B, F, 3, H, W] float32 in [0, 1] on CPU (an
@@ -302,9 +497,19 @@ class WanAdapter(FamilyAdapter):
         if problems:
             raise ValueError("; ".join(problems))
         refuse_cfg_renorm(sampling.guidance_scale, sampling.cfg_renorm, "WanPipeline")
-        return super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
-                                             sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
-                                             generation_seed=generation_seed, metadata=metadata)
+        g2 = getattr(sampling, "guidance_scale_2", None)
+        if g2 is not None and self.expert_boundary is None:
+            raise ValueError("--sampling-config guidance_scale_2 is set, but --model-path has one DiT: it is the "
+                             "low-noise expert's scale of a two-expert (Wan2.2 A14B) model; remove it")
+        if g2 is not None and float(sampling.guidance_scale) <= 1.0:
+            raise ValueError(f"--sampling-config guidance_scale_2 is {g2} but guidance_scale is "
+                             f"{sampling.guidance_scale}: WanPipeline runs CFG (for both experts) only when "
+                             "guidance_scale > 1; set guidance_scale > 1 or remove guidance_scale_2")
+        request = super().build_rollout_request(prompt, group_index=group_index, slot=slot, sample_id=sample_id,
+                                                sampling=sampling, sde_indices=sde_indices, sigmas=sigmas,
+                                                generation_seed=generation_seed, metadata=metadata)
+        return dataclasses.replace(request, guidance_scale_2=None if g2 is None else float(g2),
+                                   expert_boundary=self.expert_boundary)
 
     def check_trajectory(self, traj: Trajectory, who: str) -> None:
         """Raise ValueError unless the latents are unpacked [B, S, C, F', H', W'] of the geometry."""
