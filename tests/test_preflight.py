@@ -420,3 +420,50 @@ def test_old_logprob_source_rollout_refused_with_guard_and_nft_warned_where_inex
         warns = [w for w in warnings_of(base + src + extra) if w.startswith("--old-logprob-source rollout")]
         assert len(warns) == 1 and flag in warns[0] and "not exactly 1" in warns[0], warns
         assert not any(w.startswith("--old-logprob-source") for w in warnings_of(base + extra))
+
+
+# ------------------------------------------------------------------------------ --compile-cache-dir
+
+
+def test_compile_cache_dir_is_checked_before_code_is_loaded_from_it(base, tmp_path, monkeypatch):
+    import os
+
+    from trainer.loop import use_compile_cache
+
+    fresh = tmp_path / "cc" / "new"
+    assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)]) == []
+    assert any("has no effect without --rollout-compile" in w
+               for w in warnings_of(base + ["--compile-cache-dir", str(fresh)]))
+
+    # the run creates it private to the user, and inductor then caches there
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-after-the-test")  # restored at teardown
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    use_compile_cache(str(fresh))
+    assert fresh.is_dir() and fresh.stat().st_mode & 0o777 == 0o700
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str(fresh)
+    assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)]) == []
+
+    # anything inside that others can write is a way to run code in the trainer: refused, with the fix
+    kernels = fresh / "fxgraph" / "ab"
+    kernels.mkdir(parents=True)
+    (kernels / "k.py").write_text("x = 1\n")
+    os.chmod(kernels / "k.py", 0o666)
+    (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)])
+    assert msg.startswith(f"--compile-cache-dir {fresh}:") and "k.py is writable by group or others" in msg
+    assert f"chmod -R go-w {fresh}" in msg
+    os.chmod(kernels / "k.py", 0o644)
+    assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)]) == []
+
+    # a directory another user owns is refused too
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(fresh).st_uid + 1)
+    (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)])
+    assert "not by this user" in msg
+
+
+def test_compile_cache_dir_under_a_file_is_refused(base, tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(blocker / "cc")])
+    assert msg.startswith("--compile-cache-dir") and "regular file" in msg

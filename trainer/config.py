@@ -425,6 +425,14 @@ class FsdpConfig:
         "and FSDP2 wrappers). Pays on a GPU; compiled over the first updates (a static graph, then one "
         "with the text length dynamic; perf/actor_new_graphs counts them).",
     )
+    compile_cache_dir: str | None = _flag(
+        None,
+        "Directory of torch.compile's generated kernels (TORCHINDUCTOR_CACHE_DIR) for --rollout-compile and "
+        "--fsdp-compile; unset: torch's default under /tmp, per user and host. Put it on storage a resumed run "
+        "sees (e.g. under the run's --save) so the resume compiles from the cache instead of from scratch. The "
+        "process runs the code it finds there: it must be owned by you and not writable by group or others "
+        "(preflight refuses it otherwise).",
+    )
     replay_precision: Literal["default", "fp8"] = _flag(
         "default",
         "The actor's frozen LoRA base GEMMs: 'default' (the compute dtype) or 'fp8' (the base layers of the "

@@ -981,6 +981,17 @@ def summarize(history: list[dict[str, float]], components: list[str], window: in
     return out
 
 
+def use_compile_cache(path: str | None) -> None:
+    """Point torch.compile's kernel cache at `path` (--compile-cache-dir; preflight checked who
+    may write there), created private to this user; None leaves torch's default. Before any
+    compile: inductor reads TORCHINDUCTOR_CACHE_DIR when it first looks for a kernel."""
+    if not path:
+        return
+    p = Path(path).absolute()
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(p)
+
+
 def run(cfg: Any, recipe: str | None = None) -> int:
     """Build this rank's trainer, resume if asked, train, print a summary; returns the exit code.
 
@@ -1002,6 +1013,7 @@ def run(cfg: Any, recipe: str | None = None) -> int:
     code = 0
     info = None
     try:
+        use_compile_cache(cfg.fsdp.compile_cache_dir)
         info = init_distributed()
         if info.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)

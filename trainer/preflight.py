@@ -98,6 +98,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     _check_optim(cfg, errors, warnings)
     _check_reward(cfg, errors)
     _check_artifacts_eval_ckpt(cfg, errors, warnings)
+    _check_compile_cache(cfg, errors, warnings)
     _check_unsupported(cfg, errors, warnings)
     if errors:
         raise PreflightError(errors)
@@ -1081,6 +1082,45 @@ def _check_output_paths(cfg: RunConfig, errors: list[str]) -> None:
             problem = writable_dir_problem(value)
             if problem:
                 errors.append(f"{flag} {value}: {problem}")
+
+
+def _check_compile_cache(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
+    """--compile-cache-dir: creatable and writable, and, where it exists, safe to run code from
+    (compile_cache_problem)."""
+    path = cfg.fsdp.compile_cache_dir
+    if not path:
+        return
+    if not (cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile):
+        warnings.append(f"--compile-cache-dir {path} has no effect without --rollout-compile or --fsdp-compile")
+    problem = writable_dir_problem(path) or compile_cache_problem(path)
+    if problem:
+        errors.append(f"--compile-cache-dir {path}: {problem}")
+
+
+def compile_cache_problem(path: str) -> str | None:
+    """Why the process must not load compiled kernels from `path` (None when it may): inductor
+    imports the Python and loads the libraries it finds there, so a directory (or an ancestor
+    inside it) that another user owns or can write is a way to run code in this process."""
+    p = Path(path).absolute()
+    if not p.exists():
+        return None
+    uid = os.getuid() if hasattr(os, "getuid") else None
+
+    def entries():
+        yield p
+        for root, dirs, files in os.walk(p):
+            for name in (*dirs, *files):
+                yield Path(root) / name
+
+    for e in entries():
+        st = e.lstat()
+        if uid is not None and st.st_uid != uid:
+            return (f"{e} is owned by uid {st.st_uid}, not by this user; the run would load code from it. "
+                    "Use a directory of your own")
+        if st.st_mode & 0o022 and not e.is_symlink():
+            return (f"{e} is writable by group or others (mode {st.st_mode & 0o777:o}); the run would load code "
+                    f"from it. Fix: chmod -R go-w {p}, or use a new directory")
+    return None
 
 
 def writable_dir_problem(path: str) -> str | None:
