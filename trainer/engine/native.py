@@ -500,20 +500,21 @@ class NativeEngine(EngineMemoryState):
         peft's save_pretrained / tools/export_checkpoint.py --form adapter write it). Returns
         the LoRA config used."""
         d = Path(path)
+        # NativeEngine._read_lora_dir by name, not self's: SGLangEngine calls this method with itself
         # a two-expert model's export: one adapter directory per transformer, loaded under the
         # names the engine's two-expert module gives them ("transformer.", "transformer_2.")
         parts = [(d / c, c + ".") for c in ("transformer", "transformer_2")]
         if all((p / "adapter_config.json").is_file() for p, _ in parts):
             cfg, named = None, []
             for part, prefix in parts:
-                part_cfg, part_named = self._read_lora_dir(part)
+                part_cfg, part_named = NativeEngine._read_lora_dir(part)
                 if cfg is not None and (cfg["rank"], cfg["alpha"]) != (part_cfg["rank"], part_cfg["alpha"]):
                     raise WeightSyncError(f"--lora {str(path)!r}: its transformer/ and transformer_2/ adapters have "
                                           "different r / lora_alpha; re-export the checkpoint")
                 cfg = cfg or part_cfg
                 named += [(prefix + n, t) for n, t in part_named]
         else:
-            cfg, named = self._read_lora_dir(d)
+            cfg, named = NativeEngine._read_lora_dir(d)
             # a diffusers pipeline-level LoRA file also prefixes the component ("transformer.")
             named = [(n.removeprefix("transformer."), t) for n, t in named]
         self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
