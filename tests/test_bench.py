@@ -625,3 +625,174 @@ def test_memory_estimate_counts_every_rank_on_a_host_and_one_shard_on_a_gpu():
     assert memory_estimate(dit, rest, 2, "cuda", 1) / 1e9 == pytest.approx(98.6, abs=0.1)
     assert memory_estimate(100, 10, 2, "cuda", 4) == (100 + 10 + 25) * 2
     assert memory_estimate(100, 10, 4, "cpu", 2) == (2 * 110 + 100) * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# --family wan (Wan2.1 text-to-video)
+
+def test_wan_flop_model_counts_the_tiny_dits_forward_exactly():
+    """wan_forward_flops against two independent counts of a real tiny WanTransformer3DModel
+    forward (2 latent frames of 4 x 6, 5 text tokens, batch 3): FlopCounterMode's (math SDPA, so
+    attention shows up as bmm), and one made from the module's own weights, each charged to the
+    tokens it multiplies as read from its name (the cross-attention's k / v and the text embedder
+    see text tokens, the time embedder one row per sample, everything else the video tokens)."""
+    from diffusers import WanTransformer3DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tools.bench_wan import wan_forward_flops
+    from tools.tiny_wan import TINY_WAN_TRANSFORMER_CONFIG as cfg
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**cfg).eval()
+    b, f, h, w, t = 3, 2, 4, 6, 5
+    n = f * (h // 2) * (w // 2)  # patch (1, 2, 2)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(hidden_states=torch.randn(b, cfg["in_channels"], f, h, w), timestep=torch.full((b,), 500.0),
+              encoder_hidden_states=torch.randn(b, t, cfg["text_dim"]), return_dict=False)
+    assert counter.get_total_flops() == wan_forward_flops(cfg, n, t, b)
+
+    by_weights = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Conv3d)):
+            continue
+        if ".attn2.to_k" in name or ".attn2.to_v" in name or "text_embedder" in name:
+            rows = t
+        elif "time_embedder" in name or "time_proj" in name:
+            rows = 1
+        else:
+            rows = n
+        by_weights += 2 * module.weight.numel() * rows
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    attention = cfg["num_layers"] * (4 * n * n * d + 4 * n * t * d)  # self- and cross-attention, QK^T and PV
+    assert wan_forward_flops(cfg, n, t, b) == b * (by_weights + attention)
+
+
+def test_wan_published_sizes_and_flops_per_forward():
+    """The published configurations on the meta device: 1.42 B / 14.29 B DiT parameters, the 127 M
+    VAE; one forward at 81 x 480 x 832 (32,760 video tokens, 512 text tokens) is 283 TFLOP (1.3B)
+    and 1.68 PFLOP (14B), attention included."""
+    from tools.bench_wan import SIZES, real_param_counts, wan_forward_flops
+
+    dit, vae = real_param_counts("1.3b")
+    assert 1.40e9 < dit < 1.44e9 and 126e6 < vae < 128e6
+    assert 14.2e9 < real_param_counts("14b")[0] < 14.4e9
+    assert wan_forward_flops(SIZES["1.3b"], 32760, 512) / 1e12 == pytest.approx(283.0, abs=0.1)
+    assert wan_forward_flops(SIZES["14b"], 32760, 512) / 1e12 == pytest.approx(1678.4, abs=0.1)
+    # the linears: under 2 x parameters x video tokens, since the cross-attention's k / v (141 M of
+    # the 1.42 B) and the text embedder see only the 512 text tokens
+    linear = wan_forward_flops(SIZES["1.3b"], 32760, 512) - 4 * 30 * 1536 * (32760 ** 2 + 32760 * 512)
+    assert 0.85 < linear / (2 * dit * 32760) < 0.9
+
+
+#: the tiny Wan at 5 x 32 x 32 (2 latent frames of 4 x 4: 8 video tokens), 8 text tokens
+_TINY_WAN = ["--family", "wan", "--shape", "tiny", "--device", "cpu", "--frames", "5", "--height", "32", "--width",
+             "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2", "--prompts", "2", "--group-size",
+             "2", "--micro-batch", "1", "--num-updates", "2", "--dit-batches", "2", "--iters", "1",
+             "--text-tokens", "8"]
+
+
+def _figures(path: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for line in map(json.loads, path.read_text().splitlines()):
+        out.setdefault(line["figure"], []).append(line)
+    return out
+
+
+def test_wan_runs_every_phase_and_both_steps_at_tiny_shape(tmp_path):
+    """--family wan on CPU in fp32: the rollout draws videos (decoded, scored frame by frame), the
+    LoRA replay reproduces the sampler, and the FlowGRPO and nft steps run with their stages; the
+    anchored first update's ratio is exactly 1 and the sampler-replay gap ~0; the figures carry
+    the frames and the Wan FLOP model."""
+    from tools.bench_wan import wan_forward_flops
+    from tools.tiny_wan import TINY_WAN_TRANSFORMER_CONFIG
+
+    out = tmp_path / "wan.jsonl"
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_WAN, "--skip", "checksum", "offload",
+                      "--algorithms", "flowgrpo", "nft", "--old-logprob-source", "replay", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = _figures(out)
+    for lines in figures.values():
+        for line in lines:
+            assert line["value"] is None or math.isfinite(line["value"]), line
+            g = line["geometry"]
+            assert (g["family"], g["frames"], g["latent_frames"], g["image_tokens"]) == ("wan", 5, 2, 8)
+    assert {"dit_forward_s", "rollout_s", "rollout_images_per_s", "reward_s", "replay_transitions_per_s_lora",
+            "update_s_lora", "adapter_sync_s", "merged_sync_s", "step_s", "step_onpolicy"} <= set(figures)
+    assert figures["rollout_images_per_s"][0]["unit"] == "videos/s"
+    assert figures["reward_s"][0]["scorer"].startswith("framewise color")
+    assert figures["replay_logp_max_abs_err_lora"][0]["value"] < 1e-5
+    dit = figures["dit_mfu"][0]
+    assert dit["tflop_per_forward"] == pytest.approx(wan_forward_flops(TINY_WAN_TRANSFORMER_CONFIG, 8, 8, 2) / 1e12)
+    assert dit["value"] > 0
+
+    steps = figures["step_s"]
+    assert [s["algorithm"] for s in steps] == ["flowgrpo", "nft"]
+    for s in steps:
+        assert s["value"] > 0 and set(s["stages"]) == {"rollout", "reward", "update", "sync"}
+        assert all(v > 0 for v in s["stages"].values())
+        assert s["value"] >= sum(s["stages"].values()) * 0.99
+        assert s["candidates"] == 4 and s["update"]["optimizer_steps"] == 2.0
+    (onpolicy,) = figures["step_onpolicy"]
+    assert onpolicy["value"] == 0.0 and onpolicy["first_update_ratio_mean"] == 1.0
+    assert onpolicy["sampler_replay_gap_max_abs"] < 1e-5 and onpolicy["sampler_replay_kl"] < 1e-9
+
+
+def test_skip_eager_keeps_the_speed_options_rollout_and_the_step(tmp_path):
+    """--skip eager with --rollout-precision fp8 (true CFG): no eager figure and no speedup ratio,
+    but the fp8 rollout, the update and the step all run. (The tiny Wan is 24 wide: no linear is
+    FP8-eligible, and enable_speedups_s says so.)"""
+    out = tmp_path / "wan_fp8.jsonl"
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_WAN, "--guidance-scale", "4.5",
+                      "--rollout-precision", "fp8", "--skip", "eager", "dit", "checksum", "merged", "replay",
+                      "offload", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = _figures(out)
+    assert not [line for lines in figures.values() for line in lines if line.get("variant") == "eager"]
+    assert "rollout_speedup" not in figures
+    assert [line["variant"] for line in figures["rollout_s"]] == ["fp8"]
+    assert figures["enable_speedups_s"][0]["fp8_linears"] == 0
+    (step,) = figures["step_s"]
+    assert step["value"] > 0 and set(step["stages"]) == {"rollout", "reward", "update", "sync"}
+    assert step["geometry"]["guidance_scale"] == 4.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--frames", "5"], "--frames 5: --family qwen_image draws images"),
+    (["--family", "sd3", "--frames", "9"], "--family sd3 draws images"),
+    (["--family", "wan", "--frames", "6"], "frames 6 is not of the form 4k+1"),
+    (["--family", "wan", "--frames", "0"], "--frames: frames must be an integer >= 1"),
+    (["--family", "wan", "--height", "40"], "height 40 is not a multiple of 16"),
+    (["--wan-size", "14b"], "--wan-size picks the Wan2.1 model of --family wan"),
+    (["--family", "wan", "--shape", "real", "--num-layers", "4"], "--family wan builds the published sizes"),
+    (["--skip", "eager"], "--skip eager leaves out the eager rollout"),
+    (["--skip", "eager", "--rollout-compile", "--compare", "diffusers"], "--compare's ratios are against the eager"),
+])
+def test_video_and_skip_eager_flags_that_do_not_fit_are_usage_errors(argv, message, capsys):
+    from tools.bench import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_wan_defaults_are_flowgrpos_geometry_at_the_real_shape():
+    from tools.bench import parse_args
+
+    real = parse_args(["--family", "wan", "--shape", "real"])
+    assert (real.frames, real.height, real.width, real.text_tokens, real.wan_size) == (33, 240, 416, 512, "1.3b")
+    tiny = parse_args(["--family", "wan"])
+    assert (tiny.frames, tiny.height, tiny.width) == (5, 32, 32)
+    assert parse_args([]).frames == 1 and parse_args([]).text_tokens == 128
+
+
+def test_a_14b_wan_that_cannot_fit_is_refused_before_anything_is_allocated(monkeypatch, capsys):
+    """The 14B DiT twice (engine and actor) and the VAE in fp32: 114.8 GB against 16 GB available."""
+    import tools.bench as bench
+
+    monkeypatch.setattr(bench, "available_bytes", lambda device_type: (16 * 10**9, "available on this host"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench.main(["--family", "wan", "--wan-size", "14b", "--shape", "real", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "bench: error: --shape real --family wan needs at least 114.8 GB" in err

@@ -41,6 +41,18 @@ with diffusers' QwenImageEditPlusPipeline is tools/bench_edit.py's. Every family
 phases below (family_parts says what differs), the speed options included; --compare is
 Qwen-Image's only.
 
+--family wan times Wan2.1 text-to-video (tools/bench_wan.py's modules: the 1.3B or, with --wan-size
+14b, the 14B WanTransformer3DModel, Wan2.1's fp32 VAE, random prompt embeddings of --text-tokens
+(512, the UMT5 window) in place of UMT5-XXL) at --frames x --height x --width (4k+1 frames,
+multiples of 16; real default FlowGRPO's 33 x 240 x 416), FlowGRPO's Wan SDE (sde_type "wan");
+the reward scores 8 evenly spaced frames of each decoded video with the colour scorer (the
+trainer's framewise route), and every figure's geometry carries frames. The image families
+refuse --frames other than 1. The step of a video is minutes at real shape: keep --prompts x
+--group-size and --trained-steps small (docs/video.md gives commands that fit a few minutes).
+
+--skip eager leaves out the eager DiT forward and rollout timed before the speed options
+(--rollout-compile / --rollout-precision fp8) are switched on; the rollout with them still runs.
+
 Nothing is read from disk: every module (the 20.4 B DiT, the VAE, the Qwen2.5-VL-7B text
 encoder) is built on the meta device from its config, materialised on the rank's device with
 `to_empty`, then given cheap random values there (`materialise`). The code being timed is the
@@ -107,9 +119,11 @@ SHAPES = ("real", "tiny")
 #: --compare: other code timed on the engine's own modules
 COMPARE_PATHS = ("diffusers", "flowgrpo")
 #: --family: the DiT families the bench builds
-FAMILIES = ("qwen_image", "sd3", "flux", "qwen_image_edit")
-#: phases --skip can leave out
-SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step")
+FAMILIES = ("qwen_image", "sd3", "flux", "qwen_image_edit", "wan")
+#: --family wan --shape real: the published Wan2.1 text-to-video sizes (tools/bench_wan.py's SIZES)
+WAN_SIZES = ("1.3b", "14b")
+#: phases --skip can leave out ("eager": the eager rollout timed before the speed options)
+SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step", "eager")
 #: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
 REPLAY_VARIANTS = {"noreshard": (False, None, 1), "ac_every2": (True, True, 2), "ac_none": (True, False, 1)}
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -338,8 +352,10 @@ def build_engine(shape: str, device: torch.device, dtype: torch.dtype, max_batch
                                      device=device, dtype=dtype, max_batch_size=max_batch_size)
 
 
-def family_parts(family: str) -> SimpleNamespace:
+def family_parts(family: str, *, wan_size: str = "1.3b", frames: int = 1) -> SimpleNamespace:
     """What --family changes in the bench; main runs the same phases over these for every family.
+    wan_size (SIZES of tools/bench_wan.py: "1.3b", "14b", "tiny") and frames: --family wan's model
+    and video length (the other families draw one frame).
 
     build_engine(shape, device, dtype, max_batch, seed=, text_tokens=): the random NativeEngine
         (text_tokens: the T5 window a family pads every prompt to, FLUX's; the other families'
@@ -351,7 +367,9 @@ def family_parts(family: str) -> SimpleNamespace:
     real_param_counts(): (DiT, VAE + text encoders) parameters of the real shape, counted on meta;
     image_tokens(height, width, vae_scale_factor, dit_cfg): tokens of the DiT's image sequence;
     geometry(dit_cfg): extra keys of every figure's geometry;
-    sources(directory, n, size): an editing family's source files, one per prompt (absent: t2i)."""
+    sources(directory, n, size): an editing family's source files, one per prompt (absent: t2i);
+    video: whether the engine draws videos (scored frame by frame, score()); items: what the
+        rollout figures count ("images" or "videos")."""
     def tokens(height, width, vae_scale_factor, dit_cfg):
         return image_tokens_for(height, width, vae_scale_factor, int(dit_cfg["patch_size"]))
 
@@ -373,6 +391,37 @@ def family_parts(family: str) -> SimpleNamespace:
                 height, width, vae_scale_factor, 2),
             geometry=lambda dit_cfg: {"embedded_guidance": True,
                                       "dit_single_layers": int(dit_cfg["num_single_layers"])})
+    if family == "wan":
+        from tools import bench_wan
+        from trainer.models.wan import WanAdapter
+        from trainer.video import candidate_noise_shape, latent_frames, token_count
+
+        def wan_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=WanAdapter.max_sequence_length):
+            model = bench_wan.build_transformer(wan_size, dtype, device, seed=seed)
+            vae = bench_wan.build_vae(wan_size, device, seed=seed + 1)
+            return bench_wan.build_wan_engine(model, vae, device, dtype, text_tokens, max_batch_size)
+
+        def wan_transformer(shape, device, dtype, seed=0):
+            return bench_wan.build_transformer(wan_size, dtype, device, seed=seed)
+
+        def wan_tokens(height, width, vae_scale_factor, dit_cfg):
+            latent = candidate_noise_shape(frames, height, width, channels=int(dit_cfg["in_channels"]),
+                                           spatial=vae_scale_factor)
+            return token_count(latent, tuple(int(v) for v in dit_cfg["patch_size"]))
+
+        return SimpleNamespace(
+            build_engine=wan_engine, build_transformer=wan_transformer, adapter=WanAdapter,
+            forward_flops=bench_wan.wan_forward_flops,
+            real_param_counts=lambda: bench_wan.real_param_counts(wan_size),
+            # a palette colour per prompt: the framewise colour reward scores every candidate; the
+            # prompt embeddings are random per prompt (UMT5-XXL is not run), --text-tokens long
+            prompts=lambda engine, n, text_tokens: [f"a {_COLOURS[i % len(_COLOURS)]} ball number {i}"
+                                                    for i in range(n)],
+            sampling={"num_frames": frames, "negative_prompt": "", "cfg_renorm": False, "sde_type": "wan"},
+            transformer_config=lambda shape: dict(bench_wan.SIZES[wan_size]), image_tokens=wan_tokens,
+            geometry=lambda dit_cfg: {"frames": frames, "latent_frames": latent_frames(frames),
+                                      "wan_size": wan_size, "text_encoder": "random embeddings (UMT5 not run)"},
+            video=True, items="videos")
     if family == "qwen_image_edit":
         from tools import bench_edit
         from tools.tiny_qwen_image_edit import edit_transformer_config
@@ -570,6 +619,13 @@ def build_requests(engine, adapter, sampling, prompts: Sequence[str], group_size
 NFT_ADV_CLIP_MAX = 5.0
 
 
+def parts_of(args) -> SimpleNamespace:
+    """family_parts of the parsed flags (--family, and --wan-size / --frames for --family wan)."""
+    if args.family != "wan":
+        return family_parts(args.family)
+    return family_parts("wan", wan_size="tiny" if args.shape == "tiny" else args.wan_size, frames=args.frames)
+
+
 def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
     """The config sections Actor reads, from trainer/config.py's own dataclasses. algorithm "nft":
     --algorithm nft with the config's defaults for every --nft-* option (--nft-timestep-fraction
@@ -616,7 +672,7 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
     update it is built for (actor_cfg; "nft" adds the old policy)."""
     from trainer.actor import Actor, build_train_model
 
-    fam = family_parts(args.family)
+    fam = parts_of(args)
     cfg = actor_cfg(args, mode, algorithm)
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
     if activation_checkpointing is not None:
@@ -680,6 +736,9 @@ class Ctx:
     images_per_s: dict[str, float] = field(default_factory=dict)
     #: an editing family's source file per prompt (None: text-to-image)
     media: list[str] | None = None
+    #: the engine draws videos, scored frame by frame (score); the rollout figures count `items`
+    video: bool = False
+    items: str = "images"
 
     def condition(self, prompt_index: int = 0) -> dict:
         """The engine's conditioning of prompt `prompt_index` (with its source for an edit family)."""
@@ -707,7 +766,9 @@ def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     a, e = c.args, c.engine
     cond = c.condition(0)
     req = build_requests(e, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, a.seed, 0, c.media)[0]
-    shape = init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor)
+    family_shape = getattr(e.adapter, "init_noise_shape", None)  # a video family's [C, F', h, w], as the engine
+    shape = (family_shape(req, e.latent_channels, e.vae_scale_factor) if family_shape is not None
+             else init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor))
     geometry = req.geometry(e.vae_scale_factor)
     one_row = SamplerSettings(req.num_inference_steps, req.eta)  # guidance 1: one conditional row
     for b in a.dit_batches:
@@ -764,7 +825,7 @@ def phase_rollout(c: Ctx, variant: str = "eager") -> Any:
     n = len(traj)
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"),
                variant=variant)
-    c.rep.emit("rollout_images_per_s", n / sec, "images/s", op="min", candidates=n, variant=variant)
+    c.rep.emit("rollout_images_per_s", n / sec, f"{c.items}/s", op="min", candidates=n, variant=variant)
     dit = c.forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(c)) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops,
                variant=variant)
@@ -886,18 +947,30 @@ def sampler_replay_gap(c: Ctx, actor, rows: Any, replay_fn) -> dict[str, float]:
             "gap_max_abs": float(gap.abs().max())}
 
 
-def score(c: Ctx, traj: Any):
-    """(advantages [n], valid [n], seconds, degenerate): ColorScorer + compute_advantages. A
-    degenerate result (random weights can give equal images) falls back to +-1 advantages so the
-    update is never skipped; the line says so."""
+def bench_scorer(video: bool) -> tuple[Any, Callable[[Any], Any]]:
+    """(scorer, batch conversion) of the bench's reward: ColorScorer (no weights) on images; on
+    videos the same scorer through FramewiseScorer, as the trainer's --reward-scorer-path framewise
+    --reward-frame-scorer color runs it (its default frames: 8 evenly spaced, mean per video)."""
     from trainer.rewards.base import ImageBatch
     from trainer.rewards.color import ColorScorer
+
+    if not video:
+        return ColorScorer(), ImageBatch.from_any
+    from trainer.rewards.video import FramewiseScorer, VideoBatch
+
+    return FramewiseScorer(scorer=ColorScorer(), reduction="mean"), VideoBatch.from_any
+
+
+def score(c: Ctx, traj: Any):
+    """(advantages [n], valid [n], seconds, degenerate): bench_scorer + compute_advantages, the
+    conversion of the decoded images / videos to uint8 included. A degenerate result (random
+    weights can give equal images) falls back to +-1 advantages so the update is never skipped;
+    the line says so."""
     from trainer.rewards.post_process import compute_advantages
 
-    scorer = ColorScorer()
+    scorer, to_batch = bench_scorer(c.video)
     with timed(c.device) as t:
-        images = ImageBatch.from_any(traj.images)
-        comps = scorer.score(images, list(traj.prompts), list(traj.metadata))
+        comps = scorer.score(to_batch(traj.images), list(traj.prompts), list(traj.metadata))
         result = compute_advantages(comps, c.args.group_size)
     adv, valid = result.advantages, result.valid
     if result.degenerate or not bool(valid.any()):
@@ -1523,8 +1596,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = tool_parser("bench", __doc__)
     p.add_argument("--family", choices=FAMILIES, default="qwen_image",
                    help="model family: qwen_image (Qwen-Image), sd3 (Stable Diffusion 3.5 Medium), flux "
-                        "(FLUX.1-dev, tools/bench_flux.py) or qwen_image_edit (Qwen-Image-Edit-2511 editing a "
-                        "random source per prompt, tools/bench_edit.py's modules)")
+                        "(FLUX.1-dev, tools/bench_flux.py), qwen_image_edit (Qwen-Image-Edit-2511 editing a "
+                        "random source per prompt, tools/bench_edit.py's modules) or wan (Wan2.1 text-to-video, "
+                        "tools/bench_wan.py's modules, random prompt embeddings in place of UMT5-XXL)")
+    p.add_argument("--wan-size", choices=WAN_SIZES, default=None,
+                   help="--family wan --shape real: the published Wan2.1-T2V model to build (unset: 1.3b; the "
+                        "tiny shape is the test model)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="frames per video, --family wan only: of the form 4k+1 (the VAE encodes the first frame "
+                        "alone, then groups of 4); unset: 33 (real, FlowGRPO's Wan recipe), 5 (tiny). The image "
+                        "families draw one frame")
     p.add_argument("--shape", choices=SHAPES, default="tiny",
                    help="tiny: the family's test model (the default: seconds on a CPU, safe on a shared host); "
                         "real: Qwen-Image 20.4 B / SD3.5-Medium 2.24 B / FLUX.1-dev 11.9 B, a GPU's job: refused "
@@ -1539,7 +1620,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", "--out", dest="out", type=Path, default=None,
                    help="JSON-lines file the figures are appended to")
     p.add_argument("--height", type=int, default=None,
-                   help="image height; a multiple of 16 (real) / 8 (tiny); unset: 384 (real), 64 (tiny)")
+                   help="image height; a multiple of 16 (real) / 8 (tiny; 16 for --family wan); unset: 384 (real), "
+                        "64 (tiny); --family wan: 240 (real), 32 (tiny)")
     p.add_argument("--width", type=int, default=None, help="image width; unset: as --height's default")
     p.add_argument("--steps", type=int, default=12, help="denoising steps per image")
     p.add_argument("--trained-steps", type=int, default=3, help="SDE steps drawn from --sde-pool per rollout")
@@ -1549,7 +1631,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="> 1: true CFG (two DiT rows per candidate in rollout and replay; FLOPs count both)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per GPU")
     p.add_argument("--group-size", type=int, default=8, help="candidates per prompt (prompts x group = per GPU)")
-    p.add_argument("--text-tokens", type=int, default=128, help="text conditioning length of every prompt")
+    p.add_argument("--text-tokens", type=int, default=None,
+                   help="text conditioning length of every prompt; unset: 128 (--family wan: 512, the UMT5 window)")
     p.add_argument("--engine-batch-size", "--max-batch", dest="max_batch", type=int, default=0,
                    help="engine candidates per DiT forward; 0 = all")
     p.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=8,
@@ -1566,7 +1649,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="the step offloads actor / engine around each stage")
     p.add_argument("--skip", nargs="+", default=[], choices=SKIPPABLE, metavar="PHASE",
                    help=f"phases to leave out, of {SKIPPABLE} (e.g. offload when host RAM is short); the rollout "
-                        "always runs, it feeds the others")
+                        "always runs, it feeds the others. eager: with --rollout-compile / --rollout-precision fp8, "
+                        "leave out the eager DiT forward and rollout timed before the speed options are switched on "
+                        "(and so rollout_speedup); the rollout with the speed options still runs and feeds the rest")
     p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32],
                    help="batch sizes of the DiT forward timing")
     p.add_argument("--iters", type=int, default=2, help="timed repetitions after the warm-up")
@@ -1614,9 +1699,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-replay", type=Path, default=None, metavar="PATH",
                    help="profile one LoRA replay micro-batch (forward + backward) and write the op table to PATH")
     args = p.parse_args(argv)
-    size = 384 if args.shape == "real" else 64  # the tiny SD3 DiT draws at most 192 pixels a side
-    args.height = size if args.height is None else args.height
-    args.width = size if args.width is None else args.width
+    video = args.family == "wan"
+    if video:  # FlowGRPO's Wan geometry (33 x 240 x 416) at the real shape, 5 x 32 x 32 at the tiny one
+        height, width = (240, 416) if args.shape == "real" else (32, 32)
+    else:
+        height = width = 384 if args.shape == "real" else 64  # the tiny SD3 DiT draws at most 192 pixels a side
+    args.height = height if args.height is None else args.height
+    args.width = width if args.width is None else args.width
+    args.text_tokens = (512 if video else 128) if args.text_tokens is None else args.text_tokens
+    check_video_flags(p, args)
+    skip = set(args.skip)
+    if "eager" in skip and args.rollout_precision == "default" and not args.rollout_compile:
+        p.error("--skip eager leaves out the eager rollout timed before the speed options; without --rollout-compile "
+                "or --rollout-precision fp8 the eager rollout is the only one (it feeds every other phase): drop "
+                "eager from --skip or add a speed option")
+    if "eager" in skip and args.compare:
+        p.error("--compare's ratios are against the eager rollout: drop eager from --skip or drop --compare")
     if "flowgrpo" in args.compare and (args.flowgrpo_path is None or args.guidance_scale <= 1.0):
         p.error("--compare flowgrpo needs --flowgrpo-path (a local FlowGRPO checkout) and --guidance-scale > 1 "
                 "(FlowGRPO's Qwen-Image rollout function always runs true CFG)")
@@ -1646,6 +1744,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
                 f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
     return args
+
+
+def check_video_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--frames / --wan-size against --family (p.error, exit 2, on the first problem): the image
+    families draw one frame; --family wan needs 4k+1 frames and sizes that are multiples of 16
+    (trainer.video's rules, WanPipeline's), and sets --frames and --wan-size's defaults."""
+    from trainer.video import frames_problem, size_problem
+
+    if args.family != "wan":
+        if args.frames not in (None, 1):
+            p.error(f"--frames {args.frames}: --family {args.family} draws images (one frame); --frames is "
+                    "--family wan's (videos)")
+        if args.wan_size is not None:
+            p.error(f"--wan-size picks the Wan2.1 model of --family wan, not --family {args.family}'s")
+        args.frames = 1
+        return
+    args.frames = (33 if args.shape == "real" else 5) if args.frames is None else args.frames
+    args.wan_size = args.wan_size or "1.3b"
+    problem = frames_problem(args.frames)
+    if problem:
+        p.error(f"--frames: {problem.replace('num_frames', 'frames')}")
+    problem = size_problem(args.height, args.width)
+    if problem:
+        p.error(f"--height / --width: {problem}")
+    if args.num_layers is not None:
+        p.error("--num-layers shortens the image families' real DiTs; --family wan builds the published sizes "
+                "(--wan-size 1.3b or 14b)")
 
 
 def meta_param_count(factory: Callable[[], torch.nn.Module]) -> int:
@@ -1715,7 +1840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
 
     args = parse_args(argv)
-    fam = family_parts(args.family)
+    fam = parts_of(args)
     if args.num_layers and args.shape == "real":
         REAL_TRANSFORMER_CONFIG["num_layers"] = int(args.num_layers)
         from tools.bench_flux import REAL_FLUX_TRANSFORMER_CONFIG
@@ -1791,13 +1916,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep.emit("build_engine_s", build_s, "s")
         rep.phase_memory("build_engine")
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
-                image_tokens, text_tokens, peak, fam.forward_flops, media=media)
+                image_tokens, text_tokens, peak, fam.forward_flops, media=media, video=getattr(fam, "video", False),
+                items=getattr(fam, "items", "images"))
 
         skip = set(args.skip)
         speedups = args.rollout_compile or args.rollout_precision != "default"
         variant = rollout_variant(args)
         traj = None
-        if args.compare or speedups:  # the eager engine first: every ratio comes from this process
+        # the eager engine first: every ratio comes from this process (--skip eager: the speed options only)
+        if (args.compare or speedups) and "eager" not in skip:
             if "dit" not in skip:
                 phase_dit_forward(c, variant="eager")
             traj = phase_rollout(c, variant="eager")
@@ -1806,7 +1933,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if speedups:
             with timed(device) as t:
                 engine.enable_speedups(compile_blocks=args.rollout_compile, precision=args.rollout_precision)
-            rep.emit("enable_speedups_s", t[0], "s", variant=variant)
+            from trainer.core.fp8 import FP8Linear
+
+            # FP8 takes only linears whose sizes are multiples of 16: a narrow test DiT may have none
+            fp8_linears = sum(isinstance(m, FP8Linear) for m in engine.transformer.modules())
+            rep.emit("enable_speedups_s", t[0], "s", variant=variant, fp8_linears=fp8_linears)
         if "dit" not in skip and (speedups or traj is None):
             phase_dit_forward(c, variant=variant)
         if "checksum" not in skip:
@@ -1818,7 +1949,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             phase_flowgrpo(c, args.flowgrpo_path)
         adv, valid, score_s, degenerate = score(c, traj)
-        rep.emit("reward_s", score_s, "s", scorer="color", degenerate=degenerate)
+        scorer = "color" if not c.video else f"framewise color: {bench_scorer(True)[0].describe()}"
+        rep.emit("reward_s", score_s, "s", scorer=scorer, degenerate=degenerate)
         batch = traj.without_images()
         replay_fn = make_replay_fn(adapter)  # the training loop's own
 

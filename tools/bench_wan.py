@@ -93,11 +93,13 @@ def reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def build_transformer(size: str, dtype, device):
+def build_transformer(size: str, dtype, device, seed: int = 0):
+    """WanTransformer3DModel of `size` (SIZES) built on `device` in `dtype`, diffusers' own init
+    seeded by `seed` (the same seed gives the same weights on one device type), eval mode."""
     import torch
     from diffusers import WanTransformer3DModel
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -106,6 +108,57 @@ def build_transformer(size: str, dtype, device):
     finally:
         torch.set_default_dtype(default)
     return model.eval()
+
+
+def build_vae(size: str, device, seed: int = 2):
+    """AutoencoderKLWan in fp32 on `device`: Wan2.1's VAE (both published sizes share it), or the
+    tiny one for size "tiny"; diffusers' init seeded by `seed`."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoencoderKLWan(**(TINY_WAN_VAE_CONFIG if size == "tiny" else WAN21_VAE_CONFIG)).eval()
+
+
+def real_param_counts(size: str) -> tuple[int, int]:
+    """(DiT, VAE) parameters of the published `size`, counted on the meta device (the UMT5 encoder
+    is not built: the bench's prompt embeddings are random)."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    with torch.device("meta"):
+        dit = WanTransformer3DModel(**SIZES[size])
+        vae = AutoencoderKLWan(**WAN21_VAE_CONFIG)
+    return sum(p.numel() for p in dit.parameters()), sum(p.numel() for p in vae.parameters())
+
+
+def wan_forward_flops(cfg: dict, video_tokens: int, text_tokens: int, batch: int = 1) -> float:
+    """FLOPs of one WanTransformer3DModel forward over `batch` rows (matmuls only, multiply-add = 2
+    FLOPs; Wan2.1 text-to-video: no image embedder, one timestep per row).
+
+        F = batch * [ 2 * (P_video * N + P_text * T + P_sample) + 4 * L * d * (N^2 + N * T) ]
+
+    d = heads * head_dim, L = num_layers, N = video tokens (F' * H'/2 * W'/2), T = text tokens
+    (the UMT5 window, 512). P_video: per block self-attention q/k/v/out (4 d^2), cross-attention
+    q and out (2 d^2), the FFN (2 d ffn_dim), plus the patch embedding (in_channels * prod(patch)
+    * d) and proj_out (d * out_channels * prod(patch)); P_text: per block the cross-attention's
+    k/v (2 d^2), plus the text embedder (text_dim * d + d^2); P_sample: the time embedder
+    (freq_dim * d + d^2) and time_proj (6 d^2). Attention: Q K^T and P V, 2 N^2 d each for the
+    self-attention and 2 N T d each for the cross-attention, per block."""
+    d = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    n_layers, ffn = int(cfg["num_layers"]), int(cfg["ffn_dim"])
+    patch = 1
+    for v in cfg["patch_size"]:
+        patch *= int(v)
+    out_channels = int(cfg.get("out_channels") or cfg["in_channels"])
+    p_video = n_layers * (6 * d * d + 2 * d * ffn) + int(cfg["in_channels"]) * patch * d + d * out_channels * patch
+    p_text = n_layers * 2 * d * d + int(cfg["text_dim"]) * d + d * d
+    p_sample = int(cfg["freq_dim"]) * d + d * d + 6 * d * d
+    n, t = int(video_tokens), int(text_tokens)
+    linear = 2.0 * (p_video * n + p_text * t + p_sample)
+    attention = 4.0 * n_layers * d * (n * n + n * t)
+    return float(batch) * (linear + attention)
 
 
 def bench_replay(model, geometry, args, device, dtype, base: dict) -> None:
@@ -147,13 +200,11 @@ def bench_replay(model, geometry, args, device, dtype, base: dict) -> None:
 
 def bench_rollout(model, geometry, args, device, dtype, base: dict) -> float:
     import torch
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
     f, h, w = geometry
     model.disable_gradient_checkpointing()
-    torch.manual_seed(2)
-    with torch.device(device):
-        vae = AutoencoderKLWan(**(TINY_WAN_VAE_CONFIG if args.tiny else WAN21_VAE_CONFIG)).eval()
+    vae = build_vae("tiny" if args.tiny else args.size, device)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=model,
                        scheduler=FlowMatchEulerDiscreteScheduler(**WAN21_SCHEDULER_CONFIG))
     pipe.set_progress_bar_config(disable=True)
@@ -207,27 +258,37 @@ class _RandomPrompts:
         return {"prompt_embeds": torch.stack(rows).to(device, self.dtype)}
 
 
+def build_wan_engine(model, vae, device, dtype, text_tokens: int, max_batch_size: int = 0):
+    """NativeEngine with the Wan adapter over `model` and `vae` (kept in fp32, as FlowGRPO keeps
+    it), the flow-matching Euler scheduler of Wan2.1 (shift 3.0), and random prompt embeddings of
+    `text_tokens` tokens at the DiT's text_dim in place of UMT5-XXL (nothing to encode: the text
+    encoder is an Identity)."""
+    import torch
+
+    from trainer.engine.native import NativeEngine
+    from trainer.models.wan import WanAdapter
+
+    scheduler = dict(WAN21_SCHEDULER_CONFIG, _class_name="FlowMatchEulerDiscreteScheduler")
+    engine = NativeEngine.from_modules(model, vae, torch.nn.Identity(), None, scheduler, device=device, dtype=dtype,
+                                       adapter=WanAdapter(), max_sequence_length=text_tokens,
+                                       max_batch_size=max_batch_size)
+    engine.vae = engine.vae.to(torch.float32)
+    engine.prompt_encoder = _RandomPrompts(text_tokens, model.config.text_dim, dtype)
+    return engine
+
+
 def bench_engine(model, geometry, args, device, dtype, base: dict, vae=None):
     """The native engine's rollout on `model` (and a VAE of the run's configuration), its figures,
     and the trajectory it sampled (for the replay figures)."""
     import torch
-    from diffusers import AutoencoderKLWan
 
-    from trainer.engine.native import NativeEngine
-    from trainer.models.wan import WanAdapter
     from trainer.sampling import parse_sampling_config
 
     f, h, w = geometry
-    adapter = WanAdapter()
     if vae is None:
-        torch.manual_seed(2)
-        with torch.device(device):
-            vae = AutoencoderKLWan(**(TINY_WAN_VAE_CONFIG if args.tiny else WAN21_VAE_CONFIG)).eval()
-    scheduler = dict(WAN21_SCHEDULER_CONFIG, _class_name="FlowMatchEulerDiscreteScheduler")
-    engine = NativeEngine.from_modules(model, vae, torch.nn.Identity(), None, scheduler, device=device, dtype=dtype,
-                                       adapter=adapter, max_sequence_length=args.text_tokens)
-    engine.vae = engine.vae.to(torch.float32)  # fp32 VAE, as FlowGRPO keeps it
-    engine.prompt_encoder = _RandomPrompts(args.text_tokens, model.config.text_dim, dtype)
+        vae = build_vae("tiny" if args.tiny else args.size, device)
+    engine = build_wan_engine(model, vae, device, dtype, args.text_tokens)
+    adapter = engine.adapter
 
     def requests(n: int, steps: int):
         cfg = parse_sampling_config({"height": h, "width": w, "num_frames": f, "num_inference_steps": steps,
