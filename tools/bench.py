@@ -37,7 +37,9 @@ FlowGRPO's own SD3 rollout function, imported from that checkout, on the same mo
 (tools/bench_edit.py's modules: Qwen-Image's DiT with zero_cond_t, Qwen2.5-VL with its vision tower):
 one random source per prompt at the output size, so the DiT's sequence is twice the target's
 tokens (image_tokens counts both) and the text holds the source's vision tokens; its comparison
-with diffusers' QwenImageEditPlusPipeline is tools/bench_edit.py's. Every family runs the same
+with diffusers' QwenImageEditPlusPipeline is tools/bench_edit.py's. --family flux_kontext times
+FLUX.1-Kontext editing the same way on FLUX.1-dev's modules (Kontext-dev's architecture), the
+source's packed tokens after the target's. Every family runs the same
 phases below (family_parts says what differs), the speed options included; --compare is
 Qwen-Image's only.
 
@@ -119,7 +121,7 @@ SHAPES = ("real", "tiny")
 #: --compare: other code timed on the engine's own modules
 COMPARE_PATHS = ("diffusers", "flowgrpo")
 #: --family: the DiT families the bench builds
-FAMILIES = ("qwen_image", "sd3", "flux", "qwen_image_edit", "wan")
+FAMILIES = ("qwen_image", "sd3", "flux", "qwen_image_edit", "flux_kontext", "wan")
 #: --family wan --shape real: the published Wan2.1 text-to-video sizes (tools/bench_wan.py's SIZES)
 WAN_SIZES = ("1.3b", "14b")
 #: phases --skip can leave out ("eager": the eager rollout timed before the speed options)
@@ -373,24 +375,37 @@ def family_parts(family: str, *, wan_size: str = "1.3b", frames: int = 1) -> Sim
     def tokens(height, width, vae_scale_factor, dit_cfg):
         return image_tokens_for(height, width, vae_scale_factor, int(dit_cfg["patch_size"]))
 
-    if family == "flux":
+    if family in ("flux", "flux_kontext"):
         from tools import bench_flux
         from trainer.models.flux import FluxAdapter
 
-        def flux_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=FluxAdapter.max_sequence_length):
-            return bench_flux.build_flux_engine(shape, device, dtype, max_batch_size, text_tokens, seed=seed)
+        adapter_cls = FluxAdapter
+        if family == "flux_kontext":
+            from tools import bench_edit
+            from trainer.models.flux_kontext import FluxKontextAdapter as adapter_cls
 
-        return SimpleNamespace(
-            build_engine=flux_engine, build_transformer=bench_flux.build_flux_transformer, adapter=FluxAdapter,
+        def flux_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=FluxAdapter.max_sequence_length):
+            return bench_flux.build_flux_engine(shape, device, dtype, max_batch_size, text_tokens, seed=seed,
+                                                adapter=adapter_cls())
+
+        # FluxPipeline packs 2 x 2 latent patches into one token (the DiT's own patch_size is 1);
+        # Kontext's sequence is the target's tokens, then the source's at the same size
+        per_image = 2 if family == "flux_kontext" else 1
+        parts = SimpleNamespace(
+            build_engine=flux_engine, build_transformer=bench_flux.build_flux_transformer, adapter=adapter_cls,
             real_param_counts=bench_flux.real_param_counts,
             forward_flops=bench_flux.flux_forward_flops,
             prompts=lambda engine, n, text_tokens: bench_flux.flux_prompts(n), sampling={},
             transformer_config=lambda shape: bench_flux.flux_shape_configs(shape)[0],
-            # FluxPipeline packs 2 x 2 latent patches into one token; the DiT's own patch_size is 1
-            image_tokens=lambda height, width, vae_scale_factor, dit_cfg: image_tokens_for(
+            image_tokens=lambda height, width, vae_scale_factor, dit_cfg: per_image * image_tokens_for(
                 height, width, vae_scale_factor, 2),
             geometry=lambda dit_cfg: {"embedded_guidance": True,
-                                      "dit_single_layers": int(dit_cfg["num_single_layers"])})
+                                      "dit_single_layers": int(dit_cfg["num_single_layers"]),
+                                      **({"sources_per_prompt": 1} if family == "flux_kontext" else {})})
+        if family == "flux_kontext":
+            parts.prompts = lambda engine, n, text_tokens: [f"<image> make ball number {i} red" for i in range(n)]
+            parts.sources = lambda directory, n, size: bench_edit.write_sources(Path(directory), n, size)
+        return parts
     if family == "wan":
         from tools import bench_wan
         from trainer.models.wan import WanAdapter
@@ -1597,7 +1612,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family", choices=FAMILIES, default="qwen_image",
                    help="model family: qwen_image (Qwen-Image), sd3 (Stable Diffusion 3.5 Medium), flux "
                         "(FLUX.1-dev, tools/bench_flux.py), qwen_image_edit (Qwen-Image-Edit-2511 editing a "
-                        "random source per prompt, tools/bench_edit.py's modules) or wan (Wan2.1 text-to-video, "
+                        "random source per prompt, tools/bench_edit.py's modules), flux_kontext (FLUX.1-Kontext "
+                        "editing a random source per prompt: FLUX.1-dev's modules with the Kontext adapter) or wan "
+                        "(Wan2.1 text-to-video, "
                         "tools/bench_wan.py's modules, random prompt embeddings in place of UMT5-XXL)")
     p.add_argument("--wan-size", choices=WAN_SIZES, default=None,
                    help="--family wan --shape real: the published Wan2.1-T2V model to build (unset: 1.3b; the "
