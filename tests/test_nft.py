@@ -295,10 +295,12 @@ def test_nft_refuses_what_it_does_not_combine_with_all_at_once(base):
     found = problems(base + ["--algorithm", "nft", "--grpo-guard", "--use-kl-loss", "--kl-coef", "0.04",
                              "--fsdp-trainable-mode", "lora", "--lora-rank", "8", "--fsdp-master-dtype", "fp32",
                              "--nft-beta", "0", "--nft-old-decay-max", "1.0", "--nft-timestep-fraction", "1.5",
+                             "--nft-sigmas-per-forward", "-1",
                              "--rollout-engine-class-path", "sglang"])
     text = "\n".join(found)
     for needle in ("--grpo-guard with --algorithm nft", "--adv-clip-max > 0", "--use-kl-loss", "--nft-beta",
-                   "--nft-old-decay-max", "--nft-timestep-fraction", "only the native engine"):
+                   "--nft-old-decay-max", "--nft-timestep-fraction", "--nft-sigmas-per-forward must be >= 0",
+                   "only the native engine"):
         assert needle in text, (needle, found)
 
 
@@ -424,6 +426,44 @@ def test_nft_update_lowers_its_loss_and_is_deterministic(mesh):
     twin.nft_train_step(batch, NFT_ADV, vfn, SCHEDULE, seed=3)
     a, b = full_params(actor.model), full_params(twin.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("per_forward", [2, 0])
+def test_nft_levels_stacked_in_one_forward_train_the_same(mesh, per_forward):
+    """--nft-sigmas-per-forward: a micro-batch's K = 3 noise levels in forwards of 2 (then 1) or
+    all 3 at once give the update of one level per forward (fp32, up to the GEMMs' batch-size
+    rounding), in fewer DiT forwards: micro-batches x ceil(K / per_forward), for the old-policy
+    pass and the update alike."""
+    from tests.dist.tiny import full_params, make_batch
+
+    batch, vfn = make_batch(4), _velocity_fn()
+    results = {}
+    for c in (1, per_forward):
+        actor = _nft_actor(mesh, optim__lr=1e-3, grpo__nft_sigmas_per_forward=c, grpo__nft_timestep_fraction=0.99)
+        start = full_params(actor.model)
+        calls = []
+        hook = actor.model.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(1), with_kwargs=True)
+        grads, close = {}, actor._close_update
+
+        def snapshot_then_close(*args, model=actor.model, close=close, grads=grads, **kwargs):
+            # the update's gradient, before its optimizer step clears it
+            grads.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                          for n, p in model.named_parameters() if p.grad is not None})
+            return close(*args, **kwargs)
+
+        actor._close_update = snapshot_then_close
+        m = actor.nft_train_step(batch, NFT_ADV, vfn, SCHEDULE, seed=3)
+        hook.remove()
+        results[c] = (grads, m, len(calls))
+        assert grads and any(not torch.equal(start[k], v) for k, v in full_params(actor.model).items())
+    (g1, m1, n1), (gc, mc, nc) = results[1], results[per_forward]
+    chunks = {1: 3, 2: 2, 0: 1}
+    assert (n1, nc) == (2 * 2 * 3, 2 * 2 * chunks[per_forward])  # 2 micro-batches, old pass + update
+    assert g1.keys() == gc.keys()
+    for k in g1:
+        torch.testing.assert_close(gc[k], g1[k], rtol=1e-4, atol=1e-7)
+    for key in ("train/loss", "train/grad_norm", "train/r_mean"):
+        assert mc[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
 
 
 def test_grpo_guard_update_runs_and_first_update_ratio_is_one(mesh):

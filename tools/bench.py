@@ -652,7 +652,8 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
     lora = mode == "lora"
     nft = {} if algorithm == "flowgrpo" else dict(
         algorithm="nft", adv_clip_max=NFT_ADV_CLIP_MAX,
-        nft_timestep_fraction=float(getattr(args, "nft_timestep_fraction", GrpoConfig.nft_timestep_fraction)))
+        nft_timestep_fraction=float(getattr(args, "nft_timestep_fraction", GrpoConfig.nft_timestep_fraction)),
+        nft_sigmas_per_forward=int(getattr(args, "nft_sigmas_per_forward", GrpoConfig.nft_sigmas_per_forward)))
     fsdp = FsdpConfig(fsdp_trainable_mode=mode, fsdp_param_dtype=args.dtype, fsdp_reduce_dtype="fp32",
                       fsdp_master_dtype="fp32" if lora else None,
                       fsdp_activation_checkpointing=not args.no_activation_checkpointing,
@@ -1343,7 +1344,9 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                           lora_config=actor.lora_config, policy_version=c.engine.policy_version)
     sampling, sde_indices = nft_parts(c) if algorithm == "nft" else (None, None)
     update = nft_update(c, actor, sampling) if algorithm == "nft" else flowgrpo_update(actor, replay_fn, source)
-    tags = {"algorithm": algorithm, **({"old_logprob_source": source} if algorithm == "flowgrpo" else {})}
+    tags = {"algorithm": algorithm, **({"old_logprob_source": source} if algorithm == "flowgrpo" else
+                                        {"nft_timestep_fraction": float(c.args.nft_timestep_fraction),
+                                         "nft_sigmas_per_forward": int(c.args.nft_sigmas_per_forward)})}
     base = 100 if algorithm == "flowgrpo" and source == "replay" else 200 if algorithm == "flowgrpo" else 300
     if c.engine.compile_blocks if warm_up is None else warm_up:
         # the first rollout with the engine's LoRA recompiles its blocks (a new module structure):
@@ -1704,6 +1707,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nft-timestep-fraction", type=float, default=None,
                    help="the nft step's noise levels per sample, as the trainer's flag (in (0, 1]; unset: the "
                         "config's default)")
+    p.add_argument("--nft-sigmas-per-forward", type=int, default=None,
+                   help="the nft step's noise levels per DiT forward, as the trainer's flag (>= 0, 0: all of a "
+                        "micro-batch's levels in one; unset: the config's default)")
     p.add_argument("--compare", nargs="+", default=[], choices=COMPARE_PATHS, metavar="PATH",
                    help=f"also time the same rollout through other code on the same modules, before the engine's "
                         f"speed options are switched on: any of {COMPARE_PATHS} (flowgrpo needs --flowgrpo-path and "
@@ -1757,6 +1763,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.nft_timestep_fraction = GrpoConfig.nft_timestep_fraction
     elif not 0.0 < args.nft_timestep_fraction <= 1.0:
         p.error(f"--nft-timestep-fraction must be in (0, 1], got {args.nft_timestep_fraction}")
+    if args.nft_sigmas_per_forward is None:
+        from trainer.config import GrpoConfig
+
+        args.nft_sigmas_per_forward = GrpoConfig.nft_sigmas_per_forward
+    elif args.nft_sigmas_per_forward < 0:
+        p.error(f"--nft-sigmas-per-forward must be >= 0, got {args.nft_sigmas_per_forward}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
                 f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")

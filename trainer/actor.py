@@ -361,6 +361,29 @@ class ActorConfig(Protocol):
     grpo: GrpoConfig
 
 
+def _nft_chunks(k: int, per_forward: int) -> list[range]:
+    """The noise-level indices 0..k-1 in forwards of `per_forward` levels (0: all k in one)."""
+    step = k if per_forward <= 0 else per_forward
+    return [range(j, min(j + step, k)) for j in range(0, k, step)]
+
+
+def _nft_velocities(velocity_fn: VelocityFn, model: nn.Module, rows: Any, x0: torch.Tensor, noise: torch.Tensor,
+                    sig: torch.Tensor, js: range) -> list[torch.Tensor]:
+    """The velocities [b, ...] of `rows` at the noise levels `js` (sig [b, K], noise [K, b, ...]),
+    each at x_t = forward_noise(x0, noise[j], sig[:, j]): one DiT forward of len(js) x b rows (level
+    js[i]'s rows at block i, the conditions tiled alike), split back per level."""
+    from trainer.nft import forward_noise
+
+    if len(js) == 1:
+        j = js.start
+        return [velocity_fn(model, rows, forward_noise(x0, noise[j], sig[:, j]), sig[:, j])]
+    b = int(x0.shape[0])
+    tiled = rows[list(range(b)) * len(js)]
+    x_t = torch.cat([forward_noise(x0, noise[j], sig[:, j]) for j in js])
+    v = velocity_fn(model, tiled, x_t, torch.cat([sig[:, j] for j in js]))
+    return list(v.split(b))
+
+
 class Actor:
     """The FSDP2-sharded trainable transformer, its AdamW, the FlowGRPO update and offload.
 
@@ -629,8 +652,6 @@ class Actor:
                             progress: Callable[[], None] | None) -> dict[tuple[int, int], list[torch.Tensor]]:
         """Step 3: v_old [b, ...] fp32 per (micro-batch, sigma), the old policy's weights swapped
         into the live model once for all of them (restored bit-exactly after)."""
-        from trainer.nft import forward_noise
-
         out: dict[tuple[int, int], list[torch.Tensor]] = {}
         # the swap writes the sharded parameters: a unit still holding gathered weights (no
         # reshard after forward) would compute with the live ones, so every unit is resharded
@@ -640,8 +661,10 @@ class Actor:
             for (s, e), (sig, noise) in draws.items():
                 rows = batch[s:e]
                 x0 = _clean_latents(rows).to(self.device)
-                out[(s, e)] = [velocity_fn(self.model, rows, forward_noise(x0, noise[j], sig[:, j]), sig[:, j])
-                               .detach().float() for j in range(sig.shape[1])]
+                out[(s, e)] = []
+                for js in _nft_chunks(sig.shape[1], int(self.grpo.nft_sigmas_per_forward)):
+                    v = _nft_velocities(velocity_fn, self.model, rows, x0, noise, sig, js)
+                    out[(s, e)] += [vj.detach().float() for vj in v]
                 if progress is not None:
                     progress()
             reshard_all(self.model)
@@ -660,19 +683,22 @@ class Actor:
         n_rows = int(plan.valid_host[s:e].sum())
         k = sig.shape[1]
         idx = plan.partial_rows.get((s, e))
-        for j in range(k):
-            x_t = forward_noise(x0, noise[j], sig[:, j])
-            v = velocity_fn(self.model, rows, x_t, sig[:, j])
-            stats.transitions += e - s
+        for js in _nft_chunks(k, int(g.nft_sigmas_per_forward)):
+            vs = _nft_velocities(velocity_fn, self.model, rows, x0, noise, sig, js)
+            stats.transitions += (e - s) * len(js)
             if not n_rows:
-                (v.float().sum() * 0.0).backward()  # FSDP's reduce-scatter must still run on every rank
+                (sum(v.float().sum() for v in vs) * 0.0).backward()  # FSDP's reduce-scatter must still run on every rank
                 continue
-            vo, xt, xz, sj, rr = v_old[j], x_t, x0, sig[:, j], r[s:e]
-            if idx is not None:
-                v, vo, xt, xz, sj, rr = (t.index_select(0, idx) for t in (v, vo, xt, xz, sj, rr))
-            loss, st = nft_loss(v, vo, xt, xz, sj, rr, float(g.nft_beta), float(g.adv_clip_max))
-            (loss * (n_rows * plan.world / plan.global_valid[u] / k)).backward()
-            stats.add(loss, st, float(n_rows))
+            total = 0.0
+            for j, v in zip(js, vs):
+                x_t = forward_noise(x0, noise[j], sig[:, j])
+                vo, xt, xz, sj, rr = v_old[j], x_t, x0, sig[:, j], r[s:e]
+                if idx is not None:
+                    v, vo, xt, xz, sj, rr = (t.index_select(0, idx) for t in (v, vo, xt, xz, sj, rr))
+                loss, st = nft_loss(v, vo, xt, xz, sj, rr, float(g.nft_beta), float(g.adv_clip_max))
+                total = total + loss * (n_rows * plan.world / plan.global_valid[u] / k)
+                stats.add(loss, st, float(n_rows))
+            total.backward()
 
     @torch.no_grad()
     def _nft_move_old(self) -> float:

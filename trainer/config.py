@@ -597,6 +597,14 @@ class GrpoConfig:
         "in (0, 1] (DiffusionNFT: 0.99, i.e. 9 of 10 steps). Each costs one forward+backward and one "
         "old-policy forward. --algorithm nft only.",
     )
+    nft_sigmas_per_forward: int = _flag(
+        1,
+        "Noise levels per DiT forward in the nft update and its old-policy pass: a micro-batch's K levels go "
+        "through the DiT in forwards of this many levels x --micro-batch-size rows (0: all K in one), one "
+        "backward per forward. More per forward: fewer, larger forwards, as FlowGRPO's replay stacks its "
+        "columns, for more activation memory; the same loss and gradient up to the GEMMs' batch-size rounding. "
+        ">= 0. --algorithm nft only.",
+    )
     nft_timestep_distribution: Literal["schedule", "uniform"] = _flag(
         "schedule",
         "Where the training sigmas come from: 'schedule' (distinct entries of the rollout's own sigma "

@@ -735,6 +735,9 @@ def _check_algorithm(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
         return
     if not (math.isfinite(g.nft_beta) and g.nft_beta > 0):
         errors.append(f"--nft-beta must be a finite number > 0, got {g.nft_beta} (DiffusionNFT uses 1.0)")
+    if g.nft_sigmas_per_forward < 0:
+        errors.append(f"--nft-sigmas-per-forward must be >= 0 (0: all of a micro-batch's noise levels in one "
+                      f"forward), got {g.nft_sigmas_per_forward}")
     if not (0.0 < g.nft_timestep_fraction <= 1.0):
         errors.append(f"--nft-timestep-fraction must be in (0, 1], got {g.nft_timestep_fraction} (DiffusionNFT: 0.99)")
     if g.nft_old_decay_flat < 0 or not (math.isfinite(g.nft_old_decay_rate) and g.nft_old_decay_rate >= 0):
