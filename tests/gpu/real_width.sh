@@ -14,6 +14,8 @@
 #           (SPEED_FLAGS, default the compiled FP8 rollout + --fsdp-compile) for SPEED_ROLLOUTS (6)
 #           rollouts, then tools/bench.py at the same depth and options, and the two steady steps
 #           side by side with their stage split (tests/gpu/compare_product_bench.py);
+#   compile-resume  the resident recipe with the speed options and a fresh --compile-cache-dir for
+#           2 rollouts, then resumed for 2 more: the first step of each (what a resume pays to compile);
 #   report  the runs' TensorBoard scalars as JSON.
 # Usage: bash tests/gpu/real_width.sh OUT_DIR PHASE [PHASE ...]   (phases run in the order given)
 # Env: WORK (default /tmp/rw: model, data, runs), LAYERS (DiT blocks, default 30), SHAPE (real |
@@ -150,6 +152,30 @@ PY
         $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode.jsonl" \
           | tee "$OUT/product-vs-bench-$mode.txt"
       done ;;
+    compile-resume)
+      # What a resumed run pays to compile: the resident recipe with the speed options and a fresh
+      # --compile-cache-dir for 2 rollouts (a checkpoint after the second), then resumed for 2 more
+      # with the same cache; the first step of each run side by side.
+      SPEED=${SPEED_FLAGS---rollout-compile --rollout-precision fp8 --fsdp-compile}
+      COLOUR=(--reward-scorer-path trainer.rewards.color.ColorScorer --reward-model-path none
+              --reward-required-components color --reward-component-weights '{"pickscore": null, "color": 1.0}'
+              --eval-interval 1000)
+      CACHE=$WORK/compile-cache; rm -rf "$CACHE" "$RUNS/compile-resume"
+      common=(--offload-train false --offload-rollout false $SPEED "${COLOUR[@]}" --compile-cache-dir "$CACHE")
+      DEBUG_FLAGS="" train compile-resume compile-resume 2 "${common[@]}" --save-interval 2
+      DEBUG_FLAGS="" train compile-resume compile-resume 4 "${common[@]}" --save-interval 1000 \
+        --load "$RUNS/compile-resume/checkpoints"
+      du -sh "$CACHE" | tee "$OUT/compile-resume.txt"
+      $PY - "$RUNS/compile-resume/tensorboard" <<'PY' | tee -a "$OUT/compile-resume.txt"
+import sys
+from trainer.metrics import read_scalars
+s = read_scalars(sys.argv[1])
+steps = dict(sorted(s.get("perf/step_time", [])))
+print("step time per rollout (s):", {k: round(v, 1) for k, v in steps.items()})
+print(f"first step, fresh cache: {steps.get(0, float('nan')):.1f} s; first step after the resume, warm cache: "
+      f"{steps.get(2, float('nan')):.1f} s; steady: {steps.get(3, float('nan')):.1f} s")
+PY
+      ;;
     report)
       $PY - "$RUNS" "$OUT/scalars.json" <<'PY'
 import json, sys
@@ -163,7 +189,7 @@ for name, s in res.items():
                  if k.startswith(("perf/", "debug/", "train/ratio", "train/lr", "train/policy_version"))})
 PY
       ;;
-    *) echo "unknown phase $phase (build, train, resume, export, resident, speed, speed-resident, speed-offload, report)" >&2; exit 2 ;;
+    *) echo "unknown phase $phase (build, train, resume, export, resident, speed, speed-resident, speed-offload, compile-resume, report)" >&2; exit 2 ;;
   esac
   echo "== $phase done in $((SECONDS - t0)) s"
 done
