@@ -595,6 +595,11 @@ def test_grpo_guard_through_the_trainer(tmp_path, tiny_model_dir):
     for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
         assert lo <= 1.0 <= hi
     assert (out / "ckpt" / "t2i" / "iter_0000001" / "COMMITTED").is_file()
+    # the guard trains the same weights' layout: the checkpoint exports and verifies like any other
+    from tools.export_checkpoint import export_checkpoint
+
+    info = export_checkpoint(out / "ckpt", "t2i", 1, tmp_path / "export", form="merged", verify=True)
+    assert info["mode"] == "full" and (tmp_path / "export" / "transformer").is_dir()
 
 
 # ---------------------------------------------------------------- the demo comparison tool
