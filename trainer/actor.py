@@ -368,20 +368,18 @@ def _nft_chunks(k: int, per_forward: int) -> list[range]:
 
 
 def _nft_velocities(velocity_fn: VelocityFn, model: nn.Module, rows: Any, x0: torch.Tensor, noise: torch.Tensor,
-                    sig: torch.Tensor, js: range) -> list[torch.Tensor]:
-    """The velocities [b, ...] of `rows` at the noise levels `js` (sig [b, K], noise [K, b, ...]),
-    each at x_t = forward_noise(x0, noise[j], sig[:, j]): one DiT forward of len(js) x b rows (level
-    js[i]'s rows at block i, the conditions tiled alike), split back per level."""
+                    sig: torch.Tensor, js: range) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(x_t, v) [b, ...] of `rows` at each noise level of `js` (sig [b, K], noise [K, b, ...]),
+    x_t = forward_noise(x0, noise[j], sig[:, j]) and v its velocity: one DiT forward of len(js) x b
+    rows (level js[i]'s rows at block i, the conditions tiled alike), split back per level."""
     from trainer.nft import forward_noise
 
+    x_ts = [forward_noise(x0, noise[j], sig[:, j]) for j in js]
     if len(js) == 1:
-        j = js.start
-        return [velocity_fn(model, rows, forward_noise(x0, noise[j], sig[:, j]), sig[:, j])]
+        return [(x_ts[0], velocity_fn(model, rows, x_ts[0], sig[:, js.start]))]
     b = int(x0.shape[0])
-    tiled = rows[list(range(b)) * len(js)]
-    x_t = torch.cat([forward_noise(x0, noise[j], sig[:, j]) for j in js])
-    v = velocity_fn(model, tiled, x_t, torch.cat([sig[:, j] for j in js]))
-    return list(v.split(b))
+    v = velocity_fn(model, rows[list(range(b)) * len(js)], torch.cat(x_ts), torch.cat([sig[:, j] for j in js]))
+    return list(zip(x_ts, v.split(b)))
 
 
 class Actor:
@@ -663,8 +661,8 @@ class Actor:
                 x0 = _clean_latents(rows).to(self.device)
                 out[(s, e)] = []
                 for js in _nft_chunks(sig.shape[1], int(self.grpo.nft_sigmas_per_forward)):
-                    v = _nft_velocities(velocity_fn, self.model, rows, x0, noise, sig, js)
-                    out[(s, e)] += [vj.detach().float() for vj in v]
+                    out[(s, e)] += [v.detach().float()
+                                    for _, v in _nft_velocities(velocity_fn, self.model, rows, x0, noise, sig, js)]
                 if progress is not None:
                     progress()
             reshard_all(self.model)
@@ -675,7 +673,7 @@ class Actor:
                                  r: torch.Tensor, velocity_fn: VelocityFn, stats: "_NftStats") -> None:
         """Step 4, one micro-batch: for each of its K sigmas one forward with grad and the NFT
         loss over the valid rows, each backward scaled by 1 / K and the global valid share."""
-        from trainer.nft import forward_noise, nft_loss
+        from trainer.nft import nft_loss
 
         g = self.grpo
         sig, noise = draw
@@ -684,14 +682,14 @@ class Actor:
         k = sig.shape[1]
         idx = plan.partial_rows.get((s, e))
         for js in _nft_chunks(k, int(g.nft_sigmas_per_forward)):
-            vs = _nft_velocities(velocity_fn, self.model, rows, x0, noise, sig, js)
+            levels = _nft_velocities(velocity_fn, self.model, rows, x0, noise, sig, js)
             stats.transitions += (e - s) * len(js)
             if not n_rows:
-                (sum(v.float().sum() for v in vs) * 0.0).backward()  # FSDP's reduce-scatter must still run on every rank
+                # FSDP's reduce-scatter must still run on every rank
+                (sum(v.float().sum() for _, v in levels) * 0.0).backward()
                 continue
             total = 0.0
-            for j, v in zip(js, vs):
-                x_t = forward_noise(x0, noise[j], sig[:, j])
+            for j, (x_t, v) in zip(js, levels):
                 vo, xt, xz, sj, rr = v_old[j], x_t, x0, sig[:, j], r[s:e]
                 if idx is not None:
                     v, vo, xt, xz, sj, rr = (t.index_select(0, idx) for t in (v, vo, xt, xz, sj, rr))
