@@ -1611,6 +1611,8 @@ def bench_scorers(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from trainer.config import GrpoConfig
+
     p = tool_parser("bench", __doc__)
     p.add_argument("--family", choices=FAMILIES, default="qwen_image",
                    help="model family: qwen_image (Qwen-Image), sd3 (Stable Diffusion 3.5 Medium), flux "
@@ -1704,12 +1706,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"the FlowGRPO step once per source, of {OLD_LOGPROB_SOURCES} (the trainer's "
                         "--old-logprob-source), each with the on-policy figures beside it (step_onpolicy); unset: "
                         "replay only, without step_onpolicy")
-    p.add_argument("--nft-timestep-fraction", type=float, default=None,
-                   help="the nft step's noise levels per sample, as the trainer's flag (in (0, 1]; unset: the "
-                        "config's default)")
-    p.add_argument("--nft-sigmas-per-forward", type=int, default=None,
+    p.add_argument("--nft-timestep-fraction", type=float, default=GrpoConfig.nft_timestep_fraction,
+                   help="the nft step's noise levels per sample, as the trainer's flag (in (0, 1]; default: the "
+                        "config's)")
+    p.add_argument("--nft-sigmas-per-forward", type=int, default=GrpoConfig.nft_sigmas_per_forward,
                    help="the nft step's noise levels per DiT forward, as the trainer's flag (>= 0, 0: all of a "
-                        "micro-batch's levels in one; unset: the config's default)")
+                        "micro-batch's levels in one; default: the config's)")
     p.add_argument("--compare", nargs="+", default=[], choices=COMPARE_PATHS, metavar="PATH",
                    help=f"also time the same rollout through other code on the same modules, before the engine's "
                         f"speed options are switched on: any of {COMPARE_PATHS} (flowgrpo needs --flowgrpo-path and "
@@ -1757,17 +1759,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if "nft" in args.algorithms and args.guidance_scale > 1.0:
         p.error("--algorithms nft samples CFG-free (the trainer refuses --algorithm nft with guidance_scale > 1): "
                 "drop nft or --guidance-scale")
-    if args.nft_timestep_fraction is None:
-        from trainer.config import GrpoConfig
-
-        args.nft_timestep_fraction = GrpoConfig.nft_timestep_fraction
-    elif not 0.0 < args.nft_timestep_fraction <= 1.0:
+    if not 0.0 < args.nft_timestep_fraction <= 1.0:
         p.error(f"--nft-timestep-fraction must be in (0, 1], got {args.nft_timestep_fraction}")
-    if args.nft_sigmas_per_forward is None:
-        from trainer.config import GrpoConfig
-
-        args.nft_sigmas_per_forward = GrpoConfig.nft_sigmas_per_forward
-    elif args.nft_sigmas_per_forward < 0:
+    if args.nft_sigmas_per_forward < 0:
         p.error(f"--nft-sigmas-per-forward must be >= 0, got {args.nft_sigmas_per_forward}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
