@@ -93,6 +93,28 @@ def reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def time_backward(model, step, iters: int, device) -> tuple[str, float | None]:
+    """("ok", the fastest of `iters` timed calls of step() after one warm-up) or ("oom", None) when
+    the device runs out of memory; step() runs a forward and its backward through `model`, whose
+    gradients are dropped after every call."""
+    import torch
+
+    reset_peak(device)
+    times = []
+    try:
+        for _ in range(iters + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        return "ok", min(times[1:])
+    except torch.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        return "oom", None
+
+
 def build_transformer(size: str, dtype, device, seed: int = 0):
     """WanTransformer3DModel of `size` (SIZES) built on `device` in `dtype`, diffusers' own init
     seeded by `seed` (the same seed gives the same weights on one device type), eval mode."""
@@ -172,27 +194,17 @@ def bench_replay(model, geometry, args, device, dtype, base: dict) -> None:
     x = torch.randn(rows, *shape, generator=g).to(device, dtype)
     t = torch.full((rows,), 500.0, device=device)
     ctx = torch.randn(rows, text_len, text_dim, generator=g).to(device, dtype)
+
+    def step():
+        out = model(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0]
+        out.float().square().mean().backward()
+
     for checkpointing in (True, False):
         if checkpointing:
             model.enable_gradient_checkpointing()
         else:
             model.disable_gradient_checkpointing()
-        reset_peak(device)
-        times = []
-        try:
-            for _ in range(args.iters + 1):
-                sync(device)
-                t0 = time.perf_counter()
-                out = model(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0]
-                out.float().square().mean().backward()
-                sync(device)
-                times.append(time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
-                del out
-            status, secs = "ok", min(times[1:])
-        except torch.OutOfMemoryError:
-            status, secs = "oom", None
-            model.zero_grad(set_to_none=True)
+        status, secs = time_backward(model, step, args.iters, device)
         emit(args.out, {**base, "figure": "replay_transition", "value": secs, "unit": "s",
                         "geometry": f"{f}x{h}x{w}", "rows": rows, "activation_checkpointing": checkpointing,
                         "tokens": token_count(shape), "peak_gb": peak_gb(device), "status": status})
@@ -340,28 +352,14 @@ def bench_engine(model, geometry, args, device, dtype, base: dict, vae=None):
 def bench_replay_ours(model, traj, geometry, args, device, base: dict) -> None:
     """The adapter's replay of one recorded transition at micro-batch 1 (both CFG rows in one
     forward), forward + backward through the LoRA, activation checkpointing on."""
-    import torch
-
     from trainer.models.wan import WanAdapter
 
     adapter = WanAdapter()
     f, h, w = geometry
     model.enable_gradient_checkpointing()
     one = traj[0:1]
-    reset_peak(device)
-    times = []
-    try:
-        for _ in range(args.iters + 1):
-            sync(device)
-            t0 = time.perf_counter()
-            adapter.replay_transition(model, one, 0).sum().backward()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-        status, secs = "ok", min(times[1:])
-    except torch.OutOfMemoryError:
-        status, secs = "oom", None
-        model.zero_grad(set_to_none=True)
+    status, secs = time_backward(model, lambda: adapter.replay_transition(model, one, 0).sum().backward(),
+                                 args.iters, device)
     emit(args.out, {**base, "figure": "replay_transition_ours", "value": secs, "unit": "s", "geometry": f"{f}x{h}x{w}",
                     "rows": 2 if args.guidance > 1 else 1, "activation_checkpointing": True,
                     "peak_gb": peak_gb(device), "status": status, "path": "WanAdapter.replay_transition"})
