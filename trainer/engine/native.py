@@ -322,8 +322,8 @@ class NativeEngine(EngineMemoryState):
                              latents: dict) -> dict[str, torch.Tensor]:
         """The adapter's encode_instruction of `prompt` shown the sources, beside its
         encode_source latents, which are encoded once per distinct (sources, size) into `latents`
-        (the generate call's) and are the same tensors in every condition that shows them."""
-        self._edit_encoder()
+        (the generate call's) and are the same tensors in every condition that shows them;
+        _load_sources has checked that the family takes sources."""
         images = [s.image for s in sources]
         which = (tuple(s.key for s in sources), tuple(size))
         if which not in latents:
@@ -500,49 +500,24 @@ class NativeEngine(EngineMemoryState):
         peft's save_pretrained / tools/export_checkpoint.py --form adapter write it). Returns
         the LoRA config used."""
         d = Path(path)
-        # NativeEngine._read_lora_dir by name, not self's: SGLangEngine calls this method with itself
         # a two-expert model's export: one adapter directory per transformer, loaded under the
         # names the engine's two-expert module gives them ("transformer.", "transformer_2.")
         parts = [(d / c, c + ".") for c in ("transformer", "transformer_2")]
         if all((p / "adapter_config.json").is_file() for p, _ in parts):
             cfg, named = None, []
             for part, prefix in parts:
-                part_cfg, part_named = NativeEngine._read_lora_dir(part)
+                part_cfg, part_named = read_lora_dir(part)
                 if cfg is not None and (cfg["rank"], cfg["alpha"]) != (part_cfg["rank"], part_cfg["alpha"]):
                     raise WeightSyncError(f"--lora {str(path)!r}: its transformer/ and transformer_2/ adapters have "
                                           "different r / lora_alpha; re-export the checkpoint")
                 cfg = cfg or part_cfg
                 named += [(prefix + n, t) for n, t in part_named]
         else:
-            cfg, named = NativeEngine._read_lora_dir(d)
+            cfg, named = read_lora_dir(d)
             # a diffusers pipeline-level LoRA file also prefixes the component ("transformer.")
             named = [(n.removeprefix("transformer."), t) for n, t in named]
         self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
         return dict(self._lora_config)  # normalised, as installed
-
-    @staticmethod
-    def _read_lora_dir(d: Path) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
-        """(LoRA config, [(name, tensor)]) of one PEFT adapter directory, peft's "base_model.model."
-        prefix and adapter-name segment removed as in a sync."""
-        from safetensors.torch import load_file
-
-        cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
-        if not cfg_file.is_file() or not weights.is_file():
-            raise FileNotFoundError(f"--lora {str(d)!r} must be a PEFT adapter directory holding "
-                                    "adapter_config.json and adapter_model.safetensors")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except ValueError as e:
-            raise ValueError(f"--lora: {cfg_file} is not valid JSON ({e}); re-export the adapter") from None
-        cfg = {"rank": raw.get("r"), "alpha": raw.get("lora_alpha"), "target_modules": raw.get("target_modules")}
-        if cfg["rank"] is None or cfg["alpha"] is None:
-            raise WeightSyncError(f"--lora: {cfg_file} has no r / lora_alpha: not a peft LoRA adapter config")
-        try:
-            tensors = load_file(str(weights))
-        except Exception as e:  # safetensors raises its own error types for truncated / garbled files
-            raise ValueError(f"--lora: {weights} is not a readable safetensors file ({e}); re-export the "
-                             "adapter") from None
-        return cfg, [(strip_wrapper_segments(key), tensor) for key, tensor in tensors.items()]
 
     def get_weights_checksum(self) -> str:
         """core.checksum.weights_checksum over the DiT's parameters (diffusers names, wrapper
@@ -605,6 +580,30 @@ class _WeightIndex:
         self.lora_names_checked: tuple[str, ...] | None = None
         #: the sync version this index was last checked for (None: a look outside a sync)
         self.version: int | None = None
+
+
+def read_lora_dir(d: Path) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """(LoRA config, [(name, tensor)]) of one PEFT adapter directory, peft's "base_model.model."
+    prefix and adapter-name segment removed as in a sync."""
+    from safetensors.torch import load_file
+
+    cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise FileNotFoundError(f"--lora {str(d)!r} must be a PEFT adapter directory holding "
+                                "adapter_config.json and adapter_model.safetensors")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"--lora: {cfg_file} is not valid JSON ({e}); re-export the adapter") from None
+    cfg = {"rank": raw.get("r"), "alpha": raw.get("lora_alpha"), "target_modules": raw.get("target_modules")}
+    if cfg["rank"] is None or cfg["alpha"] is None:
+        raise WeightSyncError(f"--lora: {cfg_file} has no r / lora_alpha: not a peft LoRA adapter config")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own error types for truncated / garbled files
+        raise ValueError(f"--lora: {weights} is not a readable safetensors file ({e}); re-export the "
+                         "adapter") from None
+    return cfg, [(strip_wrapper_segments(key), tensor) for key, tensor in tensors.items()]
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
