@@ -165,7 +165,8 @@ def test_cfg_vae_encodes_each_source_once_and_samples_as_the_whole_condition_pat
     the negative's conditions share its latents; only the VL encoder runs per prompt), and the
     rollout is bit for bit the one sampled from conditions encoded whole, one per prompt and
     source (each with its own VAE encode of the source, the instruction's latents recorded)."""
-    from trainer.core.media_key import MediaKeys
+    from trainer.core.media_key import condition_key
+    from trainer.models.edit_source import load_source
 
     vae = engine.prompt_encoder.pipe.vae
     encoded = []
@@ -181,10 +182,10 @@ def test_cfg_vae_encodes_each_source_once_and_samples_as_the_whole_condition_pat
     assert len(encoded) == 2 and engine.last_stats["sources_encoded"] == 2.0
     assert engine.last_stats["prompts_encoded"] == 4.0
 
-    media_keys, conds, keys, neg_keys = MediaKeys(), {}, [], []
+    conds, keys, neg_keys = {}, [], []
     for r in reqs:
         for prompt, out in ((r.prompt, keys), (r.negative_prompt, neg_keys)):
-            key = media_keys.condition_key(prompt, r.media, (r.height, r.width))
+            key = condition_key(prompt, [load_source(p).key for p in r.media], (r.height, r.width))
             if key not in conds:
                 conds[key] = engine.encode_condition(prompt, r.media, (r.height, r.width))
             out.append(key)
@@ -475,11 +476,12 @@ def test_a_rollout_opens_each_source_file_once(engine, adapter, sources, monkeyp
 
 
 def test_source_read_once_keys_and_decodes_the_same_bytes(sources):
-    from trainer.core.media_key import MediaKeys
+    from trainer.data import MediaDigests
     from trainer.models.edit_source import load_source, open_source_image
 
     src = load_source(sources[0])
-    assert src.key == MediaKeys().key(sources[0]) == load_source(sources[2]).key  # a renamed copy: one key
+    # the data tools' key of the file, and a renamed copy's: one key
+    assert src.key == MediaDigests().key(str(sources[0])) == load_source(sources[2]).key
     assert src.key != load_source(sources[1]).key
     assert src.image.mode == "RGB" and src.image.tobytes() == open_source_image(sources[0]).tobytes()
 
