@@ -539,10 +539,12 @@ class Trainer:
         if self.watch is not None:  # collective: image statistics gathered like the scores
             from trainer.rewards.watch import rollout_watch_metrics
 
-            # the candidates as the scorers see them (a video: its frame strip), not their sources
-            viewed = [_viewable(x, gap=0) for x in (traj.images.unbind(0) if traj is not None else [])]
-            m.update(rollout_watch_metrics(self.watch, viewed, local_idx,
-                                           self.num_groups * self.group_size, self.group_size, reward))
+            with Timer(self.device) as t:
+                # the candidates as the scorers see them (a video: its frame strip), not their sources
+                viewed = [_viewable(x, gap=0) for x in (traj.images.unbind(0) if traj is not None else [])]
+                m.update(rollout_watch_metrics(self.watch, viewed, local_idx,
+                                               self.num_groups * self.group_size, self.group_size, reward))
+            m["perf/watch_time"] = t.elapsed
             if self.watch.suspect:
                 log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
                 self.stop_reason = self.watch.message() if cfg.reward.stop_on_hacking else None
@@ -595,8 +597,10 @@ class Trainer:
             m.update(t.memory("checkpoint"))
 
         # the device goes back to the engine for the next rollout
-        m.update(end_update(self.actor, self.engine, offload_train=colo.offload_train,
-                            offload_rollout=colo.offload_rollout))
+        with Timer(self.device) as t:
+            m.update(end_update(self.actor, self.engine, offload_train=colo.offload_train,
+                                offload_rollout=colo.offload_rollout))
+        m["perf/end_update_time"] = t.elapsed
 
         # 7. eval
         if self.eval_sets and self._due(k, cfg.eval.eval_interval):
