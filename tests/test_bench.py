@@ -332,6 +332,54 @@ def test_step_options_that_do_not_combine_are_usage_errors(argv, message, capsys
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--family", "sd3", "--text-tokens-spread", "8"], "--text-tokens-spread varies Qwen-Image's prompt lengths"),
+    (["--text-tokens", "16", "--text-tokens-spread", "16"], "--text-tokens-spread must be in [0, --text-tokens = 16)"),
+    (["--text-tokens-spread", "-1"], "--text-tokens-spread must be in [0"),
+])
+def test_text_tokens_spread_out_of_range_is_a_usage_error(argv, message, capsys):
+    from tools.bench import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_spread_prompts_have_the_drawn_lengths_and_change_every_rollout():
+    """--text-tokens-spread: each rollout's prompts encode to exactly the lengths drawn for it, the
+    lengths stay within the spread, and another rollout brings other lengths and other prompts."""
+    from tools.bench import make_prompts, spread_lengths
+
+    engine = build_engine("tiny", torch.device("cpu"), torch.float32, max_batch_size=4)
+    enc = engine.prompt_encoder
+    drawn = {r: spread_lengths(6, 64, 16, r, seed=0) for r in range(4)}
+    assert all(48 <= t <= 64 for lengths in drawn.values() for t in lengths)
+    assert len({tuple(v) for v in drawn.values()}) > 1 and drawn[0] == spread_lengths(6, 64, 16, 0, seed=0)
+    seen = set()
+    for r in (0, 1):
+        prompts = make_prompts(6, engine.tokenizer, enc.template, enc.template_start_idx, drawn[r], salt=f" take {r}")
+        assert [int(engine.encode_prompt(p)["prompt_embeds"].shape[0]) for p in prompts] == drawn[r]
+        assert not seen & set(prompts)
+        seen |= set(prompts)
+
+
+def test_tiny_run_with_spread_prompt_lengths_stays_on_policy(tmp_path):
+    """Prompts of different lengths in one rollout (the masked path) and new lengths every
+    rollout: the step's first update still has ratio 1 and the replay equals the sampler."""
+    out = tmp_path / "spread.jsonl"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
+           "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "1",
+           "--prompts", "3", "--group-size", "2", "--micro-batch", "2", "--num-updates", "1", "--iters", "1",
+           "--text-tokens", "64", "--text-tokens-spread", "16", "--old-logprob-source", "replay",
+           "--skip", "dit", "checksum", "merged", "replay", "update", "adapter", "offload", "--out", str(out)]
+    proc = run_bench(cmd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = {line["figure"]: line for line in map(json.loads, out.read_text().splitlines())}
+    onpolicy = figures["step_onpolicy"]
+    assert onpolicy["geometry"]["text_tokens_spread"] == 16
+    assert onpolicy["first_update_ratio_mean"] == 1.0 and onpolicy["sampler_replay_gap_max_abs"] < 1e-5
+
+
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 def test_parallelize_checkpoints_only_every_kth_block():
     """activation_checkpointing_every=k wraps blocks 0, k, 2k, ... and no others; the output and

@@ -593,12 +593,15 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int =
 _COLOURS = ("red", "green", "blue", "yellow", "cyan", "magenta", "orange", "purple")
 
 
-def make_prompts(n: int, tokenizer, template: str, start_idx: int, text_tokens: int) -> list[str]:
+def make_prompts(n: int, tokenizer, template: str, start_idx: int, text_tokens: int | Sequence[int],
+                 salt: str = "") -> list[str]:
     """n distinct prompts whose encoded conditioning (template suffix included, prefix dropped)
-    is `text_tokens` tokens long under `tokenizer`, so the DiT sees the intended text length."""
+    is `text_tokens` tokens long under `tokenizer` (one length for all, or one per prompt), so the
+    DiT sees the intended text length; `salt` makes another set of prompts of the same lengths."""
+    lengths = [int(text_tokens)] * n if isinstance(text_tokens, int) else [int(t) for t in text_tokens]
     out = []
-    for i in range(n):
-        base = f"a {_COLOURS[i % len(_COLOURS)]} ball number {i}"
+    for i, text_tokens in enumerate(lengths):
+        base = f"a {_COLOURS[i % len(_COLOURS)]} ball number {i}{salt}"
         words = base
         filler = " on a wide green field under a blue sky"
         while True:
@@ -611,6 +614,16 @@ def make_prompts(n: int, tokenizer, template: str, start_idx: int, text_tokens: 
             words = words[:-1]
         out.append(words)
     return out
+
+
+def spread_lengths(n: int, text_tokens: int, spread: int, rollout_id: int, seed: int) -> list[int]:
+    """--text-tokens-spread: rollout `rollout_id`'s n prompt lengths, drawn uniformly from
+    [text_tokens - spread, text_tokens] by (seed, rollout_id), so every rollout brings new ones
+    (as a run's prompts do), and the same ones in every run."""
+    import random
+
+    rng = random.Random(f"{seed}:{rollout_id}")
+    return [rng.randint(text_tokens - spread, text_tokens) for _ in range(n)]
 
 
 def build_requests(engine, adapter, sampling, prompts: Sequence[str], group_size: int, sde_indices: list[int],
@@ -752,6 +765,8 @@ class Ctx:
     images_per_s: dict[str, float] = field(default_factory=dict)
     #: an editing family's source file per prompt (None: text-to-image)
     media: list[str] | None = None
+    #: --text-tokens-spread: rollout id -> that rollout's prompts (None: c.prompts in every rollout)
+    rollout_prompts: Callable[[int], list[str]] | None = None
     #: the engine draws videos, scored frame by frame (score); the rollout figures count `items`
     video: bool = False
     items: str = "images"
@@ -817,7 +832,8 @@ def cfg_rows(c: Ctx) -> int:
 def rollout(c: Ctx, rollout_id: int, sampling: Any = None, sde_indices: list[int] | None = None) -> tuple[Any, float]:
     """One rollout of prompts x group_size candidates through engine.generate; (Trajectory, s).
     sampling / sde_indices: another sampling config than the bench's (the nft step's ODE one)."""
-    reqs = build_requests(c.engine, c.adapter, sampling or c.sampling, c.prompts, c.args.group_size,
+    prompts = c.rollout_prompts(rollout_id) if c.rollout_prompts is not None else c.prompts
+    reqs = build_requests(c.engine, c.adapter, sampling or c.sampling, prompts, c.args.group_size,
                           c.sde_indices if sde_indices is None else sde_indices, c.args.seed, rollout_id, c.media)
     with timed(c.device) as t:
         traj = c.engine.generate(reqs)
@@ -1655,6 +1671,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=8, help="candidates per prompt (prompts x group = per GPU)")
     p.add_argument("--text-tokens", type=int, default=None,
                    help="text conditioning length of every prompt; unset: 128 (--family wan: 512, the UMT5 window)")
+    p.add_argument("--text-tokens-spread", type=int, default=0,
+                   help="Qwen-Image: every rollout draws new prompts whose text lengths spread over "
+                        "[--text-tokens - K, --text-tokens] (a run's prompts vary in length: batches then carry "
+                        "the attention mask and compiled blocks see changing lengths); 0: every prompt has "
+                        "exactly --text-tokens, the same prompts in every rollout. MFU still counts --text-tokens")
     p.add_argument("--engine-batch-size", "--max-batch", dest="max_batch", type=int, default=0,
                    help="engine candidates per DiT forward; 0 = all")
     p.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=8,
@@ -1763,6 +1784,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--nft-timestep-fraction must be in (0, 1], got {args.nft_timestep_fraction}")
     if args.nft_sigmas_per_forward < 0:
         p.error(f"--nft-sigmas-per-forward must be >= 0, got {args.nft_sigmas_per_forward}")
+    if args.text_tokens_spread and args.family != "qwen_image":
+        p.error(f"--text-tokens-spread varies Qwen-Image's prompt lengths; --family {args.family} pads every prompt "
+                "to its window or draws fixed prompts: drop it")
+    if not 0 <= args.text_tokens_spread < args.text_tokens:
+        p.error(f"--text-tokens-spread must be in [0, --text-tokens = {args.text_tokens}), got {args.text_tokens_spread}")
     if args.prompts * args.group_size % (args.num_updates * args.micro_batch):
         p.error(f"--micro-batch-size {args.micro_batch} x --num-updates-per-batch {args.num_updates} must divide "
                 f"the {args.prompts * args.group_size} candidates per GPU (--prompts x --group-size)")
@@ -1929,6 +1955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
                     "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype,
                     "replay_precision": args.replay_precision,
+                    **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
         peak = args.peak_tflops
@@ -1941,6 +1968,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
                 image_tokens, text_tokens, peak, fam.forward_flops, media=media, video=getattr(fam, "video", False),
                 items=getattr(fam, "items", "images"))
+        if args.text_tokens_spread:
+            encoder = engine.prompt_encoder
+
+            def spread_prompts(rollout_id: int) -> list[str]:
+                lengths = spread_lengths(args.prompts, args.text_tokens, args.text_tokens_spread, rollout_id, args.seed)
+                return make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
+                                    lengths, salt=f" take {rollout_id}")
+
+            c.rollout_prompts = spread_prompts
 
         skip = set(args.skip)
         speedups = args.rollout_compile or args.rollout_precision != "default"
