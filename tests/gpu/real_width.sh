@@ -13,7 +13,9 @@
 #   speed   (speed-resident / speed-offload: one of them) the product path with the speed options
 #           (SPEED_FLAGS, default the compiled FP8 rollout + --fsdp-compile) for SPEED_ROLLOUTS (6)
 #           rollouts, then tools/bench.py at the same depth and options, and the two steady steps
-#           side by side with their stage split (tests/gpu/compare_product_bench.py);
+#           side by side with their stage split (tests/gpu/compare_product_bench.py); then the
+#           bench again with new prompts of varied lengths every rollout (--text-tokens-spread
+#           $SPREAD, default 30; 0 leaves it out) beside the same product run;
 #   compile-resume  the resident recipe with the speed options and a fresh --compile-cache-dir for
 #           2 rollouts, then resumed for 2 more: the first step of each (what a resume pays to compile);
 #   report  the runs' TensorBoard scalars as JSON.
@@ -151,6 +153,16 @@ PY
           > "$OUT/bench-speed-$mode.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode.log"; exit 1; }
         $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode.jsonl" \
           | tee "$OUT/product-vs-bench-$mode.txt"
+        # the bench again with prompts of varied lengths, new every rollout, as the product path's
+        # (SPREAD=0 leaves it out): how much of the gap the text lengths are
+        if [[ ${SPREAD:-30} != 0 ]]; then
+          $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
+            --text-tokens-spread "${SPREAD:-30}" \
+            --skip dit checksum merged replay update adapter --out "$OUT/bench-speed-$mode-spread.jsonl" \
+            > "$OUT/bench-speed-$mode-spread.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode-spread.log"; exit 1; }
+          $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode-spread.jsonl" \
+            | tee "$OUT/product-vs-bench-$mode-spread.txt"
+        fi
       done ;;
     compile-resume)
       # What a resumed run pays to compile: the resident recipe with the speed options and a fresh
