@@ -83,3 +83,94 @@ def test_eval_scorer_entries_parse():
         ("aesthetic", "/m/a"), ("jpeg_compressibility", None)]
     with pytest.raises(ValueError, match="--eval-reward-scorers"):
         parse_eval_scorers(["=/m/a"])
+
+
+def _reference(images):
+    """The per-image numpy reference, as per_image_statistics' columns."""
+    from trainer.rewards.watch import STATS, thumbnail
+    rows = [image_statistics(a) for a in images]
+    return {k: np.array([r[k] for r in rows]) for k in STATS}, np.stack([thumbnail(a) for a in images])
+
+
+def _assert_matches_reference(cols, images):
+    ref, thumbs = _reference(images)
+    for k in ("dark_fraction", "saturated_fraction", "edge_density", "jpeg_bytes_per_pixel"):
+        # identical float32 arithmetic before each threshold: the same pixels count
+        np.testing.assert_array_equal(cols[k].numpy(), ref[k].astype(np.float32), err_msg=k)
+    np.testing.assert_allclose(cols["color_entropy"].numpy(), ref["color_entropy"], rtol=0, atol=1e-6)
+    # float32 sums in a different order
+    np.testing.assert_allclose(cols["high_freq_energy"].numpy(), ref["high_freq_energy"], rtol=1e-6, atol=1e-9)
+    got = torch.stack([cols[k] for k in sorted(cols) if k.startswith("thumb_")], 1).numpy()
+    np.testing.assert_array_equal(got, thumbs)
+
+
+def _constructed(h=40, w=48):
+    rng = np.random.default_rng(1)
+    black = np.zeros((h, w, 3), np.uint8)
+    red = black.copy()
+    red[..., 0] = 255
+    noise = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    grid = np.full((h, w, 3), 128, np.uint8)
+    grid[::4] = 255
+    grid[:, ::5] = 0
+    yy, xx = np.meshgrid(np.linspace(0, 1, h), np.linspace(0, 1, w), indexing="ij")
+    smooth = np.round(np.stack([xx, yy, (xx + yy) / 2], -1) * 255).astype(np.uint8)
+    # every value near the thresholds: maxima around 16 and 64, saturations around 0.9, steps near 0.1
+    near = np.stack([rng.integers(10, 70, (h, w)), rng.integers(0, 12, (h, w)), rng.integers(0, 30, (h, w))], -1)
+    # pixels on the thresholds themselves: (10k, k, k) has saturation 0.9 in exact arithmetic and
+    # 0.90000004 in float32; the pairs side by side have a float32 luminance step of exactly
+    # float32(0.1) (first six), or one on the other side of 0.1 than the step computed as
+    # r w0 + (g w1 + b w2) (last six): a search over all colours for such pairs
+    edge_pairs = [((40, 21, 6), (10, 57, 123)), ((51, 2, 24), (17, 48, 100)), ((61, 8, 46), (1, 62, 149)),
+                  ((7, 35, 20), (0, 42, 226)), ((3, 14, 194), (1, 94, 11)), ((0, 1, 18), (4, 9, 190)),
+                  ((110, 175, 158), (232, 173, 72)), ((230, 54, 55), (249, 53, 234)),
+                  ((86, 187, 255), (249, 168, 149)), ((170, 206, 40), (233, 209, 83)),
+                  ((213, 210, 217), (216, 249, 232)), ((192, 65, 171), (254, 99, 57))]
+    row = [(10 * k, k, k) for k in range(7, 26)] + [p for pair in edge_pairs for p in pair]
+    boundary = np.repeat(np.array(row, np.uint8)[None], 6, axis=0)  # identical rows: dy = 0
+    return [black, red, noise, grid, smooth, near.astype(np.uint8), boundary]
+
+
+def test_batched_statistics_equal_the_per_image_reference(monkeypatch):
+    from trainer.rewards import watch
+    from trainer.rewards.watch import pixel_statistics
+
+    monkeypatch.setitem(watch._CHUNK_PIXELS, "cpu", 3 * 33 * 29)  # the random batch in 4 chunks
+
+    images = _constructed()
+    _assert_matches_reference(per_image_statistics(images), images)
+    rng = np.random.default_rng(2)
+    batch = [rng.integers(0, 256, (33, 29, 3), dtype=np.uint8) for _ in range(10)]
+    _assert_matches_reference(per_image_statistics(batch), batch)
+    # a uint8 [B, 3, H, W] tensor gives the same columns as its HWC arrays
+    t = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2).contiguous()
+    via_tensor, via_arrays = per_image_statistics(t), per_image_statistics(batch)
+    assert via_tensor.keys() == via_arrays.keys() and all(torch.equal(via_tensor[k], via_arrays[k]) for k in via_arrays)
+    # mixed sizes fall back to one batch per image; tiny images have no gradients (0, like numpy)
+    mixed = [batch[0], images[2], images[-1], np.full((1, 5, 3), 200, np.uint8), np.full((2, 2, 3), 9, np.uint8)]
+    _assert_matches_reference(per_image_statistics(mixed), mixed)
+    assert per_image_statistics([])["dark_fraction"].shape == (0,)
+    with pytest.raises(ValueError, match=r"uint8 images \[B, 3, H, W\]"):
+        pixel_statistics(t.float())
+
+
+def test_the_watch_quantises_float_images_like_the_png_writer():
+    """rollout_watch_metrics' input (float [3, H, W] in [0, 1], out of range too) gives the
+    statistics of round(clamp(x, 0, 1) * 255), the bytes a PNG of it holds."""
+    from trainer.rewards.base import ImageBatch
+    from trainer.rewards.watch import _as_uint8_batch
+
+    g = torch.Generator().manual_seed(3)
+    floats = [torch.rand(3, 24, 20, generator=g) * 1.2 - 0.1 for _ in range(4)]
+    floats[1] = (torch.arange(24 * 20 * 3).reshape(3, 24, 20) % 256).float() / 255  # exact x / 255 values
+    floats[2] = floats[2].bfloat16()
+    batch = _as_uint8_batch(floats)
+    assert batch.dtype == torch.uint8 and batch.shape == (4, 3, 24, 20)
+    png_bytes = ImageBatch.from_any(floats).uint8
+    assert all(np.array_equal(a, b) for a, b in zip(batch.permute(0, 2, 3, 1).numpy(), png_bytes))
+    assert torch.equal(_as_uint8_batch(torch.stack([f.float() for f in floats])), batch)
+    cols = per_image_statistics(batch)
+    _assert_matches_reference(cols, png_bytes)
+    # mixed geometries go through ImageBatch to per-image arrays, same figures per image
+    mixed = _as_uint8_batch([floats[0], floats[1][:, :10]])
+    assert isinstance(mixed, list) and np.array_equal(mixed[0], png_bytes[0])

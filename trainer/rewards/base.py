@@ -122,10 +122,18 @@ def _float_to_uint8_hwc(images: torch.Tensor) -> np.ndarray:
 
     Computed in fp32 whatever the input dtype, so bf16 engine output quantises like fp32.
     """
+    return quantize_uint8(images.detach().cpu()).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def quantize_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Float images in [0, 1] -> uint8 = round(clamp(x, 0, 1) * 255) (the PNG writer's
+    quantisation), same shape, on the images' own device; uint8 input is returned as is.
+
+    fp32 whatever the input dtype (bf16 converts exactly); clamp, one multiply and
+    round-half-to-even are exact IEEE operations, so every device gives the same bytes."""
     if images.dtype == torch.uint8:
-        return images.detach().cpu().permute(0, 2, 3, 1).contiguous().numpy()
-    x = images.detach().to("cpu", torch.float32).clamp(0.0, 1.0).mul(255.0).round()
-    return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+        return images.detach()
+    return images.detach().to(torch.float32).clamp(0.0, 1.0).mul(255.0).round().to(torch.uint8)
 
 
 def _one_to_uint8(img: Any, index: int) -> np.ndarray:
