@@ -452,6 +452,36 @@ def test_two_sources_per_record_condition_as_the_pipeline_and_replay(edit_dir, e
 # ------------------------------------------------------------------------- the source file, read once
 
 
+def test_scorers_get_the_engines_read_of_a_source_not_the_file_as_it_is_now(engine, adapter, sources, tmp_path):
+    """The loop hands the scorers the pixels of the engine's own read (take_sources): the file is
+    not read again, so a source replaced after the rollout still scores as the image the model
+    was shown; take_sources hands the reads over once."""
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+
+    from trainer.loop import _scorer_inputs, take_sources
+    from trainer.models.edit_source import source_pixels
+    from trainer.rewards.base import SOURCE_IMAGES_KEY
+    from trainer.rollout import generate_rollout
+    from trainer.sampling import parse_sampling_config
+
+    src = str(tmp_path / "source.png")
+    shutil.copy(sources[0], src)
+    shown = source_pixels(src, 32, 32)
+    records = [{"prompt": "<image> make the square red", "images": [src], "metadata": {"task": "i2i", "sample_id": "e0"}}]
+    out = generate_rollout(engine, adapter, records, rollout_id=0, sampling=parse_sampling_config(SAMPLING),
+                           group_size=2, generation_seed=3)
+    Image.fromarray(np.full((40, 40, 3), 7, np.uint8)).save(src)  # the file changes after the rollout
+    reads = take_sources(engine)
+    assert list(reads) == [src] and engine.last_sources == {} and take_sources(engine) == {}
+    _, _, metadata = _scorer_inputs(out.trajectory, reads)
+    assert all(np.array_equal(m[SOURCE_IMAGES_KEY][0], shown) for m in metadata)
+    _, _, reread = _scorer_inputs(out.trajectory)  # without the engine's reads: the file as it is now
+    assert np.array_equal(reread[0][SOURCE_IMAGES_KEY][0], np.full((32, 32, 3), 7, np.uint8))
+
+
 def test_a_rollout_opens_each_source_file_once(engine, adapter, sources, monkeypatch):
     """With CFG (the instruction's and the negative's conditions both show the source) and two
     candidates per record, each record's file is opened once per rollout: its condition key and

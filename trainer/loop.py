@@ -150,9 +150,10 @@ def host_memory_gb() -> dict[str, float]:
     return out
 
 
-def _scorer_inputs(traj: Any) -> tuple[list[torch.Tensor], list[str], list[dict]]:
+def _scorer_inputs(traj: Any, sources: dict | None = None) -> tuple[list[torch.Tensor], list[str], list[dict]]:
     """(images, prompts, metadata) of a rollout's trajectory for a scorer; empty lists for a rank
-    without candidates (it still joins the score gather)."""
+    without candidates (it still joins the score gather). sources: the engine's reads of this
+    rollout's source files (take_sources), reused rather than read again."""
     if traj is None:
         return [], [], []
     metadata = [m or {} for m in traj.metadata]
@@ -160,8 +161,19 @@ def _scorer_inputs(traj: Any) -> tuple[list[torch.Tensor], list[str], list[dict]
         from trainer.models.edit_source import with_source_pixels
         from trainer.rewards.base import SOURCE_IMAGES_KEY
 
-        metadata = with_source_pixels(metadata, [(traj.height, traj.width)] * len(traj), SOURCE_IMAGES_KEY)
+        metadata = with_source_pixels(metadata, [(traj.height, traj.width)] * len(traj), SOURCE_IMAGES_KEY,
+                                      sources)
     return list(traj.images.unbind(0)), list(traj.prompts), metadata
+
+
+def take_sources(engine: Any) -> dict:
+    """The source files the engine read for its last generate call (NativeEngine.last_sources;
+    {} for an engine without them), handed over once: the engine's reference is dropped, so an
+    eval set's decoded sources are not held through the steps that follow."""
+    sources = getattr(engine, "last_sources", None) or {}
+    if sources:
+        engine.last_sources = {}
+    return sources
 
 
 def _viewable(media: torch.Tensor, gap: int = 2) -> torch.Tensor:
@@ -519,7 +531,7 @@ class Trainer:
             manager = self.reward_manager
             local_idx = [g * self.group_size + s for g, s in out.candidates]
             traj = out.trajectory
-            scored = manager.score(*_scorer_inputs(traj))
+            scored = manager.score(*_scorer_inputs(traj, take_sources(self.engine)))
             components = gather_scores(scored.components, local_idx, self.num_groups * self.group_size)
             std_mode = resolve_std_mode(cfg.grpo.generative_advantage_std_mode,
                                         cfg.grpo.disable_grpo_std_normalization, self.group_size)
@@ -753,7 +765,7 @@ class Trainer:
                                    artifact_root=root, task=task_dir,
                                    retention=int(cfg.artifacts.artifact_retention_rollouts), eval=True,
                                    weight_manifest_hash=self._manifest_hash(), writer=self.artifact_writer)
-            inputs = _scorer_inputs(out.trajectory)
+            inputs = _scorer_inputs(out.trajectory, take_sources(self.engine))
             scored = manager.score(*inputs)
             idx = [g * n + s for g, s in out.candidates]
             comps = gather_scores(scored.components, idx, len(records) * n)

@@ -165,6 +165,10 @@ class NativeEngine(EngineMemoryState):
         self._host_arenas: dict[str, HostArena] = {}
         self._lora_config: dict[str, Any] | None = None
         self.last_stats: dict[str, float] = {}
+        #: the source files of the last generate call (path -> edit_source.Source, each read once):
+        #: what the loop hands the scorers, so they see the pixels the model was conditioned on
+        #: without reading the files again
+        self.last_sources: dict[str, Any] = {}
         #: the DiT's name -> parameter index, see _weight_index
         self._weights_index: _WeightIndex | None = None
         #: the speed options in force (enable_speedups adds them, never takes them away)
@@ -261,6 +265,7 @@ class NativeEngine(EngineMemoryState):
         latents: dict[Any, dict[str, torch.Tensor]] = {}  # encode_source's, by (source keys, size)
         guided = requests[0].guidance_scale > 1
         keys, neg_keys = [], []
+        self.last_sources = loaded
         for r in requests:
             sources = self._load_sources(r, loaded)
             for prompt, out in ((r.prompt, keys), (r.negative_prompt if guided else None, neg_keys)):

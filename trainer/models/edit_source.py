@@ -107,12 +107,20 @@ def source_pixels(path: str | os.PathLike, height: int, width: int) -> Any:
     return np.asarray(resized_source(open_source_image(path), height, width), dtype=np.uint8).copy()
 
 
-def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: str) -> list[dict]:
+def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: str,
+                       sources: dict[str, Source] | None = None) -> list[dict]:
     """Copies of the candidates' metadata with `key` (the rewards' SOURCE_IMAGES_KEY) holding the
     uint8 pixels of their SOURCE_PATHS_KEY files at each candidate's (height, width), each file
     decoded once per call and the array shared by the candidates of its record, and the paths
     themselves left out (a remote scorer is sent metadata: it gets the pixels, never this host's
-    file names); metadata without sources is returned as it is."""
+    file names); metadata without sources is returned as it is.
+
+    sources: path -> the Source the engine read for this rollout (NativeEngine.last_sources):
+    a path found there is not read again, its pixels are the engine's image resized by the same
+    rule, so the scorers see what the model was shown even if the file changed since."""
+    import numpy as np
+
+    sources = sources or {}
     cache: dict[tuple[str, int, int], Any] = {}
     out = []
     for md, (h, w) in zip(metadata, sizes):
@@ -123,7 +131,8 @@ def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: 
         pixels = []
         for p in paths:
             if (p, h, w) not in cache:
-                cache[p, h, w] = source_pixels(p, h, w)
+                cache[p, h, w] = (np.asarray(resized_source(sources[p].image, h, w), dtype=np.uint8).copy()
+                                  if p in sources else source_pixels(p, h, w))
             pixels.append(cache[p, h, w])
         out.append({**{k: v for k, v in md.items() if k != SOURCE_PATHS_KEY}, key: pixels})
     return out
