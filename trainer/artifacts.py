@@ -162,6 +162,18 @@ def read_sidecar(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, metadata
 
 
+def quantize_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Float images in [0, 1] -> uint8 = round(clamp(x, 0, 1) * 255), the quantisation of every
+    image and video frame this project writes or scores; same shape, on the images' own device;
+    uint8 input is returned as is.
+
+    fp32 whatever the input dtype (bf16 converts exactly); clamp, one multiply and
+    round-half-to-even are exact IEEE operations, so every device gives the same bytes."""
+    if images.dtype == torch.uint8:
+        return images.detach()
+    return images.detach().to(torch.float32).clamp(0.0, 1.0).mul(255.0).round().to(torch.uint8)
+
+
 def write_png(path, image: torch.Tensor, *, overwrite: bool = False) -> Path:
     """Atomically write a float [3, H, W] image in [0, 1] as an 8-bit RGB PNG."""
     import io
@@ -170,7 +182,7 @@ def write_png(path, image: torch.Tensor, *, overwrite: bool = False) -> Path:
 
     if image.dim() != 3 or image.shape[0] != 3:
         raise ValueError(f"{path}: image must be [3, H, W], got {tuple(image.shape)}")
-    arr = (image.detach().float().clamp(0, 1) * 255.0).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    arr = quantize_uint8(image.float()).permute(1, 2, 0).cpu().numpy()
     buf = io.BytesIO()
     Image.fromarray(arr, mode="RGB").save(buf, format="PNG")
     return atomic_write_bytes(path, buf.getvalue(), overwrite=overwrite)

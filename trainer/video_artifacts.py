@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.artifacts import atomic_write_bytes, rollout_dir, write_png
+from trainer.artifacts import atomic_write_bytes, quantize_uint8, rollout_dir, write_png
 from trainer.video import sample_frame_indices
 
 #: Wan2.1 generates at 16 frames per second (its sample_fps; diffusers' examples export at 16)
@@ -61,7 +61,7 @@ def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
     """[F, 3, H, W] float in [0, 1] -> [F, H, W, 3] uint8 (clamped, rounded), on CPU; the same
     quantisation as the PNG writer's."""
     _check_frames(frames, "frames_to_uint8")
-    return (frames.detach().float().clamp(0, 1) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().contiguous()
+    return quantize_uint8(frames.float()).permute(0, 2, 3, 1).cpu().contiguous()
 
 
 def frame_durations_ms(num_frames: int, fps: float) -> list[int]:

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from trainer.artifacts import quantize_uint8
 from trainer.config import SCORER_SHORT_NAMES
 from trainer.dotpath import import_dotpath
 
@@ -111,36 +112,24 @@ class ImageBatch:
                 images = images.unsqueeze(0)
             if images.ndim != 4 or images.shape[1] != 3:
                 raise ValueError(f"expected an image tensor [3, H, W] or [B, 3, H, W], got {tuple(images.shape)}")
-            return cls(list(_float_to_uint8_hwc(images)))
+            return cls(list(uint8_hwc(images)))
         if isinstance(images, np.ndarray):
             images = [images] if images.ndim == 3 else list(images)
         return cls([_one_to_uint8(img, i) for i, img in enumerate(images)])
 
 
-def _float_to_uint8_hwc(images: torch.Tensor) -> np.ndarray:
-    """[B, 3, H, W] float in [0, 1] -> uint8 numpy [B, H, W, 3] = round(clamp(x, 0, 1) * 255).
-
-    Computed in fp32 whatever the input dtype, so bf16 engine output quantises like fp32.
-    """
+def uint8_hwc(images: torch.Tensor) -> np.ndarray:
+    """[N, 3, H, W] (images, or a video's frames) float in [0, 1] or uint8 -> uint8 numpy
+    [N, H, W, 3], quantised as the PNG writer does (artifacts.quantize_uint8: fp32 whatever the
+    input dtype, so bf16 engine output quantises like fp32)."""
     return quantize_uint8(images.detach().cpu()).permute(0, 2, 3, 1).contiguous().numpy()
-
-
-def quantize_uint8(images: torch.Tensor) -> torch.Tensor:
-    """Float images in [0, 1] -> uint8 = round(clamp(x, 0, 1) * 255) (the PNG writer's
-    quantisation), same shape, on the images' own device; uint8 input is returned as is.
-
-    fp32 whatever the input dtype (bf16 converts exactly); clamp, one multiply and
-    round-half-to-even are exact IEEE operations, so every device gives the same bytes."""
-    if images.dtype == torch.uint8:
-        return images.detach()
-    return images.detach().to(torch.float32).clamp(0.0, 1.0).mul(255.0).round().to(torch.uint8)
 
 
 def _one_to_uint8(img: Any, index: int) -> np.ndarray:
     if isinstance(img, torch.Tensor):
         if img.ndim != 3 or img.shape[0] != 3:
             raise ValueError(f"image {index}: expected a tensor [3, H, W], got {tuple(img.shape)}")
-        return _float_to_uint8_hwc(img.unsqueeze(0))[0]
+        return uint8_hwc(img.unsqueeze(0))[0]
     if isinstance(img, np.ndarray):
         return img  # ImageBatch checks it is uint8 [H, W, 3]
     if hasattr(img, "convert"):  # PIL.Image

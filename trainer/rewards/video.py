@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from trainer.rewards.base import ImageBatch, RewardError, build_scorer, check_scores, metadata_list
+from trainer.rewards.base import ImageBatch, RewardError, build_scorer, check_scores, metadata_list, uint8_hwc
 from trainer.rewards.vlm_judge import DEFAULT_TEMPLATE, VlmJudgeScorer
 from trainer.video import sample_frame_indices
 
@@ -98,17 +98,10 @@ class VideoBatch:
             if isinstance(v, torch.Tensor):
                 if v.ndim != 4 or v.shape[1] != 3:
                     raise ValueError(f"video {i}: expected a tensor [F, 3, H, W], got {tuple(v.shape)}")
-                out.append(_float_to_uint8_fhwc(v))
+                out.append(uint8_hwc(v))
             else:
                 out.append(v)
         return cls(out)
-
-
-def _float_to_uint8_fhwc(frames: torch.Tensor) -> np.ndarray:
-    if frames.dtype == torch.uint8:
-        return frames.detach().cpu().permute(0, 2, 3, 1).contiguous().numpy()
-    x = frames.detach().to("cpu", torch.float32).clamp(0.0, 1.0).mul(255.0).round()
-    return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
 
 def _frame_rule(every: int | None, count: int | None):

@@ -345,7 +345,8 @@ def _as_uint8_batch(images) -> "torch.Tensor | list[np.ndarray]":
     Float tensors ([B, 3, H, W], or a list of [3, H, W] of one shape) are quantised where they
     are and stay there as one uint8 [B, 3, H, W] batch; anything else (mixed shapes, PIL images,
     uint8 arrays) goes through ImageBatch.from_any to uint8 [H, W, 3] arrays."""
-    from trainer.rewards.base import ImageBatch, quantize_uint8
+    from trainer.artifacts import quantize_uint8
+    from trainer.rewards.base import ImageBatch
 
     if isinstance(images, torch.Tensor) and images.ndim == 4 and images.shape[1] == 3:
         return quantize_uint8(images)
