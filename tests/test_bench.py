@@ -151,6 +151,15 @@ def test_engine_is_the_native_engine_over_the_given_modules():
     assert embeds.shape[1] == 16 and int(mask.sum()) == embeds.shape[0]
 
 
+def assert_usage_error(argv: list[str], message: str, capsys) -> None:
+    """tools/bench.py's parser refuses `argv` with exit 2 and `message` in its error."""
+    from tools.bench import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def run_bench(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     """tools/bench.py as a fresh unlaunched process (no torchrun variables) on one thread: on a
     shared 2-core machine, two spinning OpenMP threads make tiny GEMMs ~10x slower."""
@@ -325,11 +334,7 @@ def test_fp8_replay_precision_gives_the_gradient_figure_and_keeps_the_first_rati
     (["--nft-timestep-fraction", "0"], "--nft-timestep-fraction must be in (0, 1]"),
 ])
 def test_step_options_that_do_not_combine_are_usage_errors(argv, message, capsys):
-    from tools.bench import parse_args
-
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert_usage_error(argv, message, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -338,11 +343,7 @@ def test_step_options_that_do_not_combine_are_usage_errors(argv, message, capsys
     (["--text-tokens-spread", "-1"], "--text-tokens-spread must be in [0"),
 ])
 def test_text_tokens_spread_out_of_range_is_a_usage_error(argv, message, capsys):
-    from tools.bench import parse_args
-
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert_usage_error(argv, message, capsys)
 
 
 def test_spread_prompts_have_the_drawn_lengths_and_change_every_rollout():
@@ -817,11 +818,7 @@ def test_skip_eager_keeps_the_speed_options_rollout_and_the_step(tmp_path):
     (["--skip", "eager", "--rollout-compile", "--compare", "diffusers"], "--compare's ratios are against the eager"),
 ])
 def test_video_and_skip_eager_flags_that_do_not_fit_are_usage_errors(argv, message, capsys):
-    from tools.bench import parse_args
-
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert_usage_error(argv, message, capsys)
 
 
 def test_wan_defaults_are_flowgrpos_geometry_at_the_real_shape():

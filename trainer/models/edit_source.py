@@ -100,11 +100,17 @@ def resized_source(image: Any, height: int, width: int) -> Any:
     return image.resize((int(width), int(height)), resample=Image.Resampling.LANCZOS)
 
 
-def source_pixels(path: str | os.PathLike, height: int, width: int) -> Any:
-    """uint8 [height, width, 3] numpy array of the source file as the engine's VAE saw it."""
+def image_pixels(image: Any, height: int, width: int) -> Any:
+    """uint8 [height, width, 3] numpy array of a source's RGB PIL image as the engine's VAE saw it
+    (resized_source)."""
     import numpy as np
 
-    return np.asarray(resized_source(open_source_image(path), height, width), dtype=np.uint8).copy()
+    return np.asarray(resized_source(image, height, width), dtype=np.uint8).copy()
+
+
+def source_pixels(path: str | os.PathLike, height: int, width: int) -> Any:
+    """uint8 [height, width, 3] numpy array of the source file as the engine's VAE saw it."""
+    return image_pixels(open_source_image(path), height, width)
 
 
 def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: str,
@@ -118,8 +124,6 @@ def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: 
     sources: path -> the Source the engine read for this rollout (NativeEngine.last_sources):
     a path found there is not read again, its pixels are the engine's image resized by the same
     rule, so the scorers see what the model was shown even if the file changed since."""
-    import numpy as np
-
     sources = sources or {}
     cache: dict[tuple[str, int, int], Any] = {}
     out = []
@@ -131,8 +135,7 @@ def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: 
         pixels = []
         for p in paths:
             if (p, h, w) not in cache:
-                cache[p, h, w] = (np.asarray(resized_source(sources[p].image, h, w), dtype=np.uint8).copy()
-                                  if p in sources else source_pixels(p, h, w))
+                cache[p, h, w] = image_pixels(sources[p].image, h, w) if p in sources else source_pixels(p, h, w)
             pixels.append(cache[p, h, w])
         out.append({**{k: v for k, v in md.items() if k != SOURCE_PATHS_KEY}, key: pixels})
     return out
