@@ -44,16 +44,6 @@ def steady(series: list[tuple[int, float]], skip_first: int) -> list[float]:
     return [v for k, v in steps if skip_first <= k < last]
 
 
-def steady_ids(scalars: dict, skip_first: int) -> set[int]:
-    """The rollouts steady() keeps for perf/step_time."""
-    ids = sorted(k for k, _ in scalars.get("perf/step_time", []))
-    return {k for k in ids if skip_first <= k < ids[-1]} if ids else set()
-
-
-def scalars_at(scalars: dict, tag: str, rollout: int) -> float:
-    return dict(scalars.get(tag, [])).get(rollout, 0.0)
-
-
 def bench_step(path: Path) -> dict:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if r.get("figure") == "step_s" and r.get("algorithm", "flowgrpo") == "flowgrpo"]
@@ -78,23 +68,24 @@ def main(argv=None) -> int:
              "sync": stages.get("sync", 0.0) + stages.get("swap_to_sync", 0.0)}
     print(f"{'figure':34s} {'product (median, n)':>22s} {'bench':>8s} {'product/bench':>14s}")
     out = {}
-    for tag, stage in ROWS:
-        vals = steady(scalars.get(tag, []), args.skip_first)
+
+    def row(name: str, series: list[tuple[int, float]], b: float | None, label: str | None = None) -> None:
+        vals = steady(series, args.skip_first)
         med = statistics.median(vals) if vals else None
-        b = bench.get(stage) if stage else None
-        ratio = med / b if med is not None and b else None
-        out[tag] = {"product": med, "n": len(vals), "bench": b, "ratio": ratio}
-        print(f"{tag:34s} {('%.3f s' % med if med is not None else '-'):>14s} ({len(vals)}) "
+        ratio = med / b if label is None and med is not None and b else None  # a labelled row is a remainder
+        out[name] = {"product": med, "n": len(vals), "bench": b, "ratio": ratio}
+        print(f"{label or name:34s} "
+              f"{('%.3f s' % med if med is not None else '-'):>14s} ({len(vals)}) "
               f"{('%.3f' % b if b is not None else '-'):>8s} {('%.3f' % ratio if ratio else '-'):>14s}")
+
+    for tag, stage in ROWS:
+        row(tag, scalars.get(tag, []), bench.get(stage) if stage else None)
     # per rollout: the step less its timed stages (the watch, the hand-back, logging), beside the
     # bench's step less the sum of its stages
-    rest = [step - sum(scalars_at(scalars, tag, k) for tag in TIMED)
-            for k, step in sorted(scalars.get("perf/step_time", [])) if k in steady_ids(scalars, args.skip_first)]
-    med = statistics.median(rest) if rest else None
-    b = rec["value"] - sum(stages.values()) + stages.get("rollout_new_graphs", 0.0)
-    out["outside_timed_stages"] = {"product": med, "n": len(rest), "bench": b, "ratio": None}
-    print(f"{'outside the timed stages':34s} {('%.3f s' % med if med is not None else '-'):>14s} ({len(rest)}) "
-          f"{'%.3f' % b:>8s} {'-':>14s}")
+    timed = {tag: dict(scalars.get(tag, [])) for tag in TIMED}
+    rest = [(k, step - sum(timed[tag].get(k, 0.0) for tag in TIMED)) for k, step in scalars.get("perf/step_time", [])]
+    row("outside_timed_stages", rest, rec["value"] - sum(stages.values()) + stages.get("rollout_new_graphs", 0.0),
+        label="outside the timed stages")
     r = out["perf/step_time"]["ratio"]
     verdict = "within 5%" if r is not None and r <= 1.05 else "NOT within 5%"
     print(f"steady step: product {out['perf/step_time']['product']} s, bench {bench['step']:.3f} s: {verdict}")
