@@ -364,7 +364,8 @@ def family_parts(family: str, *, wan_size: str = "1.3b", frames: int = 1) -> Sim
         prompts set their own length);
     build_transformer(shape, device, dtype, seed=): the DiT alone (the actor's, seeded like the engine's);
     adapter: the adapter class; forward_flops(cfg, image_tokens, text_tokens, batch): the FLOP
-        model of one DiT forward; prompts(engine, n, text_tokens): the rollout's prompts;
+        model of one DiT forward; prompts(engine, n, text_tokens): the rollout's prompts (Qwen-Image's
+        also take one length per prompt and salt=, another set of the same lengths);
     sampling: sampling-config keys the family needs; transformer_config(shape): the DiT's config;
     real_param_counts(): (DiT, VAE + text encoders) parameters of the real shape, counted on meta;
     image_tokens(height, width, vae_scale_factor, dit_cfg): tokens of the DiT's image sequence;
@@ -480,9 +481,9 @@ def family_parts(family: str, *, wan_size: str = "1.3b", frames: int = 1) -> Sim
                                geometry=lambda dit_cfg: {})
     from trainer.models.qwen_image import QwenImageAdapter
 
-    def prompts(engine, n, text_tokens):
+    def prompts(engine, n, text_tokens, salt=""):
         encoder = engine.prompt_encoder
-        return make_prompts(n, engine.tokenizer, encoder.template, encoder.template_start_idx, text_tokens)
+        return make_prompts(n, engine.tokenizer, encoder.template, encoder.template_start_idx, text_tokens, salt)
 
     def qwen_engine(shape, device, dtype, max_batch_size, seed=0, text_tokens=None):
         return build_engine(shape, device, dtype, max_batch_size, seed=seed)
@@ -1968,15 +1969,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
                 image_tokens, text_tokens, peak, fam.forward_flops, media=media, video=getattr(fam, "video", False),
                 items=getattr(fam, "items", "images"))
-        if args.text_tokens_spread:
-            encoder = engine.prompt_encoder
-
-            def spread_prompts(rollout_id: int) -> list[str]:
-                lengths = spread_lengths(args.prompts, args.text_tokens, args.text_tokens_spread, rollout_id, args.seed)
-                return make_prompts(args.prompts, engine.tokenizer, encoder.template, encoder.template_start_idx,
-                                    lengths, salt=f" take {rollout_id}")
-
-            c.rollout_prompts = spread_prompts
+        if args.text_tokens_spread:  # Qwen-Image's prompts (parse_args refuses the other families)
+            c.rollout_prompts = lambda rollout_id: fam.prompts(
+                engine, args.prompts,
+                spread_lengths(args.prompts, args.text_tokens, args.text_tokens_spread, rollout_id, args.seed),
+                salt=f" take {rollout_id}")
 
         skip = set(args.skip)
         speedups = args.rollout_compile or args.rollout_precision != "default"
