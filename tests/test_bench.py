@@ -332,17 +332,11 @@ def test_fp8_replay_precision_gives_the_gradient_figure_and_keeps_the_first_rati
     (["--algorithms", "nft", "--old-logprob-source", "rollout"], "add flowgrpo to --algorithms"),
     (["--algorithms", "nft", "--guidance-scale", "4"], "--algorithms nft samples CFG-free"),
     (["--nft-timestep-fraction", "0"], "--nft-timestep-fraction must be in (0, 1]"),
-])
-def test_step_options_that_do_not_combine_are_usage_errors(argv, message, capsys):
-    assert_usage_error(argv, message, capsys)
-
-
-@pytest.mark.parametrize("argv, message", [
     (["--family", "sd3", "--text-tokens-spread", "8"], "--text-tokens-spread varies Qwen-Image's prompt lengths"),
     (["--text-tokens", "16", "--text-tokens-spread", "16"], "--text-tokens-spread must be in [0, --text-tokens = 16)"),
     (["--text-tokens-spread", "-1"], "--text-tokens-spread must be in [0"),
 ])
-def test_text_tokens_spread_out_of_range_is_a_usage_error(argv, message, capsys):
+def test_step_and_prompt_options_that_do_not_fit_are_usage_errors(argv, message, capsys):
     assert_usage_error(argv, message, capsys)
 
 
