@@ -31,7 +31,7 @@ EXPECTED_SERIES = [
     "reward/degenerate", "reward/score_time", "reward/score_samples_per_s",
     "perf/train_transitions_per_s", "perf/train_samples_per_s",
     "perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time", "perf/step_time",
-    "perf/watch_time", "perf/end_update_time",
+    "perf/watch_time", "perf/watch_stats_time", "perf/end_update_time",
     "eval/demo/color_mean", "eval/other/color_mean",
     # beyond the reference: the trained (weighted) reward, eval spreads, rollout throughput
     "reward/weighted_total_mean", "reward/weighted_total_std", "reward/color_group_std_mean",
@@ -108,6 +108,24 @@ def _train(recipe: Path, out: Path, *args: str, timeout: float = 300) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"training exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
+
+
+def _check_watch_matches_the_pngs(rollout_dir: Path, scalars: dict, rollout: int, group_size: int) -> None:
+    """The watch's statistics, computed on its worker thread while the update ran and gathered
+    over both ranks, equal the synchronous computation on the rollout's PNGs (the same uint8
+    pixels: the watch quantises as the PNG writer does), in candidate order."""
+    import numpy as np
+    from PIL import Image
+
+    from trainer.rewards.watch import per_image_statistics, rollout_statistics
+
+    pngs = sorted(rollout_dir.glob("*.png"))  # group_<g>_sample_<s>.png: the global candidate order
+    assert len(pngs) == 8
+    local = per_image_statistics([np.asarray(Image.open(p).convert("RGB")) for p in pngs])
+    means, _ = rollout_statistics(local, group_size)
+    for name, mean in means.items():
+        logged = dict(scalars[f"reward/stat_{name}"])[rollout]
+        assert logged == pytest.approx(mean, rel=1e-5, abs=1e-7), name
 
 
 def _model_tensors(ckpt: Path, iteration: int, ema: bool = False, task: str = "t2i") -> dict[str, torch.Tensor]:
@@ -198,6 +216,7 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     missing = [s for s in EXPECTED_SERIES if s not in scalars]
     assert not missing, missing
     assert [int(v) for _, v in scalars["train/policy_version"]] == [1, 2, 3, 4]
+    _check_watch_matches_the_pngs(a / "artifacts" / "t2i" / "rollout_0000003", scalars, rollout=3, group_size=4)
     # the first update of every rollout starts at ratio 1: ratio_min <= 1 <= ratio_max
     for (_, lo), (_, hi) in zip(scalars["train/ratio_min"], scalars["train/ratio_max"]):
         assert lo <= 1.0 <= hi

@@ -574,6 +574,15 @@ class Reporter:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """The caching allocator's count of allocations it retried after freeing its cache (CUDA only):
+    a step near the card's limit that retries pays a device-wide synchronisation and cudaFree each
+    time, which its stage times show but do not name."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 50) -> float:
     """Measured dense GEMM throughput (TFLOP/s) of n x n x n in `dtype`: the MFU denominator
     unless --peak-tflops is given."""
@@ -1386,6 +1395,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
             finally:
                 if a.offload:
                     actor.offload()
+    retries = alloc_retries(c.device)
     with timed(c.device) as total:
         traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base, stages, sampling,
                                                             sde_indices, probe)
@@ -1394,8 +1404,10 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
     update_figures = {k.split("/", 1)[1]: v for k, v in metrics.items()
                       if k in ("train/optimizer_steps", "train/num_microbatches", "train/nft_old_decay",
                                "train/old_deviation", "train/ratio_mean", "train/ratio_max", "train/ratio_min")}
+    retries = None if retries is None else c.rep.reduce(alloc_retries(c.device) - retries, "max")
     c.rep.emit("step_s", total[0] - probe_s, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
-               reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, update=update_figures, **tags)
+               reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, alloc_retries=retries,
+               update=update_figures, **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
     c.rep.phase_memory(f"step{step_label(algorithm, source)}")

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -422,6 +423,8 @@ class Trainer:
         #: reward component names, as the scorer returned them on the latest rollout
         self.components: list[str] = []
         self.watch = None if cfg.reward.no_hacking_watch else HackingWatch(WatchSettings.from_config(cfg.reward))
+        #: one worker thread for the watch's image statistics (_start_watch), off the critical path
+        self._watch_pool = ThreadPoolExecutor(1, thread_name_prefix="watch") if self.watch is not None else None
         self.stop_reason: str | None = None
         #: PNGs and sidecars written off the critical path (--artifact-writer-queue; None: in the rollout stage)
         self.artifact_writer = None
@@ -525,6 +528,9 @@ class Trainer:
         m.update(t.memory("rollout"))
         self._count_graphs(m, "perf/rollout_new_graphs" if cfg.rollout.rollout_compile else None)
         m.update({k_: v for k_, v in out.stats.items() if k_ != "perf/rollout_time"})
+        # the watch's image statistics (CPU work) on a worker thread while the reward and the update
+        # run; gathered and judged after the update (_finish_watch)
+        watch_job = self._start_watch(out.trajectory)
 
         # 3. reward: score locally, all-gather the small vectors, same advantages on every rank
         with Timer(self.device) as t:
@@ -548,18 +554,6 @@ class Trainer:
         m.update(scored.failure_metrics())
         self.components = sorted(reward.components)
         self._watch_failed_rollout(k, len(reward.failed_groups))
-        if self.watch is not None:  # collective: image statistics gathered like the scores
-            from trainer.rewards.watch import rollout_watch_metrics
-
-            with Timer(self.device) as t:
-                # the candidates as the scorers see them (a video: its frame strip), not their sources
-                viewed = [_viewable(x, gap=0) for x in (traj.images.unbind(0) if traj is not None else [])]
-                m.update(rollout_watch_metrics(self.watch, viewed, local_idx,
-                                               self.num_groups * self.group_size, self.group_size, reward))
-            m["perf/watch_time"] = t.elapsed
-            if self.watch.suspect:
-                log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
-                self.stop_reason = self.watch.message() if cfg.reward.stop_on_hacking else None
 
         # 4. update: the actor owns the device
         self._count_graphs(m, None)
@@ -593,6 +587,7 @@ class Trainer:
         m["perf/train_time"] = t.elapsed
         m.update(t.memory("train"))
         self._count_graphs(m, "perf/actor_new_graphs" if cfg.fsdp.fsdp_compile else None)
+        self._finish_watch(k, m, watch_job, local_idx, reward)
 
         # 5. sync: the new weights into this rank's engine, verified, then committed
         with Timer(self.device) as t:
@@ -633,6 +628,39 @@ class Trainer:
         m["train/checkpoint_failures"] = float(self.checkpoint_failures)
         self._log_images(k, out, reward)
         return m
+
+    def _start_watch(self, traj: Any) -> "Future | None":
+        """The watch's per-image statistics of this rank's candidates (as the scorers see them: a
+        video as its frame strip), submitted to the watch's worker thread; None without a watch."""
+        if self.watch is None:
+            return None
+        from trainer.rewards.watch import local_watch_statistics
+
+        def job() -> tuple[dict[str, torch.Tensor], float]:
+            t0 = time.perf_counter()
+            viewed = [_viewable(x, gap=0) for x in (traj.images.unbind(0) if traj is not None else [])]
+            return local_watch_statistics(viewed), time.perf_counter() - t0
+
+        return self._watch_pool.submit(job)
+
+    def _finish_watch(self, k: int, m: dict[str, float], job: "Future | None", local_idx: list[int],
+                      reward: Any) -> None:
+        """Collective (every rank, after the update): this rank's statistics from _start_watch's
+        job, gathered like the scores, then the rule. perf/watch_time is what the step waits for
+        here (the job's remainder, the gather, the rule); perf/watch_stats_time the job's own
+        seconds, spent beside the reward and the update. A failed job raises here."""
+        if job is None:
+            return
+        from trainer.rewards.watch import gathered_watch_metrics
+
+        with Timer(self.device) as t:
+            local, m["perf/watch_stats_time"] = job.result()
+            m.update(gathered_watch_metrics(self.watch, local, local_idx, self.num_groups * self.group_size,
+                                            self.group_size, reward))
+        m["perf/watch_time"] = t.elapsed
+        if self.watch.suspect:
+            log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
+            self.stop_reason = self.watch.message() if self.cfg.reward.stop_on_hacking else None
 
     def _count_graphs(self, m: dict[str, float], key: str | None) -> None:
         """With compiled blocks: m[key] = graphs compiled since the last call (key None: only
@@ -881,6 +909,9 @@ class Trainer:
             if self.artifact_writer is not None:
                 self.artifact_writer.close(raise_errors=False)
             raise
+        finally:
+            if self._watch_pool is not None:  # every step waited for its job: nothing is pending
+                self._watch_pool.shutdown(wait=False)
         if self.artifact_writer is not None:
             self.artifact_writer.close()  # a write failure stops the run here, as it would have in the step
         self.metrics.close()

@@ -32,6 +32,7 @@ ROWS = (
     ("perf/sync_time", "sync"),
     ("perf/artifact_flush_time", None),
     ("perf/watch_time", None),
+    ("perf/watch_stats_time", None),
     ("perf/end_update_time", None),
 )
 #: the stages perf/step_time is compared through; what the step spends outside them is its own row
@@ -86,6 +87,12 @@ def main(argv=None) -> int:
     rest = [(k, step - sum(timed[tag].get(k, 0.0) for tag in TIMED)) for k, step in scalars.get("perf/step_time", [])]
     row("outside_timed_stages", rest, rec["value"] - sum(stages.values()) + stages.get("rollout_new_graphs", 0.0),
         label="outside the timed stages")
+    # graphs compiled in the steady rollouts: a step that compiled is not steady
+    for tag in ("perf/rollout_new_graphs", "perf/actor_new_graphs"):
+        if tag in scalars:
+            counts = {k: int(v) for k, v in sorted(scalars[tag])}
+            print(f"{tag:34s} {counts}")
+            out[tag] = counts
     r = out["perf/step_time"]["ratio"]
     verdict = "within 5%" if r is not None and r <= 1.05 else "NOT within 5%"
     print(f"steady step: product {out['perf/step_time']['product']} s, bench {bench['step']:.3f} s: {verdict}")

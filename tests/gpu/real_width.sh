@@ -15,7 +15,8 @@
 #           rollouts, then tools/bench.py at the same depth and options, and the two steady steps
 #           side by side with their stage split (tests/gpu/compare_product_bench.py); then the
 #           bench again with new prompts of varied lengths every rollout (--text-tokens-spread
-#           $SPREAD, default 30; 0 leaves it out) beside the same product run;
+#           $SPREAD, default 30; 0 leaves it out) beside the same product run (UNIFORM=0 leaves out
+#           the first bench, whose prompts all have the bench's fixed length);
 #   compile-resume  the resident recipe with the speed options and a fresh --compile-cache-dir for
 #           2 rollouts, then resumed for 2 more: the first step of each (what a resume pays to compile);
 #   report  the runs' TensorBoard scalars as JSON.
@@ -147,12 +148,15 @@ PY
       for mode in "${modes[@]}"; do
         off=(); [[ $mode == resident ]] && off=(--offload-train false --offload-rollout false)
         DEBUG_FLAGS="" train "speed-$mode" "speed-$mode" "${SPEED_ROLLOUTS:-6}" "${off[@]}" $SPEED "${COLOUR[@]}"
+        cp -r "$RUNS/speed-$mode/tensorboard" "$OUT/tensorboard-speed-$mode"  # the run's series, for the record
         boff=(); [[ $mode == offload ]] && boff=(--offload)
-        $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
-          --skip dit checksum merged replay update adapter --out "$OUT/bench-speed-$mode.jsonl" \
-          > "$OUT/bench-speed-$mode.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode.log"; exit 1; }
-        $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode.jsonl" \
-          | tee "$OUT/product-vs-bench-$mode.txt"
+        if [[ ${UNIFORM:-1} != 0 ]]; then  # UNIFORM=0: only the bench with the varied prompts below
+          $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
+            --skip dit checksum merged replay update adapter --out "$OUT/bench-speed-$mode.jsonl" \
+            > "$OUT/bench-speed-$mode.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode.log"; exit 1; }
+          $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode.jsonl" \
+            | tee "$OUT/product-vs-bench-$mode.txt"
+        fi
         # the bench again with prompts of varied lengths, new every rollout, as the product path's
         # (SPREAD=0 leaves it out): how much of the gap the text lengths are
         if [[ ${SPREAD:-30} != 0 ]]; then

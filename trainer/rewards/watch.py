@@ -357,18 +357,31 @@ def _as_uint8_batch(images) -> "torch.Tensor | list[np.ndarray]":
     return ImageBatch.from_any(images).uint8
 
 
-def rollout_watch_metrics(watch: HackingWatch, images, indices: Sequence[int], total: int, group_size: int,
-                          reward) -> dict[str, float]:
-    """Collective (every rank calls it): this rank's images -> gathered statistics -> the rule.
-    Returns reward/stat_<name> (the rollout's means) and the watch's reward/* figures.
+def local_watch_statistics(images) -> dict[str, torch.Tensor]:
+    """This rank's half of rollout_watch_metrics, with no collective in it: its images' columns
+    (per_image_statistics). The training loop runs it on a worker thread beside the update.
 
     images: float [3, H, W] tensors in [0, 1] (a list, or stacked [B, 3, H, W]) on any device,
     or what ImageBatch.from_any accepts. Float images are quantised like the PNG writer and their
     pixel statistics computed on their device, so an image scores the same here and from its PNG."""
+    return per_image_statistics(_as_uint8_batch(images))
+
+
+def rollout_watch_metrics(watch: HackingWatch, images, indices: Sequence[int], total: int, group_size: int,
+                          reward) -> dict[str, float]:
+    """Collective (every rank calls it): this rank's images -> gathered statistics -> the rule.
+    Returns reward/stat_<name> (the rollout's means) and the watch's reward/* figures. images:
+    as local_watch_statistics takes them."""
+    return gathered_watch_metrics(watch, local_watch_statistics(images), indices, total, group_size, reward)
+
+
+def gathered_watch_metrics(watch: HackingWatch, local: Mapping[str, torch.Tensor], indices: Sequence[int],
+                           total: int, group_size: int, reward) -> dict[str, float]:
+    """Collective: this rank's columns (local_watch_statistics) gathered over the ranks, then the
+    rollout's means and the rule; what rollout_watch_metrics returns."""
     from trainer.rewards.post_process import gather_scores
 
-    local = per_image_statistics(_as_uint8_batch(images))
-    means, stds = rollout_statistics(gather_scores(local, indices, total), group_size)
+    means, stds = rollout_statistics(gather_scores(dict(local), indices, total), group_size)
     r, spread = trained_reward(reward)
     m = {f"reward/stat_{k}": v for k, v in means.items()}
     if np.isfinite(r):  # a rollout with no valid group says nothing about the trend
