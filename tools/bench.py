@@ -574,6 +574,13 @@ class Reporter:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
+#: untimed warm-up steps at most before a compiled step is timed (phase_step): each one that still
+#: compiles a graph is followed by another
+MAX_WARM_UP_STEPS = 4
+#: steps tried at most for the timed one (phase_step): one that compiled a graph is followed by another
+MAX_TIMED_ATTEMPTS = 3
+
+
 def alloc_retries(device: torch.device) -> int | None:
     """The caching allocator's count of allocations it retried after freeing its cache (CUDA only):
     a step near the card's limit that retries pays a device-wide synchronisation and cudaFree each
@@ -1374,16 +1381,26 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                                         {"nft_timestep_fraction": float(c.args.nft_timestep_fraction),
                                          "nft_sigmas_per_forward": int(c.args.nft_sigmas_per_forward)})}
     base = 100 if algorithm == "flowgrpo" and source == "replay" else 200 if algorithm == "flowgrpo" else 300
+    from trainer.core.modules import CompileWatch
+
+    compiled = c.engine.compile_blocks or bool(getattr(a, "fsdp_compile", False))
     if c.engine.compile_blocks if warm_up is None else warm_up:
         # the first rollout with the engine's LoRA recompiles its blocks (a new module structure):
-        # sync first, so the untimed step takes that compile and the timed one is steady state
+        # sync first, so the untimed steps take that compile and the timed one is steady state.
+        # Compiled blocks warm up until a step compiles no graph: with prompts of varied lengths
+        # (--text-tokens-spread) the graphs with the text length symbolic come a step or two later
+        watch = CompileWatch() if compiled else None
         syncer.sync(actor.model, c.engine)
-        with timed(c.device) as t:
-            _one_step(c, update, actor, syncer, base - 1, {}, sampling, sde_indices)
-        c.rep.emit("step_first_s", t[0], "s", sync_kind=kind,
-                   note="the untimed warm-up step: the compile for the engine's LoRA, a fresh actor's state",
-                   **tags)
-    stages: dict[str, float] = {}
+        for i in range(MAX_WARM_UP_STEPS if compiled else 1):
+            with timed(c.device) as t:
+                _one_step(c, update, actor, syncer, base - 1 - i, {}, sampling, sde_indices)
+            new = watch.new_graphs() if watch is not None else 0
+            c.rep.emit("step_first_s" if i == 0 else "step_warm_up_s", t[0], "s", sync_kind=kind, warm_up_step=i,
+                       new_graphs=new if watch is not None else None,
+                       note="an untimed warm-up step: the compile for the engine's LoRA, a fresh actor's state, "
+                            "the graphs of new text lengths", **tags)
+            if not new:
+                break
     probe = None
     if onpolicy:
         def probe(batch):
@@ -1395,10 +1412,20 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
             finally:
                 if a.offload:
                     actor.offload()
-    retries = alloc_retries(c.device)
-    with timed(c.device) as total:
-        traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base, stages, sampling,
-                                                            sde_indices, probe)
+    watch = CompileWatch() if compiled else None
+    for attempt in range(MAX_TIMED_ATTEMPTS if compiled else 1):
+        # a timed step that still compiled a graph (a text length or variant the warm-up did not
+        # meet) is not steady: it is recorded as such and the next one is timed
+        stages: dict[str, float] = {}
+        retries = alloc_retries(c.device)
+        with timed(c.device) as total:
+            traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base + attempt, stages,
+                                                                sampling, sde_indices, probe)
+        new_graphs = watch.new_graphs() if watch is not None else None
+        if not new_graphs or attempt == MAX_TIMED_ATTEMPTS - 1:
+            break
+        c.rep.emit("step_compiled_s", total[0] - probe_s, "s", sync_kind=kind, new_graphs=new_graphs,
+                   note="a step timed after the warm-up that compiled graphs: not steady, another one follows", **tags)
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
     peak = torch.cuda.max_memory_allocated(c.device) / 1e9 if c.device.type == "cuda" else None
     update_figures = {k.split("/", 1)[1]: v for k, v in metrics.items()
@@ -1407,7 +1434,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
     retries = None if retries is None else c.rep.reduce(alloc_retries(c.device) - retries, "max")
     c.rep.emit("step_s", total[0] - probe_s, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
                reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, alloc_retries=retries,
-               update=update_figures, **tags)
+               new_graphs=new_graphs, update=update_figures, **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
     c.rep.phase_memory(f"step{step_label(algorithm, source)}")

@@ -3,9 +3,11 @@
     python tests/gpu/compare_product_bench.py RUN/tensorboard BENCH.jsonl [--skip-first 2]
 
 The product figures are the medians of the run's TensorBoard series over its steady rollouts:
-the first `--skip-first` rollouts (the compile, the engine's LoRA recompile) and the last one
-(which may write the final checkpoint) are left out. The bench figure is its `step_s` record
-(the FlowGRPO step, the first one when the file holds several) with its stage split.
+the first `--skip-first` rollouts (the compile, the engine's LoRA recompile), every rollout that
+compiled a graph (perf/rollout_new_graphs or perf/actor_new_graphs above 0: with prompts of varied
+lengths the graphs with the text length symbolic come a few rollouts in) and the last one (which
+may write the final checkpoint) are left out. The bench figure is its `step_s` record (the
+FlowGRPO step, the first one when the file holds several) with its stage split.
 """
 
 from __future__ import annotations
@@ -39,10 +41,20 @@ ROWS = (
 TIMED = ("perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time")
 
 
-def steady(series: list[tuple[int, float]], skip_first: int) -> list[float]:
-    steps = sorted(series)
-    last = steps[-1][0] if steps else -1
-    return [v for k, v in steps if skip_first <= k < last]
+#: the series that count the graphs a rollout compiled (the loop logs them with compiled blocks)
+GRAPH_SERIES = ("perf/rollout_new_graphs", "perf/actor_new_graphs")
+
+
+def steady_rollouts(scalars: dict[str, list[tuple[int, float]]], skip_first: int) -> set[int]:
+    """The rollouts a steady figure is taken over: from `skip_first` on, none that compiled a
+    graph, not the last."""
+    steps = sorted(k for k, _ in scalars.get("perf/step_time", []))
+    compiled = {k for tag in GRAPH_SERIES for k, v in scalars.get(tag, []) if v > 0}
+    return {k for k in steps[:-1] if k >= skip_first and k not in compiled}
+
+
+def steady(series: list[tuple[int, float]], rollouts: set[int]) -> list[float]:
+    return [v for k, v in sorted(series) if k in rollouts]
 
 
 def bench_step(path: Path) -> dict:
@@ -60,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-first", type=int, default=2)
     args = p.parse_args(argv)
     scalars = read_scalars(args.tensorboard)
+    rollouts = steady_rollouts(scalars, args.skip_first)
     rec = bench_step(args.bench)
     stages = dict(rec.get("stages", {}))
     # the bench's update under offload includes the swaps the loop counts inside perf/train_time
@@ -71,7 +84,7 @@ def main(argv=None) -> int:
     out = {}
 
     def row(name: str, series: list[tuple[int, float]], b: float | None, label: str | None = None) -> None:
-        vals = steady(series, args.skip_first)
+        vals = steady(series, rollouts)
         med = statistics.median(vals) if vals else None
         ratio = med / b if label is None and med is not None and b else None  # a labelled row is a remainder
         out[name] = {"product": med, "n": len(vals), "bench": b, "ratio": ratio}
@@ -87,12 +100,13 @@ def main(argv=None) -> int:
     rest = [(k, step - sum(timed[tag].get(k, 0.0) for tag in TIMED)) for k, step in scalars.get("perf/step_time", [])]
     row("outside_timed_stages", rest, rec["value"] - sum(stages.values()) + stages.get("rollout_new_graphs", 0.0),
         label="outside the timed stages")
-    # graphs compiled in the steady rollouts: a step that compiled is not steady
-    for tag in ("perf/rollout_new_graphs", "perf/actor_new_graphs"):
+    for tag in GRAPH_SERIES:  # per rollout: why a rollout is or is not among the steady ones
         if tag in scalars:
             counts = {k: int(v) for k, v in sorted(scalars[tag])}
             print(f"{tag:34s} {counts}")
             out[tag] = counts
+    print(f"{'steady rollouts':34s} {sorted(rollouts)}")
+    out["steady_rollouts"] = sorted(rollouts)
     r = out["perf/step_time"]["ratio"]
     verdict = "within 5%" if r is not None and r <= 1.05 else "NOT within 5%"
     print(f"steady step: product {out['perf/step_time']['product']} s, bench {bench['step']:.3f} s: {verdict}")

@@ -11,7 +11,7 @@
 #           tools/sample.py samples the merged export;
 #   resident  the same recipe without offload (both sides resident) for 3 rollouts;
 #   speed   (speed-resident / speed-offload: one of them) the product path with the speed options
-#           (SPEED_FLAGS, default the compiled FP8 rollout + --fsdp-compile) for SPEED_ROLLOUTS (6)
+#           (SPEED_FLAGS, default the compiled FP8 rollout + --fsdp-compile) for SPEED_ROLLOUTS (10)
 #           rollouts, then tools/bench.py at the same depth and options, and the two steady steps
 #           side by side with their stage split (tests/gpu/compare_product_bench.py); then the
 #           bench again with new prompts of varied lengths every rollout (--text-tokens-spread
@@ -147,12 +147,17 @@ PY
       modes=(resident offload); [[ $phase == speed-* ]] && modes=("${phase#speed-}")
       for mode in "${modes[@]}"; do
         off=(); [[ $mode == resident ]] && off=(--offload-train false --offload-rollout false)
-        DEBUG_FLAGS="" train "speed-$mode" "speed-$mode" "${SPEED_ROLLOUTS:-6}" "${off[@]}" $SPEED "${COLOUR[@]}"
-        cp -r "$RUNS/speed-$mode/tensorboard" "$OUT/tensorboard-speed-$mode"  # the run's series, for the record
+        DEBUG_FLAGS="" train "speed-$mode" "speed-$mode" "${SPEED_ROLLOUTS:-10}" "${off[@]}" $SPEED "${COLOUR[@]}"
+        # the run's series, for the record (compare_product_bench reads them from the run)
+        $PY -c 'import json, sys; from trainer.metrics import read_scalars; json.dump(read_scalars(sys.argv[1]), open(sys.argv[2], "w"))' \
+          "$RUNS/speed-$mode/tensorboard" "$OUT/scalars-speed-$mode.json"
         boff=(); [[ $mode == offload ]] && boff=(--offload)
+        # the bench's own phases the comparison does not read: its step alone (the eager rollout
+        # only where there is no speed option to time it against)
+        bskip=(dit checksum merged replay update adapter offload); [[ -n $SPEED ]] && bskip+=(eager)
         if [[ ${UNIFORM:-1} != 0 ]]; then  # UNIFORM=0: only the bench with the varied prompts below
           $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
-            --skip dit checksum merged replay update adapter --out "$OUT/bench-speed-$mode.jsonl" \
+            --skip "${bskip[@]}" --out "$OUT/bench-speed-$mode.jsonl" \
             > "$OUT/bench-speed-$mode.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode.log"; exit 1; }
           $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode.jsonl" \
             | tee "$OUT/product-vs-bench-$mode.txt"
@@ -162,7 +167,7 @@ PY
         if [[ ${SPREAD:-30} != 0 ]]; then
           $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
             --text-tokens-spread "${SPREAD:-30}" \
-            --skip dit checksum merged replay update adapter --out "$OUT/bench-speed-$mode-spread.jsonl" \
+            --skip "${bskip[@]}" --out "$OUT/bench-speed-$mode-spread.jsonl" \
             > "$OUT/bench-speed-$mode-spread.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode-spread.log"; exit 1; }
           $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode-spread.jsonl" \
             | tee "$OUT/product-vs-bench-$mode-spread.txt"
