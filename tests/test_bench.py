@@ -835,3 +835,25 @@ def test_a_14b_wan_that_cannot_fit_is_refused_before_anything_is_allocated(monke
     assert bench.main(["--family", "wan", "--wan-size", "14b", "--shape", "real", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "bench: error: --shape real --family wan needs at least 114.8 GB" in err
+
+
+def test_until_steady_stops_at_the_first_step_that_compiled_nothing():
+    """The bench's warm-up and timed steps (phase_step): a step that compiled graphs is followed by
+    another, up to the limit; without a CompileWatch one step runs."""
+    from tools.bench import until_steady
+
+    class Watch:
+        def __init__(self, counts):
+            self.counts = list(counts)
+
+        def new_graphs(self):
+            return self.counts.pop(0)
+
+    ran = []
+    out = list(until_steady(lambda i: ran.append(i) or f"step {i}", Watch([6, 2, 0, 5]), 4))
+    assert ran == [0, 1, 2]
+    assert out == [(0, "step 0", 6, False), (1, "step 1", 2, False), (2, "step 2", 0, True)]
+    # the limit: the last try is the result whatever it compiled
+    assert [(i, n, last) for i, _, n, last in until_steady(lambda i: i, Watch([3, 3, 3]), 2)] == [
+        (0, 3, False), (1, 3, True)]
+    assert [(i, n, last) for i, _, n, last in until_steady(lambda i: i, None, 3)] == [(0, None, True)]

@@ -581,6 +581,31 @@ MAX_WARM_UP_STEPS = 4
 MAX_TIMED_ATTEMPTS = 3
 
 
+class RankCompileWatch:
+    """trainer.core.modules.CompileWatch with its count the max over ranks, so that every rank of
+    a launched bench takes the same number of steps in until_steady."""
+
+    def __init__(self, rep: Any) -> None:
+        from trainer.core.modules import CompileWatch
+
+        self.rep, self.watch = rep, CompileWatch()
+
+    def new_graphs(self) -> int:
+        return int(self.rep.reduce(self.watch.new_graphs(), "max"))
+
+
+def until_steady(step: Callable[[int], Any], watch: Any, tries: int) -> Iterator[tuple[int, Any, int | None, bool]]:
+    """step(0), step(1), ... until one compiles no graph, `tries` at most: yields (i, step(i), the
+    graphs it compiled (None without a CompileWatch), whether it is the last) after each."""
+    for i in range(tries):
+        result = step(i)
+        new = watch.new_graphs() if watch is not None else None
+        last = not new or i == tries - 1
+        yield i, result, new, last
+        if last:
+            return
+
+
 def alloc_retries(device: torch.device) -> int | None:
     """The caching allocator's count of allocations it retried after freeing its cache (CUDA only):
     a step near the card's limit that retries pays a device-wide synchronisation and cudaFree each
@@ -1381,26 +1406,24 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                                         {"nft_timestep_fraction": float(c.args.nft_timestep_fraction),
                                          "nft_sigmas_per_forward": int(c.args.nft_sigmas_per_forward)})}
     base = 100 if algorithm == "flowgrpo" and source == "replay" else 200 if algorithm == "flowgrpo" else 300
-    from trainer.core.modules import CompileWatch
-
     compiled = c.engine.compile_blocks or bool(getattr(a, "fsdp_compile", False))
     if c.engine.compile_blocks if warm_up is None else warm_up:
         # the first rollout with the engine's LoRA recompiles its blocks (a new module structure):
         # sync first, so the untimed steps take that compile and the timed one is steady state.
         # Compiled blocks warm up until a step compiles no graph: with prompts of varied lengths
         # (--text-tokens-spread) the graphs with the text length symbolic come a step or two later
-        watch = CompileWatch() if compiled else None
         syncer.sync(actor.model, c.engine)
-        for i in range(MAX_WARM_UP_STEPS if compiled else 1):
+
+        def warm_up_step(i: int) -> float:
             with timed(c.device) as t:
                 _one_step(c, update, actor, syncer, base - 1 - i, {}, sampling, sde_indices)
-            new = watch.new_graphs() if watch is not None else 0
-            c.rep.emit("step_first_s" if i == 0 else "step_warm_up_s", t[0], "s", sync_kind=kind, warm_up_step=i,
-                       new_graphs=new if watch is not None else None,
-                       note="an untimed warm-up step: the compile for the engine's LoRA, a fresh actor's state, "
-                            "the graphs of new text lengths", **tags)
-            if not new:
-                break
+            return t[0]
+
+        for i, seconds, new, _ in until_steady(warm_up_step, RankCompileWatch(c.rep) if compiled else None,
+                                               MAX_WARM_UP_STEPS if compiled else 1):
+            c.rep.emit("step_first_s" if i == 0 else "step_warm_up_s", seconds, "s", sync_kind=kind, warm_up_step=i,
+                       new_graphs=new, note="an untimed warm-up step: the compile for the engine's LoRA, a fresh "
+                                            "actor's state, the graphs of new text lengths", **tags)
     probe = None
     if onpolicy:
         def probe(batch):
@@ -1412,27 +1435,29 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
             finally:
                 if a.offload:
                     actor.offload()
-    watch = CompileWatch() if compiled else None
-    for attempt in range(MAX_TIMED_ATTEMPTS if compiled else 1):
-        # a timed step that still compiled a graph (a text length or variant the warm-up did not
-        # meet) is not steady: it is recorded as such and the next one is timed
+    def timed_step(attempt: int) -> tuple[float, dict[str, float], Any, int | None]:
         stages: dict[str, float] = {}
         retries = alloc_retries(c.device)
         with timed(c.device) as total:
             traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base + attempt, stages,
                                                                 sampling, sde_indices, probe)
-        new_graphs = watch.new_graphs() if watch is not None else None
-        if not new_graphs or attempt == MAX_TIMED_ATTEMPTS - 1:
-            break
-        c.rep.emit("step_compiled_s", total[0] - probe_s, "s", sync_kind=kind, new_graphs=new_graphs,
-                   note="a step timed after the warm-up that compiled graphs: not steady, another one follows", **tags)
+        retries = None if retries is None else c.rep.reduce(alloc_retries(c.device) - retries, "max")
+        return total[0] - probe_s, stages, (traj, degenerate, metrics, gap), retries
+
+    # a timed step that still compiled a graph (a text length or variant the warm-up did not meet)
+    # is not steady: it is recorded as such and the next one is timed
+    for _, (seconds, stages, (traj, degenerate, metrics, gap), retries), new_graphs, last in until_steady(
+            timed_step, RankCompileWatch(c.rep) if compiled else None, MAX_TIMED_ATTEMPTS if compiled else 1):
+        if not last:
+            c.rep.emit("step_compiled_s", seconds, "s", sync_kind=kind, new_graphs=new_graphs,
+                       note="a step timed after the warm-up that compiled graphs: not steady, another one follows",
+                       **tags)
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
     peak = torch.cuda.max_memory_allocated(c.device) / 1e9 if c.device.type == "cuda" else None
     update_figures = {k.split("/", 1)[1]: v for k, v in metrics.items()
                       if k in ("train/optimizer_steps", "train/num_microbatches", "train/nft_old_decay",
                                "train/old_deviation", "train/ratio_mean", "train/ratio_max", "train/ratio_min")}
-    retries = None if retries is None else c.rep.reduce(alloc_retries(c.device) - retries, "max")
-    c.rep.emit("step_s", total[0] - probe_s, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
+    c.rep.emit("step_s", seconds, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
                reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, alloc_retries=retries,
                new_graphs=new_graphs, update=update_figures, **tags)
     if onpolicy:
