@@ -857,3 +857,18 @@ def test_until_steady_stops_at_the_first_step_that_compiled_nothing():
     assert [(i, n, last) for i, _, n, last in until_steady(lambda i: i, Watch([3, 3, 3]), 2)] == [
         (0, 3, False), (1, 3, True)]
     assert [(i, n, last) for i, _, n, last in until_steady(lambda i: i, None, 3)] == [(0, None, True)]
+
+
+def test_the_product_comparison_takes_only_rollouts_that_compiled_nothing():
+    """tests/gpu/compare_product_bench.py: the product path's steady rollouts leave out the first
+    ones, every one that compiled a graph in the engine or the actor, and the last one."""
+    from tests.gpu.compare_product_bench import steady, steady_rollouts
+
+    scalars = {"perf/step_time": [(k, 10.0 - k) for k in range(8)],
+               "perf/rollout_new_graphs": [(0, 7), (1, 2), (2, 0), (3, 1), (4, 0), (5, 0), (6, 0), (7, 0)],
+               "perf/actor_new_graphs": [(0, 6), (1, 4), (2, 2), (3, 0), (4, 0), (5, 0), (6, 0), (7, 0)]}
+    rollouts = steady_rollouts(scalars, skip_first=2)
+    assert rollouts == {4, 5, 6}
+    assert steady(scalars["perf/step_time"], rollouts) == [6.0, 5.0, 4.0]
+    # without the graph series (no compiled blocks): every rollout past the first ones but the last
+    assert steady_rollouts({"perf/step_time": scalars["perf/step_time"]}, skip_first=2) == {2, 3, 4, 5, 6}
