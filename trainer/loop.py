@@ -910,7 +910,7 @@ class Trainer:
                 self.artifact_writer.close(raise_errors=False)
             raise
         finally:
-            if self._watch_pool is not None:  # every step waited for its job: nothing is pending
+            if self._watch_pool is not None:  # a step that raised may leave its job running: it ends on its own
                 self._watch_pool.shutdown(wait=False)
         if self.artifact_writer is not None:
             self.artifact_writer.close()  # a write failure stops the run here, as it would have in the step

@@ -144,6 +144,17 @@ PY
       COLOUR=(--reward-scorer-path trainer.rewards.color.ColorScorer --reward-model-path none
               --reward-required-components color --reward-component-weights '{"pickscore": null, "color": 1.0}'
               --save-interval 1000 --eval-interval 1000)
+      bench_beside() {  # bench_beside MODE NAME [bench flags...]: the bench at the speed run's depth and
+        # options (its step alone: the phases the comparison does not read are skipped, the eager
+        # rollout where a speed option is timed against nothing), then the two side by side
+        local mode=$1 name=$2; shift 2
+        local skip=(dit checksum merged replay update adapter offload); [[ -n $SPEED ]] && skip+=(eager)
+        $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED \
+          "$@" --iters 1 --skip "${skip[@]}" --out "$OUT/bench-speed-$name.jsonl" \
+          > "$OUT/bench-speed-$name.log" 2>&1 || { tail -20 "$OUT/bench-speed-$name.log"; exit 1; }
+        $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$name.jsonl" \
+          | tee "$OUT/product-vs-bench-$name.txt"
+      }
       modes=(resident offload); [[ $phase == speed-* ]] && modes=("${phase#speed-}")
       for mode in "${modes[@]}"; do
         off=(); [[ $mode == resident ]] && off=(--offload-train false --offload-rollout false)
@@ -152,25 +163,12 @@ PY
         $PY -c 'import json, sys; from trainer.metrics import read_scalars; json.dump(read_scalars(sys.argv[1]), open(sys.argv[2], "w"))' \
           "$RUNS/speed-$mode/tensorboard" "$OUT/scalars-speed-$mode.json"
         boff=(); [[ $mode == offload ]] && boff=(--offload)
-        # the bench's own phases the comparison does not read: its step alone (the eager rollout
-        # only where there is no speed option to time it against)
-        bskip=(dit checksum merged replay update adapter offload); [[ -n $SPEED ]] && bskip+=(eager)
-        if [[ ${UNIFORM:-1} != 0 ]]; then  # UNIFORM=0: only the bench with the varied prompts below
-          $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
-            --skip "${bskip[@]}" --out "$OUT/bench-speed-$mode.jsonl" \
-            > "$OUT/bench-speed-$mode.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode.log"; exit 1; }
-          $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode.jsonl" \
-            | tee "$OUT/product-vs-bench-$mode.txt"
-        fi
+        # UNIFORM=0 leaves out the bench with its fixed-length prompts
+        if [[ ${UNIFORM:-1} != 0 ]]; then bench_beside "$mode" "$mode" "${boff[@]}"; fi
         # the bench again with prompts of varied lengths, new every rollout, as the product path's
         # (SPREAD=0 leaves it out): how much of the gap the text lengths are
         if [[ ${SPREAD:-30} != 0 ]]; then
-          $PY tools/bench.py --shape "$SHAPE" --num-layers "$([[ $SHAPE == real ]] && echo "$LAYERS" || echo 2)" $SPEED "${boff[@]}" --iters 1 \
-            --text-tokens-spread "${SPREAD:-30}" \
-            --skip "${bskip[@]}" --out "$OUT/bench-speed-$mode-spread.jsonl" \
-            > "$OUT/bench-speed-$mode-spread.log" 2>&1 || { tail -20 "$OUT/bench-speed-$mode-spread.log"; exit 1; }
-          $PY tests/gpu/compare_product_bench.py "$RUNS/speed-$mode/tensorboard" "$OUT/bench-speed-$mode-spread.jsonl" \
-            | tee "$OUT/product-vs-bench-$mode-spread.txt"
+          bench_beside "$mode" "$mode-spread" "${boff[@]}" --text-tokens-spread "${SPREAD:-30}"
         fi
       done ;;
     compile-resume)
