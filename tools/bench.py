@@ -124,8 +124,9 @@ COMPARE_PATHS = ("diffusers", "flowgrpo")
 FAMILIES = ("qwen_image", "sd3", "flux", "qwen_image_edit", "flux_kontext", "wan")
 #: --family wan --shape real: the published Wan2.1 text-to-video sizes (tools/bench_wan.py's SIZES)
 WAN_SIZES = ("1.3b", "14b")
-#: phases --skip can leave out ("eager": the eager rollout timed before the speed options)
-SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step", "eager")
+#: phases --skip can leave out ("eager": the eager rollout timed before the speed options; "fp8_grad":
+#: the --replay-precision fp8 gradient comparison)
+SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step", "eager", "fp8_grad")
 #: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
 REPLAY_VARIANTS = {"noreshard": (False, None, 1), "ac_every2": (True, True, 2), "ac_none": (True, False, 1)}
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -1757,7 +1758,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="the step offloads actor / engine around each stage")
     p.add_argument("--skip", nargs="+", default=[], choices=SKIPPABLE, metavar="PHASE",
                    help=f"phases to leave out, of {SKIPPABLE} (e.g. offload when host RAM is short); the rollout "
-                        "always runs, it feeds the others. eager: with --rollout-compile / --rollout-precision fp8, "
+                        "always runs, it feeds the others. fp8_grad: with --replay-precision fp8, the LoRA "
+                        "gradient's comparison with the compute dtype (replay_fp8_grad_rel_diff; two more "
+                        "micro-batch gradients, which the 60-block model on one H200 has no room for at "
+                        "micro-batch 8). eager: with --rollout-compile / --rollout-precision fp8, "
                         "leave out the eager DiT forward and rollout timed before the speed options are switched on "
                         "(and so rollout_speedup); the rollout with the speed options still runs and feeds the rest")
     p.add_argument("--dit-batches", type=int, nargs="+", default=[1, 8, 32],
@@ -2093,7 +2097,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_profile_replay(c, actor, batch, replay_fn, args.profile_replay)
         if "update" not in skip:
             phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
-        if args.replay_precision == "fp8":  # after the update: LoRA B is no longer 0
+        if args.replay_precision == "fp8" and "fp8_grad" not in skip:  # after the update: LoRA B is no longer 0
             phase_replay_precision(c, actor, batch, adv, replay_fn)
         if args.sync_kind == "adapter" and "adapter" not in skip:  # installs LoRA in the engine
             phase_sync(c, actor, "adapter")
