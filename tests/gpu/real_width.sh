@@ -16,7 +16,9 @@
 #           side by side with their stage split (tests/gpu/compare_product_bench.py); then the
 #           bench again with new prompts of varied lengths every rollout (--text-tokens-spread
 #           $SPREAD, default 30; 0 leaves it out) beside the same product run (UNIFORM=0 leaves out
-#           the first bench, whose prompts all have the bench's fixed length);
+#           the first bench, whose prompts all have the bench's fixed length); SPEED_PARTS (default
+#           "product bench") runs one part only, so that the two fit separate device calls: "bench"
+#           reads the product run an earlier call left in $RUNS;
 #   compile-resume  the resident recipe with the speed options and a fresh --compile-cache-dir for
 #           2 rollouts, then resumed for 2 more: the first step of each (what a resume pays to compile);
 #   report  the runs' TensorBoard scalars as JSON.
@@ -156,12 +158,17 @@ PY
           | tee "$OUT/product-vs-bench-$name.txt"
       }
       modes=(resident offload); [[ $phase == speed-* ]] && modes=("${phase#speed-}")
+      parts=" ${SPEED_PARTS:-product bench} "
       for mode in "${modes[@]}"; do
         off=(); [[ $mode == resident ]] && off=(--offload-train false --offload-rollout false)
-        DEBUG_FLAGS="" train "speed-$mode" "speed-$mode" "${SPEED_ROLLOUTS:-10}" "${off[@]}" $SPEED "${COLOUR[@]}"
-        # the run's series, for the record (compare_product_bench reads them from the run)
-        $PY -c 'import json, sys; from trainer.metrics import read_scalars; json.dump(read_scalars(sys.argv[1]), open(sys.argv[2], "w"))' \
-          "$RUNS/speed-$mode/tensorboard" "$OUT/scalars-speed-$mode.json"
+        if [[ $parts == *" product "* ]]; then
+          rm -rf "$RUNS/speed-$mode"
+          DEBUG_FLAGS="" train "speed-$mode" "speed-$mode" "${SPEED_ROLLOUTS:-10}" "${off[@]}" $SPEED "${COLOUR[@]}"
+          # the run's series, for the record (compare_product_bench reads them from the run)
+          $PY -c 'import json, sys; from trainer.metrics import read_scalars; json.dump(read_scalars(sys.argv[1]), open(sys.argv[2], "w"))' \
+            "$RUNS/speed-$mode/tensorboard" "$OUT/scalars-speed-$mode.json"
+        fi
+        [[ $parts == *" bench "* ]] || continue
         boff=(); [[ $mode == offload ]] && boff=(--offload)
         # UNIFORM=0 leaves out the bench with its fixed-length prompts
         if [[ ${UNIFORM:-1} != 0 ]]; then bench_beside "$mode" "$mode" "${boff[@]}"; fi
