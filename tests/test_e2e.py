@@ -31,7 +31,7 @@ EXPECTED_SERIES = [
     "reward/degenerate", "reward/score_time", "reward/score_samples_per_s",
     "perf/train_transitions_per_s", "perf/train_samples_per_s",
     "perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time", "perf/step_time",
-    "perf/watch_time", "perf/watch_stats_time", "perf/end_update_time",
+    "perf/watch_time", "perf/watch_stats_time", "perf/end_update_time", "perf/gc_time", "perf/gc_full_collections",
     "eval/demo/color_mean", "eval/other/color_mean",
     # beyond the reference: the trained (weighted) reward, eval spreads, rollout throughput
     "reward/weighted_total_mean", "reward/weighted_total_std", "reward/color_group_std_mean",

@@ -202,3 +202,34 @@ def test_plot_rewards_defaults_to_the_trained_reward_with_clean_ticks_and_legend
 
     with PILImage.open(out) as im:
         assert im.size[0] >= ImageFont.load_default().getlength(f"{label} (dots)") + 70 and im.size[1] > 480
+
+
+def test_gc_clock_counts_the_collections_of_every_thread_between_takes():
+    """perf/gc_time: the collector's seconds and its full collections since the last take, from
+    any thread; nothing after close()."""
+    import gc
+    import threading
+
+    from trainer.loop import GcClock
+
+    def garbage(n=20000):  # reference cycles only the cyclic collector frees
+        for _ in range(n):
+            a = []
+            a.append(a)
+
+    clock = GcClock()
+    try:
+        clock.take()
+        garbage()
+        gc.collect()  # a full collection on this thread
+        worker = threading.Thread(target=lambda: (garbage(), gc.collect()))
+        worker.start()
+        worker.join()
+        got = clock.take()
+        assert got["perf/gc_full_collections"] >= 2 and got["perf/gc_time"] > 0
+        again = clock.take()
+        assert again["perf/gc_full_collections"] == 0 and again["perf/gc_time"] < got["perf/gc_time"]
+    finally:
+        clock.close()
+    gc.collect()
+    assert clock.take() == {"perf/gc_time": 0.0, "perf/gc_full_collections": 0.0}

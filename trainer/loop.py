@@ -13,6 +13,7 @@ the new weights to its own in-process engine. Large tensors never cross ranks.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -132,6 +133,38 @@ class Timer:
         if self.host_rss_gb is not None:
             out[f"perf/host_rss_gb/{stage}"] = self.host_rss_gb
         return out
+
+
+class GcClock:
+    """Seconds the Python cyclic garbage collector ran, on any thread, and its full (generation 2)
+    collections, between two take() calls: a pause in the step that no stage's own work explains
+    (a compiled run holds millions of Python objects, and a full collection walks them all).
+    Installed from construction until close(). One collection runs at a time, under the GIL, so
+    the callbacks never overlap; take() subtracts what it read, so a collection that ends while it
+    reads counts toward the next take."""
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+        self.seconds, self.full = 0.0, 0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += int(info.get("generation") == 2)
+
+    def take(self) -> dict[str, float]:
+        """perf/gc_time and perf/gc_full_collections since the last take."""
+        seconds, full = self.seconds, self.full
+        self.seconds -= seconds
+        self.full -= full
+        return {"perf/gc_time": seconds, "perf/gc_full_collections": float(full)}
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 def host_memory_gb() -> dict[str, float]:
@@ -425,6 +458,8 @@ class Trainer:
         self.watch = None if cfg.reward.no_hacking_watch else HackingWatch(WatchSettings.from_config(cfg.reward))
         #: one worker thread for the watch's image statistics (_start_watch), off the critical path
         self._watch_pool = ThreadPoolExecutor(1, thread_name_prefix="watch") if self.watch is not None else None
+        #: the garbage collector's time per step (perf/gc_time), while fit runs
+        self._gc_clock: GcClock | None = None
         self.stop_reason: str | None = None
         #: PNGs and sidecars written off the critical path (--artifact-writer-queue; None: in the rollout stage)
         self.artifact_writer = None
@@ -510,6 +545,8 @@ class Trainer:
 
         cfg, colo = self.cfg, self.cfg.colocate
         m: dict[str, float] = {}
+        if self._gc_clock is not None:
+            self._gc_clock.take()  # from here on, this step's collections
         t_step = time.perf_counter()
 
         # 1. plan: this rollout's prompt groups (the trained steps are resolved inside the rollout)
@@ -623,6 +660,8 @@ class Trainer:
         if self._compile_watch is not None and (msg := self._compile_watch.limit_warning()) and self.rank == 0:
             log.warning("rollout %d: %s", k, msg)
         m["perf/step_time"] = time.perf_counter() - t_step
+        if self._gc_clock is not None:
+            m.update(self._gc_clock.take())
         if "hwm" in (host := host_memory_gb()):
             m["perf/host_peak_gb"] = host["hwm"]
         m["train/checkpoint_failures"] = float(self.checkpoint_failures)
@@ -891,6 +930,7 @@ class Trainer:
         bar = tqdm(range(self.start_rollout, num_rollout), desc="rollouts", disable=not self._progress_bars,
                    dynamic_ncols=True, leave=True)
         history = []
+        self._gc_clock = GcClock()
         try:
             for k in bar:
                 metrics = self.step(k)
@@ -912,6 +952,7 @@ class Trainer:
         finally:
             if self._watch_pool is not None:  # a step that raised may leave its job running: it ends on its own
                 self._watch_pool.shutdown(wait=False)
+            self._gc_clock.close()
         if self.artifact_writer is not None:
             self.artifact_writer.close()  # a write failure stops the run here, as it would have in the step
         self.metrics.close()

@@ -36,6 +36,7 @@ ROWS = (
     ("perf/watch_time", None),
     ("perf/watch_stats_time", None),
     ("perf/end_update_time", None),
+    ("perf/gc_time", None),
 )
 #: the stages perf/step_time is compared through; what the step spends outside them is its own row
 TIMED = ("perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_time")
@@ -43,6 +44,8 @@ TIMED = ("perf/rollout_time", "perf/reward_time", "perf/train_time", "perf/sync_
 
 #: the series that count the graphs a rollout compiled (the loop logs them with compiled blocks)
 GRAPH_SERIES = ("perf/rollout_new_graphs", "perf/actor_new_graphs")
+#: printed per rollout as well: the step, and the garbage collector's time and full collections in it
+PER_ROLLOUT = ("perf/step_time", "perf/gc_time", "perf/gc_full_collections")
 
 
 def steady_rollouts(scalars: dict[str, list[tuple[int, float]]], skip_first: int) -> set[int]:
@@ -105,6 +108,11 @@ def main(argv=None) -> int:
             counts = {k: int(v) for k, v in sorted(scalars[tag])}
             print(f"{tag:34s} {counts}")
             out[tag] = counts
+    for tag in PER_ROLLOUT:  # per rollout: a slow one beside the collector's pauses in it
+        if tag in scalars:
+            values = {k: round(v, 3) for k, v in sorted(scalars[tag])}
+            print(f"{tag:34s} {values}")
+            out[f"{tag} per rollout"] = values
     print(f"{'steady rollouts':34s} {sorted(rollouts)}")
     out["steady_rollouts"] = sorted(rollouts)
     r = out["perf/step_time"]["ratio"]
