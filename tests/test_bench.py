@@ -233,6 +233,9 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
     step = figures["step_s"][0]
     assert set(step["stages"]) == {"rollout", "reward", "update", "sync"}
     assert sum(step["stages"].values()) <= step["value"] * 1.01
+    # the garbage collector's pauses inside the step: a part of it, counted, never absent
+    assert 0 <= step["gc_s"] < step["value"] and step["gc_full_collections"] >= 0
+    assert step["alloc_retries"] is None  # CPU: no caching allocator
     assert figures["update_s_lora"][0]["optimizer_steps"] == 2.0
     # tiny geometry: 32 px / VAE factor 4 / patch 2 -> 4 x 4 image tokens
     assert figures["dit_mfu"][0]["geometry"]["image_tokens"] == 16

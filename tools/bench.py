@@ -1396,6 +1396,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
     train/rollout_logprob_gap_max (source rollout), and the sampler-vs-replay log-prob gap and
     closed-form transition KL on the step's first micro-batch (sampler_replay_gap, measured after
     the reward and before the update, outside every timer)."""
+    from trainer.loop import GcClock
     from trainer.weight_sync import WeightSyncer
 
     a = c.args
@@ -1436,30 +1437,39 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
             finally:
                 if a.offload:
                     actor.offload()
-    def timed_step(attempt: int) -> tuple[float, dict[str, float], Any, int | None]:
+    gc_clock = GcClock()  # the garbage collector's pauses inside a timed step
+
+    def timed_step(attempt: int) -> tuple[float, dict[str, float], Any, dict[str, Any]]:
         stages: dict[str, float] = {}
         retries = alloc_retries(c.device)
+        gc_clock.take()
         with timed(c.device) as total:
             traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base + attempt, stages,
                                                                 sampling, sde_indices, probe)
-        retries = None if retries is None else c.rep.reduce(alloc_retries(c.device) - retries, "max")
-        return total[0] - probe_s, stages, (traj, degenerate, metrics, gap), retries
+        pauses = gc_clock.take()
+        held = {"alloc_retries": None if retries is None else c.rep.reduce(alloc_retries(c.device) - retries, "max"),
+                "gc_s": c.rep.reduce(pauses["perf/gc_time"], "max"),
+                "gc_full_collections": int(c.rep.reduce(pauses["perf/gc_full_collections"], "max"))}
+        return total[0] - probe_s, stages, (traj, degenerate, metrics, gap), held
 
     # a timed step that still compiled a graph (a text length or variant the warm-up did not meet)
     # is not steady: it is recorded as such and the next one is timed
-    for _, (seconds, stages, (traj, degenerate, metrics, gap), retries), new_graphs, last in until_steady(
-            timed_step, RankCompileWatch(c.rep) if compiled else None, MAX_TIMED_ATTEMPTS if compiled else 1):
-        if not last:
-            c.rep.emit("step_compiled_s", seconds, "s", sync_kind=kind, new_graphs=new_graphs,
-                       note="a step timed after the warm-up that compiled graphs: not steady, another one follows",
-                       **tags)
+    try:
+        for _, (seconds, stages, (traj, degenerate, metrics, gap), held), new_graphs, last in until_steady(
+                timed_step, RankCompileWatch(c.rep) if compiled else None, MAX_TIMED_ATTEMPTS if compiled else 1):
+            if not last:
+                c.rep.emit("step_compiled_s", seconds, "s", sync_kind=kind, new_graphs=new_graphs,
+                           note="a step timed after the warm-up that compiled graphs: not steady, another one follows",
+                           **tags)
+    finally:
+        gc_clock.close()
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
     peak = torch.cuda.max_memory_allocated(c.device) / 1e9 if c.device.type == "cuda" else None
     update_figures = {k.split("/", 1)[1]: v for k, v in metrics.items()
                       if k in ("train/optimizer_steps", "train/num_microbatches", "train/nft_old_decay",
                                "train/old_deviation", "train/ratio_mean", "train/ratio_max", "train/ratio_min")}
     c.rep.emit("step_s", seconds, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
-               reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, alloc_retries=retries,
+               reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, **held,
                new_graphs=new_graphs, update=update_figures, **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
