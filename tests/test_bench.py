@@ -886,3 +886,27 @@ def test_the_product_comparison_takes_only_rollouts_that_compiled_nothing():
     assert steady(scalars["perf/step_time"], rollouts) == [6.0, 5.0, 4.0]
     # without the graph series (no compiled blocks): every rollout past the first ones but the last
     assert steady_rollouts({"perf/step_time": scalars["perf/step_time"]}, skip_first=2) == {2, 3, 4, 5, 6}
+
+
+def test_the_product_comparison_reads_a_stored_run_and_says_whether_it_is_within_5_percent(tmp_path, capsys):
+    """compare_product_bench.py on the scalars a speed phase saved as JSON (no event files): the
+    steady median against the bench's step_s, the verdict, and the per-rollout GC figures."""
+    from tests.gpu.compare_product_bench import main
+
+    steps = [30.0, 12.0, 7.4, 7.6, 7.5, 14.0]
+    scalars = {"perf/step_time": [[k, v] for k, v in enumerate(steps)],
+               "perf/rollout_time": [[k, v / 2] for k, v in enumerate(steps)],
+               "perf/gc_time": [[k, 0.5 if k < 2 else 0.001] for k in range(6)]}
+    run = tmp_path / "scalars-speed-resident.json"
+    run.write_text(json.dumps(scalars))
+    bench = tmp_path / "bench.jsonl"
+
+    def verdict(bench_step: float) -> str:
+        bench.write_text(json.dumps({"figure": "step_s", "value": bench_step, "stages": {"rollout": 3.6}}) + "\n")
+        assert main([str(run), str(bench)]) == 0
+        out = capsys.readouterr().out
+        assert "perf/gc_time" in out and "{0: 0.5, 1: 0.5, 2: 0.001" in out
+        return next(line for line in out.splitlines() if line.startswith("steady step"))
+
+    assert verdict(7.3).endswith(": within 5%") and "product 7.5 s" in verdict(7.3)  # median of rollouts 2-4
+    assert verdict(7.0).endswith(": NOT within 5%")

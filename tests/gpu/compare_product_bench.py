@@ -2,6 +2,8 @@
 
     python tests/gpu/compare_product_bench.py RUN/tensorboard BENCH.jsonl [--skip-first 2]
 
+RUN/tensorboard may also be the run's scalars as JSON (real_width.sh saves them as
+scalars-speed-MODE.json), so a stored run can be compared again without its event files.
 The product figures are the medians of the run's TensorBoard series over its steady rollouts:
 the first `--skip-first` rollouts (the compile, the engine's LoRA recompile), every rollout that
 compiled a graph (perf/rollout_new_graphs or perf/actor_new_graphs above 0: with prompts of varied
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("bench", type=Path)
     p.add_argument("--skip-first", type=int, default=2)
     args = p.parse_args(argv)
-    scalars = read_scalars(args.tensorboard)
+    scalars = (json.loads(args.tensorboard.read_text()) if args.tensorboard.suffix == ".json"
+               else read_scalars(args.tensorboard))
     rollouts = steady_rollouts(scalars, args.skip_first)
     rec = bench_step(args.bench)
     stages = dict(rec.get("stages", {}))
