@@ -331,7 +331,6 @@ def test_fp8_replay_precision_gives_the_gradient_figure_and_keeps_the_first_rati
     assert onpolicy["value"] == 0.0 and onpolicy["first_update_ratio_mean"] == 1.0
 
 
-
 def test_skip_fp8_grad_leaves_out_only_the_gradient_comparison(tmp_path):
     """--skip fp8_grad: --replay-precision fp8 without the gradient comparison (which needs room for
     two more micro-batch gradients); the replay figures still time the FP8 replay."""
@@ -342,6 +341,8 @@ def test_skip_fp8_grad_leaves_out_only_the_gradient_comparison(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = {json.loads(line)["figure"] for line in out.read_text().splitlines()}
     assert "replay_fp8_grad_rel_diff" not in figures and "replay_transitions_per_s_lora" in figures
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--algorithms", "nft", "--old-logprob-source", "rollout"], "add flowgrpo to --algorithms"),
     (["--algorithms", "nft", "--guidance-scale", "4"], "--algorithms nft samples CFG-free"),

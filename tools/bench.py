@@ -1447,15 +1447,16 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
             traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base + attempt, stages,
                                                                 sampling, sde_indices, probe)
         pauses = gc_clock.take()
-        held = {"alloc_retries": None if retries is None else c.rep.reduce(alloc_retries(c.device) - retries, "max"),
-                "gc_s": c.rep.reduce(pauses["perf/gc_time"], "max"),
-                "gc_full_collections": int(c.rep.reduce(pauses["perf/gc_full_collections"], "max"))}
-        return total[0] - probe_s, stages, (traj, degenerate, metrics, gap), held
+        counters = {"alloc_retries": None if retries is None
+                    else c.rep.reduce(alloc_retries(c.device) - retries, "max"),
+                    "gc_s": c.rep.reduce(pauses["perf/gc_time"], "max"),
+                    "gc_full_collections": int(c.rep.reduce(pauses["perf/gc_full_collections"], "max"))}
+        return total[0] - probe_s, stages, (traj, degenerate, metrics, gap), counters
 
     # a timed step that still compiled a graph (a text length or variant the warm-up did not meet)
     # is not steady: it is recorded as such and the next one is timed
     try:
-        for _, (seconds, stages, (traj, degenerate, metrics, gap), held), new_graphs, last in until_steady(
+        for _, (seconds, stages, (traj, degenerate, metrics, gap), counters), new_graphs, last in until_steady(
                 timed_step, RankCompileWatch(c.rep) if compiled else None, MAX_TIMED_ATTEMPTS if compiled else 1):
             if not last:
                 c.rep.emit("step_compiled_s", seconds, "s", sync_kind=kind, new_graphs=new_graphs,
@@ -1469,7 +1470,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                       if k in ("train/optimizer_steps", "train/num_microbatches", "train/nft_old_decay",
                                "train/old_deviation", "train/ratio_mean", "train/ratio_max", "train/ratio_min")}
     c.rep.emit("step_s", seconds, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
-               reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, **held,
+               reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, **counters,
                new_graphs=new_graphs, update=update_figures, **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)

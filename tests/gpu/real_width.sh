@@ -164,7 +164,7 @@ PY
         if [[ $parts == *" product "* ]]; then
           rm -rf "$RUNS/speed-$mode"
           DEBUG_FLAGS="" train "speed-$mode" "speed-$mode" "${SPEED_ROLLOUTS:-10}" "${off[@]}" $SPEED "${COLOUR[@]}"
-          # the run's series, for the record (compare_product_bench reads them from the run)
+          # the run's series, for the record (compare_product_bench reads the run, or this file)
           $PY -c 'import json, sys; from trainer.metrics import read_scalars; json.dump(read_scalars(sys.argv[1]), open(sys.argv[2], "w"))' \
             "$RUNS/speed-$mode/tensorboard" "$OUT/scalars-speed-$mode.json"
         fi
