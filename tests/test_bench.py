@@ -343,6 +343,41 @@ def test_skip_fp8_grad_leaves_out_only_the_gradient_comparison(tmp_path):
     assert "replay_fp8_grad_rel_diff" not in figures and "replay_transitions_per_s_lora" in figures
 
 
+
+def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
+    """--gemms times every linear of the blocks at the rollout's rows (M = candidates x the tokens
+    the layer sees), once per distinct shape and variant, and dit_gemms_s is their sum over one
+    forward; --profile-rollout writes the op table of one FP8 DiT forward and splits its time."""
+    out = tmp_path / "gemms.jsonl"
+    profile = tmp_path / "rollout_profile.txt"
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--rollout-precision", "fp8",
+                      "--gemms", "--profile-rollout", str(profile),
+                      "--skip", "checksum", "merged", "replay", "update", "adapter", "offload", "step",
+                      "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    gemms = [line for line in lines if line["figure"] == "gemm_tflops"]
+    sums = {line["variant"]: line for line in lines if line["figure"] == "dit_gemms_s"}
+    geometry = gemms[0]["geometry"]
+    candidates, image_tokens, text_tokens = (geometry[k] for k in ("candidates", "image_tokens", "text_tokens"))
+    # the tiny block's 14 linears (2 modulations, 4 + 4 attention projections, 2 + 2 MLP layers), 2 blocks
+    layers = [name for line in gemms if line["variant"] == "bf16" for name in line["layers"]]
+    assert len(layers) == len(set(layers)) == 14 and sums["bf16"]["linears"] == 14
+    rows_of = {line["layers"][0]: line["m"] for line in gemms}
+    assert rows_of["attn.to_q"] == candidates * image_tokens
+    assert rows_of["attn.add_q_proj"] == candidates * text_tokens
+    assert rows_of["img_mod.1"] == candidates  # one modulation row per DiT row
+    for variant in ("bf16", "fp8_rowwise", "fp8_rowwise_quantized", "fp8_tensorwise"):
+        timed = [line for line in gemms if line["variant"] == variant]
+        assert sum(len(line["layers"]) for line in timed) == 14, variant
+        assert all(line["per_forward"] == 2 * len(line["layers"]) and line["value"] > 0 for line in timed)
+        assert sums[variant]["value"] == pytest.approx(sum(line["seconds"] * line["per_forward"] for line in timed))
+        assert sums[variant]["ratio_to_bf16"] == pytest.approx(sums["bf16"]["value"] / sums[variant]["value"])
+    (prof,) = [line for line in lines if line["figure"] == "dit_profile_s"]
+    assert prof["variant"] == "fp8" and prof["rows"] == candidates and prof["path"] == str(profile)
+    assert sum(prof["shares"].values()) == pytest.approx(1.0) and prof["shares"]["gemm"] > 0
+    assert "aten::_scaled_mm" in profile.read_text()
+
 @pytest.mark.parametrize("argv, message", [
     (["--algorithms", "nft", "--old-logprob-source", "rollout"], "add flowgrpo to --algorithms"),
     (["--algorithms", "nft", "--guidance-scale", "4"], "--algorithms nft samples CFG-free"),

@@ -11,6 +11,10 @@ grow until the kernel's OOM killer ends it and disturbs everything else running 
 
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
 other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch),
+--profile-rollout PATH (an op table of one DiT forward at the rollout's batch, with the speed options,
+and the kernels' shares in GEMMs, attention and the rest), --gemms (each of the blocks' linear GEMMs
+at the rollout's batch in bf16, FP8 rowwise with and without its activation quantization, and FP8
+with one scale per tensor: how far the FP8 rollout's GEMMs are from the tensor cores),
 --replay-precision fp8 (the LoRA actor's frozen base GEMMs in FP8, as the trainer's flag: every
 replay, update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA
 gradient with the compute dtype's on one micro-batch).
@@ -828,11 +832,10 @@ def rollout_variant(args) -> str:
     return "+".join(parts) or "eager"
 
 
-def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
-    """dit_forward_s and dit_mfu at each --dit-batches size: the engine's transformer through
-    the adapter's velocity call (exactly the engine's rollout call, one conditional row per
-    sample, with the embedded guidance of a guidance-distilled family: FLUX's), no grad. A
-    compiled DiT is compiled for each batch size by its first (untimed) call."""
+def dit_call(c: Ctx, b: int) -> Callable[[], Any]:
+    """One no-grad DiT forward of b rows of prompt 0, exactly the engine's rollout call (the
+    adapter's velocity, one conditional row per sample, with the embedded guidance of a
+    guidance-distilled family: FLUX's), as a callable; its inputs are built once, here."""
     from trainer.engine.base import embedded_guidance_condition
     from trainer.sampling import init_noise_shape
     from trainer.trajectory import SamplerSettings
@@ -845,22 +848,156 @@ def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
              else init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor))
     geometry = req.geometry(e.vae_scale_factor)
     one_row = SamplerSettings(req.num_inference_steps, req.eta)  # guidance 1: one conditional row
+    x_t = torch.randn(b, *shape)
+    x = e.adapter.initial_latents(x_t, e.transformer, geometry).to(c.device, c.dtype)
+    t = torch.full((b,), 500.0)
+    conditions = e.adapter.batch_conditions([cond] * b)  # the engine's own batching
+    conditions.update(embedded_guidance_condition(req, b, c.device))
+
+    @torch.no_grad()
+    def fwd():
+        return e.adapter.velocity(e.transformer, x, t, conditions, geometry, one_row)
+    return fwd
+
+
+def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
+    """dit_forward_s and dit_mfu at each --dit-batches size: the engine's rollout call
+    (dit_call). A compiled DiT is compiled for each batch size by its first (untimed) call."""
+    a = c.args
+    text_tokens = int(c.condition(0)["prompt_embeds"].shape[0])
     for b in a.dit_batches:
-        x_t = torch.randn(b, *shape)
-        x = e.adapter.initial_latents(x_t, e.transformer, geometry).to(c.device, c.dtype)
-        t = torch.full((b,), 500.0)
-        conditions = e.adapter.batch_conditions([cond] * b)  # the engine's own batching
-        conditions.update(embedded_guidance_condition(req, b, c.device))
-        with torch.no_grad():
-            def fwd():
-                return e.adapter.velocity(e.transformer, x, t, conditions, geometry, one_row)
-            fwd()
-            sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")  # cheap: average more
-        flops = c.forward_flops(c.dit_cfg, c.image_tokens, int(cond["prompt_embeds"].shape[0]), b)
+        fwd = dit_call(c, b)
+        fwd()
+        sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")  # cheap: average more
+        flops = c.forward_flops(c.dit_cfg, c.image_tokens, text_tokens, b)
         c.rep.emit("dit_forward_s", sec, "s", batch=b, variant=variant)
         c.rep.emit("dit_mfu", flops / sec / 1e12 / c.peak_tflops, "fraction", batch=b,
                    tflop_per_forward=flops / 1e12, peak_tflops=c.peak_tflops, variant=variant)
     c.rep.phase_memory("dit_forward")
+
+
+#: --gemms: how each of a block's linear GEMMs is timed (see phase_gemms)
+GEMM_VARIANTS = ("bf16", "fp8_rowwise", "fp8_rowwise_quantized", "fp8_tensorwise")
+
+
+def block_linears(c: Ctx) -> list[dict[str, Any]]:
+    """Every nn.Linear of the first block of each repeated block list (FLUX: double- and
+    single-stream) as the rollout calls it: name, in / out features, rows per DiT row (the tokens
+    it sees: image, text or one modulation row) and blocks (the list's length), from forward hooks
+    on one eager no-grad forward of one row."""
+    from trainer.core.modules import repeated_block_lists
+
+    found: list[dict[str, Any]] = []
+    hooks = []
+    for blocks in repeated_block_lists(c.engine.transformer):
+        for name, m in blocks[0].named_modules():
+            if isinstance(m, torch.nn.Linear):
+                def record(mod, inputs, name=name, n_blocks=len(blocks)):
+                    found.append({"name": name, "in": mod.in_features, "out": mod.out_features,
+                                  "rows_per_dit_row": inputs[0].shape[:-1].numel(), "blocks": n_blocks,
+                                  "weight": mod.weight, "module": mod})
+                hooks.append(m.register_forward_pre_hook(record))
+    try:
+        dit_call(c, 1)()
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+def phase_gemms(c: Ctx, rows: int) -> None:
+    """--gemms: the DiT's linear GEMMs one by one at a DiT forward of `rows` rows, in each of
+    GEMM_VARIANTS, to show how far the FP8 rollout's GEMMs are from the tensor cores' rate and what
+    another scaling would give (gemm_tflops per distinct (M, K, N), dit_gemms_s: the sum over one
+    forward's blocks, beside dit_forward_s):
+      bf16                   F.linear in the compute dtype (the eager / compiled rollout);
+      fp8_rowwise            torch._scaled_mm alone, one scale per activation row and per weight
+                             channel (the --rollout-precision fp8 GEMM, inputs already quantized);
+      fp8_rowwise_quantized  core.fp8.fp8_linear: the same GEMM with its per-row activation
+                             quantization, unfused (what an eager FP8 rollout runs; compiled blocks
+                             fuse the quantization into the kernels before it);
+      fp8_tensorwise         torch._scaled_mm with one scale per tensor (not an option of the
+                             trainer: the ceiling another scaling would reach)."""
+    from trainer.core.fp8 import fp8_eligible, fp8_linear, quantize_rowwise
+
+    layers = block_linears(c)
+    shapes: dict[tuple[int, int, int], dict[str, Any]] = {}
+    for layer in layers:
+        key = (rows * layer["rows_per_dit_row"], layer["in"], layer["out"])
+        entry = shapes.setdefault(key, {"names": [], "count": 0, "weight": layer["weight"],
+                                        "fp8": fp8_eligible(layer["module"])})
+        entry["names"].append(layer["name"])
+        entry["count"] += layer["blocks"]
+    iters = max(c.args.iters, 5)
+    totals = {v: 0.0 for v in GEMM_VARIANTS}
+    timed_all = {v: True for v in GEMM_VARIANTS}
+    for (m, k, n), entry in shapes.items():
+        w = entry["weight"].detach().to(c.dtype)
+        x = torch.randn(m, k, device=c.device, dtype=c.dtype)
+        fns: dict[str, Callable[[], Any]] = {"bf16": lambda: torch.nn.functional.linear(x, w)}
+        if entry["fp8"]:
+            xq, xs = quantize_rowwise(x)
+            wq, ws = quantize_rowwise(w)
+            ws = ws.reshape(1, -1).contiguous()
+            one = torch.ones((), device=c.device, dtype=torch.float32)
+            fns["fp8_rowwise"] = lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=c.dtype)
+            fns["fp8_rowwise_quantized"] = lambda: fp8_linear(x, wq, ws, None)
+            fns["fp8_tensorwise"] = lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=c.dtype)
+        for variant in GEMM_VARIANTS:
+            if variant not in fns:
+                timed_all[variant] = False
+                continue
+            fns[variant]()  # warm-up: cuBLAS / CUTLASS heuristics
+            sec = c.rep.reduce(_mean_time(c.device, fns[variant], iters), "max")
+            totals[variant] += sec * entry["count"]
+            c.rep.emit("gemm_tflops", 2.0 * m * k * n / sec / 1e12, "TFLOP/s", op="min", variant=variant,
+                       m=m, k=k, n=n, layers=entry["names"], per_forward=entry["count"], seconds=sec)
+        del x, fns
+    for variant in GEMM_VARIANTS:
+        if timed_all[variant]:  # a sum that left out a layer would understate the forward
+            c.rep.emit("dit_gemms_s", totals[variant], "s", variant=variant, rows=rows, linears=len(layers),
+                       ratio_to_bf16=totals["bf16"] / totals[variant] if totals[variant] else None)
+    c.rep.phase_memory("gemms")
+
+
+#: --profile-rollout: kernel (CUDA) or op (CPU) name fragments of each share in dit_profile_s
+_PROFILE_SHARES = {"gemm": ("gemm", "scaled_mm", "cutlass", "nvjet", "xmma", "aten::mm", "aten::addmm",
+                            "aten::linear", "aten::bmm"),
+                   "attention": ("flash", "fmha", "cudnn", "attention", "sdpa")}
+
+
+def phase_profile_dit(c: Ctx, rows: int, path: Path) -> None:
+    """--profile-rollout PATH: one DiT forward of `rows` rows (the rollout's call, with the speed
+    options in force) under torch.profiler, after a warm-up call (a compiled DiT compiles there);
+    rank 0 writes key_averages().table sorted by device time (CPU time on a CPU run) to PATH.
+    dit_profile_s carries the shares of the kernels' own time (CUDA; the ops' self time on CPU) in
+    GEMMs, attention and the rest, by name (_PROFILE_SHARES)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd = dit_call(c, rows)
+    fwd()
+    cuda = c.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        with timed(c.device) as t:
+            fwd()
+    averages = prof.key_averages()
+    kinds = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in averages:
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # on CUDA the kernels' own time; their launching ops would count it twice
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        name = e.key.lower()
+        kind = next((k for k, frags in _PROFILE_SHARES.items() if any(f.lower() in name for f in frags)), "other")
+        kinds[kind] += us
+    total = sum(kinds.values()) or 1.0
+    sort_by = "device_time_total" if cuda else "cpu_time_total"
+    if c.rep.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(averages.table(sort_by=sort_by, row_limit=40) + "\n")
+    c.rep.emit("dit_profile_s", t[0], "s", path=str(path), sort_by=sort_by, written_by_rank=0, rows=rows,
+               variant=rollout_variant(c.args), shares={k: v / total for k, v in kinds.items()},
+               kernel_s=total / 1e6)
 
 
 def cfg_rows(c: Ctx) -> int:
@@ -870,6 +1007,14 @@ def cfg_rows(c: Ctx) -> int:
     req = build_requests(c.engine, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, c.args.seed, 0,
                          c.media)[0]
     return 2 if req.guidance_scale > 1.0 else 1
+
+
+def rollout_rows(c: Ctx) -> int:
+    """DiT rows per rollout forward: the engine's batch of candidates (all of them unless
+    --engine-batch-size) times cfg_rows."""
+    n = c.args.prompts * c.args.group_size
+    step = getattr(c.engine, "max_batch_size", 0) or n
+    return min(step, n) * cfg_rows(c)
 
 
 def rollout(c: Ctx, rollout_id: int, sampling: Any = None, sde_indices: list[int] | None = None) -> tuple[Any, float]:
@@ -1824,6 +1969,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "out of memory gives a null figure with oom: true)")
     p.add_argument("--profile-replay", type=Path, default=None, metavar="PATH",
                    help="profile one LoRA replay micro-batch (forward + backward) and write the op table to PATH")
+    p.add_argument("--profile-rollout", type=Path, default=None, metavar="PATH",
+                   help="profile one DiT forward at the rollout's batch, with the speed options, and write the op "
+                        "table to PATH (dit_profile_s: the kernels' shares in GEMMs, attention and the rest)")
+    p.add_argument("--gemms", action="store_true",
+                   help=f"time each linear GEMM of the DiT's blocks at the rollout's batch as {GEMM_VARIANTS} "
+                        "(gemm_tflops, dit_gemms_s)")
     args = p.parse_args(argv)
     video = args.family == "wan"
     if video:  # FlowGRPO's Wan geometry (33 x 240 x 416) at the real shape, 5 x 32 x 32 at the tiny one
@@ -2065,6 +2216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             traj = phase_rollout(c, variant="eager")
             for path in args.compare:
                 phase_compare(c, path)
+        rows = rollout_rows(c)
+        if args.gemms:  # eager forward hooks find the shapes: before any block is compiled
+            phase_gemms(c, rows)
         if speedups:
             with timed(device) as t:
                 engine.enable_speedups(compile_blocks=args.rollout_compile, precision=args.rollout_precision)
@@ -2075,6 +2229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rep.emit("enable_speedups_s", t[0], "s", variant=variant, fp8_linears=fp8_linears)
         if "dit" not in skip and (speedups or traj is None):
             phase_dit_forward(c, variant=variant)
+        if args.profile_rollout is not None:
+            phase_profile_dit(c, rows, args.profile_rollout)
         if "checksum" not in skip:
             phase_checksum(c)
         if speedups or traj is None:  # the eager figures of a --compare-only run are the ones above
