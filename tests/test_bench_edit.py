@@ -117,7 +117,8 @@ def test_bench_family_edit_runs_every_phase_at_tiny_shape(family, tmp_path):
         figures[line["figure"]] = line
     assert {"dit_forward_s", "rollout_images_per_s", "replay_transitions_per_s_lora", "update_s_lora",
             "adapter_sync_s", "merged_sync_s", "step_s"} <= set(figures)
-    # fp32: Qwen's replay at micro-batch 1 is the rollout's batch to the bit; FLUX's GEMMs round the
-    # 4-row rollout batch and the 1-row micro-batch differently (~1e-7)
-    assert figures["replay_logp_max_abs_err_lora"]["value"] <= (0.0 if family == "qwen_image_edit" else 1e-6)
+    # fp32: the replay's 1-row micro-batch against the rollout's 4-row batch. Whether their GEMMs
+    # round alike depends on the kernels the CPU's BLAS picks for each shape: Qwen's matched to the
+    # bit on one machine and differed by 6e-8 on another (AVX-512); FLUX's differ by ~1e-7
+    assert figures["replay_logp_max_abs_err_lora"]["value"] <= 1e-6
     assert figures["rollout_s"]["geometry"]["sources_per_prompt"] == 1
