@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tools.bench import (CHECKSUM_WIDE_FOLD, REAL_TRANSFORMER_CONFIG, build_engine, build_text_encoder,
-                         build_transformer, column_sums_wide, dit_forward_flops, dit_param_counts, replay_flops,
-                         shape_configs)
+                         build_transformer, column_sums_wide, dit_forward_flops, dit_param_counts, profile_share,
+                         replay_flops, shape_configs)
 from trainer.core.checksum import CHECKSUM_PERIOD, column_sums, tensor_words, weights_checksum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,8 +375,25 @@ def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
         assert sums[variant]["ratio_to_bf16"] == pytest.approx(sums["bf16"]["value"] / sums[variant]["value"])
     (prof,) = [line for line in lines if line["figure"] == "dit_profile_s"]
     assert prof["variant"] == "fp8" and prof["rows"] == candidates and prof["path"] == str(profile)
-    assert sum(prof["shares"].values()) == pytest.approx(1.0) and prof["shares"]["gemm"] > 0
+    assert sum(prof["shares"].values()) == pytest.approx(1.0)
+    assert prof["shares"]["gemm"] > 0 and prof["shares"]["quantize"] > 0  # the eager FP8 path's amax / clamp
     assert "aten::_scaled_mm" in profile.read_text()
+
+
+@pytest.mark.parametrize("kernel, share", [
+    ("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2", "gemm"),  # cuBLAS FP8 GEMM
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention"),
+    ("triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_div_gelu_3", "quantize"),
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention_add_mul_7", "other"),  # rope before attention
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_view_2", "other"),  # RMS norm
+    ("void at::native::elementwise_kernel<128, 2>", "other"),
+    ("aten::_scaled_mm", "gemm"), ("aten::amax", "quantize"), ("aten::gelu", "other"),
+])
+def test_profile_shares_go_by_what_a_kernel_does_not_what_its_fused_name_mentions(kernel, share):
+    """Inductor names a kernel after every op it fuses, so a quantization kernel's name holds
+    "scaled_mm" and a rope kernel's "attention": neither may count as a GEMM or attention."""
+    assert profile_share(kernel) == share
 
 @pytest.mark.parametrize("argv, message", [
     (["--algorithms", "nft", "--old-logprob-source", "rollout"], "add flowgrpo to --algorithms"),

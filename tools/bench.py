@@ -12,9 +12,10 @@ grow until the kernel's OOM killer ends it and disturbs everything else running 
 Optional: --replay-variants (LoRA replay without reshard after forward, with checkpointing on every
 other block, without checkpointing), --profile-replay PATH (an op table of one replay micro-batch),
 --profile-rollout PATH (an op table of one DiT forward at the rollout's batch, with the speed options,
-and the kernels' shares in GEMMs, attention and the rest), --gemms (each of the blocks' linear GEMMs
-at the rollout's batch in bf16, FP8 rowwise with and without its activation quantization, and FP8
-with one scale per tensor: how far the FP8 rollout's GEMMs are from the tensor cores),
+and the kernels' shares in GEMMs, attention, the FP8 activation quantization and the rest), --gemms
+(each of the blocks' linear GEMMs at the rollout's batch in bf16, FP8 rowwise with and without its
+activation quantization, and FP8 with one scale per tensor: how far the FP8 rollout's GEMMs are
+from the tensor cores),
 --replay-precision fp8 (the LoRA actor's frozen base GEMMs in FP8, as the trainer's flag: every
 replay, update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA
 gradient with the compute dtype's on one micro-batch).
@@ -960,10 +961,23 @@ def phase_gemms(c: Ctx, rows: int) -> None:
     c.rep.phase_memory("gemms")
 
 
-#: --profile-rollout: kernel (CUDA) or op (CPU) name fragments of each share in dit_profile_s
+#: --profile-rollout: the kernel (CUDA) or op (CPU) name fragments of each share in dit_profile_s.
+#: Inductor names a generated kernel after the ops it fuses ("triton_red_fused__scaled_mm__to_copy_
+#: abs_amax_clamp_..."), so its name can hold "scaled_mm" or "attention" without being either: a
+#: triton kernel is "quantize" when it takes a row's amax (the FP8 activation quantization, with
+#: whatever elementwise work was fused into it) and "other" otherwise
 _PROFILE_SHARES = {"gemm": ("gemm", "scaled_mm", "cutlass", "nvjet", "xmma", "aten::mm", "aten::addmm",
-                            "aten::linear", "aten::bmm"),
-                   "attention": ("flash", "fmha", "cudnn", "attention", "sdpa")}
+                            "aten::bmm"),
+                   "attention": ("flash", "fmha", "sdpa", "attention"),
+                   "quantize": ("aten::amax", "aten::abs", "aten::clamp")}
+
+
+def profile_share(name: str) -> str:
+    """Which share of dit_profile_s a kernel / op of this name counts in (_PROFILE_SHARES)."""
+    name = name.lower()
+    if name.startswith("triton"):
+        return "quantize" if "amax" in name else "other"
+    return next((k for k, frags in _PROFILE_SHARES.items() if any(f in name for f in frags)), "other")
 
 
 def phase_profile_dit(c: Ctx, rows: int, path: Path) -> None:
@@ -971,7 +985,7 @@ def phase_profile_dit(c: Ctx, rows: int, path: Path) -> None:
     options in force) under torch.profiler, after a warm-up call (a compiled DiT compiles there);
     rank 0 writes key_averages().table sorted by device time (CPU time on a CPU run) to PATH.
     dit_profile_s carries the shares of the kernels' own time (CUDA; the ops' self time on CPU) in
-    GEMMs, attention and the rest, by name (_PROFILE_SHARES)."""
+    GEMMs, attention, the FP8 activation quantization and the rest, by name (profile_share)."""
     from torch.profiler import ProfilerActivity, profile
 
     fwd = dit_call(c, rows)
@@ -982,14 +996,11 @@ def phase_profile_dit(c: Ctx, rows: int, path: Path) -> None:
         with timed(c.device) as t:
             fwd()
     averages = prof.key_averages()
-    kinds = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    kinds = {k: 0.0 for k in (*_PROFILE_SHARES, "other")}
     for e in averages:
         if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
             continue  # on CUDA the kernels' own time; their launching ops would count it twice
-        us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        name = e.key.lower()
-        kind = next((k for k, frags in _PROFILE_SHARES.items() if any(f.lower() in name for f in frags)), "other")
-        kinds[kind] += us
+        kinds[profile_share(e.key)] += e.self_device_time_total if cuda else e.self_cpu_time_total
     total = sum(kinds.values()) or 1.0
     sort_by = "device_time_total" if cuda else "cpu_time_total"
     if c.rep.rank == 0:
@@ -1971,7 +1982,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="profile one LoRA replay micro-batch (forward + backward) and write the op table to PATH")
     p.add_argument("--profile-rollout", type=Path, default=None, metavar="PATH",
                    help="profile one DiT forward at the rollout's batch, with the speed options, and write the op "
-                        "table to PATH (dit_profile_s: the kernels' shares in GEMMs, attention and the rest)")
+                        "table to PATH (dit_profile_s: the kernels' shares in GEMMs, attention, FP8 quantization "
+                        "and the rest)")
     p.add_argument("--gemms", action="store_true",
                    help=f"time each linear GEMM of the DiT's blocks at the rollout's batch as {GEMM_VARIANTS} "
                         "(gemm_tflops, dit_gemms_s)")
