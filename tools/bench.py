@@ -838,15 +838,12 @@ def dit_call(c: Ctx, b: int) -> Callable[[], Any]:
     adapter's velocity, one conditional row per sample, with the embedded guidance of a
     guidance-distilled family: FLUX's), as a callable; its inputs are built once, here."""
     from trainer.engine.base import embedded_guidance_condition
-    from trainer.sampling import init_noise_shape
     from trainer.trajectory import SamplerSettings
 
     a, e = c.args, c.engine
     cond = c.condition(0)
     req = build_requests(e, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, a.seed, 0, c.media)[0]
-    family_shape = getattr(e.adapter, "init_noise_shape", None)  # a video family's [C, F', h, w], as the engine
-    shape = (family_shape(req, e.latent_channels, e.vae_scale_factor) if family_shape is not None
-             else init_noise_shape(c.sampling, e.latent_channels, e.vae_scale_factor))
+    shape = e.noise_shape(req)  # the engine's own (a video family's [C, F', h, w])
     geometry = req.geometry(e.vae_scale_factor)
     one_row = SamplerSettings(req.num_inference_steps, req.eta)  # guidance 1: one conditional row
     x_t = torch.randn(b, *shape)

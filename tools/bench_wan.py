@@ -146,13 +146,12 @@ def build_vae(size: str, device, seed: int = 2):
 def real_param_counts(size: str) -> tuple[int, int]:
     """(DiT, VAE) parameters of the published `size`, counted on the meta device (the UMT5 encoder
     is not built: the bench's prompt embeddings are random)."""
-    import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-    with torch.device("meta"):
-        dit = WanTransformer3DModel(**SIZES[size])
-        vae = AutoencoderKLWan(**WAN21_VAE_CONFIG)
-    return sum(p.numel() for p in dit.parameters()), sum(p.numel() for p in vae.parameters())
+    from tools.bench import meta_param_count
+
+    return (meta_param_count(lambda: WanTransformer3DModel(**SIZES[size])),
+            meta_param_count(lambda: AutoencoderKLWan(**WAN21_VAE_CONFIG)))
 
 
 def wan_forward_flops(cfg: dict, video_tokens: int, text_tokens: int, batch: int = 1) -> float:

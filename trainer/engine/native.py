@@ -341,7 +341,10 @@ class NativeEngine(EngineMemoryState):
         """Row 0 of each encoded tensor, floating ones in the engine dtype."""
         return {k: (v[0].to(self.dtype) if v.is_floating_point() else v[0]) for k, v in encoded.items()}
 
-    def _init_shape(self, r: RolloutRequest) -> list[int]:
+    def noise_shape(self, r: RolloutRequest) -> list[int]:
+        """The initial noise's shape for one candidate of `r` (without the batch dimension): the
+        family adapter's own rule where it has one (a video's [C, F', h, w]), else the image
+        latent's [C, h, w] at r's size."""
         from trainer.sampling import init_noise_shape
 
         family_shape = getattr(self.adapter, "init_noise_shape", None)  # a video family's [C, F', h, w]
@@ -357,7 +360,7 @@ class NativeEngine(EngineMemoryState):
         r0 = reqs[0]
         b = len(reqs)
         geom, sampler = r0.geometry(self.vae_scale_factor), r0.sampler_settings()
-        shape = self._init_shape(r0)
+        shape = self.noise_shape(r0)
         x_t = torch.stack([initial_noise(shape, r.generation_seed, r.sample_id) for r in reqs])
         x = self.adapter.initial_latents(x_t, self.transformer, geom).to(device=self.device, dtype=self.dtype)
         conditions = self.adapter.batch_conditions([conds[k] for k in keys])
