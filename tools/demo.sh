@@ -10,6 +10,8 @@
 #   bash run.sh demo --algorithm nft      the same demo trained with DiffusionNFT
 #                                         (configs/tiny_cpu_demo_nft.toml, outputs in $EXP_DIR/nft;
 #                                         the base model and the prompt files are shared)
+#   BASE_SEED=1 bash run.sh demo          another base model (tools/make_demo_base.py --seed; default
+#                                         0): how well the demo learns depends on the base (README)
 #
 # Steps: train the base model once (tools/make_demo_base.py, cached in $EXP_DIR/demo-base),
 # build the prompt set with the data tools (prepare_data.py -> inspect_data.py), post-train
@@ -42,7 +44,7 @@ esac
 mkdir -p "$EXP_DIR"
 t_all=$SECONDS
 # One thread (tools/make_demo_base.py --threads says why); a cached base returns at once.
-"$PY" tools/make_demo_base.py --output "$EXP_DIR/demo-base" --seed 0 --rebuild --threads "${BASE_THREADS:-1}" \
+"$PY" tools/make_demo_base.py --output "$EXP_DIR/demo-base" --seed "${BASE_SEED:-0}" --rebuild --threads "${BASE_THREADS:-1}" \
   2> >(grep --line-buffered -E "^\[demo-base\]|rror" >&2)
 t_base=$((SECONDS - t_all))
 if [[ ! -f $EXP_DIR/data/demo_train.jsonl ]]; then
