@@ -343,7 +343,6 @@ def test_skip_fp8_grad_leaves_out_only_the_gradient_comparison(tmp_path):
     assert "replay_fp8_grad_rel_diff" not in figures and "replay_transitions_per_s_lora" in figures
 
 
-
 def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
     """--gemms times every linear of the blocks at the rollout's rows (M = candidates x the tokens
     the layer sees), once per distinct shape and variant, and dit_gemms_s is their sum over one
@@ -394,6 +393,7 @@ def test_profile_shares_go_by_what_a_kernel_does_not_what_its_fused_name_mention
     """Inductor names a kernel after every op it fuses, so a quantization kernel's name holds
     "scaled_mm" and a rope kernel's "attention": neither may count as a GEMM or attention."""
     assert profile_share(kernel) == share
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--algorithms", "nft", "--old-logprob-source", "rollout"], "add flowgrpo to --algorithms"),

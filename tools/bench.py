@@ -833,15 +833,16 @@ def rollout_variant(args) -> str:
     return "+".join(parts) or "eager"
 
 
-def dit_call(c: Ctx, b: int) -> Callable[[], Any]:
+def dit_call(c: Ctx, b: int, cond: dict | None = None) -> Callable[[], Any]:
     """One no-grad DiT forward of b rows of prompt 0, exactly the engine's rollout call (the
     adapter's velocity, one conditional row per sample, with the embedded guidance of a
-    guidance-distilled family: FLUX's), as a callable; its inputs are built once, here."""
+    guidance-distilled family: FLUX's), as a callable; its inputs are built once, here. cond:
+    prompt 0's conditioning when the caller has it already (else encoded here)."""
     from trainer.engine.base import embedded_guidance_condition
     from trainer.trajectory import SamplerSettings
 
     a, e = c.args, c.engine
-    cond = c.condition(0)
+    cond = c.condition(0) if cond is None else cond
     req = build_requests(e, c.adapter, c.sampling, c.prompts[:1], 1, c.sde_indices, a.seed, 0, c.media)[0]
     shape = e.noise_shape(req)  # the engine's own (a video family's [C, F', h, w])
     geometry = req.geometry(e.vae_scale_factor)
@@ -862,9 +863,10 @@ def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
     """dit_forward_s and dit_mfu at each --dit-batches size: the engine's rollout call
     (dit_call). A compiled DiT is compiled for each batch size by its first (untimed) call."""
     a = c.args
-    text_tokens = int(c.condition(0)["prompt_embeds"].shape[0])
+    cond = c.condition(0)  # encoded once for every batch size
+    text_tokens = int(cond["prompt_embeds"].shape[0])
     for b in a.dit_batches:
-        fwd = dit_call(c, b)
+        fwd = dit_call(c, b, cond)
         fwd()
         sec = c.rep.reduce(_mean_time(c.device, fwd, max(a.iters, 5)), "max")  # cheap: average more
         flops = c.forward_flops(c.dit_cfg, c.image_tokens, text_tokens, b)
@@ -880,8 +882,8 @@ GEMM_VARIANTS = ("bf16", "fp8_rowwise", "fp8_rowwise_quantized", "fp8_tensorwise
 
 def block_linears(c: Ctx) -> list[dict[str, Any]]:
     """Every nn.Linear of the first block of each repeated block list (FLUX: double- and
-    single-stream) as the rollout calls it: name, in / out features, rows per DiT row (the tokens
-    it sees: image, text or one modulation row) and blocks (the list's length), from forward hooks
+    single-stream) as the rollout calls it: name, the module, rows per DiT row (the tokens it
+    sees: image, text or one modulation row) and blocks (the list's length), from forward hooks
     on one eager no-grad forward of one row."""
     from trainer.core.modules import repeated_block_lists
 
@@ -891,9 +893,8 @@ def block_linears(c: Ctx) -> list[dict[str, Any]]:
         for name, m in blocks[0].named_modules():
             if isinstance(m, torch.nn.Linear):
                 def record(mod, inputs, name=name, n_blocks=len(blocks)):
-                    found.append({"name": name, "in": mod.in_features, "out": mod.out_features,
-                                  "rows_per_dit_row": inputs[0].shape[:-1].numel(), "blocks": n_blocks,
-                                  "weight": mod.weight, "module": mod})
+                    found.append({"name": name, "module": mod, "rows_per_dit_row": inputs[0].shape[:-1].numel(),
+                                  "blocks": n_blocks})
                 hooks.append(m.register_forward_pre_hook(record))
     try:
         dit_call(c, 1)()
@@ -921,19 +922,19 @@ def phase_gemms(c: Ctx, rows: int) -> None:
     layers = block_linears(c)
     shapes: dict[tuple[int, int, int], dict[str, Any]] = {}
     for layer in layers:
-        key = (rows * layer["rows_per_dit_row"], layer["in"], layer["out"])
-        entry = shapes.setdefault(key, {"names": [], "count": 0, "weight": layer["weight"],
-                                        "fp8": fp8_eligible(layer["module"])})
+        mod = layer["module"]
+        key = (rows * layer["rows_per_dit_row"], mod.in_features, mod.out_features)
+        entry = shapes.setdefault(key, {"names": [], "count": 0, "module": mod})
         entry["names"].append(layer["name"])
         entry["count"] += layer["blocks"]
     iters = max(c.args.iters, 5)
     totals = {v: 0.0 for v in GEMM_VARIANTS}
     timed_all = {v: True for v in GEMM_VARIANTS}
     for (m, k, n), entry in shapes.items():
-        w = entry["weight"].detach().to(c.dtype)
+        w = entry["module"].weight.detach().to(c.dtype)
         x = torch.randn(m, k, device=c.device, dtype=c.dtype)
         fns: dict[str, Callable[[], Any]] = {"bf16": lambda: torch.nn.functional.linear(x, w)}
-        if entry["fp8"]:
+        if fp8_eligible(entry["module"]):
             xq, xs = quantize_rowwise(x)
             wq, ws = quantize_rowwise(w)
             ws = ws.reshape(1, -1).contiguous()
@@ -983,13 +984,12 @@ def phase_profile_dit(c: Ctx, rows: int, path: Path) -> None:
     rank 0 writes key_averages().table sorted by device time (CPU time on a CPU run) to PATH.
     dit_profile_s carries the shares of the kernels' own time (CUDA; the ops' self time on CPU) in
     GEMMs, attention, the FP8 activation quantization and the rest, by name (profile_share)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     fwd = dit_call(c, rows)
     fwd()
     cuda = c.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=profile_activities(c.device)) as prof:
         with timed(c.device) as t:
             fwd()
     averages = prof.key_averages()
@@ -999,10 +999,7 @@ def phase_profile_dit(c: Ctx, rows: int, path: Path) -> None:
             continue  # on CUDA the kernels' own time; their launching ops would count it twice
         kinds[profile_share(e.key)] += e.self_device_time_total if cuda else e.self_cpu_time_total
     total = sum(kinds.values()) or 1.0
-    sort_by = "device_time_total" if cuda else "cpu_time_total"
-    if c.rep.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(averages.table(sort_by=sort_by, row_limit=40) + "\n")
+    sort_by = write_profile_table(c, averages, path)
     c.rep.emit("dit_profile_s", t[0], "s", path=str(path), sort_by=sort_by, written_by_rank=0, rows=rows,
                variant=rollout_variant(c.args), shares={k: v / total for k, v in kinds.items()},
                kernel_s=total / 1e6)
@@ -1418,21 +1415,33 @@ def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
                        checkpointed_blocks=math.ceil(n_blocks / every) if ac_on else 0)
 
 
+def profile_activities(device: torch.device) -> list:
+    """torch.profiler's activities for a phase profile: CPU, and CUDA on cuda."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def write_profile_table(c: Ctx, averages, path: Path) -> str:
+    """Rank 0 writes the profile's op table (key_averages, 40 rows) to `path`, sorted by device
+    time (CPU time on a CPU run); returns the sort key, for the figure."""
+    sort_by = "device_time_total" if c.device.type == "cuda" else "cpu_time_total"
+    if c.rep.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(averages.table(sort_by=sort_by, row_limit=40) + "\n")
+    return sort_by
+
+
 def phase_profile_replay(c: Ctx, actor, batch: dict, replay_fn, path: Path) -> None:
     """--profile-replay PATH: one LoRA replay micro-batch (forward + backward) under torch.profiler
     (CPU, and CUDA on cuda); rank 0 writes key_averages().table sorted by device time (CPU time on
     a CPU run) to PATH. Warmed up first, so the table shows the steady state."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     _fwd_bwd(c, actor, batch, replay_fn)  # warm-up
-    cuda = c.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=profile_activities(c.device)) as prof:
         sec = _fwd_bwd(c, actor, batch, replay_fn)
-    sort_by = "device_time_total" if cuda else "cpu_time_total"
-    if c.rep.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40) + "\n")
+    sort_by = write_profile_table(c, prof.key_averages(), path)
     c.rep.emit("replay_profile_s", sec, "s", path=str(path), sort_by=sort_by, written_by_rank=0,
                micro_batch=c.args.micro_batch)
 
