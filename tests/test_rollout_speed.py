@@ -15,7 +15,7 @@ import torch.nn as nn
 from tests.dist.tiny import make_batch, make_cfg, one_rank_mesh, replay, tiny_transformer
 from tests.test_engine import make_requests
 from trainer.core.fp8 import E4M3_MAX, FP8Linear, convert_to_fp8, fp8_linear, quantize_rowwise
-from trainer.core.manifest import build_manifest
+from trainer.core.manifest import WeightSyncError, build_manifest
 from trainer.core.modules import COMPILED_BLOCK_GRAPH_LIMIT, compiled_graphs, repeated_blocks
 from trainer.core.names import model_name
 from trainer.engine.native import NativeEngine
@@ -74,7 +74,7 @@ def test_fp8_linear_is_the_gemm_of_the_dequantized_operands():
     torch.testing.assert_close(lin(x) - lin.bias, 2 * (stale - lin.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_dir):
+def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_dir, monkeypatch):
     from tests.test_engine import lora_actor
     from trainer.weight_sync import iter_sync_tensors
 
@@ -113,8 +113,28 @@ def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_
     tensors = list(iter_sync_tensors(lora, "adapter", wire_dtype=None))
     eng2.set_lora_tensors(tensors, build_manifest("adapter", tensors, 1),
                           {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)})
-    assert all(m.weight_fp8.dtype == torch.float8_e4m3fn for m in eng2.transformer.modules() if isinstance(m, FP8Linear))
-    assert torch.isfinite(eng2.generate(reqs).log_probs).all()
+    fp8_2 = [m for m in eng2.transformer.modules() if isinstance(m, FP8Linear)]
+    assert all(m.weight_fp8.dtype == torch.float8_e4m3fn for m in fp8_2)
+    # with LoRA in, the base is frozen: the FP8 layers' own weights are freed, the FP8 copies stay
+    assert eng2.fp8_weights_dropped == len(fp8_2) == len(fp8) and all(m.weight is None for m in fp8_2)
+    assert not any(".base_layer.weight" in n for n, _ in eng2.transformer.named_parameters())
+    # what freeing them changes in a rollout: nothing (an engine that keeps them samples the same bits)
+    monkeypatch.setattr(FP8Linear, "drop_weight", lambda self: None)
+    kept = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")
+    kept.set_lora_tensors(tensors, build_manifest("adapter", tensors, 1),
+                          {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)})
+    assert all(m.weight is not None for m in kept.transformer.modules() if isinstance(m, FP8Linear))
+    got, want = eng2.generate(reqs), kept.generate(reqs)
+    assert torch.isfinite(got.log_probs).all()
+    assert torch.equal(got.latents, want.latents) and torch.equal(got.log_probs, want.log_probs)
+    # and the engine moves to the host and back without them, and refuses what would need them
+    eng2.release_memory()
+    eng2.resume_memory()
+    assert torch.equal(eng2.generate(reqs).latents, got.latents)
+    with pytest.raises(WeightSyncError, match="LoRA"):
+        eng2.update_weights_from_tensors(named, build_manifest("full", named, 2))
+    with pytest.raises(RuntimeError, match="dropped"):
+        fp8_2[0].requantize()
     # FP8 cannot come after LoRA (it would quantize the adapter's own linears)
     ref.set_lora_tensors(tensors, build_manifest("adapter", tensors, 1),
                          {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)})

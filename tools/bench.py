@@ -1633,6 +1633,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                                "train/old_deviation", "train/ratio_mean", "train/ratio_max", "train/ratio_min")}
     c.rep.emit("step_s", seconds, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
                reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, **counters,
+               engine_fp8_weights_dropped=getattr(c.engine, "fp8_weights_dropped", 0),
                new_graphs=new_graphs, update=update_figures, **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)

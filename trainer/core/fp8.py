@@ -5,8 +5,10 @@ cores on CUDA; the same math on CPU).
 The rollout DiT (`--rollout-precision fp8`, `FP8Linear`): weights quantized once per weight
 version; the bf16 (or fp32) weight stays the module's parameter -- what a sync writes, a checksum
 reads and a LoRA wraps -- and the FP8 copy is a buffer derived from it (`requantize_fp8` after a
-weight change). An FP8 rollout against a replay in the actor's dtype is off-policy by the FP8
-rounding, which docs/PERFORMANCE.md measures.
+weight change). Where the weight can no longer change (an engine that holds LoRA adapters takes
+no full or merged sync), `drop_weight` frees it and the layer keeps only its FP8 copy. An FP8
+rollout against a replay in the actor's dtype is off-policy by the FP8 rounding, which
+docs/PERFORMANCE.md measures.
 
 The actor's LoRA replay (`--replay-precision fp8`, `FP8FrozenLinear`): the frozen base layer of a
 LoRA-wrapped linear, whose weight FSDP2 gathers for each forward; it is quantized from the
@@ -64,10 +66,18 @@ class FP8Linear(nn.Linear):
     weight_scale: torch.Tensor
 
     def requantize(self) -> None:
+        if self.weight is None:
+            raise RuntimeError("this FP8 layer's weight was dropped (drop_weight: its engine holds LoRA adapters, "
+                               "so its base weights are frozen); build a new engine to change them")
         with torch.no_grad():
             q, s = quantize_rowwise(self.weight)
         self.register_buffer("weight_fp8", q, persistent=False)
         self.register_buffer("weight_scale", s.reshape(1, -1).contiguous(), persistent=False)
+
+    def drop_weight(self) -> None:
+        """Free the weight parameter (`weight` becomes None), keeping the FP8 copy the forward
+        uses: for a base that will not change again. Nothing can be re-quantized afterwards."""
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
