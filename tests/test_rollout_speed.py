@@ -157,6 +157,57 @@ def test_compiled_engine_equals_eager_and_compiles_once_per_geometry(tiny_model_
     assert eng.get_weights_checksum() == ref.get_weights_checksum()  # compile wraps, names stay
 
 
+def test_compiled_blocks_rotate_in_real_arithmetic_and_eager_keeps_diffusers_rope(tiny_model_dir, monkeypatch):
+    """Qwen-Image's rope is a complex multiply, which inductor leaves to eager kernels outside its
+    fused ones: compiled blocks trace it in real arithmetic instead (the same bits in eager, fp32
+    and bf16), and an uncompiled call still runs diffusers' own function."""
+    from diffusers.models.transformers import transformer_qwenimage as qwen_dit
+    from trainer.core import modules
+    from trainer.models.qwen_image import install_compiled_rope, rotary_real
+
+    # diffusers' own function for this test (an earlier compile in the process installed the
+    # real form already); whatever was there comes back after it
+    original = getattr(qwen_dit.apply_rotary_emb_qwen, "original", qwen_dit.apply_rotary_emb_qwen)
+    monkeypatch.setattr(qwen_dit, "apply_rotary_emb_qwen", original)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 96, 3, 128, generator=g)
+    freqs = torch.polar(torch.ones(96, 64), 100 * torch.rand(96, 64, generator=g))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(rotary_real(x.to(dtype), freqs), original(x.to(dtype), freqs, use_real=False))
+
+    graphs = []
+
+    def recorded(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    def rope(t, f):
+        return qwen_dit.apply_rotary_emb_qwen(t, f, use_real=False) * 2
+
+    try:
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(rope, backend=recorded)(x, freqs), 2 * original(x, freqs, use_real=False))
+        assert any("view_as_complex" in op for op in graphs[-1])  # diffusers' form: a complex multiply
+        assert install_compiled_rope() and not install_compiled_rope()  # once per process
+        assert torch.equal(qwen_dit.apply_rotary_emb_qwen(x, freqs, use_real=False), original(x, freqs, use_real=False))
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(rope, backend=recorded)(x, freqs), 2 * original(x, freqs, use_real=False))
+        assert not any("view_as_complex" in op for op in graphs[-1])
+
+        # the engine's compiled blocks trace the real form, and sample what the eager engine does
+        monkeypatch.setitem(modules.REGIONAL_COMPILE_KWARGS, "backend", recorded)
+        graphs.clear()
+        adapter = QwenImageAdapter()
+        eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, compile_blocks=True)
+        ref = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)
+        reqs = make_requests(adapter, eng, SAMPLING, prompts=["a red ball"], group_size=2)
+        got, want = eng.generate(reqs), ref.generate(reqs)
+        assert graphs and not any("view_as_complex" in op for ops in graphs for op in ops)
+        assert torch.equal(got.latents, want.latents) and torch.equal(got.log_probs, want.log_probs)
+    finally:
+        torch._dynamo.reset()
+
+
 #: how far (nats, max abs) a rollout through inductor-compiled blocks may sit from the eager
 #: replay of its own transitions, fp32 on CPU (measured 1.2e-7); docs/PERFORMANCE.md gives the
 #: bf16 figures of an H200 (6e-6 compiled, 3.1e-5 FP8 + compiled)

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from trainer.config import FsdpConfig, LoraConfig
 from trainer.core.dtypes import resolve_dtype
-from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_block_lists
+from trainer.core.modules import REGIONAL_COMPILE_KWARGS, prepare_block_compile, repeated_block_lists
 from trainer.core.names import is_lora_name, model_name
 from trainer.distributed import barrier
 
@@ -132,7 +132,7 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
             # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
             blocks[i] = checkpoint_wrapper(blocks[i])
     if compile_blocks:
-        raise_recompile_limit()
+        prepare_block_compile()
         for blocks, i in slots:
             blocks[i] = torch.compile(blocks[i], **REGIONAL_COMPILE_KWARGS)
     # inputs pass as the adapter and the model give them, as in the engine's DiT: casting them to

@@ -97,6 +97,39 @@ def prompt_template_start_idx(tokenizer, template: str) -> int:
     return len(ids)
 
 
+def rotary_real(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Qwen-Image's rotary embedding of q or k, in real arithmetic: x [B, S, H, D] with its last
+    dimension read as D / 2 (re, im) pairs, freqs_cis [S, D / 2] complex64. The pairs are rotated
+    as (a + bi)(c + di) = (ac - bd) + (ad + bc)i in fp32, then cast back to x's dtype: the
+    arithmetic of diffusers' complex multiply, written so inductor can fuse it with the q / k
+    norm around it (it leaves complex tensors to eager kernels)."""
+    a, b = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    c, d = torch.view_as_real(freqs_cis).unsqueeze(1).unbind(-1)
+    return torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(3).type_as(x)
+
+
+def install_compiled_rope() -> bool:
+    """Route diffusers' Qwen-Image rotary embedding (apply_rotary_emb_qwen, complex form) through
+    `rotary_real` while torch.compile traces it; eager calls run diffusers' own function, so
+    an uncompiled forward is unchanged to the bit. Process-wide and idempotent (the engine and
+    the actor compile the same blocks); called before blocks are compiled. Returns whether it
+    installed it now (diffusers' own function stays reachable as its `.original`)."""
+    from diffusers.models.transformers import transformer_qwenimage as qwen_dit
+
+    original = qwen_dit.apply_rotary_emb_qwen
+    if getattr(original, "compiled_rope", False):
+        return False
+
+    def apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+        if not use_real and torch.compiler.is_compiling() and torch.is_tensor(freqs_cis):
+            return rotary_real(x, freqs_cis)
+        return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim)
+
+    apply_rotary_emb_qwen.compiled_rope, apply_rotary_emb_qwen.original = True, original
+    qwen_dit.apply_rotary_emb_qwen = apply_rotary_emb_qwen
+    return True
+
+
 def vae_scale_factor_from_config(vae_config: dict) -> int:
     """Spatial compression of a Qwen-Image VAE: 2 ** len(temperal_downsample) (8 for the real
     model, 4 for the tiny test model) -- the same rule QwenImagePipeline uses."""
