@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from trainer.config import FsdpConfig, LoraConfig
 from trainer.core.dtypes import resolve_dtype
-from trainer.core.modules import REGIONAL_COMPILE_KWARGS, prepare_block_compile, repeated_block_lists
+from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_block_lists
 from trainer.core.names import is_lora_name, model_name
 from trainer.distributed import barrier
 
@@ -132,7 +132,7 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
             # non-reentrant checkpointing: works with keyword arguments and FSDP2 hooks
             blocks[i] = checkpoint_wrapper(blocks[i])
     if compile_blocks:
-        prepare_block_compile()
+        raise_recompile_limit()
         for blocks, i in slots:
             blocks[i] = torch.compile(blocks[i], **REGIONAL_COMPILE_KWARGS)
     # inputs pass as the adapter and the model give them, as in the engine's DiT: casting them to
@@ -222,6 +222,9 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraC
         for p in model.parameters():
             if p.requires_grad and p.dtype != master:
                 p.data = p.data.to(master)
+    prepare_family = getattr(adapter, "prepare_block_compile", None)
+    if fsdp.fsdp_compile and prepare_family is not None:
+        prepare_family()  # the family's process-wide set-up for compiled blocks
     parallelize(model, mesh, param_dtype=resolve_dtype(fsdp.fsdp_param_dtype),
                 reduce_dtype=resolve_dtype(fsdp.fsdp_reduce_dtype),
                 reshard_after_forward=not fsdp.no_fsdp_reshard_after_forward,

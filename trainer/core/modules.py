@@ -202,16 +202,6 @@ class CompileWatch:
                 "keeps changing, or turn off --rollout-compile / --fsdp-compile")
 
 
-def prepare_block_compile() -> None:
-    """What compiling DiT blocks needs process-wide, before the first block is compiled: dynamo's
-    graph limit raised (raise_recompile_limit) and Qwen-Image's complex rotary embedding in a
-    form inductor fuses (qwen_image.install_compiled_rope; eager forwards are unchanged)."""
-    from trainer.models.qwen_image import install_compiled_rope
-
-    raise_recompile_limit()
-    install_compiled_rope()
-
-
 def raise_recompile_limit(limit: int = COMPILED_BLOCK_GRAPH_LIMIT) -> int:
     """Raise dynamo's per-function graph limit to at least `limit` (never lowers it); returns it."""
     import torch._dynamo

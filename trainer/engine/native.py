@@ -188,7 +188,7 @@ class NativeEngine(EngineMemoryState):
         add them, not take them away. FP8 goes first, so the compiled graphs hold the FP8 GEMMs
         and fuse the activation quantization into the surrounding kernels."""
         from trainer.core.fp8 import FP8Linear, convert_to_fp8
-        from trainer.core.modules import REGIONAL_COMPILE_KWARGS, prepare_block_compile, repeated_blocks
+        from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_blocks
 
         if precision not in ("default", "fp8"):
             raise ValueError(f"precision must be 'default' or 'fp8' (--rollout-precision), got {precision!r}")
@@ -203,7 +203,10 @@ class NativeEngine(EngineMemoryState):
             self._fp8_of_weight = {id(m.weight): m for m in self.transformer.modules() if isinstance(m, FP8Linear)}
         if compile_blocks and not self.compile_blocks:
             self.compile_blocks = True
-            prepare_block_compile()  # static + dynamic graphs, masked or not, one more set once LoRA is in
+            raise_recompile_limit()  # static + dynamic graphs, masked or not, one more set once LoRA is in
+            prepare_family = getattr(self.adapter, "prepare_block_compile", None)
+            if prepare_family is not None:
+                prepare_family()
             for block in blocks:
                 block.compile(**REGIONAL_COMPILE_KWARGS)
 

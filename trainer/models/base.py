@@ -390,6 +390,11 @@ class FamilyAdapter:
         #: set from the model directory by load_train_model
         self.vae_scale_factor = vae_scale_factor
 
+    def prepare_block_compile(self) -> None:
+        """Called before the engine (--rollout-compile) or the actor (--fsdp-compile) compiles
+        this family's DiT blocks: process-wide set-up that lets them compile well without changing
+        what an eager forward computes. Nothing by default."""
+
     # -- loading --------------------------------------------------------------------------
 
     def load_train_model(self, model_path: str, *, dtype: Any = None, revision: str | None = None) -> Any:

@@ -112,8 +112,9 @@ def install_compiled_rope() -> bool:
     """Route diffusers' Qwen-Image rotary embedding (apply_rotary_emb_qwen, complex form) through
     `rotary_real` while torch.compile traces it; eager calls run diffusers' own function, so
     an uncompiled forward is unchanged to the bit. Process-wide and idempotent (the engine and
-    the actor compile the same blocks); called before blocks are compiled. Returns whether it
-    installed it now (diffusers' own function stays reachable as its `.original`)."""
+    the actor compile the same blocks); QwenImageAdapter.prepare_block_compile calls it before
+    blocks are compiled. Returns whether it installed it now (diffusers' own function stays
+    reachable as its `.original`)."""
     from diffusers.models.transformers import transformer_qwenimage as qwen_dit
 
     original = qwen_dit.apply_rotary_emb_qwen
@@ -299,6 +300,10 @@ class QwenImageAdapter(FamilyAdapter):
         return GeometryBounds(multiple=None if vsf is None else 2 * vsf,
                               max_sequence_length=cls.max_sequence_length_limit,
                               why_multiple=f"vae/config.json's scale factor {vsf} x 2 for the 2 x 2 latent packing")
+
+    def prepare_block_compile(self) -> None:
+        """Compiled blocks rotate q / k in real arithmetic (install_compiled_rope)."""
+        install_compiled_rope()
 
     def never_trained_param_names(self, model: torch.nn.Module) -> list[str]:
         """The last block's text-output parameters (module function never_trained_param_names)."""
