@@ -353,7 +353,9 @@ class RolloutConfig:
         "Native engine DiT precision: 'default' (the actor's compute dtype) or 'fp8' (the blocks' "
         "linear layers as rowwise-scaled FP8 GEMMs; needs an FP8 GPU (compute capability >= 8.9) "
         "on CUDA). The replay stays in the actor's dtype, so fp8 rollouts are off-policy by the "
-        "FP8 rounding: see docs/PERFORMANCE.md before using it.",
+        "FP8 rounding: see docs/PERFORMANCE.md before using it. With the adapter sync of a LoRA run "
+        "the engine frees the blocks' weights in the compute dtype once LoRA is in, keeping only "
+        "their FP8 copies.",
     )
     sglang_attention_backend: str | None = _flag(
         None,
