@@ -19,6 +19,7 @@ from trainer.core.manifest import WeightSyncError, build_manifest
 from trainer.core.modules import COMPILED_BLOCK_GRAPH_LIMIT, compiled_graphs, repeated_blocks
 from trainer.core.names import model_name
 from trainer.engine.native import NativeEngine
+from trainer.host_arena import HostArena
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.sampling import parse_sampling_config
 
@@ -105,6 +106,8 @@ def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_
 
     # LoRA wraps the FP8 layers; its tensors are cast to the engine dtype and the FP8 copies stay FP8
     eng2 = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")
+    arena = eng2._host_arenas["transformer"] = HostArena(pin=False)  # as a GPU engine's first release leaves it
+    arena.slices([4096])
     lora = lora_actor(adapter, tiny_model_dir, rank=4, alpha=8)
     with torch.no_grad():
         for n, p in lora.named_parameters():
@@ -118,6 +121,7 @@ def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_
     # with LoRA in, the base is frozen: the FP8 layers' own weights are freed, the FP8 copies stay
     assert eng2.fp8_weights_dropped == len(fp8_2) == len(fp8) and all(m.weight is None for m in fp8_2)
     assert not any(".base_layer.weight" in n for n, _ in eng2.transformer.named_parameters())
+    assert arena.nbytes == 0 and "transformer" not in eng2._host_arenas  # no host memory kept for them
     # what freeing them changes in a rollout: nothing (an engine that keeps them samples the same bits)
     monkeypatch.setattr(FP8Linear, "drop_weight", lambda self: None)
     kept = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")

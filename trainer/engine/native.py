@@ -516,6 +516,11 @@ class NativeEngine(EngineMemoryState):
             for layer in self._fp8_of_weight.values():
                 layer.drop_weight()
             self.fp8_weights_dropped, self._fp8_of_weight = len(self._fp8_of_weight), {}
+            # a host arena an earlier release (--offload-rollout) sized for them would keep their
+            # bytes pinned: the next release lays out the smaller set afresh
+            arena = self._host_arenas.pop("transformer", None)
+            if arena is not None:
+                arena.free()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
