@@ -492,6 +492,33 @@ def test_parallelize_checkpoints_only_every_kth_block():
         next(gen, None)
 
 
+def test_the_step_actor_checkpoints_every_kth_block_as_asked(capsys):
+    """--activation-checkpointing-every k reaches the actor the replay, update and step phases
+    build, the hardware-FLOP count and the geometry; k < 1 is a usage error."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from tests.dist.tiny import one_rank_mesh
+    from tools.bench import build_actor, checkpointed_fraction, parse_args
+    from trainer.core.modules import repeated_blocks
+
+    assert_usage_error([*_TINY_STEP, "--activation-checkpointing-every", "0"],
+                       "--activation-checkpointing-every must be >= 1", capsys)
+    for argv, every, fraction in (([], 1, 1.0), (["--activation-checkpointing-every", "2"], 2, 0.6),
+                                  (["--no-activation-checkpointing"], None, 0.0)):
+        args = parse_args([*_TINY_STEP, *argv])
+        assert checkpointed_fraction({"num_layers": 5}, args) == fraction
+        gen = one_rank_mesh()
+        mesh = next(gen)
+        try:
+            actor = build_actor(args, "lora", mesh, torch.device("cpu"), torch.float32)
+            blocks = repeated_blocks(actor.model)
+            assert len(blocks) == 2  # the tiny DiT: every block, or only block 0 of the two
+            want = [] if every is None else list(range(0, 2, every))
+            assert [i for i, b in enumerate(blocks) if isinstance(b, CheckpointWrapper)] == want
+        finally:
+            next(gen, None)
+
+
 def test_replay_variant_out_of_memory_is_a_null_figure(tmp_path):
     """A variant whose build runs out of device memory gives its figure with value null and
     oom: true, and the bench carries on."""

@@ -740,12 +740,12 @@ def buffers_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype, *, reshard_after_forward: bool = True,
-                activation_checkpointing: bool | None = None, activation_checkpointing_every: int = 1,
+                activation_checkpointing: bool | None = None, activation_checkpointing_every: int | None = None,
                 algorithm: str = "flowgrpo"):
     """trainer.actor.Actor over a fresh random DiT seeded like the engine's (same base weights).
 
-    reshard_after_forward / activation_checkpointing (None: as the args say) /
-    activation_checkpointing_every: the replay variants (--replay-variants); algorithm: the
+    reshard_after_forward / activation_checkpointing / activation_checkpointing_every (None: as
+    the args say): the replay variants (--replay-variants); algorithm: the
     update it is built for (actor_cfg; "nft" adds the old policy)."""
     from trainer.actor import Actor, build_train_model
 
@@ -754,6 +754,8 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
     if activation_checkpointing is not None:
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
+    if activation_checkpointing_every is None:
+        activation_checkpointing_every = args.activation_checkpointing_every
     model = buffers_to(fam.build_transformer(args.shape, device, dtype, seed=args.seed), dtype)
     model, lora_config, never_trained = build_train_model(
         model, mesh, cfg.fsdp, cfg.lora, adapter=fam.adapter(),
@@ -1224,7 +1226,7 @@ def phase_replay(c: Ctx, actor, batch: Any, replay_fn, mode: str, *, checkpointi
     args say), for the hardware FLOPs; extra rides along on the figure lines."""
     a = c.args
     if checkpointing is None:
-        checkpointing = not a.no_activation_checkpointing
+        checkpointing = checkpointed_fraction(c.dit_cfg, a)
     rows = batch[: a.micro_batch]
     with torch.no_grad():
         logp = replay_fn(actor.model, rows).float().cpu()
@@ -1395,13 +1397,26 @@ def replay_variant(c: Ctx, name: str, build: Callable[[], Any], batch: dict, rep
                    **extra)
 
 
+def actor_blocks(dit_cfg: dict) -> int:
+    """Every block the actor may checkpoint (FLUX: the double- and the single-stream blocks)."""
+    return int(dit_cfg["num_layers"]) + int(dit_cfg.get("num_single_layers") or 0)
+
+
+def checkpointed_fraction(dit_cfg: dict, args) -> float:
+    """The fraction of the actor's blocks that --no-activation-checkpointing and
+    --activation-checkpointing-every leave checkpointed (each recomputes its forward in backward)."""
+    if args.no_activation_checkpointing:
+        return 0.0
+    n = actor_blocks(dit_cfg)
+    return math.ceil(n / args.activation_checkpointing_every) / n
+
+
 def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
     """--replay-variants: LoRA replay of a freshly built actor per REPLAY_VARIANTS entry (one at a
     time, each freed before the next): parameters kept gathered after forward (noreshard),
     checkpointing every other block (ac_every2), no checkpointing (ac_none)."""
     a = c.args
-    # every block list the actor checkpoints (FLUX: the double- and the single-stream blocks)
-    n_blocks = int(c.dit_cfg["num_layers"]) + int(c.dit_cfg.get("num_single_layers") or 0)
+    n_blocks = actor_blocks(c.dit_cfg)
     for name, (reshard, ac, every) in REPLAY_VARIANTS.items():
         ac_on = (not a.no_activation_checkpointing) if ac is None else ac
         fraction = math.ceil(n_blocks / every) / n_blocks if ac_on else 0.0
@@ -1925,6 +1940,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=64, help="LoRA rank")
     p.add_argument("--lora-alpha", type=int, default=128, help="LoRA alpha")
     p.add_argument("--no-activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing-every", type=int, default=1,
+                   help="checkpoint only every k-th block of the actors the replay, update and step phases "
+                        "build (1: every block; 2: blocks 0, 2, 4, ...): fewer recomputed forwards for more "
+                        "stored activations")
     p.add_argument("--weight-sync-bucket-size-mb", "--bucket-mb", dest="bucket_mb", type=float, default=2048,
                    help="weight sync bucket size, as in training")
     p.add_argument("--sync-kind", choices=("adapter", "merged"), default="adapter", help="LoRA sync of the step")
@@ -2016,6 +2035,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 "(FlowGRPO's Qwen-Image rollout function always runs true CFG)")
     if args.iters < 1:
         p.error(f"--iters must be >= 1, got {args.iters}")
+    if args.activation_checkpointing_every < 1:
+        p.error(f"--activation-checkpointing-every must be >= 1, got {args.activation_checkpointing_every}")
     if args.flowgrpo_path is not None and args.family != "sd3" and "flowgrpo" not in args.compare:
         p.error("--flowgrpo-path is read by --family sd3 (FlowGRPO's SD3 rollout function) or by --compare flowgrpo "
                 "(its Qwen-Image one): add one of them")
@@ -2204,6 +2225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "text_tokens": text_tokens, "max_batch": args.max_batch, "micro_batch": args.micro_batch,
                     "num_updates": args.num_updates, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
                     "activation_checkpointing": not args.no_activation_checkpointing, "dtype": args.dtype,
+                    **({"activation_checkpointing_every": args.activation_checkpointing_every}
+                       if args.activation_checkpointing_every != 1 else {}),
                     "replay_precision": args.replay_precision,
                     **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),
                     **fam.geometry(dit_cfg)}
