@@ -122,7 +122,7 @@ def install_compiled_rope() -> bool:
         return False
 
     def apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
-        if not use_real and torch.compiler.is_compiling() and torch.is_tensor(freqs_cis):
+        if not use_real and torch.compiler.is_compiling() and torch.is_tensor(freqs_cis) and freqs_cis.is_complex():
             return rotary_real(x, freqs_cis)
         return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim)
 
