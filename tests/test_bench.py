@@ -494,7 +494,7 @@ def test_parallelize_checkpoints_only_every_kth_block():
 
 def test_the_step_actor_checkpoints_every_kth_block_as_asked(capsys):
     """--activation-checkpointing-every k reaches the actor the replay, update and step phases
-    build, the hardware-FLOP count and the geometry; k < 1 is a usage error."""
+    build and the hardware-FLOP count's checkpointed fraction; k < 1 is a usage error."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from tests.dist.tiny import one_rank_mesh

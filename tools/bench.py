@@ -1402,13 +1402,17 @@ def actor_blocks(dit_cfg: dict) -> int:
     return int(dit_cfg["num_layers"]) + int(dit_cfg.get("num_single_layers") or 0)
 
 
+def checkpointed_blocks(dit_cfg: dict, on: bool, every: int) -> int:
+    """How many of the actor's blocks are checkpointed: blocks 0, every, 2 * every, ...; none when
+    checkpointing is off (each checkpointed block recomputes its forward in backward)."""
+    return math.ceil(actor_blocks(dit_cfg) / every) if on else 0
+
+
 def checkpointed_fraction(dit_cfg: dict, args) -> float:
     """The fraction of the actor's blocks that --no-activation-checkpointing and
-    --activation-checkpointing-every leave checkpointed (each recomputes its forward in backward)."""
-    if args.no_activation_checkpointing:
-        return 0.0
-    n = actor_blocks(dit_cfg)
-    return math.ceil(n / args.activation_checkpointing_every) / n
+    --activation-checkpointing-every leave checkpointed."""
+    on = not args.no_activation_checkpointing
+    return checkpointed_blocks(dit_cfg, on, args.activation_checkpointing_every) / actor_blocks(dit_cfg)
 
 
 def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
@@ -1419,15 +1423,15 @@ def phase_replay_variants(c: Ctx, batch: dict, replay_fn) -> None:
     n_blocks = actor_blocks(c.dit_cfg)
     for name, (reshard, ac, every) in REPLAY_VARIANTS.items():
         ac_on = (not a.no_activation_checkpointing) if ac is None else ac
-        fraction = math.ceil(n_blocks / every) / n_blocks if ac_on else 0.0
+        checkpointed = checkpointed_blocks(c.dit_cfg, ac_on, every)
 
         def build(reshard=reshard, ac_on=ac_on, every=every):
             return build_actor(a, "lora", c.mesh, c.device, c.dtype, reshard_after_forward=reshard,
                                activation_checkpointing=ac_on, activation_checkpointing_every=every)
 
-        replay_variant(c, name, build, batch, replay_fn, fraction, reshard_after_forward=reshard,
+        replay_variant(c, name, build, batch, replay_fn, checkpointed / n_blocks, reshard_after_forward=reshard,
                        activation_checkpointing=ac_on, activation_checkpointing_every=every,
-                       checkpointed_blocks=math.ceil(n_blocks / every) if ac_on else 0)
+                       checkpointed_blocks=checkpointed)
 
 
 def profile_activities(device: torch.device) -> list:
