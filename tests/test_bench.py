@@ -372,6 +372,20 @@ def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
         assert all(line["per_forward"] == 2 * len(line["layers"]) and line["value"] > 0 for line in timed)
         assert sums[variant]["value"] == pytest.approx(sum(line["seconds"] * line["per_forward"] for line in timed))
         assert sums[variant]["ratio_to_bf16"] == pytest.approx(sums["bf16"]["value"] / sums[variant]["value"])
+    # the quantization alone: one figure per distinct FP8 GEMM input, 12 FP8 linears a block (the
+    # modulations' 3072-wide outputs pass too; the tiny widths are multiples of 16)
+    quants = [line for line in lines if line["figure"] == "quantize_s"]
+    fp8_layers = [name for line in gemms if line["variant"] == "fp8_rowwise" for name in line["layers"]]
+    assert sorted(n for line in quants for n in line["layers"]) == sorted(fp8_layers)
+    assert len({(line["m"], line["k"]) for line in quants}) == len(quants)
+    for line in quants:
+        assert line["value"] > 0 and line["copy_s"] > 0 and line["compiled"] is False  # eager on CPU
+        # fp32 on CPU: 4 bytes read, 1 written a value, and a 4-byte scale a row
+        assert line["bytes"] == line["m"] * line["k"] * 5 + 4 * line["m"]
+        assert line["gb_per_s"] == pytest.approx(line["bytes"] / line["value"] / 1e9)
+    (qsum,) = [line for line in lines if line["figure"] == "dit_quantize_s"]
+    assert qsum["value"] == pytest.approx(sum(line["value"] * line["per_forward"] for line in quants))
+    assert qsum["linears"] == sum(line["per_forward"] for line in gemms if line["variant"] == "fp8_rowwise")
     (prof,) = [line for line in lines if line["figure"] == "dit_profile_s"]
     assert prof["variant"] == "fp8" and prof["rows"] == candidates and prof["path"] == str(profile)
     assert sum(prof["shares"].values()) == pytest.approx(1.0)

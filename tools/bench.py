@@ -15,7 +15,7 @@ other block, without checkpointing), --profile-replay PATH (an op table of one r
 and the kernels' shares in GEMMs, attention, the FP8 activation quantization and the rest), --gemms
 (each of the blocks' linear GEMMs at the rollout's batch in bf16, FP8 rowwise with and without its
 activation quantization, and FP8 with one scale per tensor: how far the FP8 rollout's GEMMs are
-from the tensor cores),
+from the tensor cores; and the activation quantization alone at each GEMM input, beside a copy),
 --replay-precision fp8 (the LoRA actor's frozen base GEMMs in FP8, as the trainer's flag: every
 replay, update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA
 gradient with the compute dtype's on one micro-batch).
@@ -958,7 +958,40 @@ def phase_gemms(c: Ctx, rows: int) -> None:
         if timed_all[variant]:  # a sum that left out a layer would understate the forward
             c.rep.emit("dit_gemms_s", totals[variant], "s", variant=variant, rows=rows, linears=len(layers),
                        ratio_to_bf16=totals["bf16"] / totals[variant] if totals[variant] else None)
+    _time_quantizations(c, [(m, k, e) for (m, k, _), e in shapes.items() if fp8_eligible(e["module"])], iters)
     c.rep.phase_memory("gemms")
+
+
+def _time_quantizations(c: Ctx, inputs: list[tuple[int, int, dict[str, Any]]], iters: int) -> None:
+    """--gemms: the FP8 rollout's per-row activation quantization (core.fp8.quantize_rowwise) alone,
+    once per distinct GEMM input [M, K], beside a copy of the same tensor: how far the kernel is
+    from the memory's rate (quantize_s). It reads K bf16 values a row and writes K FP8 values and
+    one scale, 3 bytes a value at the least, where a copy moves 4. Compiled on CUDA (the kernel
+    inductor generates for it, without the elementwise work the rollout's blocks fuse into it),
+    eager elsewhere. dit_quantize_s sums one forward's quantizations (one per FP8 linear)."""
+    from trainer.core.fp8 import quantize_rowwise
+
+    compiled = c.device.type == "cuda"
+    quantize = torch.compile(quantize_rowwise, dynamic=False) if compiled else quantize_rowwise
+    merged: dict[tuple[int, int], dict[str, Any]] = {}
+    for m, k, entry in inputs:  # layers of one input width and row count share an input shape
+        e = merged.setdefault((m, k), {"names": [], "count": 0})
+        e["names"] += entry["names"]
+        e["count"] += entry["count"]
+    total = 0.0
+    for (m, k), entry in merged.items():
+        x = torch.randn(m, k, device=c.device, dtype=c.dtype)
+        quantize(x)  # warm-up: compile, autotune
+        sec = c.rep.reduce(_mean_time(c.device, lambda: quantize(x), iters), "max")
+        copy_s = c.rep.reduce(_mean_time(c.device, x.clone, iters), "max")
+        moved = m * k * (x.element_size() + 1) + 4 * m
+        total += sec * entry["count"]
+        c.rep.emit("quantize_s", sec, "s", m=m, k=k, layers=entry["names"], per_forward=entry["count"],
+                   compiled=compiled, bytes=moved, gb_per_s=moved / sec / 1e9, copy_s=copy_s,
+                   copy_gb_per_s=2 * x.nbytes / copy_s / 1e9,
+                   of_copy_rate=(moved / sec) / (2 * x.nbytes / copy_s))
+        del x
+    c.rep.emit("dit_quantize_s", total, "s", linears=sum(e["count"] for e in merged.values()), compiled=compiled)
 
 
 #: --profile-rollout: the kernel (CUDA) or op (CPU) name fragments of each share in dit_profile_s.
@@ -2016,7 +2049,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "and the rest)")
     p.add_argument("--gemms", action="store_true",
                    help=f"time each linear GEMM of the DiT's blocks at the rollout's batch as {GEMM_VARIANTS} "
-                        "(gemm_tflops, dit_gemms_s)")
+                        "(gemm_tflops, dit_gemms_s), and the FP8 activation quantization alone at each input beside a "
+                        "copy of it (quantize_s, dit_quantize_s)")
     args = p.parse_args(argv)
     video = args.family == "wan"
     if video:  # FlowGRPO's Wan geometry (33 x 240 x 416) at the real shape, 5 x 32 x 32 at the tiny one
