@@ -187,6 +187,12 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
         assert all("lora_" in n for n in ta), "a LoRA checkpoint stores only the adapter"
         contract = json.loads((a / "ckpt" / "t2i" / "iter_0000003" / "adapter_contract.json").read_text())
         assert contract["lora_rank"] == 4 and contract["lora_alpha"] == 8
+        from trainer.metrics import read_scalars
+
+        for run in (a, b):  # the adapter goes in before rollout 0 of a fresh run; a resume syncs it instead
+            scalars = read_scalars(run / "tb")
+            assert [k for k, _ in scalars["perf/adapter_install_time"]] == [0]
+            assert [int(v) for _, v in scalars["train/policy_version"]] == [1, 2, 3, 4]
 
     keys = _dcp_keys(a / "ckpt", 3)
     if mode != "full-ema":  # EMA off: the checkpoint holds the model and the optimizer only

@@ -146,6 +146,48 @@ def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_
         ref.enable_speedups(precision="fp8")
 
 
+def test_a_fresh_lora_run_hands_the_engine_its_adapter_before_the_first_rollout(tiny_model_dir):
+    """Trainer.install_adapter: a fresh run with adapter syncs installs its adapter (still zero) at
+    policy version 0 before anything samples, so an FP8 engine frees its bf16 block weights before
+    rollout 0 and samples exactly what it sampled without the adapter; a resumed run (its resume
+    sync does this) and a full sync leave the engine alone."""
+    from types import SimpleNamespace as NS
+
+    from tests.test_engine import lora_actor
+    from trainer.loop import Trainer
+    from trainer.weight_sync import WeightSyncer
+
+    adapter = QwenImageAdapter()
+    lora = lora_actor(adapter, tiny_model_dir, rank=4, alpha=8)
+    with torch.no_grad():  # as peft initialises it: the policy is the base
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.zero_()
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")
+    reqs = make_requests(adapter, eng, SAMPLING, prompts=["a red ball", "dog"], group_size=2)
+    base = eng.generate(reqs)
+    cfg = {"rank": 4, "alpha": 8, "target_modules": list(adapter.lora_target_modules)}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("no sync expected")
+
+    for start, kind in ((2, "adapter"), (0, "full"), (0, "merged")):
+        run = NS(start_rollout=start, syncer=NS(kind=kind, sync=refuse), actor=NS(model=lora), engine=eng,
+                 load_metrics={})
+        Trainer.install_adapter(run)
+        assert run.load_metrics == {} and eng.fp8_weights_dropped == 0
+    syncer = WeightSyncer("adapter", wire_dtype=None, name_map=adapter.weight_name_map, lora_config=cfg)
+    run = NS(start_rollout=0, syncer=syncer, actor=NS(model=lora), engine=eng, load_metrics={})
+    Trainer.install_adapter(run)
+    assert syncer.policy_version == eng.policy_version == 0 and syncer.failures == 0
+    assert run.load_metrics["perf/adapter_install_time"] > 0
+    fp8 = [m for m in eng.transformer.modules() if isinstance(m, FP8Linear)]
+    assert fp8 and eng.fp8_weights_dropped == len(fp8) and all(m.weight is None for m in fp8)
+    got = eng.generate(reqs)
+    assert torch.equal(got.latents, base.latents) and torch.equal(got.log_probs, base.log_probs)
+    assert (got.policy_versions == 0).all()
+
+
 def test_compiled_engine_equals_eager_and_compiles_once_per_geometry(tiny_model_dir, eager_compile):
     adapter = QwenImageAdapter()
     ref = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32)

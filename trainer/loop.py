@@ -536,6 +536,18 @@ class Trainer:
             log.info("resumed from %s iteration %d: policy version %d, lr step %d, continuing at rollout %d",
                      load, state["iteration"], self.syncer.policy_version, self.actor.optimizer_steps, self.start_rollout)
 
+    def install_adapter(self) -> None:
+        """A fresh run that syncs LoRA adapters hands the engine its adapter (B = 0, so the policy
+        is still the base, version 0) before anything samples. Rollout 0 and the base eval then run
+        the module structure of every later rollout: a compiled engine compiles its blocks once
+        (not without LoRA first and with it after the first update), and an FP8 engine frees its
+        bf16 block weights before the first rollout instead of after it (the room a 30-block step
+        needs on an 80 GB card from its first rollout on). A resumed run's sync does the same."""
+        if self.start_rollout != 0 or self.syncer.kind != "adapter":
+            return
+        m = self.syncer.sync(self.actor.model, self.engine, version=self.syncer.policy_version)
+        self.load_metrics["perf/adapter_install_time"] = m["perf/weight_sync_time"]
+
     # -- one step ------------------------------------------------------------------------------
     def step(self, k: int) -> dict[str, float]:
         from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
@@ -922,6 +934,7 @@ class Trainer:
         from tqdm import tqdm
 
         num_rollout = int(self.cfg.rollout.num_rollout)
+        self.install_adapter()  # while the actor is still on the device
         if self.cfg.colocate.offload_train and not self.actor.offloaded:
             # the engine owns the device from the first rollout on (after any resume sync)
             self.actor.offload()

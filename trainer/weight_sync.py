@@ -562,13 +562,15 @@ class WeightSyncer:
         self.policy_version = int(state["policy_version"])
         self.failures = int(state.get("weight_sync_failures", 0))
 
-    def sync(self, model: nn.Module, engine: Any) -> dict[str, float]:
+    def sync(self, model: nn.Module, engine: Any, *, version: int | None = None) -> dict[str, float]:
         """Gather, hand off, verify, commit. Returns the train/* and perf/* sync series.
 
+        version: the policy version to commit (None: the next one, policy_version + 1; the
+        current one re-commits the same policy, e.g. a fresh LoRA run's adapter before rollout 0).
         Collective: every rank calls it with its own engine. Raises WeightSyncError on any failure
         (version not committed, train/weight_sync_failures incremented).
         """
-        version = self.policy_version + 1
+        version = self.policy_version + 1 if version is None else int(version)
         engine_version = getattr(engine, "policy_version", None)
         t0 = time.perf_counter()
         try:
