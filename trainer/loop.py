@@ -289,12 +289,11 @@ def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> An
             actor.onload()
         reshard_all(actor.model)  # the swap writes the sharded parameters
         twin = copy.copy(syncer)
-        twin.policy_version = syncer.policy_version - 1  # sync() commits policy_version + 1
         if swap:
             with actor.ema.swapped_in():
-                twin.sync(actor.model, engine)
+                twin.sync(actor.model, engine, version=syncer.policy_version)
         else:
-            twin.sync(actor.model, engine)
+            twin.sync(actor.model, engine, version=syncer.policy_version)
         if was_off:
             actor.offload()
 
@@ -528,9 +527,9 @@ class Trainer:
         self.actor.load_state_dict(state)
         self.checkpoint_failures = int(state.get("checkpoint_failures", 0))
         # The engine was loaded from --model-path: give it the restored policy under the
-        # checkpoint's own version number (sync() commits policy_version + 1).
-        self.syncer.load_state_dict({**state, "policy_version": int(state["policy_version"]) - 1})
-        self.syncer.sync(self.actor.model, self.engine)
+        # checkpoint's own version number.
+        self.syncer.load_state_dict(state)
+        self.syncer.sync(self.actor.model, self.engine, version=self.syncer.policy_version)
         self.start_rollout = int(state["rollout_id"]) + 1
         if self.rank == 0:
             log.info("resumed from %s iteration %d: policy version %d, lr step %d, continuing at rollout %d",
