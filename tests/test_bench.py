@@ -332,15 +332,18 @@ def test_fp8_replay_precision_gives_the_gradient_figure_and_keeps_the_first_rati
 
 
 def test_skip_fp8_grad_leaves_out_only_the_gradient_comparison(tmp_path):
-    """--skip fp8_grad: --replay-precision fp8 without the gradient comparison (which needs room for
-    two more micro-batch gradients); the replay figures still time the FP8 replay."""
+    """--skip fp8_grad: --replay-precision fp8-dgrad (FP8 input gradients too) without the gradient
+    comparison (which needs room for two more micro-batch gradients); the replay figures still time
+    the FP8 replay."""
     out = tmp_path / "fp8_nograd.jsonl"
-    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--replay-precision", "fp8",
-                      "--skip", "dit", "checksum", "merged", "update", "adapter", "offload", "step", "fp8_grad",
-                      "--out", str(out)])
+    proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--replay-precision",
+                      "fp8-dgrad", "--skip", "dit", "checksum", "merged", "update", "adapter", "offload", "step",
+                      "fp8_grad", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = {json.loads(line)["figure"] for line in out.read_text().splitlines()}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    figures = {line["figure"] for line in lines}
     assert "replay_fp8_grad_rel_diff" not in figures and "replay_transitions_per_s_lora" in figures
+    assert {line["geometry"]["replay_precision"] for line in lines} == {"fp8-dgrad"}
 
 
 def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):

@@ -1,7 +1,8 @@
-"""--replay-precision fp8 on CPU: the frozen base GEMM of the actor's LoRA layers in FP8 (the same
-rowwise-scaled math the FP8 rollout runs, on CPU's _scaled_mm), its input gradient through the
-unquantized weight, the anchor == replay guarantee (first ratio exactly 1), the gradients' distance
-from the default precision on the tiny model, and preflight's refusals."""
+"""--replay-precision fp8 / fp8-dgrad on CPU: the frozen base GEMM of the actor's LoRA layers in FP8
+(the same rowwise-scaled math the FP8 rollout runs, on CPU's _scaled_mm), its input gradient through
+the unquantized weight (fp8) or an FP8 GEMM (fp8-dgrad), the anchor == replay guarantee (first ratio
+exactly 1), the gradients' distance from the default precision on the tiny model, and preflight's
+refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch.nn as nn
 from tests.dist.tiny import ADAPTER, make_batch, make_cfg, one_rank_mesh, replay, tiny_transformer
 from tests.test_preflight import base, problems  # noqa: F401,F811  (base is a fixture)
 from trainer.actor import Actor
-from trainer.core.fp8 import FP8FrozenLinear, fp8_linear, frozen_fp8_linear, quantize_rowwise
+from trainer.core.fp8 import (FP8DgradFrozenLinear, FP8FrozenLinear, fp8_input_grad, fp8_linear, frozen_fp8_linear,
+                               quantize_rowwise)
 from trainer.train_model import apply_lora, lora_base_layers, set_replay_precision
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
@@ -43,6 +45,28 @@ def test_frozen_fp8_gemm_forward_is_the_rollouts_fp8_linear_and_backward_uses_th
         frozen_fp8_linear(x, w.requires_grad_(True), b)
 
 
+def test_fp8_dgrad_is_the_gemm_of_the_dequantized_operands():
+    """fp8-dgrad: dL/dx is one FP8 GEMM of dL/dy quantized per row and W per input channel, i.e.
+    the exact product of the two dequantized operands, and off the unquantized product by FP8
+    rounding only. The forward is fp8's, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 48, generator=g)
+    b = torch.randn(32, generator=g)
+    x = torch.randn(3, 5, 48, generator=g, requires_grad=True)
+    y = frozen_fp8_linear(x, w, b, fp8_dgrad=True)
+    assert torch.equal(y, frozen_fp8_linear(x.detach(), w, b))
+    gy = torch.randn(3, 5, 32, generator=g) * torch.logspace(-6, 2, 5)[None, :, None]  # tokens of any scale
+    y.backward(gy)
+    gq, gs = quantize_rowwise(gy.reshape(-1, 32))
+    wq, ws = quantize_rowwise(w.t().contiguous())
+    emulated = ((gq.float() * gs) @ (wq.float() * ws).t()).reshape(3, 5, 48)
+    torch.testing.assert_close(x.grad, emulated, rtol=1e-5, atol=0)
+    assert torch.equal(x.grad, fp8_input_grad(gy, w))
+    exact = gy @ w
+    rel = ((x.grad - exact).norm(dim=-1) / exact.norm(dim=-1))
+    assert (rel > 1e-4).all() and (rel < 0.08).all()  # FP8 rounding on every token, whatever its scale
+
+
 def test_set_replay_precision_swaps_only_the_blocks_lora_base_layers():
     model = tiny_transformer()
     apply_lora(model, ADAPTER.lora_target_modules, rank=4, alpha=8)
@@ -54,6 +78,9 @@ def test_set_replay_precision_swaps_only_the_blocks_lora_base_layers():
     # the embedders and the final projection keep their GEMM; the parameters keep their names
     assert type(model.proj_out) is nn.Linear and type(model.img_in) is nn.Linear
     assert [n for n, _ in model.named_parameters()] == names
+    assert set_replay_precision(model, "fp8-dgrad") == len(bases)
+    assert all(type(m) is FP8DgradFrozenLinear for m in bases)
+    assert set_replay_precision(model, "fp8") == len(bases) and all(type(m) is FP8FrozenLinear for m in bases)
     assert set_replay_precision(model, "default") == 0 and all(type(m) is nn.Linear for m in bases)
     with pytest.raises(ValueError, match="--replay-precision must be one of"):
         set_replay_precision(model, "fp4")
@@ -68,14 +95,15 @@ def test_full_fine_tune_refuses_fp8_replay(mesh):
               adapter=ADAPTER)
 
 
-@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
-def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh, param_dtype):
+@pytest.mark.parametrize("param_dtype, precision", [("fp32", "fp8"), ("bf16", "fp8"), ("bf16", "fp8-dgrad")])
+def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh, param_dtype, precision):
     """The no_grad anchor pass and the first update's own forward (with grad) run the same FP8
     GEMMs: ratio 1 exactly; the second update (after a step) is off 1."""
-    cfg = make_cfg("lora", fsdp__replay_precision="fp8", fsdp__fsdp_param_dtype=param_dtype,
+    cfg = make_cfg("lora", fsdp__replay_precision=precision, fsdp__fsdp_param_dtype=param_dtype,
                    fsdp__fsdp_master_dtype="fp32")
     actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
-    assert sum(type(m) is FP8FrozenLinear for m in actor.model.modules()) == 16
+    kind = FP8DgradFrozenLinear if precision == "fp8-dgrad" else FP8FrozenLinear
+    assert sum(type(m) is kind for m in actor.model.modules()) == 16
     actor.anchor_from_first_update = False  # a separate no_grad anchor for every micro-batch, first update included
     m = actor.train_step(make_batch(4), ADV, replay)
     first, second = actor.last_update_stats
@@ -97,8 +125,8 @@ def _lora_grads(actor, batch, adv) -> torch.Tensor:
 @pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
 def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, param_dtype):
     """Same actor, same batch, LoRA B made non-zero (so every LoRA tensor gets a gradient): the FP8
-    base changes the LoRA gradient by a few percent of its norm against the fp32 and the bf16
-    GEMM, and changes it (FP8 is on)."""
+    base (forward only, and forward plus input gradient) changes the LoRA gradient by a few percent
+    of its norm against the fp32 and the bf16 GEMM, and changes it (FP8 is on)."""
     actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__fsdp_param_dtype=param_dtype,
                                                      fsdp__fsdp_master_dtype="fp32"),
                   device=torch.device("cpu"), adapter=ADAPTER)
@@ -109,12 +137,16 @@ def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, param_dty
                 p.to_local().copy_(0.05 * torch.randn(p.to_local().shape, generator=g))
     batch = make_batch(4)
     ref = _lora_grads(actor, batch, ADV)
-    set_replay_precision(actor.model, "fp8")
-    fp8 = _lora_grads(actor, batch, ADV)
-    assert fp8.shape == ref.shape and torch.isfinite(fp8).all()
-    rel = float((fp8 - ref).norm() / ref.norm())
-    assert 0 < rel < 0.15, rel
-    assert float(torch.nn.functional.cosine_similarity(fp8, ref, dim=0)) > 0.98
+    rels = {}
+    for precision in ("fp8", "fp8-dgrad"):
+        set_replay_precision(actor.model, precision)
+        fp8 = _lora_grads(actor, batch, ADV)
+        assert fp8.shape == ref.shape and torch.isfinite(fp8).all()
+        rels[precision] = float((fp8 - ref).norm() / ref.norm())
+        assert 0 < rels[precision] < 0.15, rels
+        assert float(torch.nn.functional.cosine_similarity(fp8, ref, dim=0)) > 0.98
+    # the FP8 input gradient changes the LoRA gradient beyond the FP8 forward's change: it is on
+    assert rels["fp8-dgrad"] != rels["fp8"], rels
     set_replay_precision(actor.model, "default")
     assert torch.equal(_lora_grads(actor, batch, ADV), ref)  # the swap back restores the default GEMM exactly
 
@@ -122,9 +154,10 @@ def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, param_dty
 def test_preflight_names_the_replay_precision_flag_and_its_fix(base, monkeypatch):  # noqa: F811
     lora = ["--fsdp-trainable-mode", "lora", "--lora-rank", "8", "--fsdp-master-dtype", "fp32"]
     assert problems(base + lora + ["--replay-precision", "fp8"]) == []  # CPU here: the CPU FP8 math runs
-    got = problems(base + ["--replay-precision", "fp8"])
-    assert [p for p in got if p.startswith("--replay-precision fp8 with --fsdp-trainable-mode full") and
-            "use --fsdp-trainable-mode lora, or --replay-precision default" in p], got
+    for precision in ("fp8", "fp8-dgrad"):
+        got = problems(base + ["--replay-precision", precision])
+        assert [p for p in got if p.startswith(f"--replay-precision {precision} with --fsdp-trainable-mode full")
+                and "use --fsdp-trainable-mode lora, or --replay-precision default" in p], got
     import torch as _torch
 
     monkeypatch.setattr(_torch.cuda, "is_available", lambda: True)
@@ -134,6 +167,8 @@ def test_preflight_names_the_replay_precision_flag_and_its_fix(base, monkeypatch
     hits = [p for p in got if "compute capability >= 8.9" in p and "8.0 (NVIDIA A100)" in p]
     assert len(hits) == 2 and hits[0].startswith("--rollout-precision fp8") and \
         hits[1].startswith("--replay-precision fp8") and hits[1].endswith("use --replay-precision default"), got
+    got = problems(base + lora + ["--replay-precision", "fp8-dgrad"])
+    assert [p for p in got if p.startswith("--replay-precision fp8-dgrad needs a GPU with FP8 tensor cores")], got
     monkeypatch.setattr(_torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert not [p for p in problems(base + lora + ["--replay-precision", "fp8"]) if "compute capability" in p]
 
@@ -148,4 +183,7 @@ def test_recorded_old_logprobs_with_an_fp8_replay_are_warned_about(base):  # noq
     warns = [w for w in warnings_of(base + lora + ["--old-logprob-source", "rollout"])
              if w.startswith("--old-logprob-source rollout")]
     assert len(warns) == 1 and "--replay-precision fp8" in warns[0] and "not exactly 1" in warns[0], warns
+    warns = [w for w in warnings_of(base + lora[:-1] + ["fp8-dgrad", "--old-logprob-source", "rollout"])
+             if w.startswith("--old-logprob-source rollout")]
+    assert len(warns) == 1 and "--replay-precision fp8-dgrad" in warns[0], warns
     assert not [w for w in warnings_of(base + lora) if w.startswith("--old-logprob-source")]

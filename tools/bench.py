@@ -16,9 +16,10 @@ and the kernels' shares in GEMMs, attention, the FP8 activation quantization and
 (each of the blocks' linear GEMMs at the rollout's batch in bf16, FP8 rowwise with and without its
 activation quantization, and FP8 with one scale per tensor: how far the FP8 rollout's GEMMs are
 from the tensor cores; and the activation quantization alone at each GEMM input, beside a copy),
---replay-precision fp8 (the LoRA actor's frozen base GEMMs in FP8, as the trainer's flag: every
-replay, update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA
-gradient with the compute dtype's on one micro-batch).
+--replay-precision fp8 / fp8-dgrad (the LoRA actor's frozen base GEMMs in FP8, with fp8-dgrad
+their input gradient too, as the trainer's flag: every replay, update and step figure then times
+it, and replay_fp8_grad_rel_diff compares its LoRA gradient with the compute dtype's on one
+micro-batch).
 
 The step (step_s, split into rollout / reward / update / sync) is timed top to bottom as
 trainer/loop.py runs it, for each of --algorithms (flowgrpo: the SDE rollout and Actor.train_step,
@@ -130,7 +131,7 @@ FAMILIES = ("qwen_image", "sd3", "flux", "qwen_image_edit", "flux_kontext", "wan
 #: --family wan --shape real: the published Wan2.1 text-to-video sizes (tools/bench_wan.py's SIZES)
 WAN_SIZES = ("1.3b", "14b")
 #: phases --skip can leave out ("eager": the eager rollout timed before the speed options; "fp8_grad":
-#: the --replay-precision fp8 gradient comparison)
+#: the --replay-precision fp8 / fp8-dgrad gradient comparison)
 SKIPPABLE = ("dit", "checksum", "merged", "replay", "update", "adapter", "offload", "step", "eager", "fp8_grad")
 #: --replay-variants: figure suffix -> (reshard after forward, activation checkpointing, checkpoint every k-th block)
 REPLAY_VARIANTS = {"noreshard": (False, None, 1), "ac_every2": (True, True, 2), "ac_none": (True, False, 1)}
@@ -1314,10 +1315,10 @@ def _lora_gradient(c: Ctx, actor, rows: Any, adv: torch.Tensor, replay_fn) -> tu
 
 
 def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_fn) -> None:
-    """replay_fp8_grad_rel_diff (--replay-precision fp8): |g_fp8 - g_default| / |g_default| of the LoRA
-    gradient of one micro-batch (the first update's objective at ratio 1, _lora_gradient), the same
-    actor and batch with its base GEMMs in FP8 and then in the compute dtype (set_replay_precision
-    both ways, FP8 again after); cosine, both norms and the replayed log-probs' max |difference|
+    """replay_fp8_grad_rel_diff (--replay-precision fp8 / fp8-dgrad): |g_fp8 - g_default| / |g_default| of
+    the LoRA gradient of one micro-batch (the first update's objective at ratio 1, _lora_gradient), the
+    same actor and batch with its base GEMMs in FP8 and then in the compute dtype (set_replay_precision
+    both ways, the run's FP8 precision again after); cosine, both norms and the replayed log-probs' max |difference|
     ride along. Before the actor's first step LoRA B is 0, so only B has a gradient
     (lora_b_nonzero says which case was measured)."""
     from trainer.train_model import set_replay_precision
@@ -1329,7 +1330,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
     try:
         ref, logp = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
     finally:
-        set_replay_precision(actor.model, "fp8")
+        set_replay_precision(actor.model, a.replay_precision)
     world = c.rep.world_size
 
     def total(parts) -> float:  # a sum over every rank's shards
@@ -1344,7 +1345,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
                cosine=dot / math.sqrt(n_ref * n_fp8) if n_ref > 0 and n_fp8 > 0 else None,
                grad_norm_fp8=math.sqrt(n_fp8), grad_norm_default=math.sqrt(n_ref),
                logp_max_abs_diff=c.rep.reduce(float((logp8 - logp).abs().max()), "max"),
-               micro_batch=a.micro_batch, lora_b_nonzero=actor.optimizer_steps > 0,
+               micro_batch=a.micro_batch, lora_b_nonzero=actor.optimizer_steps > 0, precision=a.replay_precision,
                objective="-mean(A * logp): the first update's at ratio 1")
     c.rep.phase_memory("replay_precision")
 
@@ -1929,6 +1930,7 @@ def bench_scorers(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from trainer.config import GrpoConfig
+    from trainer.train_model import REPLAY_PRECISIONS
 
     p = tool_parser("bench", __doc__)
     p.add_argument("--family", choices=FAMILIES, default="qwen_image",
@@ -1997,7 +1999,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="the step offloads actor / engine around each stage")
     p.add_argument("--skip", nargs="+", default=[], choices=SKIPPABLE, metavar="PHASE",
                    help=f"phases to leave out, of {SKIPPABLE} (e.g. offload when host RAM is short); the rollout "
-                        "always runs, it feeds the others. fp8_grad: with --replay-precision fp8, the LoRA "
+                        "always runs, it feeds the others. fp8_grad: with --replay-precision fp8 / fp8-dgrad, the LoRA "
                         "gradient's comparison with the compute dtype (replay_fp8_grad_rel_diff; two more "
                         "micro-batch gradients, which the 60-block model on one H200 has no room for at "
                         "micro-batch 8). eager: with --rollout-compile / --rollout-precision fp8, "
@@ -2026,8 +2028,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="run every FP8 activation quantization (the engine's FP8 linears, the FP8 replay) as one "
                         "Triton kernel that reads each row once (core.fp8.set_rowwise_kernel) instead of inductor's "
                         "two-pass quantization or the torch ops; CUDA only, same bytes")
-    p.add_argument("--replay-precision", choices=("default", "fp8"), default="default",
-                   help="the LoRA actor's frozen base GEMMs in FP8 (the trainer's --replay-precision): every replay, "
+    p.add_argument("--replay-precision", choices=REPLAY_PRECISIONS, default="default",
+                   help="the LoRA actor's frozen base GEMMs in FP8, with fp8-dgrad their input gradient too (the "
+                        "trainer's --replay-precision): every replay, "
                         "update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA "
                         "gradient with the compute dtype's on the same batch")
     p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
@@ -2368,7 +2371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_profile_replay(c, actor, batch, replay_fn, args.profile_replay)
         if "update" not in skip:
             phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
-        if args.replay_precision == "fp8" and "fp8_grad" not in skip:  # after the update: LoRA B is no longer 0
+        if args.replay_precision != "default" and "fp8_grad" not in skip:  # after the update: LoRA B is no longer 0
             phase_replay_precision(c, actor, batch, adv, replay_fn)
         if args.sync_kind == "adapter" and "adapter" not in skip:  # installs LoRA in the engine
             phase_sync(c, actor, "adapter")

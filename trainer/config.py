@@ -435,11 +435,13 @@ class FsdpConfig:
         "process runs the code it finds there: it must be owned by you and not writable by group or others "
         "(preflight refuses it otherwise).",
     )
-    replay_precision: Literal["default", "fp8"] = _flag(
+    replay_precision: Literal["default", "fp8", "fp8-dgrad"] = _flag(
         "default",
-        "The actor's frozen LoRA base GEMMs: 'default' (the compute dtype) or 'fp8' (the base layers of the "
+        "The actor's frozen LoRA base GEMMs: 'default' (the compute dtype), 'fp8' (the base layers of the "
         "LoRA-wrapped linears in the transformer blocks as rowwise-scaled FP8 GEMMs, quantized from the gathered "
-        "weight at each forward; the input gradient uses the unquantized weight). The anchor and the replay run the "
+        "weight at each forward; the input gradient uses the unquantized weight) or 'fp8-dgrad' (as 'fp8', and "
+        "the input gradient's GEMM in FP8 too, the incoming gradient scaled per token and the weight per input "
+        "channel: its rounding then reaches the LoRA gradient as well). The anchor and the replay run the "
         "same FP8 GEMMs, so the first ratio stays exactly 1; the gradients differ from 'default' by the FP8 "
         "rounding (docs/PERFORMANCE.md). --fsdp-trainable-mode lora only; needs an FP8 GPU (compute capability "
         ">= 8.9) on CUDA.",
@@ -636,7 +638,7 @@ class GrpoConfig:
         "no_grad replay of updates 2..--num-updates-per-batch). Identical to 'replay' only where the sampler is "
         "the replay to the bit (eager engine in the actor's dtype, replayed at the sampler's batch: in bf16 "
         "another --micro-batch-size changes GEMM tilings, ~1e-5 nats at real width); elsewhere (--rollout-compile, "
-        "--rollout-precision fp8, --replay-precision fp8, the sglang engine: warned) the first update's ratio is no longer exactly 1 but "
+        "--rollout-precision fp8, --replay-precision fp8 / fp8-dgrad, the sglang engine: warned) the first update's ratio is no longer exactly 1 but "
         "carries the rollout-to-replay gap, logged as train/rollout_logprob_gap_max. Not with --grpo-guard or "
         "--algorithm nft.",
     )

@@ -439,20 +439,20 @@ def _check_engine_capabilities(cfg: RunConfig, engine: str, errors: list[str]) -
 
 
 def _check_fp8_device(cfg: RunConfig, errors: list[str]) -> None:
-    """--rollout-precision fp8 and --replay-precision fp8 on CUDA need FP8 tensor cores (compute
+    """--rollout-precision fp8 and --replay-precision fp8 / fp8-dgrad on CUDA need FP8 tensor cores (compute
     capability 8.9: Ada, Hopper and later); known before any model loads. On CPU the same math
     runs (slowly)."""
     import torch
 
-    flags = [flag for flag, on in (("--rollout-precision", cfg.rollout.rollout_precision == "fp8"),
-                                   ("--replay-precision", cfg.fsdp.replay_precision == "fp8")) if on]
+    flags = [(flag, value) for flag, value in (("--rollout-precision", cfg.rollout.rollout_precision),
+                                               ("--replay-precision", cfg.fsdp.replay_precision)) if value != "default"]
     if not flags or not torch.cuda.is_available():
         return
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
-        for flag in flags:
-            errors.append(f"{flag} fp8 needs a GPU with FP8 tensor cores (compute capability >= 8.9); this one is "
-                          f"{major}.{minor} ({torch.cuda.get_device_name()}): use {flag} default")
+        for flag, value in flags:
+            errors.append(f"{flag} {value} needs a GPU with FP8 tensor cores (compute capability >= 8.9); this one "
+                          f"is {major}.{minor} ({torch.cuda.get_device_name()}): use {flag} default")
 
 
 def _sglang_importable() -> bool:
@@ -479,8 +479,8 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
         )
     if lo.lora_rank < 0:
         errors.append(f"--lora-rank must be >= 0, got {lo.lora_rank}")
-    if f.replay_precision == "fp8" and mode != "lora":
-        errors.append(f"--replay-precision fp8 with --fsdp-trainable-mode {mode}: it runs the frozen base of the "
+    if f.replay_precision != "default" and mode != "lora":
+        errors.append(f"--replay-precision {f.replay_precision} with --fsdp-trainable-mode {mode}: it runs the frozen base of the "
                       "LoRA-wrapped linears in FP8, and a full fine-tune trains every weight; use "
                       "--fsdp-trainable-mode lora, or --replay-precision default")
     if mode == "lora":
@@ -782,7 +782,7 @@ def _check_old_logprob_source(cfg: RunConfig, errors: list[str], warnings: list[
     inexact = [flag for flag, on in (
         ("--rollout-compile", r.rollout_compile),
         ("--rollout-precision fp8", r.rollout_precision == "fp8"),
-        ("--replay-precision fp8", cfg.fsdp.replay_precision == "fp8"),
+        (f"--replay-precision {cfg.fsdp.replay_precision}", cfg.fsdp.replay_precision != "default"),
         ("--rollout-engine-class-path sglang",
          bool(engine) and resolve_engine_path(engine) == ENGINE_SHORT_NAMES["sglang"])) if on]
     if inexact:

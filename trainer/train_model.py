@@ -4,7 +4,7 @@ actor, the loop and the sync share.
 
 Build order (`build_train_model`), each step before the next:
   1. LoRA (peft) injected on the target modules, base frozen        (--fsdp-trainable-mode lora)
-     and, with --replay-precision fp8, the blocks' frozen base GEMMs in FP8 (set_replay_precision)
+     and, with --replay-precision fp8 / fp8-dgrad, the blocks' frozen base GEMMs in FP8 (set_replay_precision)
   2. parameters that can never receive a gradient frozen            (the adapter's never_trained_param_names)
   3. trainable parameters cast to the master dtype                  (--fsdp-master-dtype)
   4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing)
@@ -66,7 +66,7 @@ def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha
 
 
 #: --replay-precision: the frozen base GEMMs of the actor's LoRA layers in the compute dtype or in FP8
-REPLAY_PRECISIONS = ("default", "fp8")
+REPLAY_PRECISIONS = ("default", "fp8", "fp8-dgrad")
 
 
 def lora_base_layers(model: nn.Module) -> list[nn.Module]:
@@ -83,10 +83,11 @@ def set_replay_precision(model: nn.Module, precision: str) -> int:
     """--replay-precision for every forward of the actor (anchor, replay, the nft velocity, the
     reference with the adapter disabled): "fp8" turns the eligible LoRA base layers of the blocks
     (lora_base_layers; both dims multiples of 16) into core.fp8.FP8FrozenLinear, whose GEMM is
-    FP8 in forward and whose input gradient uses the unquantized weight; "default" turns them back
+    FP8 in forward and whose input gradient uses the unquantized weight; "fp8-dgrad" into
+    FP8DgradFrozenLinear, whose input gradient is an FP8 GEMM too; "default" turns them back
     into nn.Linear. Class swaps only (parameters, names, sharding unchanged), so it may be called
     before or after parallelize; a compiled block recompiles on the next call. Returns the layers
-    now in FP8. Raises when "fp8" finds no eligible layer (nothing would change)."""
+    now in FP8. Raises when an FP8 precision finds no eligible layer (nothing would change)."""
     from trainer.core.fp8 import convert_frozen_to_fp8, restore_frozen_linears
 
     if precision not in REPLAY_PRECISIONS:
@@ -94,9 +95,9 @@ def set_replay_precision(model: nn.Module, precision: str) -> int:
     restore_frozen_linears(model)
     if precision == "default":
         return 0
-    n = convert_frozen_to_fp8(lora_base_layers(model))
+    n = convert_frozen_to_fp8(lora_base_layers(model), fp8_dgrad=precision == "fp8-dgrad")
     if n == 0:
-        raise ValueError("--replay-precision fp8 found no LoRA-wrapped linear layer in the transformer blocks "
+        raise ValueError(f"--replay-precision {precision} found no LoRA-wrapped linear layer in the transformer blocks "
                          "whose dimensions are multiples of 16: check --lora-target-modules, or use "
                          "--replay-precision default")
     return n
@@ -203,7 +204,8 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraC
         lora_config = apply_lora(model, targets, lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
         n_fp8 = set_replay_precision(model, fsdp.replay_precision)
         if n_fp8:
-            log.info("--replay-precision fp8: %d LoRA base layers run their frozen GEMM in FP8", n_fp8)
+            log.info("--replay-precision %s: %d LoRA base layers run their frozen GEMM in FP8%s", fsdp.replay_precision,
+                     n_fp8, ", their input gradient too" if fsdp.replay_precision == "fp8-dgrad" else "")
     elif mode == "full":
         if fsdp.replay_precision != "default":
             raise ValueError(f"--replay-precision {fsdp.replay_precision} applies to the frozen base of LoRA layers; "

@@ -13,7 +13,9 @@ docs/PERFORMANCE.md measures.
 The actor's LoRA replay (`--replay-precision fp8`, `FP8FrozenLinear`): the frozen base layer of a
 LoRA-wrapped linear, whose weight FSDP2 gathers for each forward; it is quantized from the
 gathered weight at every call (no persistent copy, so sharding keeps its memory), and the
-gradient w.r.t. the input goes through the unquantized weight (`frozen_fp8_linear`).
+gradient w.r.t. the input goes through the unquantized weight (`frozen_fp8_linear`), or, with
+`--replay-precision fp8-dgrad` (`FP8DgradFrozenLinear`), through an FP8 GEMM as well
+(`fp8_input_grad`).
 """
 
 from __future__ import annotations
@@ -199,67 +201,103 @@ def requantize_fp8(model: nn.Module) -> int:
 
 
 class _FrozenFP8Gemm(torch.autograd.Function):
-    """y = fp8_linear(x, q(W), s(W), b) forward; dL/dx = dL/dy @ W backward (W as given, i.e. in
+    """y = fp8_linear(x, q(W), s(W), b) forward; dL/dx = dL/dy @ W backward, with W as given (in
     the compute dtype FSDP2 gathered it in: a straight-through estimate of the quantized GEMM's
-    input gradient). W and b are frozen: no gradient is returned for them."""
+    input gradient), or as fp8_input_grad's FP8 GEMM. W and b are frozen: no gradient is returned
+    for them."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                fp8_dgrad: bool) -> torch.Tensor:
         q, scale = quantize_rowwise(weight.detach())
         # the weight itself is saved, not a derived copy: FSDP2 frees and re-gathers its storage
         # around backward exactly as for F.linear's saved weight
         ctx.save_for_backward(weight)
         ctx.x_dtype = x.dtype
+        ctx.fp8_dgrad = fp8_dgrad
         return fp8_linear(x, q, scale.reshape(1, -1), bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (weight,) = ctx.saved_tensors
-        gx = grad.to(weight.dtype) @ weight
-        return gx.to(ctx.x_dtype), None, None
+        if ctx.fp8_dgrad:
+            gx = fp8_input_grad(grad.to(weight.dtype), weight)
+        else:
+            gx = grad.to(weight.dtype) @ weight
+        return gx.to(ctx.x_dtype), None, None, None
 
 
-def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dL/dx = dL/dy @ W as one FP8 GEMM: dL/dy quantized per row (one scale per token over the
+    N outputs) and W per input channel (a row of W^T: one scale per column of the result), so the
+    same rowwise-scaled _scaled_mm as the forward applies both scales exactly.
+
+    grad [..., N] and weight [N, K] in the compute dtype -> [..., K] in grad's dtype. W^T is
+    copied to row-major before its quantization: _scaled_mm takes its second operand
+    column-major, which the transposed FP8 copy then is.
+    """
+    shape = grad.shape
+    g2 = grad.reshape(-1, shape[-1])
+    gq, gs = quantize_rowwise(g2)
+    wq, ws = quantize_rowwise(weight.t().contiguous())  # [K, N], one scale per input channel
+    gx = torch._scaled_mm(gq, wq.t(), scale_a=gs, scale_b=ws.reshape(1, -1), out_dtype=grad.dtype)
+    return gx.reshape(*shape[:-1], weight.shape[1])
+
+
+def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                      fp8_dgrad: bool = False) -> torch.Tensor:
     """The frozen base GEMM of a LoRA-wrapped linear in FP8, differentiable w.r.t. x only.
 
     x [..., K] (bf16/fp32); weight [N, K], bias [N] or None, both frozen. Forward:
     fp8_linear(x, quantize_rowwise(W)) -- W quantized per output channel at this call, x per row
     -- so equal inputs give bit-equal outputs (the anchor and the replay agree: the first ratio is
-    exactly 1). Backward: dL/dx = dL/dy @ W with W in its own (compute) dtype, not the FP8 copy.
-    Returns [..., N] in x's dtype.
+    exactly 1). Backward: dL/dx = dL/dy @ W with W in its own (compute) dtype, not the FP8 copy;
+    with fp8_dgrad, that GEMM in FP8 too (fp8_input_grad), which adds its rounding to the
+    gradient. Returns [..., N] in x's dtype.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise RuntimeError("frozen_fp8_linear is for frozen weights (the LoRA base): this weight trains")
-    return _FrozenFP8Gemm.apply(x, weight, bias)
+    return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad)
 
 
 class FP8FrozenLinear(nn.Linear):
-    """A frozen nn.Linear (a LoRA layer's base_layer) whose forward is `frozen_fp8_linear`. Still
-    an nn.Linear with the same parameters and names, so FSDP2, the sync, the checksum and the
-    checkpoint see no difference; `restore_frozen_linears` turns it back."""
+    """A frozen nn.Linear (a LoRA layer's base_layer) whose forward is `frozen_fp8_linear`, its
+    input gradient through the unquantized weight. Still an nn.Linear with the same parameters and
+    names, so FSDP2, the sync, the checksum and the checkpoint see no difference;
+    `restore_frozen_linears` turns it back."""
+
+    fp8_dgrad = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return frozen_fp8_linear(x, self.weight, self.bias)
+        return frozen_fp8_linear(x, self.weight, self.bias, fp8_dgrad=self.fp8_dgrad)
 
 
-def convert_frozen_to_fp8(layers: list[nn.Module]) -> int:
-    """Turn each eligible (fp8_eligible) frozen nn.Linear of `layers` into an FP8FrozenLinear in
-    place (class swap: parameters and names stay). Returns how many were converted."""
+class FP8DgradFrozenLinear(FP8FrozenLinear):
+    """FP8FrozenLinear whose input gradient is an FP8 GEMM as well (fp8_input_grad):
+    --replay-precision fp8-dgrad."""
+
+    fp8_dgrad = True
+
+
+def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False) -> int:
+    """Turn each eligible (fp8_eligible) frozen nn.Linear of `layers` into an FP8FrozenLinear (an
+    FP8DgradFrozenLinear with fp8_dgrad) in place (class swap: parameters and names stay). Returns
+    how many were converted."""
     n = 0
     for m in layers:
         if fp8_eligible(m):
             if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad):
                 raise ValueError(f"an FP8 base GEMM needs a frozen layer; {type(m).__name__} "
                                  f"{tuple(m.weight.shape)} trains")
-            m.__class__ = FP8FrozenLinear
+            m.__class__ = FP8DgradFrozenLinear if fp8_dgrad else FP8FrozenLinear
             n += 1
     return n
 
 
 def restore_frozen_linears(model: nn.Module) -> int:
-    """Every FP8FrozenLinear under `model` back to a plain nn.Linear (the bf16 / fp32 GEMM).
-    Returns how many."""
-    layers = [m for m in model.modules() if type(m) is FP8FrozenLinear]
+    """Every FP8FrozenLinear (or FP8DgradFrozenLinear) under `model` back to a plain nn.Linear (the
+    bf16 / fp32 GEMM). Returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, FP8FrozenLinear)]
     for m in layers:
         m.__class__ = nn.Linear
     return len(layers)
