@@ -251,6 +251,13 @@ def engine_params(engine) -> dict[str, torch.Tensor]:
 def test_full_sync_matches_and_failures_roll_back(mesh):
     actor = build(mesh, "full", fsdp__fsdp_activation_checkpointing=True, **LIGHT)
     assert any("_checkpoint_wrapped_module" in n for n, _ in actor.model.named_parameters())
+    # --fsdp-activation-checkpointing-every 2 reaches the build: of the 2 blocks only block 0 is wrapped
+    every2 = build(mesh, "full", fsdp__fsdp_activation_checkpointing=True,
+                   fsdp__fsdp_activation_checkpointing_every=2, **LIGHT)
+    wrapped = {n.split("._checkpoint_wrapped_module")[0] for n, _ in every2.model.named_parameters()
+               if "_checkpoint_wrapped_module" in n}
+    assert wrapped == {"transformer_blocks.0"}, wrapped
+    del every2
     engine = ReceiverEngine(tiny_transformer(seed=1))
     actor.train_step(make_batch(2), ADV[:2], replay)
     syncer = WeightSyncer("full", wire_dtype="fp32", bucket_size_mb=0.05)

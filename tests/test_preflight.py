@@ -467,3 +467,12 @@ def test_compile_cache_dir_under_a_file_is_refused(base, tmp_path):
     blocker.write_text("")
     (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(blocker / "cc")])
     assert msg.startswith("--compile-cache-dir") and "regular file" in msg
+
+
+def test_checkpointing_every_kth_block_needs_checkpointing_and_k_at_least_1(base):
+    assert problems(base + ["--fsdp-activation-checkpointing", "--fsdp-activation-checkpointing-every", "2"]) == []
+    (msg,) = problems(base + ["--fsdp-activation-checkpointing-every", "2"])
+    assert msg.startswith("--fsdp-activation-checkpointing-every 2 without --fsdp-activation-checkpointing")
+    assert "add --fsdp-activation-checkpointing, or drop it" in msg
+    (msg,) = problems(base + ["--fsdp-activation-checkpointing", "--fsdp-activation-checkpointing-every", "0"])
+    assert msg == "--fsdp-activation-checkpointing-every must be >= 1 (1 = every block), got 0"

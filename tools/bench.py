@@ -755,12 +755,11 @@ def build_actor(args, mode: str, mesh, device: torch.device, dtype: torch.dtype,
     cfg.fsdp.no_fsdp_reshard_after_forward = not reshard_after_forward
     if activation_checkpointing is not None:
         cfg.fsdp.fsdp_activation_checkpointing = activation_checkpointing
-    if activation_checkpointing_every is None:
-        activation_checkpointing_every = args.activation_checkpointing_every
+    cfg.fsdp.fsdp_activation_checkpointing_every = (args.activation_checkpointing_every
+                                                    if activation_checkpointing_every is None
+                                                    else activation_checkpointing_every)
     model = buffers_to(fam.build_transformer(args.shape, device, dtype, seed=args.seed), dtype)
-    model, lora_config, never_trained = build_train_model(
-        model, mesh, cfg.fsdp, cfg.lora, adapter=fam.adapter(),
-        activation_checkpointing_every=activation_checkpointing_every)
+    model, lora_config, never_trained = build_train_model(model, mesh, cfg.fsdp, cfg.lora, adapter=fam.adapter())
     return Actor(model, mesh, cfg, device=device, built=True, lora_config=lora_config, never_trained=never_trained)
 
 

@@ -421,6 +421,14 @@ class FsdpConfig:
     fsdp_activation_checkpointing: bool = _flag(
         False, "Recompute each transformer block in backward; effectively required on the real model."
     )
+    fsdp_activation_checkpointing_every: int = _flag(
+        1,
+        "With --fsdp-activation-checkpointing, recompute only the transformer blocks 0, K, 2K, ... (1: every "
+        "block). The other blocks keep their activations through backward: each backward then runs (K-1)/K fewer "
+        "block forwards, for the activations of the blocks left out. On one GPU holding the whole 60-block "
+        "Qwen-Image model beside its engine, K=2 ran out of memory (docs/PERFORMANCE.md); sharded actors have "
+        "more room. Must be >= 1; above 1 it needs --fsdp-activation-checkpointing.",
+    )
     fsdp_compile: bool = _flag(
         False,
         "torch.compile each repeated transformer block of the actor (inside its checkpointing "

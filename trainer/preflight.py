@@ -521,6 +521,13 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
         errors.append("--lora-adapter-mode and --lora-merge-mode are exclusive; pick one")
     if lo.lora_target_modules is not None and not lo.lora_target_modules:
         errors.append("--lora-target-modules is an empty list; leave it unset to use the adapter's own targets")
+    if f.fsdp_activation_checkpointing_every < 1:
+        errors.append(f"--fsdp-activation-checkpointing-every must be >= 1 (1 = every block), got "
+                      f"{f.fsdp_activation_checkpointing_every}")
+    elif f.fsdp_activation_checkpointing_every > 1 and not f.fsdp_activation_checkpointing:
+        errors.append(f"--fsdp-activation-checkpointing-every {f.fsdp_activation_checkpointing_every} without "
+                      "--fsdp-activation-checkpointing: nothing is checkpointed, so it would change nothing; add "
+                      "--fsdp-activation-checkpointing, or drop it")
     if f.fsdp_load_wave_size < 0:
         errors.append(f"--fsdp-load-wave-size must be >= 0 (0 = all ranks at once), got {f.fsdp_load_wave_size}")
     if not f.fsdp_trainable_attr:

@@ -7,7 +7,8 @@ Build order (`build_train_model`), each step before the next:
      and, with --replay-precision fp8 / fp8-dgrad, the blocks' frozen base GEMMs in FP8 (set_replay_precision)
   2. parameters that can never receive a gradient frozen            (the adapter's never_trained_param_names)
   3. trainable parameters cast to the master dtype                  (--fsdp-master-dtype)
-  4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing)
+  4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing;
+     or every K-th one                                                --fsdp-activation-checkpointing-every)
   5. fully_shard per block, then the root, on the job's mesh        (MixedPrecisionPolicy from
                                                                       --fsdp-param-dtype / --fsdp-reduce-dtype)
   6. _assert_trainable_boundary
@@ -184,15 +185,13 @@ def _assert_trainable_boundary(model: nn.Module, mode: str, never_trained: Itera
 
 
 def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraConfig | None = None, *,
-                      adapter: Any | None = None,
-                      activation_checkpointing_every: int = 1) -> tuple[nn.Module, dict | None, list[str]]:
+                      adapter: Any | None = None) -> tuple[nn.Module, dict | None, list[str]]:
     """Steps 1-6 of the module docstring. Returns (sharded model, lora_config or None, never-trained names).
 
     fsdp / lora: the run's typed cfg.fsdp / cfg.lora sections.
     adapter: the model family's adapter (models/base.py): its lora_target_modules are the LoRA
     targets when --lora-target-modules is unset, and its never_trained_param_names(model) are the
     parameters frozen in step 2. None: no default targets, nothing family-specific frozen.
-    activation_checkpointing_every: see parallelize (not a trainer flag; tools/bench.py times it).
     """
     mode = fsdp.fsdp_trainable_mode
     lora_config = None
@@ -231,7 +230,8 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraC
                 reduce_dtype=resolve_dtype(fsdp.fsdp_reduce_dtype),
                 reshard_after_forward=not fsdp.no_fsdp_reshard_after_forward,
                 activation_checkpointing=fsdp.fsdp_activation_checkpointing,
-                cpu_offload=fsdp.fsdp_cpu_offload, activation_checkpointing_every=activation_checkpointing_every,
+                cpu_offload=fsdp.fsdp_cpu_offload,
+                activation_checkpointing_every=fsdp.fsdp_activation_checkpointing_every,
                 compile_blocks=bool(fsdp.fsdp_compile))
     _assert_trainable_boundary(model, mode, dead)
     return model, lora_config, dead
