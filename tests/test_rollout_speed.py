@@ -437,8 +437,8 @@ def test_compiled_actor_stops_compiling_after_warm_up_whatever_the_text_lengths(
 
 
 def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch):
-    """The loop's perf/*_new_graphs and its warning when dynamo gives up on a function (which
-    then runs eagerly without any other sign)."""
+    """The loop's perf/*_new_graphs, perf/*_compile_time and its warning when dynamo gives up on a
+    function (which then runs eagerly without any other sign)."""
     from types import SimpleNamespace
 
     from trainer.core.modules import CompileWatch
@@ -452,16 +452,21 @@ def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch
         loop = SimpleNamespace(_compile_watch=watch)
         m: dict[str, float] = {}
         fn(torch.ones(2))
-        Trainer._count_graphs(loop, m, "perf/actor_new_graphs")
-        assert m == {"perf/actor_new_graphs": 1.0}
+        Trainer._count_graphs(loop, m, "actor")
+        assert m["perf/actor_new_graphs"] == 1.0
+        # the graph's compile took time, its tracing part of it
+        assert 0 < m["perf/actor_compile_trace_time"] <= m["perf/actor_compile_time"]
         fn(torch.ones(2))
-        Trainer._count_graphs(loop, m, "perf/actor_new_graphs")
-        assert m == {"perf/actor_new_graphs": 0.0}  # same shape: the graph is reused
+        Trainer._count_graphs(loop, m, "actor")
+        assert m == {"perf/actor_new_graphs": 0.0, "perf/actor_compile_time": 0.0,
+                     "perf/actor_compile_trace_time": 0.0}  # same shape: the graph is reused, nothing compiled
         assert watch.limit_warning() is None
         for n in (3, 4, 5):  # a new fixed shape each call: past the limit of 2
             fn(torch.ones(n))
-        Trainer._count_graphs(loop, m, "perf/actor_new_graphs")
-        assert m == {"perf/actor_new_graphs": 1.0}  # the third shape was not compiled
+        Trainer._count_graphs(loop, m, "actor")
+        assert m["perf/actor_new_graphs"] == 1.0  # the third shape was not compiled
+        Trainer._count_graphs(loop, m, None)  # marks moved, nothing written
+        assert m["perf/actor_new_graphs"] == 1.0
         msg = watch.limit_warning()
         assert msg is not None and "recompile limit (2)" in msg and "TORCH_LOGS=recompiles" in msg
         assert watch.limit_warning() is None  # reported once

@@ -574,7 +574,7 @@ class Trainer:
                 weight_manifest_hash=self._manifest_hash(), writer=self.artifact_writer)
         m["perf/rollout_time"] = t.elapsed
         m.update(t.memory("rollout"))
-        self._count_graphs(m, "perf/rollout_new_graphs" if cfg.rollout.rollout_compile else None)
+        self._count_graphs(m, "rollout" if cfg.rollout.rollout_compile else None)
         m.update({k_: v for k_, v in out.stats.items() if k_ != "perf/rollout_time"})
         # the watch's image statistics (CPU work) on a worker thread while the reward and the update
         # run; gathered and judged after the update (_finish_watch)
@@ -634,7 +634,7 @@ class Trainer:
                              k, before, after, after - before)
         m["perf/train_time"] = t.elapsed
         m.update(t.memory("train"))
-        self._count_graphs(m, "perf/actor_new_graphs" if cfg.fsdp.fsdp_compile else None)
+        self._count_graphs(m, "actor" if cfg.fsdp.fsdp_compile else None)
         self._finish_watch(k, m, watch_job, local_idx, reward)
 
         # 5. sync: the new weights into this rank's engine, verified, then committed
@@ -712,14 +712,20 @@ class Trainer:
             log.warning("rollout %d: %s", k, self.watch.message()) if self.rank == 0 else None
             self.stop_reason = self.watch.message() if self.cfg.reward.stop_on_hacking else None
 
-    def _count_graphs(self, m: dict[str, float], key: str | None) -> None:
-        """With compiled blocks: m[key] = graphs compiled since the last call (key None: only
-        move the mark). After the first steps it should read 0; a steady non-zero count means an
-        input shape keeps changing, and every graph counts toward dynamo's recompile limit."""
+    def _count_graphs(self, m: dict[str, float], stage: str | None) -> None:
+        """With compiled blocks: m[f"perf/{stage}_new_graphs"] = graphs compiled since the last
+        call, m[f"perf/{stage}_compile_time"] the seconds spent compiling them and
+        m[f"perf/{stage}_compile_trace_time"] dynamo's tracing within those (the rest is
+        AOTAutograd and inductor, or loading their output from the compile cache); stage None:
+        only move the marks. After the first steps the count should read 0; a steady non-zero
+        count means an input shape keeps changing, and every graph counts toward dynamo's
+        recompile limit."""
         if self._compile_watch is not None:
-            new = self._compile_watch.new_graphs()
-            if key is not None:
-                m[key] = float(new)
+            new, seconds = self._compile_watch.new_graphs(), self._compile_watch.new_seconds()
+            if stage is not None:
+                m[f"perf/{stage}_new_graphs"] = float(new)
+                m[f"perf/{stage}_compile_time"] = seconds["total"]
+                m[f"perf/{stage}_compile_trace_time"] = seconds["trace"]
 
     def _nft_schedule(self) -> torch.Tensor:
         """The rollout's N step sigmas (terminal 0 excluded): where --nft-timestep-distribution

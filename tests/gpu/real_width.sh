@@ -202,7 +202,11 @@ print(f"first step, fresh cache: {steps.get(0, float('nan')):.1f} s; first step 
       f"{steps.get(2, float('nan')):.1f} s")
 # each rollout's stages and the graphs it compiled (a later step may still meet a new prompt
 # length, and the last one holds the run's final eval and checkpoint: not a steady step)
-for key in ("perf/rollout_time", "perf/train_time", "perf/rollout_new_graphs", "perf/actor_new_graphs"):
+# and the seconds torch.compile spent on them, dynamo's tracing apart (the rest: AOTAutograd and
+# inductor, or loading their output from the cache)
+for key in ("perf/rollout_time", "perf/train_time", "perf/rollout_new_graphs", "perf/actor_new_graphs",
+            "perf/rollout_compile_time", "perf/rollout_compile_trace_time", "perf/actor_compile_time",
+            "perf/actor_compile_trace_time"):
     print(f"{key}:", {k: round(v, 1) for k, v in sorted(s.get(key, []))})
 PY
       ;;

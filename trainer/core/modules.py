@@ -172,18 +172,41 @@ def recompile_limit_hits() -> int:
                if "recompile limit" in reason.lower() or "cache_size_limit" in reason.lower())
 
 
+#: dynamo's own timers (torch._dynamo.utils.compilation_time_metrics, seconds per call) that
+#: compile_seconds sums: a frame's whole compile (tracing, then the backend), and the tracing part
+_COMPILE_TIMERS = {"total": "_compile.compile_inner", "trace": "bytecode_tracing"}
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds torch.compile has spent in this process so far, by _COMPILE_TIMERS: "total" (every
+    compiled frame, end to end) and "trace" (dynamo's bytecode tracing within it; the rest is the
+    backend: AOTAutograd and inductor, or loading their output from the compile cache). Timers a
+    torch release does not keep read 0."""
+    from torch._dynamo import utils
+
+    times = getattr(utils, "compilation_time_metrics", {})
+    return {name: float(sum(times.get(key, ()))) for name, key in _COMPILE_TIMERS.items()}
+
+
 class CompileWatch:
-    """Graphs compiled and recompile-limit hits between two points of a run, for the loop's
-    per-step metrics and its warning: a block that hit dynamo's limit silently runs eagerly, and
-    the step gets slower with no other sign."""
+    """Graphs compiled, the seconds spent compiling them and recompile-limit hits between two
+    points of a run, for the loop's per-step metrics and its warning: a block that hit dynamo's
+    limit silently runs eagerly, and the step gets slower with no other sign."""
 
     def __init__(self) -> None:
-        self.graphs, self.hits = compiled_graphs(), recompile_limit_hits()
+        self.graphs, self.hits, self.seconds = compiled_graphs(), recompile_limit_hits(), compile_seconds()
 
     def new_graphs(self) -> int:
         """Graphs compiled since the last call (or construction); moves the mark."""
         now = compiled_graphs()
         new, self.graphs = now - self.graphs, now
+        return new
+
+    def new_seconds(self) -> dict[str, float]:
+        """compile_seconds spent since the last call (or construction); moves the mark."""
+        now = compile_seconds()
+        new = {name: now[name] - self.seconds.get(name, 0.0) for name in now}
+        self.seconds = now
         return new
 
     def limit_warning(self) -> str | None:
