@@ -2026,7 +2026,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8-quantize-kernel", action="store_true",
                    help="run every FP8 activation quantization (the engine's FP8 linears, the FP8 replay) as one "
                         "Triton kernel that reads each row once (core.fp8.set_rowwise_kernel) instead of inductor's "
-                        "two-pass quantization or the torch ops; CUDA only, same bytes")
+                        "two-pass quantization or the torch ops; CUDA only, written to give their bytes exactly")
     p.add_argument("--replay-precision", choices=REPLAY_PRECISIONS, default="default",
                    help="the LoRA actor's frozen base GEMMs in FP8, with fp8-dgrad their input gradient too (the "
                         "trainer's --replay-precision): every replay, "
