@@ -8,6 +8,8 @@ tools/bench.py's (docs/PERFORMANCE.md)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -434,6 +436,67 @@ def test_compiled_actor_stops_compiling_after_warm_up_whatever_the_text_lengths(
         assert new[3:] == [0, 0, 0], new
     finally:
         next(gen, None)
+
+
+def test_a_resumed_run_compiles_the_dynamic_graph_at_once(tmp_path, monkeypatch):
+    """use_compile_profile names the run (from --save) for torch.compile's profile-guided dynamic
+    shapes: a later process of the same run compiles a function whose input length varied with
+    that length dynamic from its first call (1 graph, then none for new lengths), where a run
+    without the name compiles a static graph first and a dynamic one on the next length (2). A
+    cache directory that others can write leaves the profile off."""
+    import torch._dynamo.pgo as pgo
+    import torch.compiler
+
+    from trainer.core.modules import CompileWatch
+    from trainer.loop import use_compile_cache, use_compile_profile
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cc"))
+    use_compile_cache(str(tmp_path / "cc"))
+    saved = torch.compiler.config.job_id  # a config module: restored by hand, not by monkeypatch
+    torch.compiler.config.job_id = None
+
+    def cfg(save, compiled=True):
+        return SimpleNamespace(rollout=SimpleNamespace(rollout_compile=False),
+                               fsdp=SimpleNamespace(fsdp_compile=compiled),
+                               checkpoint=SimpleNamespace(save=save))
+
+    assert use_compile_profile(cfg(str(tmp_path / "run"), compiled=False)) is None
+    assert use_compile_profile(cfg(None)) is None and torch.compiler.config.job_id is None
+
+    def graphs_per_call(lengths):
+        """A fresh process's view: dynamo's caches and the in-memory profile dropped."""
+        torch._dynamo.reset()
+        pgo.reset_code_state()
+
+        def block(x):
+            return (x * 2).sum(-1)
+
+        fn = torch.compile(block, backend="eager", dynamic=None)
+        watch, out = CompileWatch(), []
+        for n in lengths:
+            fn(torch.ones(3, n))
+            out.append(watch.new_graphs())
+        return out
+
+    try:
+        job = use_compile_profile(cfg(str(tmp_path / "run")))
+        assert job.startswith("flowgrpo-") and torch.compiler.config.job_id == job
+        assert graphs_per_call([5, 7]) == [1, 1]  # the run's first process: static, then dynamic
+        assert list((tmp_path / "cc" / "dynamo").glob("code_state_*.pkl"))  # the profile, in the cache
+        assert graphs_per_call([9, 11]) == [1, 0]  # its resume: dynamic from the start
+        torch.compiler.config.job_id = None
+        assert use_compile_profile(cfg(str(tmp_path / "other"))) != job  # another run: its own profile
+        assert graphs_per_call([9, 11]) == [1, 1]
+        # the profile is a pickle dynamo loads: not from a cache that others can write into
+        torch.compiler.config.job_id = None
+        (tmp_path / "cc" / "dynamo").chmod(0o777)
+        assert use_compile_profile(cfg(str(tmp_path / "run"))) is None and torch.compiler.config.job_id is None
+        torch.compiler.config.job_id = "set-by-the-user"  # as TORCH_COMPILE_JOB_ID would: kept as it is
+        assert use_compile_profile(cfg(str(tmp_path / "run"))) == "set-by-the-user"
+    finally:
+        torch.compiler.config.job_id = saved
+        torch._dynamo.reset()
+        pgo.reset_code_state()
 
 
 def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch):

@@ -1098,6 +1098,41 @@ def use_compile_cache(path: str | None) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(p)
 
 
+def use_compile_profile(cfg: Any) -> str | None:
+    """With compiled blocks and a --save directory: name the run for torch.compile's
+    profile-guided dynamic shapes (torch.compiler.config.job_id), so that a resumed run starts
+    from the shapes the run found dynamic. Without it every process first compiles each block
+    for the exact shapes it meets (a graph that a new prompt length misses in the cache too),
+    then again with the text length and batch dynamic; with it a resumed run compiles the dynamic
+    graphs at once, and finds them in the compile cache. The profile is written beside the
+    kernels (<compile cache>/dynamo/code_state_*.pkl, one per rank) after each compile; the name
+    is derived from the --save path, so only the same run's processes share it. A job id the
+    environment already sets (TORCH_COMPILE_JOB_ID) is kept as it is. The profile is a pickle that
+    dynamo loads, so the run does not turn it on, and warns, where the cache directory holds
+    anything another user owns or can write (preflight's compile_cache_problem: preflight checked
+    --compile-cache-dir already, torch's default directory is checked here). Returns the job id in force, or
+    None (no profile) when nothing compiles, the run has no --save or the cache is not safe to
+    load from."""
+    import hashlib
+
+    import torch.compiler
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    from trainer.preflight import compile_cache_problem
+
+    if torch.compiler.config.job_id is not None:  # the user's own
+        return torch.compiler.config.job_id
+    if not (cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile) or not cfg.checkpoint.save:
+        return None
+    if problem := compile_cache_problem(cache_dir()):
+        log.warning("torch.compile's dynamic-shape profile is off for this run (a resume compiles its static "
+                    "graphs again): %s", problem)
+        return None
+    run = str(Path(cfg.checkpoint.save).absolute())
+    torch.compiler.config.job_id = "flowgrpo-" + hashlib.sha256(run.encode()).hexdigest()[:16]
+    return torch.compiler.config.job_id
+
+
 def run(cfg: Any, recipe: str | None = None) -> int:
     """Build this rank's trainer, resume if asked, train, print a summary; returns the exit code.
 
@@ -1120,6 +1155,7 @@ def run(cfg: Any, recipe: str | None = None) -> int:
     info = None
     try:
         use_compile_cache(cfg.fsdp.compile_cache_dir)
+        use_compile_profile(cfg)
         info = init_distributed()
         if info.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)

@@ -480,8 +480,8 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
     if lo.lora_rank < 0:
         errors.append(f"--lora-rank must be >= 0, got {lo.lora_rank}")
     if f.replay_precision != "default" and mode != "lora":
-        errors.append(f"--replay-precision {f.replay_precision} with --fsdp-trainable-mode {mode}: it runs the frozen base of the "
-                      "LoRA-wrapped linears in FP8, and a full fine-tune trains every weight; use "
+        errors.append(f"--replay-precision {f.replay_precision} with --fsdp-trainable-mode {mode}: it runs the "
+                      "frozen base of the LoRA-wrapped linears in FP8, and a full fine-tune trains every weight; use "
                       "--fsdp-trainable-mode lora, or --replay-precision default")
     if mode == "lora":
         if lo.lora_dropout != 0:
