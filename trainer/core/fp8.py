@@ -16,6 +16,10 @@ gathered weight at every call (no persistent copy, so sharding keeps its memory)
 gradient w.r.t. the input goes through the unquantized weight (`frozen_fp8_linear`), or, with
 `--replay-precision fp8-dgrad` (`FP8DgradFrozenLinear`), through an FP8 GEMM as well
 (`fp8_input_grad`).
+
+The activation quantization (`quantize_rowwise`) is torch ops, which inductor fuses into the
+compiled blocks as a two-pass row reduction; `set_rowwise_kernel(True)` swaps in a one-pass Triton
+kernel on CUDA (opt-in: `tools/bench.py --fp8-quantize-kernel`), written to give the same bytes.
 """
 
 from __future__ import annotations
