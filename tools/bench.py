@@ -975,7 +975,7 @@ def _time_quantizations(c: Ctx, inputs: list[tuple[int, int, dict[str, Any]]], i
 
     compiled = c.device.type == "cuda"
     quantize = torch.compile(quantize_rowwise, dynamic=False) if compiled else quantize_rowwise
-    reference = torch.compile(quantize_rowwise_reference, dynamic=False) if compiled else None
+    reference = torch.compile(quantize_rowwise_reference, dynamic=False)  # called only beside the kernel
     merged: dict[tuple[int, int], dict[str, Any]] = {}
     for m, k, entry in inputs:  # layers of one input width and row count share an input shape
         e = merged.setdefault((m, k), {"names": [], "count": 0})
@@ -989,7 +989,7 @@ def _time_quantizations(c: Ctx, inputs: list[tuple[int, int, dict[str, Any]]], i
         copy_s = c.rep.reduce(_mean_time(c.device, x.clone, iters), "max")
         kernel = use_rowwise_kernel(x)
         extra = {}
-        if kernel and reference is not None:
+        if kernel:  # a CUDA tensor: compiled, as quantize is
             reference(x)
             extra["inductor_s"] = c.rep.reduce(_mean_time(c.device, lambda: reference(x), iters), "max")
         moved = m * k * (x.element_size() + 1) + 4 * m
@@ -2230,22 +2230,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
     dtype = _DTYPES[args.dtype]
-    if args.shape == "real":
-        problem = memory_problem(args, fam, device_type, dtype)
-        if problem:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"bench: error: {problem}", file=sys.stderr)
-            return 2
-    if args.fp8_quantize_kernel:
+    problem = memory_problem(args, fam, device_type, dtype) if args.shape == "real" else None
+    if problem is None and args.fp8_quantize_kernel:
         from trainer.core.fp8 import set_rowwise_kernel
 
         # before anything is built or compiled: every graph then traces the kernel's op
         if device_type != "cuda" or not set_rowwise_kernel(True):
-            if os.environ.get("RANK", "0") == "0":
-                print("bench: error: --fp8-quantize-kernel runs a Triton kernel on CUDA: this run has "
-                      f"{'no CUDA device' if device_type != 'cuda' else 'no importable triton'}; drop the flag",
-                      file=sys.stderr)
-            return 2
+            problem = ("--fp8-quantize-kernel runs a Triton kernel on CUDA: this run has "
+                       f"{'no CUDA device' if device_type != 'cuda' else 'no importable triton'}; drop the flag")
+    if problem:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"bench: error: {problem}", file=sys.stderr)
+        return 2
     created = not dist.is_initialized()
     info = init_distributed(device_type)
     try:

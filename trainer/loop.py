@@ -279,6 +279,7 @@ def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> An
     sync). Both syncs commit the engine's current policy version label again, through a copy of
     the syncer, so the run's version, manifest and failure count are those of the live policy.
     Collective, like every sync."""
+    import contextlib
     import copy
 
     from trainer.train_model import reshard_all
@@ -289,10 +290,7 @@ def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> An
             actor.onload()
         reshard_all(actor.model)  # the swap writes the sharded parameters
         twin = copy.copy(syncer)
-        if swap:
-            with actor.ema.swapped_in():
-                twin.sync(actor.model, engine, version=syncer.policy_version)
-        else:
+        with actor.ema.swapped_in() if swap else contextlib.nullcontext():
             twin.sync(actor.model, engine, version=syncer.policy_version)
         if was_off:
             actor.offload()

@@ -200,10 +200,10 @@ steps = dict(sorted(s.get("perf/step_time", [])))
 print("step time per rollout (s):", {k: round(v, 1) for k, v in steps.items()})
 print(f"first step, fresh cache: {steps.get(0, float('nan')):.1f} s; first step after the resume, warm cache: "
       f"{steps.get(2, float('nan')):.1f} s")
-# each rollout's stages and the graphs it compiled (a later step may still meet a new prompt
-# length, and the last one holds the run's final eval and checkpoint: not a steady step)
-# and the seconds torch.compile spent on them, dynamo's tracing apart (the rest: AOTAutograd and
-# inductor, or loading their output from the cache)
+# each rollout's stages, the graphs it compiled and the seconds torch.compile spent on them,
+# dynamo's tracing apart (the rest: AOTAutograd and inductor, or loading their output from the
+# cache). A later step may still meet a new prompt length, and the last one holds the run's
+# final eval and checkpoint: not a steady step
 for key in ("perf/rollout_time", "perf/train_time", "perf/rollout_new_graphs", "perf/actor_new_graphs",
             "perf/rollout_compile_time", "perf/rollout_compile_trace_time", "perf/actor_compile_time",
             "perf/actor_compile_trace_time"):

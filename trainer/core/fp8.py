@@ -147,7 +147,6 @@ def _register_rowwise_kernel() -> None:
         return q, scale
 
 
-
 class FP8Linear(nn.Linear):
     """An nn.Linear whose forward runs `fp8_linear` on an FP8 copy of its weight (buffers
     `weight_fp8`, `weight_scale`). Still an nn.Linear, so peft's LoRA wraps it as a base layer
@@ -236,16 +235,12 @@ def fp8_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     N outputs) and W per input channel (a row of W^T: one scale per column of the result), so the
     same rowwise-scaled _scaled_mm as the forward applies both scales exactly.
 
-    grad [..., N] and weight [N, K] in the compute dtype -> [..., K] in grad's dtype. W^T is
-    copied to row-major before its quantization: _scaled_mm takes its second operand
-    column-major, which the transposed FP8 copy then is.
+    grad [..., N] and weight [N, K] in the compute dtype -> [..., K] in grad's dtype: fp8_linear
+    with W^T [K, N] as its weight. W^T is copied to row-major before its quantization, so that
+    each of its rows (an input channel) gets its scale.
     """
-    shape = grad.shape
-    g2 = grad.reshape(-1, shape[-1])
-    gq, gs = quantize_rowwise(g2)
     wq, ws = quantize_rowwise(weight.t().contiguous())  # [K, N], one scale per input channel
-    gx = torch._scaled_mm(gq, wq.t(), scale_a=gs, scale_b=ws.reshape(1, -1), out_dtype=grad.dtype)
-    return gx.reshape(*shape[:-1], weight.shape[1])
+    return fp8_linear(grad, wq, ws.reshape(1, -1), None)
 
 
 def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
