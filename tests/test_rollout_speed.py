@@ -54,52 +54,6 @@ def test_rowwise_quantization_error_is_e4m3_rounding():
     assert q.float().abs().max() <= E4M3_MAX
 
 
-@pytest.fixture
-def rowwise_kernel():
-    from trainer.core.fp8 import set_rowwise_kernel
-
-    yield set_rowwise_kernel(True)
-    set_rowwise_kernel(False)
-
-
-def test_the_one_pass_kernel_is_off_by_default_and_never_takes_cpu_tensors(rowwise_kernel):
-    from trainer.core import fp8
-
-    assert rowwise_kernel == (torch.cuda.is_available() and fp8._ROWWISE_KERNEL["registered"])
-    assert not fp8.use_rowwise_kernel(torch.ones(4, 64))
-    fp8.set_rowwise_kernel(False)
-    assert not fp8.use_rowwise_kernel(torch.ones(4, 64, device="cuda" if torch.cuda.is_available() else "meta"))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-pass quantization kernel is a CUDA (Triton) kernel")
-def test_one_pass_quantization_kernel_gives_the_reference_bytes(rowwise_kernel):
-    """With set_rowwise_kernel(True) quantize_rowwise runs one Triton kernel on CUDA; it must give
-    the torch reference's bytes and scales exactly (IEEE division, round to nearest even), eager
-    and inside a compiled graph, for the widths the blocks feed (one to 16,384 columns), zero rows,
-    outliers, a row stride, a column stride and every float dtype."""
-    from trainer.core.fp8 import quantize_rowwise_reference, use_rowwise_kernel
-
-    assert rowwise_kernel, "Triton is not importable on this CUDA machine"
-    torch.manual_seed(0)
-    compiled = torch.compile(lambda t: quantize_rowwise(t * 1), dynamic=False)
-    for rows, cols, dtype in [(18432, 3072, torch.bfloat16), (4096, 12288, torch.bfloat16), (37, 1, torch.float32),
-                              (5, 96, torch.float16), (300, 3072, torch.float32), (7, 16384, torch.bfloat16)]:
-        t = (torch.randn(rows, cols, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).to(dtype)
-        t[0] = 0
-        t[-1, -1] = 3e4 if dtype != torch.float16 else 6e4
-        assert use_rowwise_kernel(t)
-        want_q, want_s = quantize_rowwise_reference(t)
-        for got_q, got_s in (quantize_rowwise(t), compiled(t)):
-            assert torch.equal(got_s, want_s), (rows, cols, dtype)
-            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (rows, cols, dtype)
-    base = torch.randn(64, 6144, device="cuda", dtype=torch.bfloat16)
-    for view in (base[:, :3072], base[:, ::2]):  # a row stride of 6144; a column stride of 2
-        q, s = quantize_rowwise(view)
-        want_q, want_s = quantize_rowwise_reference(view)
-        assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    assert not use_rowwise_kernel(torch.ones(2, 16400, device="cuda"))  # wider than a block: torch's path
-
-
 def test_fp8_linear_is_the_gemm_of_the_dequantized_operands():
     torch.manual_seed(1)
     lin = nn.Linear(64, 32)

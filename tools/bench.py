@@ -968,14 +968,11 @@ def _time_quantizations(c: Ctx, inputs: list[tuple[int, int, dict[str, Any]]], i
     from the memory's rate (quantize_s). It reads K bf16 values a row and writes K FP8 values and
     one scale, 3 bytes a value at the least, where a copy moves 4. Compiled on CUDA (the kernel
     inductor generates for it, without the elementwise work the rollout's blocks fuse into it),
-    eager elsewhere. Where quantize_rowwise runs the one-pass Triton kernel (`kernel`), the same
-    quantization as inductor compiles it from torch ops is timed beside it (`inductor_s`).
-    dit_quantize_s sums one forward's quantizations (one per FP8 linear)."""
-    from trainer.core.fp8 import quantize_rowwise, quantize_rowwise_reference, use_rowwise_kernel
+    eager elsewhere. dit_quantize_s sums one forward's quantizations (one per FP8 linear)."""
+    from trainer.core.fp8 import quantize_rowwise
 
     compiled = c.device.type == "cuda"
     quantize = torch.compile(quantize_rowwise, dynamic=False) if compiled else quantize_rowwise
-    reference = torch.compile(quantize_rowwise_reference, dynamic=False)  # called only beside the kernel
     merged: dict[tuple[int, int], dict[str, Any]] = {}
     for m, k, entry in inputs:  # layers of one input width and row count share an input shape
         e = merged.setdefault((m, k), {"names": [], "count": 0})
@@ -987,15 +984,10 @@ def _time_quantizations(c: Ctx, inputs: list[tuple[int, int, dict[str, Any]]], i
         quantize(x)  # warm-up: compile, autotune
         sec = c.rep.reduce(_mean_time(c.device, lambda: quantize(x), iters), "max")
         copy_s = c.rep.reduce(_mean_time(c.device, x.clone, iters), "max")
-        kernel = use_rowwise_kernel(x)
-        extra = {}
-        if kernel:  # a CUDA tensor: compiled, as quantize is
-            reference(x)
-            extra["inductor_s"] = c.rep.reduce(_mean_time(c.device, lambda: reference(x), iters), "max")
         moved = m * k * (x.element_size() + 1) + 4 * m
         total += sec * entry["count"]
         c.rep.emit("quantize_s", sec, "s", m=m, k=k, layers=entry["names"], per_forward=entry["count"],
-                   compiled=compiled, kernel=kernel, **extra, bytes=moved, gb_per_s=moved / sec / 1e9, copy_s=copy_s,
+                   compiled=compiled, bytes=moved, gb_per_s=moved / sec / 1e9, copy_s=copy_s,
                    copy_gb_per_s=2 * x.nbytes / copy_s / 1e9,
                    of_copy_rate=(moved / sec) / (2 * x.nbytes / copy_s))
         del x
@@ -1006,12 +998,11 @@ def _time_quantizations(c: Ctx, inputs: list[tuple[int, int, dict[str, Any]]], i
 #: Inductor names a generated kernel after the ops it fuses ("triton_red_fused__scaled_mm__to_copy_
 #: abs_amax_clamp_..."), so its name can hold "scaled_mm" or "attention" without being either: a
 #: triton kernel is "quantize" when it takes a row's amax (the FP8 activation quantization, with
-#: whatever elementwise work was fused into it) and "other" otherwise; the project's own one-pass
-#: kernel (core.fp8) is "quantize" by its name
+#: whatever elementwise work was fused into it) and "other" otherwise
 _PROFILE_SHARES = {"gemm": ("gemm", "scaled_mm", "cutlass", "nvjet", "xmma", "aten::mm", "aten::addmm",
                             "aten::bmm"),
                    "attention": ("flash", "fmha", "sdpa", "attention"),
-                   "quantize": ("quantize_rowwise", "aten::amax", "aten::abs", "aten::clamp")}
+                   "quantize": ("aten::amax", "aten::abs", "aten::clamp")}
 
 
 def profile_share(name: str) -> str:
@@ -2023,10 +2014,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's DiT linears in FP8 (the trainer's --rollout-precision)")
     p.add_argument("--fsdp-compile", action="store_true",
                    help="the actor's blocks under torch.compile (the trainer's --fsdp-compile)")
-    p.add_argument("--fp8-quantize-kernel", action="store_true",
-                   help="run every FP8 activation quantization (the engine's FP8 linears, the FP8 replay) as one "
-                        "Triton kernel that reads each row once (core.fp8.set_rowwise_kernel) instead of inductor's "
-                        "two-pass quantization or the torch ops; CUDA only, written to give their bytes exactly")
     p.add_argument("--replay-precision", choices=REPLAY_PRECISIONS, default="default",
                    help="the LoRA actor's frozen base GEMMs in FP8, with fp8-dgrad their input gradient too (the "
                         "trainer's --replay-precision): every replay, "
@@ -2231,13 +2218,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.dtype = args.dtype or ("bf16" if device_type == "cuda" else "fp32")
     dtype = _DTYPES[args.dtype]
     problem = memory_problem(args, fam, device_type, dtype) if args.shape == "real" else None
-    if problem is None and args.fp8_quantize_kernel:
-        from trainer.core.fp8 import set_rowwise_kernel
-
-        # before anything is built or compiled: every graph then traces the kernel's op
-        if device_type != "cuda" or not set_rowwise_kernel(True):
-            problem = ("--fp8-quantize-kernel runs a Triton kernel on CUDA: this run has "
-                       f"{'no CUDA device' if device_type != 'cuda' else 'no importable triton'}; drop the flag")
     if problem:
         if os.environ.get("RANK", "0") == "0":
             print(f"bench: error: {problem}", file=sys.stderr)
@@ -2287,7 +2267,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     **({"activation_checkpointing_every": args.activation_checkpointing_every}
                        if args.activation_checkpointing_every != 1 else {}),
                     "replay_precision": args.replay_precision,
-                    **({"fp8_quantize_kernel": True} if args.fp8_quantize_kernel else {}),
                     **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)

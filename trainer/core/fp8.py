@@ -18,8 +18,8 @@ gradient w.r.t. the input goes through the unquantized weight (`frozen_fp8_linea
 (`fp8_input_grad`).
 
 The activation quantization (`quantize_rowwise`) is torch ops, which inductor fuses into the
-compiled blocks as a two-pass row reduction; `set_rowwise_kernel(True)` swaps in a one-pass Triton
-kernel on CUDA (opt-in: `tools/bench.py --fp8-quantize-kernel`), written to give the same bytes.
+compiled blocks with the elementwise work before it (docs/PERFORMANCE.md, "Where the FP8 rollout's
+time goes", measures it against a standalone one-pass kernel, which lost that fusion).
 """
 
 from __future__ import annotations
@@ -39,19 +39,7 @@ def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t [R, K] (any float dtype) -> (q [R, K] float8_e4m3fn, scale [R, 1] fp32) with
     q = t / scale, scale = max(|t_r|) / 448, so t ~= q.float() * scale. Computed in fp32 (the
     scale must not round in bf16); an all-zero row gets scale 1 (its q is exactly 0).
-
-    With the one-pass kernel on (`set_rowwise_kernel`; CUDA and Triton), a CUDA tensor takes one
-    Triton kernel that holds each row in registers, reads it once and writes its FP8 values and
-    scale; what inductor generates for the torch ops below reads every row twice. Both give the
-    same bytes (IEEE division, round to nearest even).
     """
-    if use_rowwise_kernel(t):
-        return torch.ops.flowgrpo.quantize_rowwise_fp8(t)
-    return quantize_rowwise_reference(t)
-
-
-def quantize_rowwise_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rowwise in torch ops: what every device runs without the Triton kernel."""
     t32 = t.float()
     amax = t32.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
@@ -72,79 +60,6 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=xs, scale_b=weight_scale,
                          bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
     return y.reshape(*shape[:-1], weight_fp8.shape[0])
-
-
-#: the widest row the one-pass kernel holds in registers (the largest GEMM input of the supported
-#: families is 12,288 wide: an MLP's hidden activation); wider rows take the torch path
-_KERNEL_MAX_COLS = 16384
-
-
-def use_rowwise_kernel(t: torch.Tensor) -> bool:
-    """Whether quantize_rowwise runs the one-pass Triton kernel on `t`: the kernel is on
-    (set_rowwise_kernel) and `t` is a 2-D CUDA tensor of a float dtype with rows no wider than
-    _KERNEL_MAX_COLS."""
-    return (_ROWWISE_KERNEL["on"] and t.is_cuda and t.dim() == 2 and 0 < t.shape[1] <= _KERNEL_MAX_COLS
-            and t.dtype in (torch.bfloat16, torch.float16, torch.float32))
-
-
-_ROWWISE_KERNEL = {"on": False, "registered": False}
-
-
-def set_rowwise_kernel(on: bool) -> bool:
-    """Turn the one-pass quantization kernel on or off for this process (off by default: the
-    quantization is inductor's in compiled graphs, the torch ops' in eager ones). Turn it on before
-    anything compiles, so that the graphs trace the kernel's op (flowgrpo::quantize_rowwise_fp8).
-    Returns whether it is on: turning it on needs CUDA and an importable Triton."""
-    if on and not _ROWWISE_KERNEL["registered"]:
-        if not torch.cuda.is_available():
-            return False
-        try:
-            _register_rowwise_kernel()
-        except ImportError:
-            return False
-        _ROWWISE_KERNEL["registered"] = True
-    _ROWWISE_KERNEL["on"] = on
-    return on
-
-
-def _register_rowwise_kernel() -> None:
-    """Define the Triton kernel and its custom op (flowgrpo::quantize_rowwise_fp8); once per
-    process (set_rowwise_kernel). Raises ImportError without Triton."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def quantize_rowwise_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_cols, x_row_stride,
-                                ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-        # ROWS whole rows per program, each loaded once into registers: the amax and the scaled
-        # values come from the same load. fp32 throughout; div_rn is IEEE division, as torch's
-        # (a plain `/` is an approximate division in Triton); 448 = E4M3_MAX.
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_COLS)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-        q = tl.math.div_rn(x, scale[:, None])
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], q.to(tl.float8e4nv), mask=mask)
-        tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
-
-    @torch.library.triton_op("flowgrpo::quantize_rowwise_fp8", mutates_args=())
-    def quantize_rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if t.stride(1) != 1:
-            t = t.contiguous()
-        n_rows, n_cols = t.shape
-        q = torch.empty((n_rows, n_cols), device=t.device, dtype=torch.float8_e4m3fn)
-        scale = torch.empty((n_rows, 1), device=t.device, dtype=torch.float32)
-        block = triton.next_power_of_2(n_cols)
-        # about 32 fp32 values per thread: a 4,096-wide block takes 4 warps a row, 16,384 takes 16
-        rows = max(1, 4096 // block)
-        warps = max(4, min(16, block // 1024))
-        torch.library.wrap_triton(quantize_rowwise_kernel)[(triton.cdiv(n_rows, rows),)](
-            t, q, scale, n_rows, n_cols, t.stride(0), ROWS=rows, BLOCK_COLS=block, num_warps=warps)
-        return q, scale
 
 
 class FP8Linear(nn.Linear):
