@@ -396,6 +396,27 @@ def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
     assert "aten::_scaled_mm" in profile.read_text()
 
 
+def test_a_compiled_bench_refuses_a_compile_cache_others_can_write_before_anything_is_built(
+        tmp_path, capsys, monkeypatch):
+    import os
+
+    import tools.bench as bench
+    import trainer.distributed
+
+    def built(*a, **k):
+        raise AssertionError("the run went on past the cache's check")
+
+    monkeypatch.setattr(trainer.distributed, "init_distributed", built)
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    (cache / "k.py").write_text("x = 1\n")
+    os.chmod(cache / "k.py", 0o666)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--fsdp-compile"]) == 2
+    err = capsys.readouterr().err
+    assert f"load compiled kernels from TORCHINDUCTOR_CACHE_DIR {cache}" in err and "k.py is writable" in err
+
+
 @pytest.mark.parametrize("kernel, share", [
     ("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2", "gemm"),  # cuBLAS FP8 GEMM
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),

@@ -445,21 +445,83 @@ def test_compile_cache_dir_is_checked_before_code_is_loaded_from_it(base, tmp_pa
     assert cache_dir() == str(fresh)
     assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)]) == []
 
-    # anything inside that others can write is a way to run code in the trainer: refused, with the fix
+    # a file the umask left group-writable inside the private directory: nobody else can reach it
     kernels = fresh / "fxgraph" / "ab"
     kernels.mkdir(parents=True)
     (kernels / "k.py").write_text("x = 1\n")
     os.chmod(kernels / "k.py", 0o666)
+    assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)]) == []
+    # once others can search the directory, the same file is a way to run code in the trainer:
+    # refused, with the fix
+    os.chmod(fresh, 0o755)
     (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)])
     assert msg.startswith(f"--compile-cache-dir {fresh}:") and "k.py is writable by group or others" in msg
     assert f"chmod -R go-w {fresh}" in msg
     os.chmod(kernels / "k.py", 0o644)
     assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)]) == []
 
-    # a directory another user owns is refused too
+    # a directory another user owns is refused too (or its parent, where the tests do not run as root)
     monkeypatch.setattr(os, "getuid", lambda: os.stat(fresh).st_uid + 1)
     (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)])
-    assert "not by this user" in msg
+    assert f"is owned by uid {os.stat(fresh).st_uid}" in msg
+
+
+def test_without_compile_cache_dir_torchs_own_cache_is_checked(base, tmp_path, monkeypatch):
+    """No --compile-cache-dir: the kernels come from torch's cache (TORCHINDUCTOR_CACHE_DIR, else a
+    directory under the temp dir that another user can create first), so it gets the same check;
+    a run that compiles nothing does not care; TRITON_CACHE_DIR, where set, is checked too."""
+    import os
+
+    import trainer.preflight as pf
+
+    cache = tmp_path / "inductor"
+    cache.mkdir(mode=0o755)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    assert pf.torch_compile_cache_dir() == (str(cache), "TORCHINDUCTOR_CACHE_DIR")
+    assert problems(base + ["--rollout-compile"]) == []
+    (cache / "k.py").write_text("x = 1\n")
+    os.chmod(cache / "k.py", 0o664)
+    (msg,) = problems(base + ["--rollout-compile"])
+    assert msg.startswith(f"--rollout-compile / --fsdp-compile load compiled kernels from TORCHINDUCTOR_CACHE_DIR {cache}:")
+    assert "k.py is writable by group or others" in msg and "pass --compile-cache-dir DIR" in msg
+    assert problems(base) == []  # nothing compiles, nothing is loaded
+    assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(tmp_path / "mine")]) == []
+
+    # torch's default: found without being created, and checked the same way
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    default = tmp_path / "tmp" / "torchinductor_someone"
+    monkeypatch.setattr("torch._inductor.runtime.cache_dir_utils.default_cache_dir", lambda: str(default))
+    assert pf.torch_compile_cache_dir() == (str(default), "torch's default cache")
+    assert problems(base + ["--fsdp-compile"]) == [] and not default.exists()
+    default.mkdir(parents=True)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(default).st_uid + 1)  # created first by another user
+    (msg,) = problems(base + ["--fsdp-compile"])
+    assert f"torch's default cache {default}" in msg and f"is owned by uid {os.stat(default).st_uid}" in msg
+    monkeypatch.undo()
+
+    os.chmod(cache / "k.py", 0o644)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache / "k.py"))
+    assert problems(base + ["--rollout-compile"]) == []
+    os.chmod(cache / "k.py", 0o666)
+    got = problems(base + ["--rollout-compile"])
+    assert len(got) == 2 and got[1].startswith(f"TRITON_CACHE_DIR {cache / 'k.py'}:") and "or unset it" in got[1]
+
+
+def test_a_compile_cache_whose_parent_others_can_write_is_refused(base, tmp_path):
+    """Whoever can write a parent without the sticky bit can rename the cache away and put their
+    own in its place; a sticky parent (as /tmp) is fine."""
+    import os
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cache = shared / "cc"
+    os.chmod(shared, 0o775)
+    (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(cache)])
+    assert f"its parent {shared} is writable by group or others without the sticky bit (mode 775)" in msg
+    os.chmod(shared, 0o1777)
+    assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(cache)]) == []
+    os.chmod(shared, 0o755)
 
 
 def test_compile_cache_dir_under_a_file_is_refused(base, tmp_path):

@@ -443,6 +443,7 @@ def test_a_resumed_run_compiles_the_dynamic_graph_at_once(tmp_path, monkeypatch)
         assert graphs_per_call([9, 11]) == [1, 1]
         # the profile is a pickle dynamo loads: not from a cache that others can write into
         torch.compiler.config.job_id = None
+        (tmp_path / "cc").chmod(0o755)  # others may search it now (the run creates it 0700)
         (tmp_path / "cc" / "dynamo").chmod(0o777)
         assert use_compile_profile(cfg(str(tmp_path / "run"))) is None and torch.compiler.config.job_id is None
         torch.compiler.config.job_id = "set-by-the-user"  # as TORCH_COMPILE_JOB_ID would: kept as it is

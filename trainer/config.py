@@ -440,8 +440,9 @@ class FsdpConfig:
         "Directory of torch.compile's generated kernels (TORCHINDUCTOR_CACHE_DIR) for --rollout-compile and "
         "--fsdp-compile; unset: torch's default under /tmp, per user and host. Put it on storage a resumed run "
         "sees (e.g. under the run's --save) so the resume compiles from the cache instead of from scratch. The "
-        "process runs the code it finds there: it must be owned by you and not writable by group or others "
-        "(preflight refuses it otherwise).",
+        "process runs the code it finds there: it, and torch's own cache when this is unset, must be owned by "
+        "you and not writable by group or others, nor its parents without the sticky bit (preflight refuses it "
+        "otherwise).",
     )
     replay_precision: Literal["default", "fp8", "fp8-dgrad"] = _flag(
         "default",

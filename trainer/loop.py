@@ -1107,8 +1107,8 @@ def use_compile_profile(cfg: Any) -> str | None:
     is derived from the --save path, so only the same run's processes share it. A job id the
     environment already sets (TORCH_COMPILE_JOB_ID) is kept as it is. The profile is a pickle that
     dynamo loads, so the run does not turn it on, and warns, where the cache directory holds
-    anything another user owns or can write (preflight's compile_cache_problem: preflight checked
-    --compile-cache-dir already, torch's default directory is checked here). Returns the job id in force, or
+    anything another user owns or can write (preflight's compile_cache_problem, which preflight
+    ran on the same directory; checked again here for callers that skip preflight). Returns the job id in force, or
     None (no profile) when nothing compiles, the run has no --save or the cache is not safe to
     load from."""
     import hashlib

@@ -1095,39 +1095,82 @@ def _check_output_paths(cfg: RunConfig, errors: list[str]) -> None:
 
 
 def _check_compile_cache(cfg: RunConfig, errors: list[str], warnings: list[str]) -> None:
-    """--compile-cache-dir: creatable and writable, and, where it exists, safe to run code from
-    (compile_cache_problem)."""
+    """The directories compiled kernels are loaded from are safe to run code from
+    (compile_cache_problem): --compile-cache-dir, creatable and writable, or, without it, torch's
+    own cache (TORCHINDUCTOR_CACHE_DIR, else its default under the temp directory, which another
+    user of a shared host can create first); and TRITON_CACHE_DIR where the environment sets it."""
     path = cfg.fsdp.compile_cache_dir
-    if not path:
-        return
-    if not (cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile):
+    compiles = cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile
+    if path and not compiles:
         warnings.append(f"--compile-cache-dir {path} has no effect without --rollout-compile or --fsdp-compile")
-    problem = writable_dir_problem(path) or compile_cache_problem(path)
-    if problem:
-        errors.append(f"--compile-cache-dir {path}: {problem}")
+    if path:
+        problem = writable_dir_problem(path) or compile_cache_problem(path)
+        if problem:
+            errors.append(f"--compile-cache-dir {path}: {problem}")
+    elif compiles:
+        torch_dir, source = torch_compile_cache_dir()
+        if problem := compile_cache_problem(torch_dir):
+            errors.append(f"--rollout-compile / --fsdp-compile load compiled kernels from {source} {torch_dir}: "
+                          f"{problem}; or pass --compile-cache-dir DIR (the run creates it private to you)")
+    triton_dir = os.environ.get("TRITON_CACHE_DIR")
+    if compiles and triton_dir and (problem := compile_cache_problem(triton_dir)):
+        errors.append(f"TRITON_CACHE_DIR {triton_dir}: {problem}; or unset it")
+
+
+def torch_compile_cache_dir() -> tuple[str, str]:
+    """The directory torch.compile caches kernels in when --compile-cache-dir is not given, and
+    where that comes from (the environment or torch's default), found without creating it."""
+    if env := os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.path.abspath(env), "TORCHINDUCTOR_CACHE_DIR"
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # older torch kept it beside the other runtime helpers
+        from torch._inductor.runtime.runtime_utils import default_cache_dir
+    return default_cache_dir(), "torch's default cache"
 
 
 def compile_cache_problem(path: str) -> str | None:
     """Why the process must not load compiled kernels from `path` (None when it may): inductor
-    imports the Python and loads the libraries it finds there, so a directory (or an ancestor
-    inside it) that another user owns or can write is a way to run code in this process."""
+    imports the Python and loads the libraries it finds there, so a way for another user to put a
+    file there is a way to run code in this process. Refused: an entry of `path` (itself
+    included) that another user owns, or that group or others can write while they can reach it
+    (below a directory of this user's that grants them no search permission, as the 0700 one
+    --compile-cache-dir creates, they cannot, whatever the umask gave the files); and an
+    ancestor of `path` that another user than root owns, or that group or others can write
+    without the sticky bit (they could rename `path` away and put their own in its place)."""
     p = Path(path).absolute()
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if uid is None:  # no POSIX ownership to check
+        return None
+    for anc in Path(os.path.realpath(p)).parents:
+        if not anc.exists():
+            continue
+        st = anc.stat()
+        if st.st_uid not in (uid, 0):
+            return (f"its parent {anc} is owned by uid {st.st_uid}, who could replace it; the run would load code "
+                    "from it. Use a directory under one of your own")
+        if st.st_mode & 0o022 and not st.st_mode & 0o1000:
+            return (f"its parent {anc} is writable by group or others without the sticky bit (mode "
+                    f"{st.st_mode & 0o7777:o}), so they could replace it; the run would load code from it. "
+                    "Use a directory under one of your own")
     if not p.exists():
         return None
-    uid = os.getuid() if hasattr(os, "getuid") else None
 
-    def entries():
-        yield p
+    def entries():  # (entry, whether group and others can reach it)
+        yield p, True
+        sealed: dict[str, bool] = {}  # a directory group and others cannot search, or one inside it
         for root, dirs, files in os.walk(p):
+            st = os.lstat(root)
+            sealed[root] = sealed.get(os.path.dirname(root), False) or (st.st_uid == uid and not st.st_mode & 0o011)
             for name in (*dirs, *files):
-                yield Path(root) / name
+                yield Path(root) / name, not sealed[root]
 
-    for e in entries():
+    for e, reachable in entries():
         st = e.lstat()
-        if uid is not None and st.st_uid != uid:
+        if st.st_uid != uid:
             return (f"{e} is owned by uid {st.st_uid}, not by this user; the run would load code from it. "
                     "Use a directory of your own")
-        if st.st_mode & 0o022 and not e.is_symlink():
+        if reachable and st.st_mode & 0o022 and not e.is_symlink():
             return (f"{e} is writable by group or others (mode {st.st_mode & 0o777:o}); the run would load code "
                     f"from it. Fix: chmod -R go-w {p}, or use a new directory")
     return None
