@@ -2219,11 +2219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = _DTYPES[args.dtype]
     problem = memory_problem(args, fam, device_type, dtype) if args.shape == "real" else None
     if problem is None and (args.rollout_compile or args.fsdp_compile):
-        from trainer.preflight import compile_cache_problem, torch_compile_cache_dir
+        from trainer.preflight import torch_compile_cache_problem
 
-        cache, source = torch_compile_cache_dir()  # the trainer's preflight rule: compiled code is loaded from it
-        if why := compile_cache_problem(cache):
-            problem = f"--rollout-compile / --fsdp-compile load compiled kernels from {source} {cache}: {why}"
+        problem = torch_compile_cache_problem()  # the trainer's preflight rule: compiled code is loaded from it
     if problem:
         if os.environ.get("RANK", "0") == "0":
             print(f"bench: error: {problem}", file=sys.stderr)

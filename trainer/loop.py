@@ -1107,22 +1107,21 @@ def use_compile_profile(cfg: Any) -> str | None:
     is derived from the --save path, so only the same run's processes share it. A job id the
     environment already sets (TORCH_COMPILE_JOB_ID) is kept as it is. The profile is a pickle that
     dynamo loads, so the run does not turn it on, and warns, where the cache directory holds
-    anything another user owns or can write (preflight's compile_cache_problem, which preflight
-    ran on the same directory; checked again here for callers that skip preflight). Returns the job id in force, or
+    anything another user owns or can write (preflight's torch_compile_cache_problem, which
+    preflight ran on the same directory; checked again here for callers that skip preflight). Returns the job id in force, or
     None (no profile) when nothing compiles, the run has no --save or the cache is not safe to
     load from."""
     import hashlib
 
     import torch.compiler
-    from torch._inductor.runtime.runtime_utils import cache_dir
 
-    from trainer.preflight import compile_cache_problem
+    from trainer.preflight import torch_compile_cache_problem
 
     if torch.compiler.config.job_id is not None:  # the user's own
         return torch.compiler.config.job_id
     if not (cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile) or not cfg.checkpoint.save:
         return None
-    if problem := compile_cache_problem(cache_dir()):
+    if problem := torch_compile_cache_problem():
         log.warning("torch.compile's dynamic-shape profile is off for this run (a resume compiles its static "
                     "graphs again): %s", problem)
         return None

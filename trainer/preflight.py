@@ -1107,11 +1107,8 @@ def _check_compile_cache(cfg: RunConfig, errors: list[str], warnings: list[str])
         problem = writable_dir_problem(path) or compile_cache_problem(path)
         if problem:
             errors.append(f"--compile-cache-dir {path}: {problem}")
-    elif compiles:
-        torch_dir, source = torch_compile_cache_dir()
-        if problem := compile_cache_problem(torch_dir):
-            errors.append(f"--rollout-compile / --fsdp-compile load compiled kernels from {source} {torch_dir}: "
-                          f"{problem}; or pass --compile-cache-dir DIR (the run creates it private to you)")
+    elif compiles and (problem := torch_compile_cache_problem()):
+        errors.append(f"{problem}; or pass --compile-cache-dir DIR (the run creates it private to you)")
     triton_dir = os.environ.get("TRITON_CACHE_DIR")
     if compiles and triton_dir and (problem := compile_cache_problem(triton_dir)):
         errors.append(f"TRITON_CACHE_DIR {triton_dir}: {problem}; or unset it")
@@ -1129,6 +1126,14 @@ def torch_compile_cache_dir() -> tuple[str, str]:
     return default_cache_dir(), "torch's default cache"
 
 
+def torch_compile_cache_problem() -> str | None:
+    """compile_cache_problem of the cache torch.compile loads kernels from now
+    (torch_compile_cache_dir), as a message that names it; None when it is safe."""
+    path, source = torch_compile_cache_dir()
+    problem = compile_cache_problem(path)
+    return problem and f"--rollout-compile / --fsdp-compile load compiled kernels from {source} {path}: {problem}"
+
+
 def compile_cache_problem(path: str) -> str | None:
     """Why the process must not load compiled kernels from `path` (None when it may): inductor
     imports the Python and loads the libraries it finds there, so a way for another user to put a
@@ -1139,10 +1144,8 @@ def compile_cache_problem(path: str) -> str | None:
     ancestor of `path` that another user than root owns, or that group or others can write
     without the sticky bit (they could rename `path` away and put their own in its place)."""
     p = Path(path).absolute()
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    if uid is None:  # no POSIX ownership to check
-        return None
-    for anc in Path(os.path.realpath(p)).parents:
+    uid = os.getuid() if hasattr(os, "getuid") else None  # None: no POSIX ownership to check
+    for anc in Path(os.path.realpath(p)).parents if uid is not None else ():
         if not anc.exists():
             continue
         st = anc.stat()
@@ -1167,7 +1170,7 @@ def compile_cache_problem(path: str) -> str | None:
 
     for e, reachable in entries():
         st = e.lstat()
-        if st.st_uid != uid:
+        if uid is not None and st.st_uid != uid:
             return (f"{e} is owned by uid {st.st_uid}, not by this user; the run would load code from it. "
                     "Use a directory of your own")
         if reachable and st.st_mode & 0o022 and not e.is_symlink():
