@@ -174,11 +174,12 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
     geometry."""
     out = tmp_path / "figures.jsonl"
     profile = tmp_path / "prof" / "replay.txt"
+    step_profile = tmp_path / "prof" / "step.txt"
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
            "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
            "--prompts", "2", "--group-size", "2", "--micro-batch", "1", "--num-updates", "2",
            "--dit-batches", "2", "--iters", "1", "--text-tokens", "8", "--full", "--replay-variants",
-           "--profile-replay", str(profile), "--out", str(out)]
+           "--profile-replay", str(profile), "--profile-step", str(step_profile), "--out", str(out)]
     proc = run_bench(cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -200,7 +201,7 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
                 "replay_logp_max_abs_err_lora", "replay_logp_max_abs_err_full",
                 "checksum_s", "checksum_gb_per_s", "checksum_alt_s", "checksum_alt_gb_per_s",
                 "adapter_sync_per_tensor_s", "full_sync_noverify_per_tensor_s", "full_sync_noverify_flat_s",
-                "replay_profile_s"}
+                "replay_profile_s", "step_profile_s"}
     variants = ("noreshard", "ac_every2", "ac_none")
     expected |= {f"{fig}_lora_{v}" for v in variants
                  for fig in ("replay_transitions_per_s", "replay_mfu", "replay_logp_max_abs_err")}
@@ -226,6 +227,16 @@ def test_tiny_run_writes_well_formed_finite_figures(tmp_path):
     assert figures["replay_profile_s"][0]["path"] == str(profile)
     table = profile.read_text()
     assert "Name" in table and "CPU total" in table and "aten::" in table
+    # one more step with each stage profiled: its op tables, and each stage's time split by kind
+    (prof,) = figures["step_profile_s"]
+    assert set(prof["stages"]) == {"rollout", "reward", "update", "sync"} and prof["path"] == str(step_profile)
+    for name, stage in prof["stages"].items():
+        assert stage["s"] > 0 and stage["gpu_idle_s"] is None, (name, stage)  # CPU: no device to idle
+        assert sum(stage["shares"].values()) == pytest.approx(1.0) or stage["kernel_s"] == 0, (name, stage)
+    assert prof["stages"]["update"]["kernel_s"] > 0 and prof["stages"]["update"]["shares"]["gemm"] > 0
+    assert prof["value"] == pytest.approx(sum(stage["s"] for stage in prof["stages"].values()))
+    sections = step_profile.read_text()
+    assert all(f"== {name}: " in sections for name in prof["stages"]) and "aten::" in sections
     for name in ("rollout_images_per_s", "replay_transitions_per_s_lora", "dit_mfu", "step_s"):
         assert all(line["value"] > 0 for line in figures[name]), name
     # the fp32 replay through the actor reproduces the engine's log-probs (same seeded weights)

@@ -820,6 +820,8 @@ class Ctx:
     #: the engine draws videos, scored frame by frame (score); the rollout figures count `items`
     video: bool = False
     items: str = "images"
+    #: --profile-step: a step was profiled (one per run, the first algorithm / source's)
+    step_profiled: bool = False
 
     def condition(self, prompt_index: int = 0) -> dict:
         """The engine's conditioning of prompt `prompt_index` (with its source for an edit family)."""
@@ -1023,21 +1025,14 @@ def phase_profile_dit(c: Ctx, rows: int, path: Path) -> None:
 
     fwd = dit_call(c, rows)
     fwd()
-    cuda = c.device.type == "cuda"
     with profile(activities=profile_activities(c.device)) as prof:
         with timed(c.device) as t:
             fwd()
     averages = prof.key_averages()
-    kinds = {k: 0.0 for k in (*_PROFILE_SHARES, "other")}
-    for e in averages:
-        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
-            continue  # on CUDA the kernels' own time; their launching ops would count it twice
-        kinds[profile_share(e.key)] += e.self_device_time_total if cuda else e.self_cpu_time_total
-    total = sum(kinds.values()) or 1.0
+    shares, kernel_s = kernel_shares(c, averages)
     sort_by = write_profile_table(c, averages, path)
     c.rep.emit("dit_profile_s", t[0], "s", path=str(path), sort_by=sort_by, written_by_rank=0, rows=rows,
-               variant=rollout_variant(c.args), shares={k: v / total for k, v in kinds.items()},
-               kernel_s=total / 1e6)
+               variant=rollout_variant(c.args), shares=shares, kernel_s=kernel_s)
 
 
 def cfg_rows(c: Ctx) -> int:
@@ -1690,6 +1685,59 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
     c.rep.phase_memory(f"step{step_label(algorithm, source)}")
+    if a.profile_step is not None and not c.step_profiled:
+        c.step_profiled = True
+        phase_profile_step(c, update, actor, syncer, base + MAX_TIMED_ATTEMPTS, sampling, sde_indices, tags)
+
+
+def kernel_shares(c: Ctx, averages) -> tuple[dict[str, float], float]:
+    """A profile's kernel time split by profile_share, and its total in seconds: on CUDA the
+    kernels' own time (their launching ops would count it twice), on a CPU run the ops' self time."""
+    cuda = c.device.type == "cuda"
+    kinds = {k: 0.0 for k in (*_PROFILE_SHARES, "other")}
+    for e in averages:
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kinds[profile_share(e.key)] += e.self_device_time_total if cuda else e.self_cpu_time_total
+    total = sum(kinds.values())
+    return {k: v / (total or 1.0) for k, v in kinds.items()}, total / 1e6
+
+
+def phase_profile_step(c: Ctx, update, actor, syncer, rollout_id: int, sampling, sde_indices, tags: dict) -> None:
+    """--profile-step PATH: one more step after the timed one, each of its stages (rollout, reward,
+    update, sync) under a torch.profiler of its own. Rank 0 writes each stage's op table to PATH,
+    one section a stage. step_profile_s (the step's seconds, the profilers' start and stop left out)
+    carries per stage its seconds, the kernels' total and shares (as dit_profile_s's), and
+    gpu_idle_s: the stage's seconds less its kernels' time, where the device waited on the host
+    (launches, Python, synchronisation) or on a copy the profiler does not count as a kernel."""
+    from torch.profiler import profile
+
+    profs: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def stage_ctx(name: str):
+        with profile(activities=profile_activities(c.device)) as prof:
+            yield
+        profs[name] = prof
+
+    stages: dict[str, float] = {}
+    _one_step(c, update, actor, syncer, rollout_id, stages, sampling, sde_indices, stage_ctx=stage_ctx)
+    sort_by, sections, split = None, [], {}
+    for name, prof in profs.items():
+        averages = prof.key_averages()
+        shares, kernel_s = kernel_shares(c, averages)
+        seconds = stages[name]
+        split[name] = {"s": seconds, "kernel_s": kernel_s, "shares": shares,
+                       "gpu_idle_s": max(seconds - kernel_s, 0.0) if c.device.type == "cuda" else None}
+        sort_by = "device_time_total" if c.device.type == "cuda" else "cpu_time_total"
+        sections.append(f"== {name}: {seconds:.3f} s, kernels {kernel_s:.3f} s ==\n"
+                        + averages.table(sort_by=sort_by, row_limit=40) + "\n")
+    path = c.args.profile_step
+    if c.rep.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(sections))
+    c.rep.emit("step_profile_s", sum(v for k, v in stages.items() if k in profs), "s", path=str(path),
+               sort_by=sort_by, written_by_rank=0, stages=split, **tags)
 
 
 def emit_onpolicy(c: Ctx, actor, metrics: dict[str, float], gap: dict[str, float], tags: dict[str, str]) -> None:
@@ -1717,19 +1765,25 @@ def emit_onpolicy(c: Ctx, actor, metrics: dict[str, float], gap: dict[str, float
 
 def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, rollout_id: int,
               stages: dict[str, float], sampling: Any = None, sde_indices: list[int] | None = None,
-              probe: Callable[[Any], Any] | None = None) -> tuple[Any, bool, dict[str, float], Any, float]:
+              probe: Callable[[Any], Any] | None = None,
+              stage_ctx: Callable[[str], Any] = lambda name: contextlib.nullcontext()
+              ) -> tuple[Any, bool, dict[str, float], Any, float]:
     """The stages of phase_step, their seconds into `stages`; (trajectory, reward degenerate, the
     update's metrics, probe(batch)'s result, probe's seconds). probe runs between the reward and
-    the update, outside every stage: the caller takes its seconds off the step's."""
+    the update, outside every stage: the caller takes its seconds off the step's. stage_ctx(name):
+    a context each of the rollout, reward, update and sync stages runs inside (--profile-step's
+    profilers), outside its timer."""
     a = c.args
     if a.offload:
         with timed(c.device) as t:
             actor.offload()
         stages["actor_offload"] = t[0]
-    traj, stages["rollout"] = rollout(c, rollout_id=rollout_id, sampling=sampling, sde_indices=sde_indices)
+    with stage_ctx("rollout"):
+        traj, stages["rollout"] = rollout(c, rollout_id=rollout_id, sampling=sampling, sde_indices=sde_indices)
     if c.engine.compile_blocks:
         stages["rollout_new_graphs"] = c.engine.last_stats.get("new_graphs", 0.0)
-    adv, valid, stages["reward"], degenerate = score(c, traj)
+    with stage_ctx("reward"):
+        adv, valid, stages["reward"], degenerate = score(c, traj)
     batch = traj.without_images()
     found, probe_s = None, 0.0
     if probe is not None:
@@ -1741,14 +1795,14 @@ def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, ro
             c.engine.release_memory()
             actor.onload()
         stages["swap_to_train"] = t[0]
-    with timed(c.device) as t:
+    with stage_ctx("update"), timed(c.device) as t:
         metrics = update(batch, adv, valid, rollout_id)
     stages["update"] = t[0]
     if a.offload:
         with timed(c.device) as t:
             c.engine.resume_memory()
         stages["swap_to_sync"] = t[0]
-    with timed(c.device) as t:
+    with stage_ctx("sync"), timed(c.device) as t:
         syncer.sync(actor.model, c.engine)
     stages["sync"] = t[0]
     return traj, degenerate, metrics, found, probe_s
@@ -2049,6 +2103,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="profile one DiT forward at the rollout's batch, with the speed options, and write the op "
                         "table to PATH (dit_profile_s: the kernels' shares in GEMMs, attention, FP8 quantization "
                         "and the rest)")
+    p.add_argument("--profile-step", type=Path, default=None, metavar="PATH",
+                   help="after the timed step, one more step with each stage (rollout, reward, update, sync) under "
+                        "torch.profiler: the stages' op tables to PATH, and step_profile_s with each stage's kernel "
+                        "time, its shares and the device's idle time (the stage's seconds less its kernels')")
     p.add_argument("--gemms", action="store_true",
                    help=f"time each linear GEMM of the DiT's blocks at the rollout's batch as {GEMM_VARIANTS} "
                         "(gemm_tflops, dit_gemms_s), and the FP8 activation quantization alone at each input beside a "
