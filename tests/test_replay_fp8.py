@@ -15,7 +15,8 @@ from tests.test_preflight import base, problems  # noqa: F401,F811  (base is a f
 from trainer.actor import Actor
 from trainer.core.fp8 import (FP8DgradFrozenLinear, FP8FrozenLinear, fp8_input_grad, fp8_linear, frozen_fp8_linear,
                                quantize_rowwise)
-from trainer.train_model import apply_lora, lora_base_layers, set_replay_precision
+from trainer.train_model import (FP8_FROZEN_MIN_ROWS, apply_lora, frozen_block_linears, lora_base_layers,
+                                  set_replay_precision)
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
 
@@ -88,6 +89,40 @@ def test_set_replay_precision_swaps_only_the_blocks_lora_base_layers():
         set_replay_precision(tiny_transformer(), "fp8")
 
 
+def test_replay_fp8_layers_frozen_adds_the_blocks_other_frozen_linears():
+    """--replay-fp8-layers frozen: the LoRA bases and every other frozen block linear (the tiny DiT's
+    MLPs and modulation) in FP8, the latter with the row floor; the embedders and the adapters'
+    own linears keep their GEMM; "default" turns every one back."""
+    model = tiny_transformer()
+    apply_lora(model, ADAPTER.lora_target_modules, rank=4, alpha=8)
+    bases, others = lora_base_layers(model), frozen_block_linears(model)
+    names = {n for n, m in model.named_modules() if any(m is o for o in others)}
+    assert len(others) == 12 and all(n.split(".", 2)[2].startswith(("img_mod", "txt_mod", "img_mlp", "txt_mlp"))
+                                     for n in names), names
+    assert set_replay_precision(model, "fp8-dgrad", "frozen") == len(bases) + len(others)
+    assert all(type(m) is FP8DgradFrozenLinear for m in bases + others)
+    assert {m.fp8_min_rows for m in bases} == {0} and {m.fp8_min_rows for m in others} == {FP8_FROZEN_MIN_ROWS}
+    assert type(model.proj_out) is nn.Linear and type(model.img_in) is nn.Linear
+    assert all(type(m) is nn.Linear for n, m in model.named_modules() if "lora_" in n and isinstance(m, nn.Linear))
+    assert set_replay_precision(model, "fp8") == len(bases)  # lora-base: the others back to their GEMM
+    assert all(type(m) is nn.Linear and "fp8_min_rows" not in m.__dict__ for m in others)
+    assert set_replay_precision(model, "fp8", "frozen") == len(bases) + len(others)
+    assert set_replay_precision(model, "default", "frozen") == 0
+    assert all(type(m) is nn.Linear and "fp8_min_rows" not in m.__dict__ for m in bases + others)
+    with pytest.raises(ValueError, match="--replay-fp8-layers must be one of"):
+        set_replay_precision(model, "fp8", "all")
+
+
+def test_a_call_under_the_row_floor_runs_the_compute_dtype_gemm():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(32, 48, generator=g), torch.randn(32, generator=g)
+    x = torch.randn(5, 48, generator=g)
+    exact = nn.functional.linear(x, w, b)
+    assert torch.equal(frozen_fp8_linear(x, w, b, min_rows=6), exact)   # 5 rows < 6: the plain GEMM
+    fp8 = frozen_fp8_linear(x, w, b, min_rows=5)                         # 5 rows >= 5: FP8
+    assert torch.equal(fp8, frozen_fp8_linear(x, w, b)) and not torch.equal(fp8, exact)
+
+
 def test_full_fine_tune_refuses_fp8_replay(mesh):
     with pytest.raises(ValueError, match="--fsdp-trainable-mode full trains every weight: use --replay-precision "
                                          "default"):
@@ -95,15 +130,19 @@ def test_full_fine_tune_refuses_fp8_replay(mesh):
               adapter=ADAPTER)
 
 
-@pytest.mark.parametrize("param_dtype, precision", [("fp32", "fp8"), ("bf16", "fp8"), ("bf16", "fp8-dgrad")])
-def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh, param_dtype, precision):
+@pytest.mark.parametrize("param_dtype, precision, layers", [("fp32", "fp8", "lora-base"), ("bf16", "fp8", "lora-base"),
+                                                       ("bf16", "fp8-dgrad", "lora-base"),
+                                                       ("bf16", "fp8-dgrad", "frozen")])
+def test_fp8_replay_keeps_the_first_ratio_exactly_1(mesh, monkeypatch, param_dtype, precision, layers):
     """The no_grad anchor pass and the first update's own forward (with grad) run the same FP8
-    GEMMs: ratio 1 exactly; the second update (after a step) is off 1."""
+    GEMMs: ratio 1 exactly; the second update (after a step) is off 1. The row floor is lowered so
+    that the tiny DiT's MLPs run FP8 under --replay-fp8-layers frozen (its modulation stays under it)."""
+    monkeypatch.setattr("trainer.train_model.FP8_FROZEN_MIN_ROWS", 8)
     cfg = make_cfg("lora", fsdp__replay_precision=precision, fsdp__fsdp_param_dtype=param_dtype,
-                   fsdp__fsdp_master_dtype="fp32")
+                   fsdp__fsdp_master_dtype="fp32", fsdp__replay_fp8_layers=layers)
     actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
     kind = FP8DgradFrozenLinear if precision == "fp8-dgrad" else FP8FrozenLinear
-    assert sum(type(m) is kind for m in actor.model.modules()) == 16
+    assert sum(type(m) is kind for m in actor.model.modules()) == (16 if layers == "lora-base" else 28)
     actor.anchor_from_first_update = False  # a separate no_grad anchor for every micro-batch, first update included
     m = actor.train_step(make_batch(4), ADV, replay)
     first, second = actor.last_update_stats
@@ -123,10 +162,11 @@ def _lora_grads(actor, batch, adv) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
-def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, param_dtype):
+def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, monkeypatch, param_dtype):
     """Same actor, same batch, LoRA B made non-zero (so every LoRA tensor gets a gradient): the FP8
     base (forward only, and forward plus input gradient) changes the LoRA gradient by a few percent
     of its norm against the fp32 and the bf16 GEMM, and changes it (FP8 is on)."""
+    monkeypatch.setattr("trainer.train_model.FP8_FROZEN_MIN_ROWS", 8)  # the tiny DiT's MLPs in FP8 too
     actor = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__fsdp_param_dtype=param_dtype,
                                                      fsdp__fsdp_master_dtype="fp32"),
                   device=torch.device("cpu"), adapter=ADAPTER)
@@ -138,15 +178,16 @@ def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, param_dty
     batch = make_batch(4)
     ref = _lora_grads(actor, batch, ADV)
     rels = {}
-    for precision in ("fp8", "fp8-dgrad"):
-        set_replay_precision(actor.model, precision)
+    for precision, layers in (("fp8", "lora-base"), ("fp8-dgrad", "lora-base"), ("fp8", "frozen")):
+        set_replay_precision(actor.model, precision, layers)
         fp8 = _lora_grads(actor, batch, ADV)
         assert fp8.shape == ref.shape and torch.isfinite(fp8).all()
-        rels[precision] = float((fp8 - ref).norm() / ref.norm())
-        assert 0 < rels[precision] < 0.15, rels
+        rels[precision, layers] = float((fp8 - ref).norm() / ref.norm())
+        assert 0 < rels[precision, layers] < 0.15, rels
         assert float(torch.nn.functional.cosine_similarity(fp8, ref, dim=0)) > 0.98
-    # the FP8 input gradient changes the LoRA gradient beyond the FP8 forward's change: it is on
-    assert rels["fp8-dgrad"] != rels["fp8"], rels
+    # the FP8 input gradient, and the MLPs in FP8, each change the LoRA gradient beyond the LoRA
+    # bases' FP8 forward: they are on
+    assert rels["fp8-dgrad", "lora-base"] != rels["fp8", "lora-base"] != rels["fp8", "frozen"], rels
     set_replay_precision(actor.model, "default")
     assert torch.equal(_lora_grads(actor, batch, ADV), ref)  # the swap back restores the default GEMM exactly
 
@@ -169,6 +210,11 @@ def test_preflight_names_the_replay_precision_flag_and_its_fix(base, monkeypatch
         hits[1].startswith("--replay-precision fp8") and hits[1].endswith("use --replay-precision default"), got
     got = problems(base + lora + ["--replay-precision", "fp8-dgrad"])
     assert [p for p in got if p.startswith("--replay-precision fp8-dgrad needs a GPU with FP8 tensor cores")], got
+    monkeypatch.undo()
+    got = problems(base + lora + ["--replay-fp8-layers", "frozen"])
+    assert [p for p in got if p.startswith("--replay-fp8-layers frozen with --replay-precision default")
+            and p.endswith("add --replay-precision fp8 (or fp8-dgrad), or drop --replay-fp8-layers")], got
+    assert problems(base + lora + ["--replay-fp8-layers", "frozen", "--replay-precision", "fp8"]) == []
     monkeypatch.setattr(_torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert not [p for p in problems(base + lora + ["--replay-precision", "fp8"]) if "compute capability" in p]
 

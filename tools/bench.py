@@ -720,7 +720,8 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
                       fsdp_master_dtype="fp32" if lora else None,
                       fsdp_activation_checkpointing=not args.no_activation_checkpointing,
                       fsdp_compile=bool(getattr(args, "fsdp_compile", False)),
-                      replay_precision=getattr(args, "replay_precision", "default") if lora else "default")
+                      replay_precision=getattr(args, "replay_precision", "default") if lora else "default",
+                      replay_fp8_layers=getattr(args, "replay_fp8_layers", "lora-base"))
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
@@ -1315,7 +1316,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
     try:
         ref, logp = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
     finally:
-        set_replay_precision(actor.model, a.replay_precision)
+        set_replay_precision(actor.model, a.replay_precision, a.replay_fp8_layers)
     world = c.rep.world_size
 
     def total(parts) -> float:  # a sum over every rank's shards
@@ -1331,6 +1332,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
                grad_norm_fp8=math.sqrt(n_fp8), grad_norm_default=math.sqrt(n_ref),
                logp_max_abs_diff=c.rep.reduce(float((logp8 - logp).abs().max()), "max"),
                micro_batch=a.micro_batch, lora_b_nonzero=actor.optimizer_steps > 0, precision=a.replay_precision,
+               fp8_layers=a.replay_fp8_layers,
                objective="-mean(A * logp): the first update's at ratio 1")
     c.rep.phase_memory("replay_precision")
 
@@ -1974,7 +1976,7 @@ def bench_scorers(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from trainer.config import GrpoConfig
-    from trainer.train_model import REPLAY_PRECISIONS
+    from trainer.train_model import REPLAY_FP8_LAYERS, REPLAY_PRECISIONS
 
     p = tool_parser("bench", __doc__)
     p.add_argument("--family", choices=FAMILIES, default="qwen_image",
@@ -2073,6 +2075,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "trainer's --replay-precision): every replay, "
                         "update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA "
                         "gradient with the compute dtype's on the same batch")
+    p.add_argument("--replay-fp8-layers", choices=REPLAY_FP8_LAYERS, default="lora-base",
+                   help="with --replay-precision fp8 / fp8-dgrad: the LoRA base layers only, or every frozen block "
+                        "linear (the trainer's --replay-fp8-layers)")
     p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
                    help=f"the updates the step phase times, each top to bottom as the trainer's --algorithm runs it, "
                         f"of {ALGORITHMS} (FlowGRPO first, on the bench's actor; nft on a fresh actor built after "
@@ -2329,6 +2334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     **({"activation_checkpointing_every": args.activation_checkpointing_every}
                        if args.activation_checkpointing_every != 1 else {}),
                     "replay_precision": args.replay_precision,
+                    **({"replay_fp8_layers": args.replay_fp8_layers} if args.replay_fp8_layers != "lora-base" else {}),
                     **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)

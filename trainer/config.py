@@ -455,6 +455,14 @@ class FsdpConfig:
         "rounding (docs/PERFORMANCE.md). --fsdp-trainable-mode lora only; needs an FP8 GPU (compute capability "
         ">= 8.9) on CUDA.",
     )
+    replay_fp8_layers: Literal["lora-base", "frozen"] = _flag(
+        "lora-base",
+        "Which frozen linears of the transformer blocks --replay-precision fp8 / fp8-dgrad puts in FP8: "
+        "'lora-base' (the base layers of the LoRA-wrapped linears) or 'frozen' (those and every other frozen "
+        "block linear: with LoRA on the attention, the MLPs and the modulation; a layer without an adapter "
+        "runs FP8 only on calls of 128 rows or more, so the modulation's few rows keep the compute dtype). "
+        "More of the update in FP8, more FP8 rounding in the gradients (docs/PERFORMANCE.md).",
+    )
     fsdp_cpu_offload: bool = _flag(
         False,
         "FSDP2 CPU parameter offload. Rejected under --fsdp-trainable-mode lora; under full "

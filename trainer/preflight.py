@@ -483,6 +483,10 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
         errors.append(f"--replay-precision {f.replay_precision} with --fsdp-trainable-mode {mode}: it runs the "
                       "frozen base of the LoRA-wrapped linears in FP8, and a full fine-tune trains every weight; use "
                       "--fsdp-trainable-mode lora, or --replay-precision default")
+    if f.replay_fp8_layers != "lora-base" and f.replay_precision == "default":
+        errors.append(f"--replay-fp8-layers {f.replay_fp8_layers} with --replay-precision default: it chooses which "
+                      "frozen linears an FP8 replay covers, and the replay is not in FP8; add --replay-precision fp8 "
+                      "(or fp8-dgrad), or drop --replay-fp8-layers")
     if mode == "lora":
         if lo.lora_dropout != 0:
             errors.append(

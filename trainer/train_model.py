@@ -68,6 +68,12 @@ def apply_lora(model: nn.Module, target_modules: Sequence[str], rank: int, alpha
 
 #: --replay-precision: the frozen base GEMMs of the actor's LoRA layers in the compute dtype or in FP8
 REPLAY_PRECISIONS = ("default", "fp8", "fp8-dgrad")
+#: --replay-fp8-layers: which frozen block linears an FP8 replay precision covers
+REPLAY_FP8_LAYERS = ("lora-base", "frozen")
+#: --replay-fp8-layers frozen: a linear without an adapter runs its FP8 GEMM only on calls of at
+#: least this many rows. Its weight is quantized at every call, which costs more than an FP8 GEMM
+#: of a few rows saves: a modulation linear sees one row a sample and keeps the compute dtype
+FP8_FROZEN_MIN_ROWS = 128
 
 
 def lora_base_layers(model: nn.Module) -> list[nn.Module]:
@@ -80,23 +86,39 @@ def lora_base_layers(model: nn.Module) -> list[nn.Module]:
             for m in block.modules() if isinstance(m, LoraLayer)]
 
 
-def set_replay_precision(model: nn.Module, precision: str) -> int:
+def frozen_block_linears(model: nn.Module) -> list[nn.Module]:
+    """Every plain nn.Linear inside the model's repeated transformer blocks whose weight is frozen
+    and that no LoRA layer wraps (with LoRA on the attention: the MLPs and the modulation), in
+    module order."""
+    bases = {id(m) for m in lora_base_layers(model)}
+    return [m for blocks in repeated_block_lists(model) for block in blocks for m in block.modules()
+            if type(m) is nn.Linear and id(m) not in bases and not m.weight.requires_grad]
+
+
+def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-base") -> int:
     """--replay-precision for every forward of the actor (anchor, replay, the nft velocity, the
     reference with the adapter disabled): "fp8" turns the eligible LoRA base layers of the blocks
     (lora_base_layers; both dims multiples of 16) into core.fp8.FP8FrozenLinear, whose GEMM is
     FP8 in forward and whose input gradient uses the unquantized weight; "fp8-dgrad" into
     FP8DgradFrozenLinear, whose input gradient is an FP8 GEMM too; "default" turns them back
-    into nn.Linear. Class swaps only (parameters, names, sharding unchanged), so it may be called
-    before or after parallelize; a compiled block recompiles on the next call. Returns the layers
-    now in FP8. Raises when an FP8 precision finds no eligible layer (nothing would change)."""
+    into nn.Linear. layers (--replay-fp8-layers) "frozen": the blocks' other frozen linears
+    (frozen_block_linears) as well, each in FP8 only on calls of FP8_FROZEN_MIN_ROWS rows or more.
+    Class swaps only (parameters, names, sharding unchanged), so it may be called before or after
+    parallelize; a compiled block recompiles on the next call. Returns the layers now in FP8.
+    Raises when an FP8 precision finds no eligible LoRA base layer (nothing would change)."""
     from trainer.core.fp8 import convert_frozen_to_fp8, restore_frozen_linears
 
     if precision not in REPLAY_PRECISIONS:
         raise ValueError(f"--replay-precision must be one of {REPLAY_PRECISIONS}, got {precision!r}")
+    if layers not in REPLAY_FP8_LAYERS:
+        raise ValueError(f"--replay-fp8-layers must be one of {REPLAY_FP8_LAYERS}, got {layers!r}")
     restore_frozen_linears(model)
     if precision == "default":
         return 0
-    n = convert_frozen_to_fp8(lora_base_layers(model), fp8_dgrad=precision == "fp8-dgrad")
+    dgrad = precision == "fp8-dgrad"
+    n = convert_frozen_to_fp8(lora_base_layers(model), fp8_dgrad=dgrad)
+    if n and layers == "frozen":
+        n += convert_frozen_to_fp8(frozen_block_linears(model), fp8_dgrad=dgrad, min_rows=FP8_FROZEN_MIN_ROWS)
     if n == 0:
         raise ValueError(f"--replay-precision {precision} found no LoRA-wrapped linear layer in the transformer blocks "
                          "whose dimensions are multiples of 16: check --lora-target-modules, or use "
@@ -201,10 +223,11 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraC
                              "over CPU-offloaded adapter DTensors has no collective backend")
         targets = lora.lora_target_modules or list(getattr(adapter, "lora_target_modules", ()))
         lora_config = apply_lora(model, targets, lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
-        n_fp8 = set_replay_precision(model, fsdp.replay_precision)
+        n_fp8 = set_replay_precision(model, fsdp.replay_precision, fsdp.replay_fp8_layers)
         if n_fp8:
-            log.info("--replay-precision %s: %d LoRA base layers run their frozen GEMM in FP8%s", fsdp.replay_precision,
-                     n_fp8, ", their input gradient too" if fsdp.replay_precision == "fp8-dgrad" else "")
+            log.info("--replay-precision %s --replay-fp8-layers %s: %d frozen block linears run their GEMM in FP8%s",
+                     fsdp.replay_precision, fsdp.replay_fp8_layers, n_fp8,
+                     ", their input gradient too" if fsdp.replay_precision == "fp8-dgrad" else "")
     elif mode == "full":
         if fsdp.replay_precision != "default":
             raise ValueError(f"--replay-precision {fsdp.replay_precision} applies to the frozen base of LoRA layers; "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 #: the largest finite float8_e4m3fn value
 E4M3_MAX = 448.0
@@ -159,7 +160,7 @@ def fp8_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                      fp8_dgrad: bool = False) -> torch.Tensor:
+                      fp8_dgrad: bool = False, min_rows: int = 0) -> torch.Tensor:
     """The frozen base GEMM of a LoRA-wrapped linear in FP8, differentiable w.r.t. x only.
 
     x [..., K] (bf16/fp32); weight [N, K], bias [N] or None, both frozen. Forward:
@@ -167,10 +168,14 @@ def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     -- so equal inputs give bit-equal outputs (the anchor and the replay agree: the first ratio is
     exactly 1). Backward: dL/dx = dL/dy @ W with W in its own (compute) dtype, not the FP8 copy;
     with fp8_dgrad, that GEMM in FP8 too (fp8_input_grad), which adds its rounding to the
-    gradient. Returns [..., N] in x's dtype.
+    gradient. min_rows: a call with fewer rows (x's leading dims together) runs F.linear in the
+    compute dtype instead: quantizing the whole weight at every call costs more than an FP8 GEMM
+    of a few rows saves (a modulation linear sees one row a sample). Returns [..., N] in x's dtype.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise RuntimeError("frozen_fp8_linear is for frozen weights (the LoRA base): this weight trains")
+    if min_rows and x.numel() // x.shape[-1] < min_rows:
+        return F.linear(x, weight, bias)
     return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad)
 
 
@@ -181,9 +186,12 @@ class FP8FrozenLinear(nn.Linear):
     `restore_frozen_linears` turns it back."""
 
     fp8_dgrad = False
+    #: calls with fewer rows run the compute dtype's GEMM (frozen_fp8_linear's min_rows); set per
+    #: layer by convert_frozen_to_fp8
+    fp8_min_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return frozen_fp8_linear(x, self.weight, self.bias, fp8_dgrad=self.fp8_dgrad)
+        return frozen_fp8_linear(x, self.weight, self.bias, fp8_dgrad=self.fp8_dgrad, min_rows=self.fp8_min_rows)
 
 
 class FP8DgradFrozenLinear(FP8FrozenLinear):
@@ -193,10 +201,11 @@ class FP8DgradFrozenLinear(FP8FrozenLinear):
     fp8_dgrad = True
 
 
-def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False) -> int:
+def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, min_rows: int = 0) -> int:
     """Turn each eligible (fp8_eligible) frozen nn.Linear of `layers` into an FP8FrozenLinear (an
-    FP8DgradFrozenLinear with fp8_dgrad) in place (class swap: parameters and names stay). Returns
-    how many were converted."""
+    FP8DgradFrozenLinear with fp8_dgrad) in place (class swap: parameters and names stay), whose
+    calls of fewer than `min_rows` rows keep the compute dtype (frozen_fp8_linear). Returns how
+    many were converted."""
     n = 0
     for m in layers:
         if fp8_eligible(m):
@@ -204,6 +213,8 @@ def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False) -
                 raise ValueError(f"an FP8 base GEMM needs a frozen layer; {type(m).__name__} "
                                  f"{tuple(m.weight.shape)} trains")
             m.__class__ = FP8DgradFrozenLinear if fp8_dgrad else FP8FrozenLinear
+            if min_rows:
+                m.fp8_min_rows = min_rows
             n += 1
     return n
 
@@ -214,4 +225,5 @@ def restore_frozen_linears(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, FP8FrozenLinear)]
     for m in layers:
         m.__class__ = nn.Linear
+        m.__dict__.pop("fp8_min_rows", None)
     return len(layers)
