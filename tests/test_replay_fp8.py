@@ -233,3 +233,86 @@ def test_recorded_old_logprobs_with_an_fp8_replay_are_warned_about(base):  # noq
              if w.startswith("--old-logprob-source rollout")]
     assert len(warns) == 1 and "--replay-precision fp8-dgrad" in warns[0], warns
     assert not [w for w in warnings_of(base + lora) if w.startswith("--old-logprob-source")]
+
+
+def _fp8_engine(seed: int = 0):
+    """What share_engine_fp8_weights reads of an FP8 engine that holds LoRA: its transformer with
+    every eligible block linear an FP8Linear (the tiny DiT, seeded like the actor's), precision
+    fp8, and the count of bf16 weights it freed."""
+    from types import SimpleNamespace
+
+    from trainer.core.fp8 import convert_to_fp8
+
+    dit = tiny_transformer(seed)
+    n = convert_to_fp8(dit.transformer_blocks)
+    return SimpleNamespace(transformer=dit, precision="fp8", fp8_weights_dropped=n)
+
+
+def test_the_fp8_replay_reads_the_engines_fp8_copy_and_computes_the_same_bits(mesh, monkeypatch):
+    """share_engine_fp8_weights: every FP8 layer of a sharded actor (LoRA bases, MLPs, modulation)
+    links to the engine's FP8 copy of the same weight; the first update's log-probs and its
+    ratio of exactly 1 do not move by a bit, and the linked layers read the engine's copy (a
+    changed copy changes the replay) without the engine's layers joining the actor's modules. An
+    engine of other weights, or one that still holds its bf16 weights, is not linked."""
+    from trainer.core.fp8 import FP8Linear, restore_frozen_linears
+    from trainer.train_model import share_engine_fp8_weights
+
+    monkeypatch.setattr("trainer.train_model.FP8_FROZEN_MIN_ROWS", 8)
+    cfg = make_cfg("lora", fsdp__replay_precision="fp8-dgrad", fsdp__replay_fp8_layers="frozen")
+    own = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    shared = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    engine = _fp8_engine()
+    names = ADAPTER.weight_name_map
+    assert share_engine_fp8_weights(shared.model, engine, names) == (28, 0)
+    linked = [m for m in shared.model.modules() if getattr(m, "fp8_source", None) is not None]
+    assert len(linked) == 28 and all(isinstance(m.fp8_source, FP8Linear) for m in linked)
+    engine_params = {id(p) for p in engine.transformer.parameters()} | {id(b) for b in engine.transformer.buffers()}
+    assert not any(id(t) in engine_params for t in (*shared.model.parameters(), *shared.model.buffers()))
+    assert not any(isinstance(m, FP8Linear) for m in shared.model.modules())
+
+    batch = make_batch(4)
+    with torch.no_grad():
+        assert torch.equal(replay(shared.model, batch), replay(own.model, batch))
+    for actor in (own, shared):
+        actor.anchor_from_first_update = False
+        actor.train_step(make_batch(4), ADV, replay)
+    first = shared.last_update_stats[0]
+    assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+    for a, b in zip(own.trainable, shared.trainable):  # the same update, bit for bit
+        assert torch.equal(a.to_local(), b.to_local())
+    # the linked layers read the engine's copy: zeroing one (a LoRA base, no row floor) changes the replay
+    with torch.no_grad():
+        before = replay(shared.model, batch)
+        next(m for m in linked if m.fp8_min_rows == 0).fp8_source.weight_fp8.zero_()
+        assert not torch.equal(replay(shared.model, batch), before)
+    restore_frozen_linears(shared.model)
+    assert not any("fp8_source" in m.__dict__ for m in shared.model.modules())
+
+    other = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    assert share_engine_fp8_weights(other.model, _fp8_engine(seed=1), names) == (0, 28)
+    kept = _fp8_engine()
+    kept.fp8_weights_dropped = 0  # its base can still change: never linked
+    assert share_engine_fp8_weights(other.model, kept, names) == (0, 0)
+    assert not any(getattr(m, "fp8_source", None) is not None for m in other.model.modules())
+
+
+def test_the_loop_links_the_fp8_replay_only_while_the_engine_stays_on_the_device(mesh, monkeypatch):
+    """Trainer.share_fp8_weights: linked with an FP8 replay, an adapter sync and the engine resident
+    through the update (perf/replay_fp8_shared_layers counts the layers); not under
+    --offload-rollout, with a full sync or with the default replay precision."""
+    from types import SimpleNamespace as NS
+
+    from trainer.loop import Trainer
+
+    cfg = make_cfg("lora", fsdp__replay_precision="fp8", fsdp__replay_fp8_layers="frozen")
+
+    def run(offload_rollout=False, kind="adapter", precision="fp8"):
+        actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+        r = NS(actor=actor, engine=_fp8_engine(), adapter=ADAPTER, syncer=NS(kind=kind), load_metrics={}, rank=0,
+               cfg=NS(fsdp=NS(replay_precision=precision), colocate=NS(offload_rollout=offload_rollout)))
+        Trainer.share_fp8_weights(r)
+        return r.load_metrics, sum(getattr(m, "fp8_source", None) is not None for m in actor.model.modules())
+
+    assert run() == ({"perf/replay_fp8_shared_layers": 28.0}, 28)
+    for refused in (dict(offload_rollout=True), dict(kind="full"), dict(precision="default")):
+        assert run(**refused) == ({}, 0), refused

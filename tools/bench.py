@@ -823,6 +823,8 @@ class Ctx:
     items: str = "images"
     #: --profile-step: a step was profiled (one per run, the first algorithm / source's)
     step_profiled: bool = False
+    #: the actor's FP8 replay layers whose weight's FP8 copy differed from the engine's (share_fp8_weights)
+    replay_fp8_mismatched: int = 0
 
     def condition(self, prompt_index: int = 0) -> dict:
         """The engine's conditioning of prompt `prompt_index` (with its source for an edit family)."""
@@ -1626,6 +1628,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
         # Compiled blocks warm up until a step compiles no graph: with prompts of varied lengths
         # (--text-tokens-spread) the graphs with the text length symbolic come a step or two later
         syncer.sync(actor.model, c.engine)
+        share_fp8_weights(c, actor)
 
         def warm_up_step(i: int) -> float:
             with timed(c.device) as t:
@@ -1683,6 +1686,8 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
     c.rep.emit("step_s", seconds, "s", sync_kind=kind, offload=bool(a.offload), stages=stages,
                reward_degenerate=degenerate, candidates=len(traj), peak_mem_gb=peak, **counters,
                engine_fp8_weights_dropped=getattr(c.engine, "fp8_weights_dropped", 0),
+               replay_fp8_shared_layers=sum(getattr(m, "fp8_source", None) is not None for m in actor.model.modules()),
+               replay_fp8_mismatched_layers=c.replay_fp8_mismatched,
                new_graphs=new_graphs, update=update_figures, **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
@@ -1690,6 +1695,19 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
     if a.profile_step is not None and not c.step_profiled:
         c.step_profiled = True
         phase_profile_step(c, update, actor, syncer, base + MAX_TIMED_ATTEMPTS, sampling, sde_indices, tags)
+
+
+def share_fp8_weights(c: Ctx, actor) -> None:
+    """As the trainer's loop does once the engine holds the adapter: an FP8 replay reads the FP8
+    engine's copies of the frozen weights (train_model.share_engine_fp8_weights), unless
+    --offload (the engine's modules leave the device during the update) or
+    --no-replay-fp8-sharing."""
+    from trainer.train_model import share_engine_fp8_weights
+
+    a = c.args
+    if a.replay_precision == "default" or a.offload or a.no_replay_fp8_sharing or a.sync_kind != "adapter":
+        return
+    _, c.replay_fp8_mismatched = share_engine_fp8_weights(actor.model, c.engine, c.adapter.weight_name_map)
 
 
 def kernel_shares(c: Ctx, averages) -> tuple[dict[str, float], float]:
@@ -2078,6 +2096,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replay-fp8-layers", choices=REPLAY_FP8_LAYERS, default="lora-base",
                    help="with --replay-precision fp8 / fp8-dgrad: the LoRA base layers only, or every frozen block "
                         "linear (the trainer's --replay-fp8-layers)")
+    p.add_argument("--no-replay-fp8-sharing", action="store_true",
+                   help="with --replay-precision fp8 / fp8-dgrad and --rollout-precision fp8: the actor's FP8 layers "
+                        "quantize their frozen weight at every forward instead of reading the engine's FP8 copy, "
+                        "which the step otherwise links after its first adapter sync, as the trainer does")
     p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
                    help=f"the updates the step phase times, each top to bottom as the trainer's --algorithm runs it, "
                         f"of {ALGORITHMS} (FlowGRPO first, on the bench's actor; nft on a fresh actor built after "

@@ -545,6 +545,25 @@ class Trainer:
         m = self.syncer.sync(self.actor.model, self.engine, version=self.syncer.policy_version)
         self.load_metrics["perf/adapter_install_time"] = m["perf/weight_sync_time"]
 
+    def share_fp8_weights(self) -> None:
+        """With an FP8 replay beside an FP8 engine that holds the adapter (installed or resumed
+        above), the actor's FP8 layers read the engine's FP8 copies of their frozen weights
+        instead of quantizing them at every forward (train_model.share_engine_fp8_weights; byte
+        for byte the same, checked). Not under --offload-rollout, where the engine's modules leave
+        the device during the update. perf/replay_fp8_shared_layers counts them."""
+        from trainer.train_model import share_engine_fp8_weights
+
+        if (self.actor.mode != "lora" or self.cfg.fsdp.replay_precision == "default"
+                or self.cfg.colocate.offload_rollout or self.syncer.kind != "adapter"):
+            return
+        linked, mismatched = share_engine_fp8_weights(self.actor.model, self.engine, self.adapter.weight_name_map)
+        self.load_metrics["perf/replay_fp8_shared_layers"] = float(linked)
+        if mismatched:
+            log.warning("%d of the actor's FP8 replay layers differ from the engine's FP8 copy of their weight; "
+                        "they quantize their own weight at every forward", mismatched)
+        elif linked and self.rank == 0:
+            log.info("the actor's FP8 replay reads the engine's FP8 weights of %d layers", linked)
+
     # -- one step ------------------------------------------------------------------------------
     def step(self, k: int) -> dict[str, float]:
         from trainer.rewards.post_process import compute_advantages, gather_scores, resolve_std_mode
@@ -938,6 +957,7 @@ class Trainer:
 
         num_rollout = int(self.cfg.rollout.num_rollout)
         self.install_adapter()  # while the actor is still on the device
+        self.share_fp8_weights()
         if self.cfg.colocate.offload_train and not self.actor.offloaded:
             # the engine owns the device from the first rollout on (after any resume sync)
             self.actor.offload()

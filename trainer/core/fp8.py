@@ -24,6 +24,8 @@ time goes", measures it against a standalone one-pass kernel, which lost that fu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -127,14 +129,16 @@ class _FrozenFP8Gemm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                fp8_dgrad: bool) -> torch.Tensor:
-        q, scale = quantize_rowwise(weight.detach())
+                fp8_dgrad: bool, weight_fp8: torch.Tensor | None = None,
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if weight_fp8 is None:
+            weight_fp8, weight_scale = quantize_rowwise(weight.detach())
         # the weight itself is saved, not a derived copy: FSDP2 frees and re-gathers its storage
         # around backward exactly as for F.linear's saved weight
         ctx.save_for_backward(weight)
         ctx.x_dtype = x.dtype
         ctx.fp8_dgrad = fp8_dgrad
-        return fp8_linear(x, q, scale.reshape(1, -1), bias)
+        return fp8_linear(x, weight_fp8, weight_scale.reshape(1, -1), bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -143,7 +147,7 @@ class _FrozenFP8Gemm(torch.autograd.Function):
             gx = fp8_input_grad(grad.to(weight.dtype), weight)
         else:
             gx = grad.to(weight.dtype) @ weight
-        return gx.to(ctx.x_dtype), None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None
 
 
 def fp8_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -160,7 +164,7 @@ def fp8_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                      fp8_dgrad: bool = False, min_rows: int = 0) -> torch.Tensor:
+                      fp8_dgrad: bool = False, min_rows: int = 0, quantized: Any = None) -> torch.Tensor:
     """The frozen base GEMM of a LoRA-wrapped linear in FP8, differentiable w.r.t. x only.
 
     x [..., K] (bf16/fp32); weight [N, K], bias [N] or None, both frozen. Forward:
@@ -170,12 +174,17 @@ def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     with fp8_dgrad, that GEMM in FP8 too (fp8_input_grad), which adds its rounding to the
     gradient. min_rows: a call with fewer rows (x's leading dims together) runs F.linear in the
     compute dtype instead: quantizing the whole weight at every call costs more than an FP8 GEMM
-    of a few rows saves (a modulation linear sees one row a sample). Returns [..., N] in x's dtype.
+    of a few rows saves (a modulation linear sees one row a sample). quantized: an object whose
+    `weight_fp8` / `weight_scale` already hold quantize_rowwise(W) (an FP8 engine's FP8Linear of
+    the same frozen weight, share_fp8_weights), read instead of quantizing W again. Returns
+    [..., N] in x's dtype.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise RuntimeError("frozen_fp8_linear is for frozen weights (the LoRA base): this weight trains")
     if min_rows and x.numel() // x.shape[-1] < min_rows:
         return F.linear(x, weight, bias)
+    if quantized is not None:
+        return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad, quantized.weight_fp8, quantized.weight_scale)
     return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad)
 
 
@@ -189,9 +198,13 @@ class FP8FrozenLinear(nn.Linear):
     #: calls with fewer rows run the compute dtype's GEMM (frozen_fp8_linear's min_rows); set per
     #: layer by convert_frozen_to_fp8
     fp8_min_rows = 0
+    #: an FP8 engine's FP8Linear holding this frozen weight's FP8 copy (share_fp8_weights), or
+    #: None: the weight is quantized at each call. Kept in the instance dict, not as a submodule
+    fp8_source = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return frozen_fp8_linear(x, self.weight, self.bias, fp8_dgrad=self.fp8_dgrad, min_rows=self.fp8_min_rows)
+        return frozen_fp8_linear(x, self.weight, self.bias, fp8_dgrad=self.fp8_dgrad, min_rows=self.fp8_min_rows,
+                                 quantized=self.fp8_source)
 
 
 class FP8DgradFrozenLinear(FP8FrozenLinear):
@@ -226,4 +239,35 @@ def restore_frozen_linears(model: nn.Module) -> int:
     for m in layers:
         m.__class__ = nn.Linear
         m.__dict__.pop("fp8_min_rows", None)
+        m.__dict__.pop("fp8_source", None)
     return len(layers)
+
+
+def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.Module]) -> tuple[int, int]:
+    """Point each FP8FrozenLinear of `layers` (by name) at the FP8Linear of `engine_layers` with the
+    same name, whose FP8 copy is then read instead of quantizing the frozen weight at every call:
+    an actor and an FP8 engine in one process hold the same frozen base, quantized the same way.
+    A pair is linked only where the engine's copy equals quantize_rowwise of the layer's weight
+    byte for byte (checked here, once; a DTensor weight is gathered for it), so every output stays
+    what the layer computed before. Every rank of a sharded actor must call it with the same
+    names. Returns (linked, mismatched)."""
+    linked = mismatched = 0
+    for name, layer in layers.items():
+        if not isinstance(layer, FP8FrozenLinear):
+            continue
+        source = engine_layers.get(name)
+        weight = layer.weight.detach()
+        if hasattr(weight, "full_tensor"):
+            weight = weight.full_tensor()
+        if source is None or getattr(source, "weight_fp8", None) is None:
+            continue
+        q, scale = quantize_rowwise(weight.to(source.weight_fp8.device))
+        same = (q.shape == source.weight_fp8.shape
+                and torch.equal(q.view(torch.uint8), source.weight_fp8.view(torch.uint8))
+                and torch.equal(scale.reshape(1, -1), source.weight_scale))
+        if same:
+            layer.__dict__["fp8_source"] = source  # not a submodule: the engine's layer stays the engine's
+            linked += 1
+        else:
+            mismatched += 1
+    return linked, mismatched
