@@ -316,3 +316,28 @@ def test_the_loop_links_the_fp8_replay_only_while_the_engine_stays_on_the_device
     assert run() == ({"perf/replay_fp8_shared_layers": 28.0}, 28)
     for refused in (dict(offload_rollout=True), dict(kind="full"), dict(precision="default")):
         assert run(**refused) == ({}, 0), refused
+
+
+def test_a_compiled_actor_traces_the_linked_fp8_copies(mesh, monkeypatch):
+    """--fsdp-compile: dynamo traces a linked layer's read of the engine's buffers (the engine's
+    layer is no submodule of the actor); the compiled update is the eager one's (dynamo's eager
+    backend: the same kernels) with the first ratio exactly 1."""
+    from trainer.core import modules
+    from trainer.train_model import share_engine_fp8_weights
+
+    monkeypatch.setitem(modules.REGIONAL_COMPILE_KWARGS, "backend", "eager")
+    monkeypatch.setattr("trainer.train_model.FP8_FROZEN_MIN_ROWS", 8)
+    try:
+        metrics = []
+        for compiled in (False, True):
+            cfg = make_cfg("lora", fsdp__replay_precision="fp8", fsdp__replay_fp8_layers="frozen",
+                           fsdp__fsdp_master_dtype="fp32", fsdp__fsdp_compile=compiled)
+            actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+            assert share_engine_fp8_weights(actor.model, _fp8_engine(), ADAPTER.weight_name_map) == (28, 0)
+            metrics.append(actor.train_step(make_batch(4), ADV, replay))
+            first = actor.last_update_stats[0]
+            assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+        assert metrics[0]["train/loss"] == metrics[1]["train/loss"]
+        assert metrics[0]["train/grad_norm"] == metrics[1]["train/grad_norm"]
+    finally:
+        torch._dynamo.reset()

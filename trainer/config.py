@@ -448,7 +448,8 @@ class FsdpConfig:
         "default",
         "The actor's frozen LoRA base GEMMs: 'default' (the compute dtype), 'fp8' (the base layers of the "
         "LoRA-wrapped linears in the transformer blocks as rowwise-scaled FP8 GEMMs, quantized from the gathered "
-        "weight at each forward; the input gradient uses the unquantized weight) or 'fp8-dgrad' (as 'fp8', and "
+        "weight at each forward, or read from the copy an FP8 engine holding the adapter already made of it; the "
+        "input gradient uses the unquantized weight) or 'fp8-dgrad' (as 'fp8', and "
         "the input gradient's GEMM in FP8 too, the incoming gradient scaled per token and the weight per input "
         "channel: its rounding then reaches the LoRA gradient as well). The anchor and the replay run the "
         "same FP8 GEMMs, so the first ratio stays exactly 1; the gradients differ from 'default' by the FP8 "
