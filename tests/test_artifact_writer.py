@@ -215,7 +215,7 @@ def _fake_trainer(writer, step, num_rollout=3):
     return NS(cfg=NS(rollout=NS(num_rollout=num_rollout), colocate=NS(offload_train=False),
                      eval=NS(eval_base=False)), eval_sets=[],
               actor=NS(offloaded=False), start_rollout=0, _progress_bars=False, step=step, load_metrics={},
-              install_adapter=lambda: None,
+              install_adapter=lambda: None, share_fp8_weights=lambda: None,
               metrics=metrics, rank=1, components=[], stop_reason=None, artifact_writer=writer, _watch_pool=None)
 
 
