@@ -721,7 +721,7 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
                       fsdp_activation_checkpointing=not args.no_activation_checkpointing,
                       fsdp_compile=bool(getattr(args, "fsdp_compile", False)),
                       replay_precision=getattr(args, "replay_precision", "default") if lora else "default",
-                      replay_fp8_layers=getattr(args, "replay_fp8_layers", "lora-base"))
+                      replay_fp8_layers=(getattr(args, "replay_fp8_layers", None) or ["lora-base"])[0])
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
@@ -825,6 +825,8 @@ class Ctx:
     step_profiled: bool = False
     #: the actor's FP8 replay layers whose weight's FP8 copy differed from the engine's (share_fp8_weights)
     replay_fp8_mismatched: int = 0
+    #: the step's FP8 replay variant: (--replay-fp8-layers, --replay-fp8-sharing) entries (phase_steps)
+    replay_fp8_variant: tuple[str, str] = ("lora-base", "on")
 
     def condition(self, prompt_index: int = 0) -> dict:
         """The engine's conditioning of prompt `prompt_index` (with its source for an edit family)."""
@@ -1318,7 +1320,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
     try:
         ref, logp = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
     finally:
-        set_replay_precision(actor.model, a.replay_precision, a.replay_fp8_layers)
+        set_replay_precision(actor.model, a.replay_precision, a.replay_fp8_layers[0])
     world = c.rep.world_size
 
     def total(parts) -> float:  # a sum over every rank's shards
@@ -1334,7 +1336,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
                grad_norm_fp8=math.sqrt(n_fp8), grad_norm_default=math.sqrt(n_ref),
                logp_max_abs_diff=c.rep.reduce(float((logp8 - logp).abs().max()), "max"),
                micro_batch=a.micro_batch, lora_b_nonzero=actor.optimizer_steps > 0, precision=a.replay_precision,
-               fp8_layers=a.replay_fp8_layers,
+               fp8_layers=a.replay_fp8_layers[0],
                objective="-mean(A * logp): the first update's at ratio 1")
     c.rep.phase_memory("replay_precision")
 
@@ -1617,7 +1619,9 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                           lora_config=actor.lora_config, policy_version=c.engine.policy_version)
     sampling, sde_indices = nft_parts(c) if algorithm == "nft" else (None, None)
     update = nft_update(c, actor, sampling) if algorithm == "nft" else flowgrpo_update(actor, replay_fn, source)
-    tags = {"algorithm": algorithm, **({"old_logprob_source": source} if algorithm == "flowgrpo" else
+    fp8_variant = dict(zip(("replay_fp8_layers", "replay_fp8_sharing"), c.replay_fp8_variant)) \
+        if a.replay_precision != "default" and algorithm == "flowgrpo" else {}
+    tags = {"algorithm": algorithm, **fp8_variant, **({"old_logprob_source": source} if algorithm == "flowgrpo" else
                                         {"nft_timestep_fraction": float(c.args.nft_timestep_fraction),
                                          "nft_sigmas_per_forward": int(c.args.nft_sigmas_per_forward)})}
     base = 100 if algorithm == "flowgrpo" and source == "replay" else 200 if algorithm == "flowgrpo" else 300
@@ -1705,7 +1709,7 @@ def share_fp8_weights(c: Ctx, actor) -> None:
     from trainer.train_model import share_engine_fp8_weights
 
     a = c.args
-    if a.replay_precision == "default" or a.offload or a.no_replay_fp8_sharing or a.sync_kind != "adapter":
+    if a.replay_precision == "default" or a.offload or c.replay_fp8_variant[1] == "off" or a.sync_kind != "adapter":
         return
     _, c.replay_fp8_mismatched = share_engine_fp8_weights(actor.model, c.engine, c.adapter.weight_name_map)
 
@@ -1831,12 +1835,24 @@ def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, ro
 def phase_steps(c: Ctx, actor, replay_fn, kind: str) -> None:
     """The FlowGRPO steps of --algorithms, one per --old-logprob-source, on the bench's actor. The
     nft step is phase_nft_step's, on an actor of its own, after the caller drops this one."""
+    from trainer.train_model import set_replay_precision
+
     a = c.args
-    if "flowgrpo" in a.algorithms:
-        onpolicy = a.old_logprob_source is not None
+    if "flowgrpo" not in a.algorithms:
+        return
+    onpolicy = a.old_logprob_source is not None
+    fp8 = a.replay_precision != "default"
+    variants = [(layers, sharing) for layers in a.replay_fp8_layers for sharing in a.replay_fp8_sharing] if fp8 \
+        else [c.replay_fp8_variant]
+    for v, variant in enumerate(variants):
+        c.replay_fp8_variant = variant
+        if v:  # another FP8 replay variant on the same actor: its layers swapped, its links undone
+            set_replay_precision(actor.model, a.replay_precision, variant[0])
         for i, source in enumerate(a.old_logprob_source or ["replay"]):
-            # one warm-up per actor: the later sources find the compiled shapes and AdamW state
-            warm = None if not onpolicy else i == 0 and (c.engine.compile_blocks or actor.optimizer_steps == 0)
+            # one warm-up per actor and variant: the later sources find the compiled shapes and
+            # AdamW state; a later variant recompiles the actor's blocks and links (or not) anew
+            warm = (True if v and i == 0 else None if not onpolicy
+                    else i == 0 and (c.engine.compile_blocks or actor.optimizer_steps == 0))
             phase_step(c, actor, replay_fn, kind, source=source, onpolicy=onpolicy, warm_up=warm)
 
 
@@ -2093,13 +2109,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "trainer's --replay-precision): every replay, "
                         "update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA "
                         "gradient with the compute dtype's on the same batch")
-    p.add_argument("--replay-fp8-layers", choices=REPLAY_FP8_LAYERS, default="lora-base",
+    p.add_argument("--replay-fp8-layers", choices=REPLAY_FP8_LAYERS, nargs="+", default=["lora-base"],
                    help="with --replay-precision fp8 / fp8-dgrad: the LoRA base layers only, or every frozen block "
-                        "linear (the trainer's --replay-fp8-layers)")
-    p.add_argument("--no-replay-fp8-sharing", action="store_true",
-                   help="with --replay-precision fp8 / fp8-dgrad and --rollout-precision fp8: the actor's FP8 layers "
-                        "quantize their frozen weight at every forward instead of reading the engine's FP8 copy, "
-                        "which the step otherwise links after its first adapter sync, as the trainer does")
+                        "linear (the trainer's --replay-fp8-layers). Several: the step phase runs once per entry "
+                        "(and --replay-fp8-sharing entry) on the same actor and engine, switching in between "
+                        "(the first builds the actor and serves the other phases)")
+    p.add_argument("--replay-fp8-sharing", choices=("on", "off"), nargs="+", default=["on"],
+                   help="with --replay-precision fp8 / fp8-dgrad and --rollout-precision fp8: on: the actor's FP8 "
+                        "layers read the engine's FP8 copies of their frozen weights, linked after the step's first "
+                        "adapter sync as the trainer links them; off: they quantize their weight at every forward. "
+                        "Several: one step phase per entry, as --replay-fp8-layers")
     p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
                    help=f"the updates the step phase times, each top to bottom as the trainer's --algorithm runs it, "
                         f"of {ALGORITHMS} (FlowGRPO first, on the bench's actor; nft on a fresh actor built after "
@@ -2356,7 +2375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     **({"activation_checkpointing_every": args.activation_checkpointing_every}
                        if args.activation_checkpointing_every != 1 else {}),
                     "replay_precision": args.replay_precision,
-                    **({"replay_fp8_layers": args.replay_fp8_layers} if args.replay_fp8_layers != "lora-base" else {}),
+                    **({"replay_fp8_layers": args.replay_fp8_layers[0]} if args.replay_fp8_layers != ["lora-base"] else {}),
                     **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
