@@ -721,7 +721,8 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
                       fsdp_activation_checkpointing=not args.no_activation_checkpointing,
                       fsdp_compile=bool(getattr(args, "fsdp_compile", False)),
                       replay_precision=getattr(args, "replay_precision", "default") if lora else "default",
-                      replay_fp8_layers=(getattr(args, "replay_fp8_layers", None) or ["lora-base"])[0])
+                      replay_fp8_layers=args.replay_fp8_variants[0][0] if getattr(args, "replay_fp8_variants", None)
+                      else getattr(args, "replay_fp8_layers", "lora-base"))
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
@@ -827,6 +828,8 @@ class Ctx:
     replay_fp8_mismatched: int = 0
     #: the step's FP8 replay variant: (--replay-fp8-layers, --replay-fp8-sharing) entries (phase_steps)
     replay_fp8_variant: tuple[str, str] = ("lora-base", "on")
+    #: --profile-step with several FP8 replay variants: each one's profile path gets this suffix
+    profile_suffix: str = ""
 
     def condition(self, prompt_index: int = 0) -> dict:
         """The engine's conditioning of prompt `prompt_index` (with its source for an edit family)."""
@@ -1320,7 +1323,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
     try:
         ref, logp = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
     finally:
-        set_replay_precision(actor.model, a.replay_precision, a.replay_fp8_layers[0])
+        set_replay_precision(actor.model, a.replay_precision, a.replay_fp8_variants[0][0])
     world = c.rep.world_size
 
     def total(parts) -> float:  # a sum over every rank's shards
@@ -1336,7 +1339,7 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
                grad_norm_fp8=math.sqrt(n_fp8), grad_norm_default=math.sqrt(n_ref),
                logp_max_abs_diff=c.rep.reduce(float((logp8 - logp).abs().max()), "max"),
                micro_batch=a.micro_batch, lora_b_nonzero=actor.optimizer_steps > 0, precision=a.replay_precision,
-               fp8_layers=a.replay_fp8_layers[0],
+               fp8_layers=a.replay_fp8_variants[0][0],
                objective="-mean(A * logp): the first update's at ratio 1")
     c.rep.phase_memory("replay_precision")
 
@@ -1704,8 +1707,8 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
 def share_fp8_weights(c: Ctx, actor) -> None:
     """As the trainer's loop does once the engine holds the adapter: an FP8 replay reads the FP8
     engine's copies of the frozen weights (train_model.share_engine_fp8_weights), unless
-    --offload (the engine's modules leave the device during the update) or
-    --no-replay-fp8-sharing."""
+    --offload (the engine's modules leave the device during the update) or the step's variant has
+    --replay-fp8-sharing off."""
     from trainer.train_model import share_engine_fp8_weights
 
     a = c.args
@@ -1757,6 +1760,8 @@ def phase_profile_step(c: Ctx, update, actor, syncer, rollout_id: int, sampling,
         sections.append(f"== {name}: {seconds:.3f} s, kernels {kernel_s:.3f} s ==\n"
                         + averages.table(sort_by=sort_by, row_limit=40) + "\n")
     path = c.args.profile_step
+    if c.profile_suffix:  # one profile per FP8 replay variant
+        path = path.with_name(f"{path.stem}-{c.profile_suffix}{path.suffix}")
     if c.rep.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(sections))
@@ -1842,10 +1847,11 @@ def phase_steps(c: Ctx, actor, replay_fn, kind: str) -> None:
         return
     onpolicy = a.old_logprob_source is not None
     fp8 = a.replay_precision != "default"
-    variants = [(layers, sharing) for layers in a.replay_fp8_layers for sharing in a.replay_fp8_sharing] if fp8 \
-        else [c.replay_fp8_variant]
+    variants = a.replay_fp8_variants if fp8 else [c.replay_fp8_variant]
     for v, variant in enumerate(variants):
         c.replay_fp8_variant = variant
+        if len(variants) > 1:  # --profile-step: a profile per variant
+            c.step_profiled, c.profile_suffix = False, "-".join(variant)
         if v:  # another FP8 replay variant on the same actor: its layers swapped, its links undone
             set_replay_precision(actor.model, a.replay_precision, variant[0])
         for i, source in enumerate(a.old_logprob_source or ["replay"]):
@@ -2109,16 +2115,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "trainer's --replay-precision): every replay, "
                         "update and step figure then times it, and replay_fp8_grad_rel_diff compares its LoRA "
                         "gradient with the compute dtype's on the same batch")
-    p.add_argument("--replay-fp8-layers", choices=REPLAY_FP8_LAYERS, nargs="+", default=["lora-base"],
+    p.add_argument("--replay-fp8-layers", choices=REPLAY_FP8_LAYERS, default="lora-base",
                    help="with --replay-precision fp8 / fp8-dgrad: the LoRA base layers only, or every frozen block "
-                        "linear (the trainer's --replay-fp8-layers). Several: the step phase runs once per entry "
-                        "(and --replay-fp8-sharing entry) on the same actor and engine, switching in between "
-                        "(the first builds the actor and serves the other phases)")
-    p.add_argument("--replay-fp8-sharing", choices=("on", "off"), nargs="+", default=["on"],
+                        "linear (the trainer's --replay-fp8-layers)")
+    p.add_argument("--replay-fp8-sharing", choices=("on", "off"), default="on",
                    help="with --replay-precision fp8 / fp8-dgrad and --rollout-precision fp8: on: the actor's FP8 "
                         "layers read the engine's FP8 copies of their frozen weights, linked after the step's first "
-                        "adapter sync as the trainer links them; off: they quantize their weight at every forward. "
-                        "Several: one step phase per entry, as --replay-fp8-layers")
+                        "adapter sync as the trainer links them; off: they quantize their weight at every forward")
+    p.add_argument("--replay-fp8-variants", nargs="+", default=None, metavar="LAYERS:SHARING",
+                   help="the step phase once per entry (e.g. lora-base:off frozen:on), on the same actor and engine, "
+                        "switching in between: FP8 replay variants compared in one process. The first entry builds "
+                        "the actor and serves the other phases; unset: --replay-fp8-layers:--replay-fp8-sharing")
     p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
                    help=f"the updates the step phase times, each top to bottom as the trainer's --algorithm runs it, "
                         f"of {ALGORITHMS} (FlowGRPO first, on the bench's actor; nft on a fresh actor built after "
@@ -2158,6 +2165,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(gemm_tflops, dit_gemms_s), and the FP8 activation quantization alone at each input beside a "
                         "copy of it (quantize_s, dit_quantize_s)")
     args = p.parse_args(argv)
+    variants = args.replay_fp8_variants or [f"{args.replay_fp8_layers}:{args.replay_fp8_sharing}"]
+    args.replay_fp8_variants = [tuple(v.split(":", 1)) for v in variants]
+    for v, (layers, *sharing) in zip(variants, args.replay_fp8_variants):
+        if layers not in REPLAY_FP8_LAYERS or sharing not in (["on"], ["off"]):
+            p.error(f"--replay-fp8-variants {v}: each entry is LAYERS:SHARING with LAYERS one of {REPLAY_FP8_LAYERS} "
+                    "and SHARING on or off (e.g. lora-base:off frozen:on)")
     video = args.family == "wan"
     if video:  # FlowGRPO's Wan geometry (33 x 240 x 416) at the real shape, 5 x 32 x 32 at the tiny one
         height, width = (240, 416) if args.shape == "real" else (32, 32)
@@ -2375,7 +2388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     **({"activation_checkpointing_every": args.activation_checkpointing_every}
                        if args.activation_checkpointing_every != 1 else {}),
                     "replay_precision": args.replay_precision,
-                    **({"replay_fp8_layers": args.replay_fp8_layers[0]} if args.replay_fp8_layers != ["lora-base"] else {}),
+                    **({"replay_fp8_layers": args.replay_fp8_variants[0][0]}
+                       if args.replay_fp8_variants[0][0] != "lora-base" else {}),
                     **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
