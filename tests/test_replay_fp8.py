@@ -309,7 +309,8 @@ def test_the_loop_links_the_fp8_replay_only_while_the_engine_stays_on_the_device
     def run(offload_rollout=False, kind="adapter", precision="fp8"):
         actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
         r = NS(actor=actor, engine=_fp8_engine(), adapter=ADAPTER, syncer=NS(kind=kind), load_metrics={}, rank=0,
-               cfg=NS(fsdp=NS(replay_precision=precision), colocate=NS(offload_rollout=offload_rollout)))
+               cfg=NS(fsdp=NS(replay_precision=precision, fsdp_param_dtype="fp32"),
+                      colocate=NS(offload_rollout=offload_rollout)))
         Trainer.share_fp8_weights(r)
         return r.load_metrics, sum(getattr(m, "fp8_source", None) is not None for m in actor.model.modules())
 
@@ -341,3 +342,28 @@ def test_a_compiled_actor_traces_the_linked_fp8_copies(mesh, monkeypatch):
         assert metrics[0]["train/grad_norm"] == metrics[1]["train/grad_norm"]
     finally:
         torch._dynamo.reset()
+
+
+def test_the_link_is_checked_in_the_dtype_the_forward_sees():
+    """An fp32-stored weight that FSDP2 casts to bf16 for each forward: its quantization at the
+    forward is of the bf16 cast, so the engine's copy of the bf16 weight links only when the check
+    casts as the forward does (compute_dtype), and is refused against the fp32 values."""
+    from trainer.core.fp8 import FP8Linear, share_fp8_weights
+
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(48, 32, bias=False).requires_grad_(False)
+    layer.weight.copy_(torch.randn(32, 48, generator=g))
+    layer.__class__ = FP8FrozenLinear
+    engine = nn.Linear(48, 32, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        engine.weight.copy_(layer.weight.to(torch.bfloat16))
+    engine.__class__ = FP8Linear
+    engine.requantize()
+    assert share_fp8_weights({"w": layer}, {"w": engine}) == (0, 1)
+    assert share_fp8_weights({"w": layer}, {"w": engine}, torch.bfloat16) == (1, 0)
+    x = torch.randn(4, 48, generator=g, dtype=torch.bfloat16)
+    linked = layer(x)
+    layer.__dict__.pop("fp8_source")
+    with torch.no_grad():
+        layer.weight.data = layer.weight.data.to(torch.bfloat16)  # what FSDP2's param_dtype hands the forward
+    assert torch.equal(linked, layer(x))

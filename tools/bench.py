@@ -1714,7 +1714,8 @@ def share_fp8_weights(c: Ctx, actor) -> None:
     a = c.args
     if a.replay_precision == "default" or a.offload or c.replay_fp8_variant[1] == "off" or a.sync_kind != "adapter":
         return
-    _, c.replay_fp8_mismatched = share_engine_fp8_weights(actor.model, c.engine, c.adapter.weight_name_map)
+    _, c.replay_fp8_mismatched = share_engine_fp8_weights(actor.model, c.engine, c.adapter.weight_name_map,
+                                                          c.dtype)
 
 
 def kernel_shares(c: Ctx, averages) -> tuple[dict[str, float], float]:

@@ -551,12 +551,14 @@ class Trainer:
         instead of quantizing them at every forward (train_model.share_engine_fp8_weights; byte
         for byte the same, checked). Not under --offload-rollout, where the engine's modules leave
         the device during the update. perf/replay_fp8_shared_layers counts them."""
+        from trainer.core.dtypes import resolve_dtype
         from trainer.train_model import share_engine_fp8_weights
 
         if (self.actor.mode != "lora" or self.cfg.fsdp.replay_precision == "default"
                 or self.cfg.colocate.offload_rollout or self.syncer.kind != "adapter"):
             return
-        linked, mismatched = share_engine_fp8_weights(self.actor.model, self.engine, self.adapter.weight_name_map)
+        linked, mismatched = share_engine_fp8_weights(self.actor.model, self.engine, self.adapter.weight_name_map,
+                                                      resolve_dtype(self.cfg.fsdp.fsdp_param_dtype))
         self.load_metrics["perf/replay_fp8_shared_layers"] = float(linked)
         if mismatched:
             log.warning("%d of the actor's FP8 replay layers differ from the engine's FP8 copy of their weight; "

@@ -126,14 +126,16 @@ def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-b
     return n
 
 
-def share_engine_fp8_weights(model: nn.Module, engine: Any, name_map: Callable[[str], str]) -> tuple[int, int]:
+def share_engine_fp8_weights(model: nn.Module, engine: Any, name_map: Callable[[str], str],
+                             compute_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """The actor's FP8 replay layers read the FP8 copies an FP8 engine in the same process already
     holds of the same frozen base (core.fp8.share_fp8_weights) instead of quantizing the weight at
     every forward. Only for an engine whose base can no longer change (it holds LoRA adapters and
     freed its bf16 block weights: `fp8_weights_dropped`) on the actor's device; the caller keeps
     the engine's modules on the device through the update (not --offload-rollout). Names match
-    as a sync matches them (strip_wrapper_segments, then the family's weight_name_map). Returns
-    (linked, mismatched); (0, 0) when the engine is not such an engine."""
+    as a sync matches them (strip_wrapper_segments, then the family's weight_name_map);
+    compute_dtype: the actor's FSDP2 param dtype (None: its storage dtype). Returns (linked,
+    mismatched); (0, 0) when the engine is not such an engine."""
     from trainer.core.fp8 import FP8FrozenLinear, FP8Linear, share_fp8_weights
     from trainer.core.names import strip_wrapper_segments
 
@@ -146,7 +148,7 @@ def share_engine_fp8_weights(model: nn.Module, engine: Any, name_map: Callable[[
     device = next((p.device for p in model.parameters()), None)
     engine_layers = {strip_wrapper_segments(f"{n}.weight"): m for n, m in transformer.named_modules()
                      if isinstance(m, FP8Linear) and m.weight_fp8.device == device}
-    return share_fp8_weights(layers, engine_layers)
+    return share_fp8_weights(layers, engine_layers, compute_dtype)
 
 
 def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None = None,

@@ -243,14 +243,16 @@ def restore_frozen_linears(model: nn.Module) -> int:
     return len(layers)
 
 
-def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.Module]) -> tuple[int, int]:
+def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.Module],
+                      compute_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """Point each FP8FrozenLinear of `layers` (by name) at the FP8Linear of `engine_layers` with the
     same name, whose FP8 copy is then read instead of quantizing the frozen weight at every call:
     an actor and an FP8 engine in one process hold the same frozen base, quantized the same way.
     A pair is linked only where the engine's copy equals quantize_rowwise of the layer's weight
-    byte for byte (checked here, once; a DTensor weight is gathered for it), so every output stays
-    what the layer computed before. Every rank of a sharded actor must call it with the same
-    names. Returns (linked, mismatched)."""
+    byte for byte (checked here, once; a DTensor weight is gathered for it, and cast to
+    `compute_dtype`, the dtype its forward sees it in: FSDP2's param_dtype, None for the stored
+    one), so every output stays what the layer computed before. Every rank of a sharded actor
+    must call it with the same names. Returns (linked, mismatched)."""
     linked = mismatched = 0
     for name, layer in layers.items():
         if not isinstance(layer, FP8FrozenLinear):
@@ -261,7 +263,7 @@ def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.
             weight = weight.full_tensor()
         if source is None or getattr(source, "weight_fp8", None) is None:
             continue
-        q, scale = quantize_rowwise(weight.to(source.weight_fp8.device))
+        q, scale = quantize_rowwise(weight.to(device=source.weight_fp8.device, dtype=compute_dtype or weight.dtype))
         same = (q.shape == source.weight_fp8.shape
                 and torch.equal(q.view(torch.uint8), source.weight_fp8.view(torch.uint8))
                 and torch.equal(scale.reshape(1, -1), source.weight_scale))
