@@ -826,7 +826,8 @@ class Ctx:
     step_profiled: bool = False
     #: the actor's FP8 replay layers whose weight's FP8 copy differed from the engine's (share_fp8_weights)
     replay_fp8_mismatched: int = 0
-    #: the step's FP8 replay variant: (--replay-fp8-layers, --replay-fp8-sharing) entries (phase_steps)
+    #: the step's FP8 replay variant, (layers, sharing): --replay-fp8-variants' first entry, then
+    #: the one phase_steps runs
     replay_fp8_variant: tuple[str, str] = ("lora-base", "on")
     #: --profile-step with several FP8 replay variants: each one's profile path gets this suffix
     profile_suffix: str = ""
@@ -1478,10 +1479,15 @@ def profile_activities(device: torch.device) -> list:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
 
+def profile_sort_key(c: Ctx) -> str:
+    """The key a profile's op table is sorted by: device time, CPU time on a CPU run."""
+    return "device_time_total" if c.device.type == "cuda" else "cpu_time_total"
+
+
 def write_profile_table(c: Ctx, averages, path: Path) -> str:
     """Rank 0 writes the profile's op table (key_averages, 40 rows) to `path`, sorted by device
     time (CPU time on a CPU run); returns the sort key, for the figure."""
-    sort_by = "device_time_total" if c.device.type == "cuda" else "cpu_time_total"
+    sort_by = profile_sort_key(c)
     if c.rep.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(averages.table(sort_by=sort_by, row_limit=40) + "\n")
@@ -1712,6 +1718,7 @@ def share_fp8_weights(c: Ctx, actor) -> None:
     from trainer.train_model import share_engine_fp8_weights
 
     a = c.args
+    c.replay_fp8_mismatched = 0  # a variant that links nothing reports none, not the last one's
     if a.replay_precision == "default" or a.offload or c.replay_fp8_variant[1] == "off" or a.sync_kind != "adapter":
         return
     _, c.replay_fp8_mismatched = share_engine_fp8_weights(actor.model, c.engine, c.adapter.weight_name_map,
@@ -1750,14 +1757,13 @@ def phase_profile_step(c: Ctx, update, actor, syncer, rollout_id: int, sampling,
 
     stages: dict[str, float] = {}
     _one_step(c, update, actor, syncer, rollout_id, stages, sampling, sde_indices, stage_ctx=stage_ctx)
-    sort_by, sections, split = None, [], {}
+    sort_by, sections, split = profile_sort_key(c), [], {}
     for name, prof in profs.items():
         averages = prof.key_averages()
         shares, kernel_s = kernel_shares(c, averages)
         seconds = stages[name]
         split[name] = {"s": seconds, "kernel_s": kernel_s, "shares": shares,
                        "gpu_idle_s": max(seconds - kernel_s, 0.0) if c.device.type == "cuda" else None}
-        sort_by = "device_time_total" if c.device.type == "cuda" else "cpu_time_total"
         sections.append(f"== {name}: {seconds:.3f} s, kernels {kernel_s:.3f} s ==\n"
                         + averages.table(sort_by=sort_by, row_limit=40) + "\n")
     path = c.args.profile_step
@@ -2403,7 +2409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep.phase_memory("build_engine")
         c = Ctx(args, device, dtype, rep, mesh, engine, adapter, sampling, sde_indices, prompts, dit_cfg,
                 image_tokens, text_tokens, peak, fam.forward_flops, media=media, video=getattr(fam, "video", False),
-                items=getattr(fam, "items", "images"))
+                items=getattr(fam, "items", "images"), replay_fp8_variant=args.replay_fp8_variants[0])
         if args.text_tokens_spread:  # Qwen-Image's prompts (parse_args refuses the other families)
             c.rollout_prompts = lambda rollout_id: fam.prompts(
                 engine, args.prompts,

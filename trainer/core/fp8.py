@@ -259,7 +259,7 @@ def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.
             continue
         source = engine_layers.get(name)
         weight = layer.weight.detach()
-        if hasattr(weight, "full_tensor"):
+        if hasattr(weight, "full_tensor"):  # a collective: gathered before any skip, on every rank alike
             weight = weight.full_tensor()
         if source is None or getattr(source, "weight_fp8", None) is None:
             continue
