@@ -36,7 +36,8 @@ EXPECTED_SERIES = [
     # beyond the reference: the trained (weighted) reward, eval spreads, rollout throughput
     "reward/weighted_total_mean", "reward/weighted_total_std", "reward/color_group_std_mean",
     "eval/demo/color_std", "eval/demo/weighted_total_mean", "perf/rollout_images_per_s",
-    "perf/rollout_images_per_s_per_gpu",
+    "perf/rollout_images_per_s_per_gpu", "perf/rollout_encode_time", "perf/rollout_denoise_time",
+    "perf/rollout_decode_time",
     # the reward-hacking watch, and a held-out scorer computed only at eval
     "reward/stat_dark_fraction", "reward/stat_group_diversity", "reward/stat_jpeg_bytes_per_pixel",
     "reward/hacking_suspect", "reward/watch_trained_rise", "eval/demo/jpeg_compressibility_mean",

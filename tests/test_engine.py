@@ -176,6 +176,10 @@ def test_candidate_alone_equals_candidate_in_mixed_batch(tiny_model_dir, adapter
     mixed = batch_engine.generate(list(reversed(reqs)))[len(reqs) - 1 - target]
     assert mixed.sample_ids == alone.sample_ids
     assert batch_engine.last_stats["dit_forwards"] == sampling.num_inference_steps  # one chunk of 6
+    # the generation's split: each part timed, together no more than the whole call
+    for eng in (alone_engine, batch_engine):
+        split = [eng.last_stats[k] for k in ("encode_time", "denoise_time", "decode_time")]
+        assert all(t > 0 for t in split) and sum(split) <= eng.last_stats["generate_time"], eng.last_stats
     diffs = {k: (getattr(alone, k).float() - getattr(mixed, k).float()).abs().max().item()
              for k in ("latents", "next_latents", "log_probs", "images")}
     assert diffs["latents"] <= 1e-5, diffs

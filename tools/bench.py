@@ -1072,6 +1072,14 @@ def rollout(c: Ctx, rollout_id: int, sampling: Any = None, sde_indices: list[int
     return traj, t[0]
 
 
+def rollout_split(c: Ctx) -> dict[str, float]:
+    """The engine's split of its last rollout (the native engine's encode / denoise / decode
+    seconds, each up to a device synchronisation; none from an engine that does not report it),
+    the slowest rank's."""
+    return {k: c.rep.reduce(v, "max") for k, v in c.engine.last_stats.items()
+            if k in ("encode_time", "denoise_time", "decode_time")}
+
+
 def phase_rollout(c: Ctx, variant: str = "eager") -> Any:
     """rollout_images_per_s (text encode + DiT + VAE, batched by the engine) and rollout_mfu
     (DiT FLOPs only over the whole rollout time); rollout_first_s: the untimed warm-up rollout
@@ -1088,7 +1096,7 @@ def phase_rollout(c: Ctx, variant: str = "eager") -> Any:
     sec = c.rep.reduce(sum(times) / len(times), "max")
     n = len(traj)
     c.rep.emit("rollout_s", sec, "s", candidates=n, dit_forwards=c.engine.last_stats.get("dit_forwards"),
-               variant=variant)
+               variant=variant, split=rollout_split(c))
     c.rep.emit("rollout_images_per_s", n / sec, f"{c.items}/s", op="min", candidates=n, variant=variant)
     dit = c.forward_flops(c.dit_cfg, c.image_tokens, c.text_tokens, n * cfg_rows(c)) * a.steps
     c.rep.emit("rollout_mfu", dit / sec / 1e12 / c.peak_tflops, "fraction", op="min", peak_tflops=c.peak_tflops,
@@ -1701,7 +1709,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                engine_fp8_weights_dropped=getattr(c.engine, "fp8_weights_dropped", 0),
                replay_fp8_shared_layers=sum(getattr(m, "fp8_source", None) is not None for m in actor.model.modules()),
                replay_fp8_mismatched_layers=c.replay_fp8_mismatched,
-               new_graphs=new_graphs, update=update_figures, **tags)
+               new_graphs=new_graphs, update=update_figures, rollout_split=rollout_split(c), **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
     c.rep.phase_memory(f"step{step_label(algorithm, source)}")

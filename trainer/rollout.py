@@ -241,6 +241,9 @@ def generate_rollout(
         "perf/rollout_artifact_time": t_write,
         "perf/rollout_time": time.perf_counter() - t0,
     }
+    for part in ("encode", "denoise", "decode"):  # the native engine's split of the generation
+        if requests and f"{part}_time" in getattr(engine, "last_stats", {}):
+            stats[f"perf/rollout_{part}_time"] = engine.last_stats[f"{part}_time"]
     if writer is not None:
         stats["perf/artifact_writer_time"] = writer.take_busy_time()
     return RolloutOutput(rollout_id=rollout_id, sde_indices=list(sde_indices), candidates=mine,

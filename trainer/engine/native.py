@@ -245,6 +245,7 @@ class NativeEngine(EngineMemoryState):
         check_one_geometry(requests)
         t0 = time.perf_counter()
         conds, keys, neg_keys, n_sources = self._encode_conditions(requests)
+        self._split = {"encode_time": self._clock() - t0, "denoise_time": 0.0, "decode_time": 0.0}
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
         graphs = compiled_graphs() if self.compile_blocks else 0
         parts = [self._generate_chunk(requests[start:start + step], conds, keys[start:start + step],
@@ -252,10 +253,18 @@ class NativeEngine(EngineMemoryState):
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
                            "sources_encoded": float(n_sources),
                            "dit_forwards": float(len(parts) * requests[0].num_inference_steps),
-                           "generate_time": time.perf_counter() - t0}
+                           "generate_time": time.perf_counter() - t0, **self._split}
         if self.compile_blocks:
             self.last_stats["new_graphs"] = float(compiled_graphs() - graphs)
         return Trajectory.cat(parts)
+
+    def _clock(self) -> float:
+        """time.perf_counter() once the device has done the work queued so far: the split of a
+        generate call into encode / denoise / decode (`last_stats`) counts each part's own device
+        time. The waits sit where the rollout waits anyway (the decoded images go to the host)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _encode_conditions(self, requests: list[RolloutRequest]) -> tuple[dict, list, list, int]:
         """(conditions by key, each request's key, each request's negative key under true CFG else
@@ -382,6 +391,7 @@ class NativeEngine(EngineMemoryState):
             shared = getattr(self.adapter, "shared_conditions", ())
             conditions = with_negative(conditions, {k: v for k, v in negative.items() if k not in shared})
         lat, nxt, logps = [], [], []
+        t_denoise = self._clock()
         for i in range(r0.num_inference_steps):
             t = torch.full((b,), timesteps[i], dtype=torch.float32)
             v = self.adapter.velocity(self.transformer, x, t, conditions, geom, sampler)  # the replay's call too
@@ -397,7 +407,10 @@ class NativeEngine(EngineMemoryState):
                 x = x_next
             else:
                 x = ode_step(x, v, sigmas[i], sigmas[i + 1]).to(self.dtype)
+        t_decode = self._clock()
         images = self.adapter.decode(self.vae, x, geom)
+        self._split["denoise_time"] += t_decode - t_denoise
+        self._split["decode_time"] += self._clock() - t_decode
 
         steps = sorted(trained)
         sig = torch.tensor([sigmas[i] for i in steps], dtype=torch.float32)
