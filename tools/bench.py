@@ -1072,6 +1072,36 @@ def rollout(c: Ctx, rollout_id: int, sampling: Any = None, sde_indices: list[int
     return traj, t[0]
 
 
+def phase_vae_decode(c: Ctx) -> None:
+    """--vae-decode: the rollout's VAE decode of its n candidates (random latents at the
+    rollout's size, one frame), with diffusers' causal 3-D convolutions and with the 2-D ones they
+    equal on one frame (trainer.models.causal_conv, what the rollout runs): vae_decode_s per path
+    (mean of --iters calls after one warm-up), and the largest difference of their images."""
+    import copy
+
+    from trainer.models.causal_conv import install_single_frame_convs
+
+    a, vae = c.args, c.engine.vae
+    plain = copy.deepcopy(vae)
+    for m in plain.modules():
+        m.__dict__.pop("forward", None)  # diffusers' own forwards
+    fast = copy.deepcopy(plain)
+    install_single_frame_convs(fast)
+    z_dim, f = vae.config.z_dim, c.engine.vae_scale_factor
+    z = torch.randn(a.prompts * a.group_size, z_dim, 1, a.height // f, a.width // f,
+                    generator=torch.Generator().manual_seed(0)).to(c.device, vae.dtype)
+    out = {}
+    with torch.no_grad():
+        for name, model in (("3d", plain), ("2d", fast)):
+            out[name] = model.decode(z, return_dict=False)[0]  # warm-up: cuDNN's algorithm choice
+            sec = c.rep.reduce(_mean_time(c.device, lambda: model.decode(z, return_dict=False), max(a.iters, 2)), "max")
+            c.rep.emit("vae_decode_s", sec, "s", variant=name, images=z.shape[0])
+    diff = (out["3d"].float() - out["2d"].float()).abs().max().item()
+    c.rep.emit("vae_decode_max_abs_diff", diff, "abs", note="images in [-1, 1], the two convolution paths")
+    del plain, fast, out
+    _free(c.device)
+
+
 def rollout_split(c: Ctx) -> dict[str, float]:
     """The engine's split of its last rollout (the native engine's encode / denoise / decode
     seconds, each up to a device synchronisation; none from an engine that does not report it),
@@ -2175,6 +2205,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="after the timed step, one more step with each stage (rollout, reward, update, sync) under "
                         "torch.profiler: the stages' op tables to PATH, and step_profile_s with each stage's kernel "
                         "time, its shares and the device's idle time (the stage's seconds less its kernels')")
+    p.add_argument("--vae-decode", action="store_true",
+                   help="time the rollout's VAE decode with diffusers' causal 3-D convolutions and with the 2-D ones "
+                        "they equal on one frame, which the rollout runs (vae_decode_s, vae_decode_max_abs_diff; "
+                        "Qwen-Image's VAE)")
     p.add_argument("--gemms", action="store_true",
                    help=f"time each linear GEMM of the DiT's blocks at the rollout's batch as {GEMM_VARIANTS} "
                         "(gemm_tflops, dit_gemms_s), and the FP8 activation quantization alone at each input beside a "
@@ -2454,6 +2488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_checksum(c)
         if speedups or traj is None:  # the eager figures of a --compare-only run are the ones above
             traj = phase_rollout(c, variant=variant)
+        if args.vae_decode:
+            phase_vae_decode(c)
         if args.flowgrpo_path is not None and args.family == "sd3":
             from tools.bench_sd3 import phase_flowgrpo
 

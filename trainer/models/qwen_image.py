@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from trainer.core.names import model_name
+from trainer.models.causal_conv import install_single_frame_convs
 # the 2 x 2 packing is every packed family's (models.base); importable from here too
 from trainer.models.base import (ATTENTION_LORA_TARGETS, FamilyAdapter, GeometryBounds, check_pipeline_dir,  # noqa: F401
                                  load_checked_transformer, pack_latents, packed_grid, read_config_json,
@@ -389,7 +390,9 @@ class QwenImageAdapter(FamilyAdapter):
 
     def decode(self, vae, packed: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         """Packed final latents [B, L, C] -> images [B, 3, H, W] float32 in [0, 1] on CPU, as
-        QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame)."""
+        QwenImagePipeline decodes (un-normalise with latents_mean / latents_std, one frame); the
+        VAE's causal convolutions run as the 2-D ones they equal on one frame (causal_conv)."""
+        install_single_frame_convs(vae)
         rows, cols = packed_grid(geometry.height, geometry.width, geometry.vae_scale_factor)
         z = unpack_latents(packed, rows, cols).unsqueeze(2).to(vae.dtype)
         cfg = vae.config

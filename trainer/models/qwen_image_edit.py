@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from trainer.models.base import GeometryBounds, check_pipeline_dir, pack_latents, packed_grid, read_config_json
+from trainer.models.causal_conv import install_single_frame_convs
 from trainer.models.qwen_image import (QwenImageAdapter, dit_velocity, guided_velocity, pad_text,
                                        prompt_template_start_idx, vae_scale_factor_from_config)
 from trainer.trajectory import Geometry, SamplerSettings, Trajectory
@@ -183,6 +184,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         from trainer.models.edit_source import resized_source
 
         pipe = prompt_encoder.pipe
+        install_single_frame_convs(pipe.vae)  # one frame: the 2-D convolutions it equals
         height, width = size
         latents = []
         for image in images:
