@@ -96,11 +96,15 @@ def test_conditioning_and_velocity_are_the_edit_plus_pipelines(edit_dir, engine,
     and true-CFG) is its output over the target tokens."""
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
 
+    from trainer.models.causal_conv import install_single_frame_convs
     from trainer.models.edit_source import open_source_image
     from trainer.trajectory import Geometry, SamplerSettings
 
     monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 32 * 32)
     pipe = engine.prompt_encoder.pipe
+    # the engine's VAE runs a frame's causal 3-D convolutions as 2-D ones (tests/test_causal_conv.py
+    # checks them against diffusers'); the pipeline shares that VAE, so the bytes compare here
+    install_single_frame_convs(pipe.vae)
     pipe.set_progress_bar_config(disable=True)
     calls = []
 
@@ -419,10 +423,14 @@ def test_two_sources_per_record_condition_as_the_pipeline_and_replay(edit_dir, e
     QwenImageEditPlusPipeline feeds it; the replay equals the sampler."""
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
 
+    from trainer.models.causal_conv import install_single_frame_convs
     from trainer.models.edit_source import open_source_image
 
     monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 32 * 32)
     pipe = engine.prompt_encoder.pipe
+    # the engine's VAE runs a frame's causal 3-D convolutions as 2-D ones (tests/test_causal_conv.py
+    # checks them against diffusers'); the pipeline shares that VAE, so the bytes compare here
+    install_single_frame_convs(pipe.vae)
     pipe.set_progress_bar_config(disable=True)
     seen = []
     handle = engine.transformer.register_forward_hook(
