@@ -490,3 +490,54 @@ def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch
         assert watch.limit_warning() is None  # reported once
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------ --rollout-fp8-scaling delayed
+
+
+def test_delayed_scaling_takes_each_rows_scale_from_the_previous_call():
+    from trainer.core.fp8 import DELAYED_SCALE_HEADROOM
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    convert_to_fp8(layer)
+    x0, x1 = torch.randn(8, 64), torch.randn(8, 64) * 1.5
+    with torch.no_grad():
+        layer.start_delayed_scaling()
+        assert torch.equal(layer(x0), fp8_linear(x0, layer.weight_fp8, layer.weight_scale, layer.bias))  # its own
+        got = layer(x1)
+        used = layer.stop_delayed_scaling()
+        assert torch.equal(layer(x1), fp8_linear(x1, layer.weight_fp8, layer.weight_scale, layer.bias))  # off again
+    # the second call: x1's rows scaled by x0's absmax x the headroom, then the same GEMM
+    scale = x0.abs().amax(1, keepdim=True) * (DELAYED_SCALE_HEADROOM / E4M3_MAX)
+    xq = (x1 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    want = torch._scaled_mm(xq, layer.weight_fp8.t(), scale_a=scale, scale_b=layer.weight_scale,
+                            bias=layer.bias, out_dtype=torch.float32)
+    assert torch.equal(got, want)
+    assert float(used) == pytest.approx(float((x1.abs().amax(1, keepdim=True) / (scale * E4M3_MAX)).max()))
+    assert layer.row_amax is None and layer.stop_delayed_scaling() is None
+
+
+def test_delayed_scaling_engine_keeps_step_zero_and_leaves_guided_rollouts_alone(tiny_model_dir, eager_compile):
+    adapter = QwenImageAdapter()
+    cur = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")
+    dly = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8",
+                       fp8_scaling="delayed", compile_blocks=True)
+    reqs = make_requests(adapter, cur, SAMPLING, prompts=["a red ball", "dog"], group_size=2)
+    a, b = cur.generate(reqs), dly.generate(reqs)
+    # step 0 ran on its own scales: the latents it produced (recorded at sde index 1) are equal
+    assert torch.equal(a.latents[:, 0], b.latents[:, 0])
+    assert not torch.equal(a.next_latents, b.next_latents)  # later steps: the previous step's scales
+    assert ((b.images - a.images).abs().mean() < 0.02).item()
+    assert 0 < dly.last_stats["fp8_range_used_max"] <= 1.0  # nothing saturated on these rows
+    assert "fp8_range_used_max" not in cur.last_stats
+    assert not any(m.delayed_scaling for m in dly.transformer.modules() if isinstance(m, FP8Linear))
+    dly.generate(reqs)
+    assert dly.last_stats["new_graphs"] == 0  # the step-0 and later-step graphs are both compiled once
+    # true CFG (two DiT calls a step) runs on each call's own scales, as the default does
+    guided = parse_sampling_config({"height": 64, "width": 64, "num_inference_steps": 4, "eta": 0.7,
+                                    "sde_type": "sde", "sde_indices": [1, 2], "guidance_scale": 4.0})
+    greqs = make_requests(adapter, cur, guided, prompts=["a red ball"], group_size=2)
+    a, b = cur.generate(greqs), dly.generate(greqs)
+    assert "fp8_range_used_max" not in dly.last_stats
+    assert torch.equal(a.log_probs, b.log_probs) or float((a.log_probs - b.log_probs).abs().max()) < 1e-4
