@@ -519,10 +519,19 @@ def test_delayed_scaling_takes_each_rows_scale_from_the_previous_call():
 
 
 def test_delayed_scaling_engine_keeps_step_zero_and_leaves_guided_rollouts_alone(tiny_model_dir, eager_compile):
+    from trainer.loop import engine_options
+
     adapter = QwenImageAdapter()
     cur = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8")
-    dly = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8",
-                       fp8_scaling="delayed", compile_blocks=True)
+    options = engine_options(SimpleNamespace(rollout_compile=True, rollout_precision="fp8",
+                                             rollout_fp8_scaling="delayed", max_sequence_length=None,
+                                             sglang_attention_backend=None))  # the loop's flags -> keywords
+    assert options == {"compile_blocks": True, "precision": "fp8", "fp8_scaling": "delayed"}
+    dly = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, **options)
+    with pytest.raises(ValueError, match="needs precision 'fp8'"):
+        cur.__class__(str(tiny_model_dir), device="cpu", dtype=torch.float32, fp8_scaling="delayed")
+    with pytest.raises(ValueError, match="'current' or 'delayed'"):
+        cur.enable_speedups(fp8_scaling="late")
     reqs = make_requests(adapter, cur, SAMPLING, prompts=["a red ball", "dog"], group_size=2)
     a, b = cur.generate(reqs), dly.generate(reqs)
     # step 0 ran on its own scales: the latents it produced (recorded at sde index 1) are equal
