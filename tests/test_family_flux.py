@@ -604,8 +604,8 @@ def test_max_sequence_length_sets_the_t5_window_every_prompt_is_padded_to(tiny_f
     from trainer.engine.native import NativeEngine
     from trainer.loop import engine_options
 
-    flags = SimpleNamespace(rollout_compile=False, rollout_precision="default", rollout_fp8_scaling="current",
-                            max_sequence_length=None, sglang_attention_backend=None)
+    flags = SimpleNamespace(rollout_compile=False, rollout_precision="default", max_sequence_length=None,
+                            sglang_attention_backend=None)
     assert engine_options(flags) == {}
     options = engine_options(SimpleNamespace(**{**vars(flags), "max_sequence_length": 24}))
     assert options == {"max_sequence_length": 24}

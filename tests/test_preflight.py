@@ -538,22 +538,3 @@ def test_checkpointing_every_kth_block_needs_checkpointing_and_k_at_least_1(base
     assert "add --fsdp-activation-checkpointing, or drop it" in msg
     (msg,) = problems(base + ["--fsdp-activation-checkpointing", "--fsdp-activation-checkpointing-every", "0"])
     assert msg == "--fsdp-activation-checkpointing-every must be >= 1 (1 = every block), got 0"
-
-
-# ------------------------------------------------------------------------------ --rollout-fp8-scaling
-
-
-def test_delayed_fp8_scaling_needs_the_fp8_rollout_and_unguided_sampling(base, monkeypatch):
-    """--rollout-fp8-scaling delayed: refused without --rollout-precision fp8, with true CFG
-    (two DiT calls a step), and on an engine without the native kernels; every violation in one
-    report."""
-    delayed = ["--rollout-fp8-scaling", "delayed"]
-    assert problems(base + delayed + ["--rollout-precision", "fp8"]) == []
-    got = problems(base + delayed + ["--sampling-config", json.dumps({**SAMPLING, "guidance_scale": 4.0})])
-    assert any("needs --rollout-precision fp8" in p for p in got), got
-    assert any("guidance_scale 4.0" in p and "--rollout-fp8-scaling current" in p for p in got), got
-    import trainer.preflight as pf
-
-    monkeypatch.setattr(pf, "_sglang_importable", lambda: True)
-    got = problems(base + delayed + ["--rollout-precision", "fp8", "--rollout-engine-class-path", "sglang"])
-    assert any("with --rollout-fp8-scaling delayed: that option belongs to the native engine" in p for p in got), got

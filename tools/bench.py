@@ -1105,10 +1105,9 @@ def phase_vae_decode(c: Ctx) -> None:
 def rollout_split(c: Ctx) -> dict[str, float]:
     """The engine's split of its last rollout (the native engine's encode / denoise / decode
     seconds, each up to a device synchronisation; none from an engine that does not report it),
-    and under delayed FP8 scaling the largest share of the FP8 range a row used; the slowest
-    (largest) rank's."""
+    the slowest rank's."""
     return {k: c.rep.reduce(v, "max") for k, v in c.engine.last_stats.items()
-            if k in ("encode_time", "denoise_time", "decode_time", "fp8_range_used_max")}
+            if k in ("encode_time", "denoise_time", "decode_time")}
 
 
 def phase_rollout(c: Ctx, variant: str = "eager") -> Any:
@@ -2154,10 +2153,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the engine's repeated DiT blocks under torch.compile (the trainer's --rollout-compile)")
     p.add_argument("--rollout-precision", choices=("default", "fp8"), default="default",
                    help="the engine's DiT linears in FP8 (the trainer's --rollout-precision)")
-    p.add_argument("--rollout-fp8-scaling", nargs="+", choices=("current", "delayed"), default=["current"],
-                   help="the FP8 rollout's input scaling (the trainer's --rollout-fp8-scaling); several: the rollout "
-                        "timed with each, in this order, on the same engine (variant '...+delayed'), the last one "
-                        "kept for the later phases and the step")
     p.add_argument("--fsdp-compile", action="store_true",
                    help="the actor's blocks under torch.compile (the trainer's --fsdp-compile)")
     p.add_argument("--replay-precision", choices=REPLAY_PRECISIONS, default="default",
@@ -2239,9 +2234,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--skip eager leaves out the eager rollout timed before the speed options; without --rollout-compile "
                 "or --rollout-precision fp8 the eager rollout is the only one (it feeds every other phase): drop "
                 "eager from --skip or add a speed option")
-    if "delayed" in args.rollout_fp8_scaling and (args.rollout_precision != "fp8" or args.guidance_scale > 1.0):
-        p.error("--rollout-fp8-scaling delayed needs --rollout-precision fp8 and --guidance-scale 1 (one DiT call a "
-                "denoising step): add the one, drop the other, or drop delayed")
     if "eager" in skip and args.compare:
         p.error("--compare's ratios are against the eager rollout: drop eager from --skip or drop --compare")
     if "flowgrpo" in args.compare and (args.flowgrpo_path is None or args.guidance_scale <= 1.0):
@@ -2495,13 +2487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "checksum" not in skip:
             phase_checksum(c)
         if speedups or traj is None:  # the eager figures of a --compare-only run are the ones above
-            labels = []
-            for scaling in args.rollout_fp8_scaling:  # the last one's rollouts feed what follows
-                if args.rollout_precision == "fp8":
-                    engine.fp8_scaling = scaling
-                labels.append(variant + ("+delayed" if scaling == "delayed" else ""))
-                traj = phase_rollout(c, variant=labels[-1])
-            variant = labels[-1]  # the rollout-to-replay gap below is the last scaling's
+            traj = phase_rollout(c, variant=variant)
         if args.vae_decode:
             phase_vae_decode(c)
         if args.flowgrpo_path is not None and args.family == "sd3":
@@ -2519,9 +2505,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.replay_variants:
             phase_replay_variants(c, batch, replay_fn)
 
-        for label, rate in c.images_per_s.items():
-            if label != "eager" and "eager" in c.images_per_s:
-                rep.emit("rollout_speedup", rate / c.images_per_s["eager"], "ratio", variant=label)
+        if variant != "eager" and "eager" in c.images_per_s:
+            rep.emit("rollout_speedup", c.images_per_s[variant] / c.images_per_s["eager"], "ratio", variant=variant)
         actor = build_actor(args, "lora", mesh, device, dtype)
         rep.phase_memory("build_actor_lora")
         phase_rollout_gap(c, actor, traj, replay_fn, variant)

@@ -357,15 +357,6 @@ class RolloutConfig:
         "the engine frees the blocks' weights in the compute dtype once LoRA is in, keeping only "
         "their FP8 copies.",
     )
-    rollout_fp8_scaling: Literal["current", "delayed"] = _flag(
-        "current",
-        "How --rollout-precision fp8 scales each GEMM input row: 'current' (its own absmax, found in a "
-        "pass over the row before the pass that quantizes it) or 'delayed' (the absmax the same layer "
-        "saw at the previous denoising step, times a headroom of 2, so the quantization is one pass; "
-        "the first step uses its own). Unguided sampling only (guidance_scale 1). "
-        "perf/rollout_fp8_range_used_max logs the largest share of the FP8 range a row used: above 1, "
-        "values saturated. The replay's quantization is unchanged (docs/PERFORMANCE.md measures both).",
-    )
     sglang_attention_backend: str | None = _flag(
         None,
         "The SGLang engine's attention backend (SGLang's own names, e.g. 'torch_sdpa', 'fa'). "

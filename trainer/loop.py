@@ -223,13 +223,11 @@ def _viewable(media: torch.Tensor, gap: int = 2) -> torch.Tensor:
 
 def engine_options(rollout: Any) -> dict[str, Any]:
     """The engine keywords the rollout flags set, only those set: the native engine's speed
-    options (--rollout-compile, --rollout-precision, --rollout-fp8-scaling; another engine need
-    not know them), the SGLang engine's attention backend, and the text window
-    (--max-sequence-length; unset: the family's own)."""
+    options (--rollout-compile, --rollout-precision; another engine need not know them), the
+    SGLang engine's attention backend, and the text window (--max-sequence-length; unset: the
+    family's own)."""
     options = {k: v for k, v in (("compile_blocks", bool(rollout.rollout_compile)),
-                                 ("precision", rollout.rollout_precision),
-                                 ("fp8_scaling", rollout.rollout_fp8_scaling))
-               if v not in (False, "default", "current")}
+                                 ("precision", rollout.rollout_precision)) if v not in (False, "default")}
     if rollout.max_sequence_length is not None:
         options["max_sequence_length"] = int(rollout.max_sequence_length)
     if rollout.sglang_attention_backend:

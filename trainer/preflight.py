@@ -87,7 +87,6 @@ def validate(cfg: RunConfig, world_size: int | None = None, *, torchrun: bool = 
     _check_video_task(cfg, errors)
     _check_engine(cfg, errors)
     _check_fp8_device(cfg, errors)
-    _check_fp8_scaling(cfg, errors)
     _check_trainable(cfg, errors, warnings)
     _check_sync(cfg, errors)
     _check_sampling(cfg, errors)
@@ -426,8 +425,7 @@ def _check_engine_capabilities(cfg: RunConfig, engine: str, errors: list[str]) -
                       f"{caps.name} {why.get('true_cfg', 'samples without CFG')}; use --rollout-engine-class-path "
                       "native for true CFG, or guidance_scale 1.0")
     for flag, on, able in (("--rollout-compile", r.rollout_compile, caps.compile),
-                           ("--rollout-precision fp8", r.rollout_precision == "fp8", caps.fp8),
-                           ("--rollout-fp8-scaling delayed", r.rollout_fp8_scaling == "delayed", caps.fp8)):
+                           ("--rollout-precision fp8", r.rollout_precision == "fp8", caps.fp8)):
         if on and not able:
             errors.append(f"--rollout-engine-class-path {engine} with {flag}: that option belongs to the native "
                           f"engine ({why.get('kernels', 'not this one')}); drop it or use --rollout-engine-class-path "
@@ -438,23 +436,6 @@ def _check_engine_capabilities(cfg: RunConfig, engine: str, errors: list[str]) -
                       f"{caps.name}'s {why.get('sde_types', 'sampler is checked for')} "
                       f"{' and '.join(repr(t) for t in caps.sde_types)} only; use --rollout-engine-class-path native "
                       f"for {sde_type!r}")
-
-
-def _check_fp8_scaling(cfg: RunConfig, errors: list[str]) -> None:
-    """--rollout-fp8-scaling delayed scales the FP8 rollout's GEMM inputs by the previous denoising
-    step's, which needs that rollout, and one DiT call a step (no true CFG)."""
-    r = cfg.rollout
-    if r.rollout_fp8_scaling != "delayed":
-        return
-    if r.rollout_precision != "fp8":
-        errors.append("--rollout-fp8-scaling delayed scales the FP8 GEMMs of the rollout: it needs "
-                      "--rollout-precision fp8; add it, or drop --rollout-fp8-scaling")
-    sampling = r.sampling_config if isinstance(r.sampling_config, dict) else {}
-    guidance = sampling.get("guidance_scale", 1.0)
-    if isinstance(guidance, (int, float)) and float(guidance) > 1.0:
-        errors.append(f"--rollout-fp8-scaling delayed with --sampling-config guidance_scale {guidance}: delayed "
-                      "scaling carries each layer's scales from one denoising step to the next, which true CFG's "
-                      "two DiT calls a step would mix; use --rollout-fp8-scaling current, or guidance_scale 1.0")
 
 
 def _check_fp8_device(cfg: RunConfig, errors: list[str]) -> None:

@@ -241,10 +241,9 @@ def generate_rollout(
         "perf/rollout_artifact_time": t_write,
         "perf/rollout_time": time.perf_counter() - t0,
     }
-    engine_stats = getattr(engine, "last_stats", {}) if requests else {}
-    for key in ("encode_time", "denoise_time", "decode_time", "fp8_range_used_max"):  # the native engine's
-        if key in engine_stats:
-            stats[f"perf/rollout_{key}"] = engine_stats[key]
+    for part in ("encode", "denoise", "decode"):  # the native engine's split of the generation
+        if requests and f"{part}_time" in getattr(engine, "last_stats", {}):
+            stats[f"perf/rollout_{part}_time"] = engine.last_stats[f"{part}_time"]
     if writer is not None:
         stats["perf/artifact_writer_time"] = writer.take_busy_time()
     return RolloutOutput(rollout_id=rollout_id, sde_indices=list(sde_indices), candidates=mine,

@@ -65,47 +65,14 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     return y.reshape(*shape[:-1], weight_fp8.shape[0])
 
 
-#: --rollout-fp8-scaling delayed: an input row's scale is its absmax at the layer's previous call
-#: times this headroom, so a row may grow by this factor between two denoising steps before any
-#: of its values saturates (e4m3 is a float format: the headroom costs no relative precision, it
-#: moves the row's smallest values one binade nearer the subnormals)
-DELAYED_SCALE_HEADROOM = 2.0
-
-
 class FP8Linear(nn.Linear):
     """An nn.Linear whose forward runs `fp8_linear` on an FP8 copy of its weight (buffers
     `weight_fp8`, `weight_scale`). Still an nn.Linear, so peft's LoRA wraps it as a base layer
     (the adapter branch stays in the compute dtype) and a sync into `.weight` works unchanged;
-    call `requantize()` after the weight changed.
-
-    Delayed scaling (`start_delayed_scaling`, the rollout's --rollout-fp8-scaling delayed): each
-    call scales its input rows by the row absmax the previous call saw (times
-    DELAYED_SCALE_HEADROOM), which is known before the row is read, so the quantization is one
-    pass that also takes this call's absmax for the next; the first call after the start uses its
-    own, as the default does. The rows must be the same ones call after call (the same batch at
-    each denoising step). `range_used` keeps the largest share of the FP8 range a row used: above 1
-    its largest values saturated at +-448."""
+    call `requantize()` after the weight changed."""
 
     weight_fp8: torch.Tensor
     weight_scale: torch.Tensor
-    delayed_scaling = False
-    #: under delayed scaling: the last call's row absmax [rows, 1] fp32 (None before the first)
-    row_amax: torch.Tensor | None = None
-    #: under delayed scaling: max over the calls since the start of absmax / (scale x 448)
-    range_used: torch.Tensor | None = None
-
-    def start_delayed_scaling(self) -> None:
-        """Delayed scaling from the next call on, its first call scaled by its own absmax."""
-        self.delayed_scaling = True
-        self.row_amax = None
-        self.range_used = torch.zeros((), dtype=torch.float32, device=self.weight_fp8.device)
-
-    def stop_delayed_scaling(self) -> torch.Tensor | None:
-        """Back to each call's own scales; returns range_used (a 0-dim tensor on the layer's
-        device, 0 when no call ran; None when delayed scaling had not started)."""
-        used = self.range_used
-        self.delayed_scaling, self.row_amax, self.range_used = False, None, None
-        return used
 
     def requantize(self) -> None:
         if self.weight is None:
@@ -122,25 +89,7 @@ class FP8Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.delayed_scaling:
-            return self._delayed_forward(x)
         return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
-
-    def _delayed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        t32 = x.reshape(-1, shape[-1]).float()
-        amax = t32.abs().amax(dim=1, keepdim=True)
-        prev = self.row_amax
-        if prev is None:  # the first call: its own absmax, as quantize_rowwise
-            scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        else:
-            scale = torch.where(prev > 0, prev * (DELAYED_SCALE_HEADROOM / E4M3_MAX), torch.ones_like(prev))
-            self.range_used = torch.maximum(self.range_used, (amax / (scale * E4M3_MAX)).amax())
-        self.row_amax = amax
-        xq = (t32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale,
-                             bias=None if self.bias is None else self.bias.to(x.dtype), out_dtype=x.dtype)
-        return y.reshape(*shape[:-1], self.weight_fp8.shape[0])
 
 
 def fp8_eligible(module: nn.Module) -> bool:

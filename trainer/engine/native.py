@@ -106,14 +106,14 @@ class NativeEngine(EngineMemoryState):
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int | None = None, revision: str | None = None, adapter: Any = None,
-                 compile_blocks: bool = False, precision: str = "default", fp8_scaling: str = "current"):
+                 compile_blocks: bool = False, precision: str = "default"):
         self.adapter = _default_adapter(adapter)
         dev = _resolve_device(device)
         dt = engine_dtype(dtype, dev)
         m = self.adapter.load_rollout_modules(model_path, dtype=dt, device=dev)
         self._set_up(m["transformer"], m["vae"], m["text_encoder"], m["tokenizer"], m["scheduler_config"],
                      device=dev, dtype=dt, max_batch_size=max_batch_size, max_sequence_length=max_sequence_length,
-                     cast=False, compile_blocks=compile_blocks, precision=precision, fp8_scaling=fp8_scaling)
+                     cast=False, compile_blocks=compile_blocks, precision=precision)
         self.model_path = str(m.get("path", model_path))
         self.revision = revision
 
@@ -121,7 +121,7 @@ class NativeEngine(EngineMemoryState):
     def from_modules(cls, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device=None,
                      dtype=None, max_batch_size: int = 0, max_sequence_length: int | None = None,
                      adapter: Any = None, compile_blocks: bool = False,
-                     precision: str = "default", fp8_scaling: str = "current") -> "NativeEngine":
+                     precision: str = "default") -> "NativeEngine":
         """An engine over modules already in memory (nothing is read from disk): the adapter's
         family's DiT, VAE, text encoder (one module; an nn.ModuleDict for several), tokenizer(s)
         and the scheduler config dict, as its load_rollout_modules returns them (Qwen-Image:
@@ -134,14 +134,14 @@ class NativeEngine(EngineMemoryState):
         engine._set_up(transformer, vae, text_encoder, tokenizer, dict(scheduler_config), device=dev,
                        dtype=engine_dtype(dtype, dev), max_batch_size=max_batch_size,
                        max_sequence_length=max_sequence_length, cast=True, compile_blocks=compile_blocks,
-                       precision=precision, fp8_scaling=fp8_scaling)
+                       precision=precision)
         engine.model_path = "<in-memory modules>"
         engine.revision = None
         return engine
 
     def _set_up(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device: torch.device,
                 dtype: torch.dtype, max_batch_size: int, max_sequence_length: int | None, cast: bool,
-                compile_blocks: bool = False, precision: str = "default", fp8_scaling: str = "current") -> None:
+                compile_blocks: bool = False, precision: str = "default") -> None:
         """Everything after loading: placement, frozen eval modules, the prompt-encoding pipeline,
         derived constants, state. cast: also cast the modules to `dtype` (loaders already did)."""
         self.device = device
@@ -175,33 +175,23 @@ class NativeEngine(EngineMemoryState):
         #: the DiT's name -> parameter index, see _weight_index
         self._weights_index: _WeightIndex | None = None
         #: the speed options in force (enable_speedups adds them, never takes them away)
-        self.precision, self.compile_blocks, self.fp8_scaling = "default", False, "current"
+        self.precision, self.compile_blocks = "default", False
         #: id(weight parameter) -> its FP8Linear, to re-quantize exactly the layers a sync wrote
         self._fp8_of_weight: dict[int, Any] = {}
         #: FP8 layers whose weight in `dtype` was freed when LoRA came in (only their FP8 copy stays)
         self.fp8_weights_dropped = 0
-        self.enable_speedups(compile_blocks, precision, fp8_scaling)
+        self.enable_speedups(compile_blocks, precision)
 
-    def enable_speedups(self, compile_blocks: bool = False, precision: str = "default",
-                        fp8_scaling: str = "current") -> None:
+    def enable_speedups(self, compile_blocks: bool = False, precision: str = "default") -> None:
         """FP8 linears (precision "fp8") and regional compilation of the DiT's repeated blocks
         (see the class docstring); called by the constructor. Both are one-way: a later call can
         add them, not take them away. FP8 goes first, so the compiled graphs hold the FP8 GEMMs
-        and fuse the activation quantization into the surrounding kernels. fp8_scaling
-        "delayed" (with FP8): an unguided denoising loop scales each FP8 GEMM's input rows by the
-        previous step's absmax (FP8Linear's delayed scaling; --rollout-fp8-scaling)."""
+        and fuse the activation quantization into the surrounding kernels."""
         from trainer.core.fp8 import FP8Linear, convert_to_fp8
         from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_blocks
 
         if precision not in ("default", "fp8"):
             raise ValueError(f"precision must be 'default' or 'fp8' (--rollout-precision), got {precision!r}")
-        if fp8_scaling not in ("current", "delayed"):
-            raise ValueError(f"fp8_scaling must be 'current' or 'delayed' (--rollout-fp8-scaling), got {fp8_scaling!r}")
-        if fp8_scaling == "delayed":
-            if precision != "fp8" and self.precision != "fp8":
-                raise ValueError("fp8_scaling 'delayed' scales the FP8 GEMMs' inputs: it needs precision 'fp8' "
-                                 "(--rollout-precision fp8)")
-            self.fp8_scaling = "delayed"
         blocks = repeated_blocks(self.transformer)
         if precision == "fp8" and self.precision != "fp8":
             if model_has_lora(self.transformer):
@@ -267,11 +257,6 @@ class NativeEngine(EngineMemoryState):
         if self.compile_blocks:
             self.last_stats["new_graphs"] = float(compiled_graphs() - graphs)
         return Trajectory.cat(parts)
-
-    def _fp8_layers(self) -> list[Any]:
-        from trainer.core.fp8 import FP8Linear
-
-        return [m for m in self.transformer.modules() if isinstance(m, FP8Linear)]
 
     def _clock(self) -> float:
         """time.perf_counter() once the device has done the work queued so far: the split of a
@@ -406,33 +391,22 @@ class NativeEngine(EngineMemoryState):
             shared = getattr(self.adapter, "shared_conditions", ())
             conditions = with_negative(conditions, {k: v for k, v in negative.items() if k not in shared})
         lat, nxt, logps = [], [], []
-        # delayed FP8 scaling: one batch, one DiT call per step (unguided), so every layer's rows
-        # are the same rows step after step
-        delayed = [] if self.fp8_scaling != "delayed" or sampler.guided else self._fp8_layers()
-        for layer in delayed:
-            layer.start_delayed_scaling()
         t_denoise = self._clock()
-        try:
-            for i in range(r0.num_inference_steps):
-                t = torch.full((b,), timesteps[i], dtype=torch.float32)
-                v = self.adapter.velocity(self.transformer, x, t, conditions, geom, sampler)  # the replay's call too
-                if i in trained:
-                    noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
-                    s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
-                    s_next = torch.full((b,), sigmas[i + 1], dtype=torch.float32, device=self.device)
-                    x_next, logp = sde_step(x, v, s, s_next, r0.eta, noise.to(self.device), r0.sde_type, r0.sigma_max,
-                                            out_dtype=self.dtype)
-                    lat.append(x.cpu())
-                    nxt.append(x_next.cpu())
-                    logps.append(logp.float().cpu())
-                    x = x_next
-                else:
-                    x = ode_step(x, v, sigmas[i], sigmas[i + 1]).to(self.dtype)
-        finally:  # every layer back to its own scales, also after an error
-            used = [layer.stop_delayed_scaling() for layer in delayed]
-        if used:  # the largest share of the FP8 range any row used (> 1: values saturated)
-            used_max = float(torch.stack([u.to(self.device) for u in used]).max())
-            self._split["fp8_range_used_max"] = max(self._split.get("fp8_range_used_max", 0.0), used_max)
+        for i in range(r0.num_inference_steps):
+            t = torch.full((b,), timesteps[i], dtype=torch.float32)
+            v = self.adapter.velocity(self.transformer, x, t, conditions, geom, sampler)  # the replay's call too
+            if i in trained:
+                noise = torch.stack([step_noise(x.shape[1:], r.generation_seed, r.sample_id, i) for r in reqs])
+                s = torch.full((b,), sigmas[i], dtype=torch.float32, device=self.device)
+                s_next = torch.full((b,), sigmas[i + 1], dtype=torch.float32, device=self.device)
+                x_next, logp = sde_step(x, v, s, s_next, r0.eta, noise.to(self.device), r0.sde_type, r0.sigma_max,
+                                        out_dtype=self.dtype)
+                lat.append(x.cpu())
+                nxt.append(x_next.cpu())
+                logps.append(logp.float().cpu())
+                x = x_next
+            else:
+                x = ode_step(x, v, sigmas[i], sigmas[i + 1]).to(self.dtype)
         t_decode = self._clock()
         images = self.adapter.decode(self.vae, x, geom)
         self._split["denoise_time"] += t_decode - t_denoise
