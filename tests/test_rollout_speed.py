@@ -454,7 +454,7 @@ def test_a_resumed_run_compiles_the_dynamic_graph_at_once(tmp_path, monkeypatch)
         pgo.reset_code_state()
 
 
-def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch):
+def test_compile_watch_counts_graphs_and_reports_the_recompile_limit():
     """The loop's perf/*_new_graphs, perf/*_compile_time and its warning when dynamo gives up on a
     function (which then runs eagerly without any other sign)."""
     from types import SimpleNamespace
@@ -463,7 +463,10 @@ def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch
     from trainer.loop import Trainer
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # dynamo's own patch: pytest's monkeypatch restores the option through an alias and leaves
+    # torch._dynamo.config.recompile_limit unreadable for every later test
+    patch = torch._dynamo.config.patch(recompile_limit=2)
+    patch.__enter__()
     try:
         fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
         watch = CompileWatch()
@@ -489,4 +492,5 @@ def test_compile_watch_counts_graphs_and_reports_the_recompile_limit(monkeypatch
         assert msg is not None and "recompile limit (2)" in msg and "TORCH_LOGS=recompiles" in msg
         assert watch.limit_warning() is None  # reported once
     finally:
+        patch.__exit__(None, None, None)
         torch._dynamo.reset()

@@ -2510,6 +2510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         actor = build_actor(args, "lora", mesh, device, dtype)
         rep.phase_memory("build_actor_lora")
         phase_rollout_gap(c, actor, traj, replay_fn, variant)
+        rep.phase_memory("rollout_gap")  # the first step's peak is its own, as every later variant's
         if "merged" not in skip:
             phase_sync(c, actor, "merged", verify=True)
             phase_sync(c, actor, "merged", verify=False, label="merged_sync_noverify_s")
