@@ -245,15 +245,15 @@ class NativeEngine(EngineMemoryState):
         check_one_geometry(requests)
         t0 = time.perf_counter()
         conds, keys, neg_keys, n_sources = self._encode_conditions(requests)
-        self._split = {"encode_time": self._clock() - t0, "denoise_time": 0.0, "decode_time": 0.0}
+        split = {"encode_time": self._clock() - t0, "denoise_time": 0.0, "decode_time": 0.0}
         step = self.max_batch_size if self.max_batch_size > 0 else len(requests)
         graphs = compiled_graphs() if self.compile_blocks else 0
         parts = [self._generate_chunk(requests[start:start + step], conds, keys[start:start + step],
-                                      neg_keys[start:start + step]) for start in range(0, len(requests), step)]
+                                      neg_keys[start:start + step], split) for start in range(0, len(requests), step)]
         self.last_stats = {"candidates": float(len(requests)), "prompts_encoded": float(len(conds)),
                            "sources_encoded": float(n_sources),
                            "dit_forwards": float(len(parts) * requests[0].num_inference_steps),
-                           "generate_time": time.perf_counter() - t0, **self._split}
+                           "generate_time": time.perf_counter() - t0, **split}
         if self.compile_blocks:
             self.last_stats["new_graphs"] = float(compiled_graphs() - graphs)
         return Trajectory.cat(parts)
@@ -369,8 +369,10 @@ class NativeEngine(EngineMemoryState):
             return family_shape(r, self.latent_channels, self.vae_scale_factor)
         return init_noise_shape(r, self.latent_channels, self.vae_scale_factor)
 
-    def _generate_chunk(self, reqs: list[RolloutRequest], conds, keys: list, neg_keys: list) -> Trajectory:
-        """Denoise and decode candidates of one geometry together."""
+    def _generate_chunk(self, reqs: list[RolloutRequest], conds, keys: list, neg_keys: list,
+                        split: dict[str, float] | None = None) -> Trajectory:
+        """Denoise and decode candidates of one geometry together; the seconds of each part are
+        added to `split`'s denoise_time / decode_time when given."""
         from trainer.flow_grpo import ode_step, sde_step
         from trainer.sampling import initial_noise, step_noise, timesteps_from_sigmas
 
@@ -409,8 +411,10 @@ class NativeEngine(EngineMemoryState):
                 x = ode_step(x, v, sigmas[i], sigmas[i + 1]).to(self.dtype)
         t_decode = self._clock()
         images = self.adapter.decode(self.vae, x, geom)
-        self._split["denoise_time"] += t_decode - t_denoise
-        self._split["decode_time"] += self._clock() - t_decode
+        t_done = self._clock()
+        if split is not None:
+            split["denoise_time"] += t_decode - t_denoise
+            split["decode_time"] += t_done - t_decode
 
         steps = sorted(trained)
         sig = torch.tensor([sigmas[i] for i in steps], dtype=torch.float32)
