@@ -31,6 +31,7 @@ EXPECTED = {
     "bucketed_full_bit_identical_to_full_tensor", "bucketed_merged_bit_identical_to_full_tensor",
     "bucketed_adapter_bit_identical_to_full_tensor", "merged_sync_engine_bit_identical",
     "full_sync_engine_bit_identical", "gather_uneven_shards_exact", "bucketed_path_gathers_every_param",
+    "frozen_auto_placement", "frozen_replicate_placement", "replicated_frozen_update_bit_identical_to_sharded",
 }
 
 

@@ -16,7 +16,7 @@ import torch
 from tests.dist.tiny import (ADAPTER, LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state, one_rank_mesh,
                              replay, replay_moments, tiny_transformer)
 from trainer.actor import Actor, OffloadError, plan_updates
-from trainer.train_model import _assert_trainable_boundary
+from trainer.train_model import _assert_trainable_boundary, full_tensor, local_shard
 from trainer.core.checksum import weights_checksum
 from trainer.core.manifest import WeightManifest, WeightSyncError, build_manifest, name_shape_hash, verify_manifest
 from trainer.core.names import model_name, strip_wrapper_segments
@@ -177,6 +177,35 @@ def test_lora_update_changes_only_adapter(mesh):
         _assert_trainable_boundary(actor.model, "lora", actor.never_trained)
 
 
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_frozen_base_kept_out_of_fsdp2_trains_bit_for_bit_like_the_sharded_one(mesh, param_dtype):
+    """--fsdp-frozen-params: 'auto' on one rank (and 'replicate') keeps the frozen base as plain
+    tensors in the compute dtype, outside FSDP2, and the update is the sharded one's bit for bit
+    (bf16: FSDP2's gather casts as .to() does); LoRA's tensors stay FSDP2's."""
+    from torch.distributed.tensor import DTensor
+
+    got = {}
+    for placement in ("shard", "auto", "replicate"):
+        actor = build(mesh, "lora", fsdp__fsdp_master_dtype="fp32", fsdp__fsdp_param_dtype=param_dtype,
+                      fsdp__fsdp_frozen_params=placement)
+        frozen = [p for p in actor.model.parameters() if not p.requires_grad]
+        assert all(isinstance(p, DTensor) for p in actor.trainable)
+        if placement == "shard":
+            assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in frozen)
+        else:
+            assert not any(isinstance(p, DTensor) for p in frozen)
+            assert {p.dtype for p in frozen} == {torch.float32 if param_dtype == "fp32" else torch.bfloat16}
+        trained = {model_name(n) for n, p in actor.model.named_parameters() if p.requires_grad}
+        got[placement] = (replay(actor.model, make_batch(2, seed=5)), actor.train_step(make_batch(4), ADV, replay),
+                          {n: t for n, t in full_params(actor.model).items() if n in trained})
+    for placement in ("auto", "replicate"):
+        assert torch.equal(got[placement][0], got["shard"][0])
+        assert got[placement][1]["train/loss"] == got["shard"][1]["train/loss"]
+        assert got["shard"][2] and all(torch.equal(got[placement][2][n], t) for n, t in got["shard"][2].items())
+    with pytest.raises(ValueError, match="--fsdp-frozen-params replicate .*--fsdp-cpu-offload"):
+        build(mesh, "full", fsdp__fsdp_frozen_params="replicate", fsdp__fsdp_cpu_offload=True, **LIGHT)
+
+
 def test_zero_advantages_skip_round_and_invalid_rows_are_excluded(mesh):
     actor = build(mesh, "full")
     before = full_params(actor.model)
@@ -204,7 +233,7 @@ def test_offload_onload_bit_exact_and_frees_storage(mesh):
                      for k, v in s.items()} for p, s in actor.optimizer.state.items()}
     actor.offload()
     assert actor.offloaded
-    assert all(p._local_tensor.untyped_storage().nbytes() == 0 for p in actor.model.parameters())
+    assert all(local_shard(p).untyped_storage().nbytes() == 0 for p in actor.model.parameters())
     with pytest.raises(OffloadError):
         actor.offload()
     actor.onload()
@@ -316,7 +345,7 @@ def test_bucketed_sync_is_bit_identical_to_per_parameter_gather(mesh):
     from torch.distributed.tensor import DTensor
     from trainer.weight_sync import iter_sync_buckets
 
-    locals_ = {p.to_local().data_ptr() for p in full.model.parameters() if isinstance(p, DTensor)}
+    locals_ = {local_shard(p).data_ptr() for p in full.model.parameters()}
     sent = [t for b in iter_sync_buckets(full.model, "full", wire_dtype=torch.float32, bucket_bytes=1 << 30)
             for _, t in b]
     assert sent and all(t.data_ptr() in locals_ for t in sent)
@@ -345,7 +374,7 @@ def test_lora_adapter_and_merge_sync(mesh):
     unsharded = tiny_transformer()
     from trainer.actor import apply_lora
     apply_lora(unsharded, LORA_TARGETS, 4, 8)
-    gathered = {n: p.detach().full_tensor() for n, p in actor.model.named_parameters()}
+    gathered = {n: full_tensor(p) for n, p in actor.model.named_parameters()}
     unsharded.load_state_dict({n: gathered[n] for n, _ in unsharded.named_parameters()}, strict=False)
     ref = merged_state(unsharded)
     ep = engine_params(plain)

@@ -13,6 +13,7 @@ from trainer.engine.native import NativeEngine
 from trainer.flow_grpo import (cps_log_prob, cps_transition_moments, flow_sde_transition_moments,
                                replay_transition_logp, sde_std_dev_t, sde_step)
 from trainer.models.qwen_image import QwenImageAdapter
+from trainer.train_model import full_tensor
 from trainer.sampling import (SamplingConfigError, parse_sampling_config, resolve_sde_indices,
                               trainable_step_zero_routes)
 
@@ -207,13 +208,13 @@ def test_cps_window_update_learns(adapter, engine, tiny_model_dir):
         actor = Actor(adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32), mesh,
                       make_cfg("full", optim__lr=1e-2, grpo__eps_clip=0.2), device=torch.device("cpu"),
                       adapter=adapter)
-        before = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
+        before = {n: full_tensor(p).clone() for n, p in actor.model.named_parameters()}
         trainable = {n for n, p in actor.model.named_parameters() if p.requires_grad}
         metrics = actor.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), make_replay_fn(adapter))
         first = actor.last_update_stats[0]
         assert first["ratio_max"].item() == 1.0 and first["ratio_min"].item() == 1.0
         assert all(math.isfinite(v) for v in metrics.values())
-        after = {n: p.detach().full_tensor() for n, p in actor.model.named_parameters()}
+        after = {n: full_tensor(p) for n, p in actor.model.named_parameters()}
         unchanged = [n for n in trainable if torch.equal(before[n], after[n])]
         assert trainable and unchanged == []
         assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)

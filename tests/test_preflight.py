@@ -85,6 +85,8 @@ ERROR_CASES = [
     (["--lora-rank", "8"], ["--lora-rank 8 without --fsdp-trainable-mode lora"], 1),
     (LORA + ["--lora-dropout", "0.1"], ["--lora-dropout 0.1: must be 0.0"], 1),
     (LORA + ["--fsdp-cpu-offload"], ["--fsdp-cpu-offload is rejected under --fsdp-trainable-mode lora"], 1),
+    (["--fsdp-frozen-params", "replicate", "--fsdp-cpu-offload"], ["--fsdp-frozen-params replicate with --fsdp-cpu-offload"],
+     1),
     (
         ["--weight-sync-mode", "adapter"],
         ["--weight-sync-mode 'adapter' under --fsdp-trainable-mode full", "--weight-sync-mode adapter needs --lora-adapter-mode"],

@@ -15,7 +15,7 @@ from tests.test_preflight import base, problems  # noqa: F401,F811  (base is a f
 from trainer.actor import Actor
 from trainer.core.fp8 import (FP8DgradFrozenLinear, FP8FrozenLinear, fp8_input_grad, fp8_linear, frozen_fp8_linear,
                                quantize_rowwise)
-from trainer.train_model import (FP8_FROZEN_MIN_ROWS, apply_lora, frozen_block_linears, lora_base_layers,
+from trainer.train_model import (FP8_FROZEN_MIN_ROWS, apply_lora, frozen_block_linears, local_shard, lora_base_layers,
                                   set_replay_precision)
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
@@ -174,7 +174,7 @@ def test_fp8_replay_gradients_are_close_to_the_default_precision(mesh, monkeypat
     with torch.no_grad():
         for name, p in actor.model.named_parameters():
             if "lora_B" in name:
-                p.to_local().copy_(0.05 * torch.randn(p.to_local().shape, generator=g))
+                local_shard(p).copy_(0.05 * torch.randn(local_shard(p).shape, generator=g))
     batch = make_batch(4)
     ref = _lora_grads(actor, batch, ADV)
     rels = {}

@@ -720,6 +720,7 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
                       fsdp_master_dtype="fp32" if lora else None,
                       fsdp_activation_checkpointing=not args.no_activation_checkpointing,
                       fsdp_compile=bool(getattr(args, "fsdp_compile", False)),
+                      fsdp_frozen_params=getattr(args, "fsdp_frozen_params", "auto"),
                       replay_precision=getattr(args, "replay_precision", "default") if lora else "default",
                       replay_fp8_layers=args.replay_fp8_variants[0][0] if getattr(args, "replay_fp8_variants", None)
                       else getattr(args, "replay_fp8_layers", "lora-base"))
@@ -2123,6 +2124,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="checkpoint only every k-th block of the actors the replay, update and step phases "
                         "build (1: every block; 2: blocks 0, 2, 4, ...): fewer recomputed forwards for more "
                         "stored activations")
+    p.add_argument("--fsdp-frozen-params", choices=("auto", "shard", "replicate"), default="auto",
+                   help="the LoRA actors' frozen base: sharded by FSDP2 or whole on each rank outside it, as the "
+                        "trainer's flag (auto: whole on one rank); the figures' geometry says which")
     p.add_argument("--weight-sync-bucket-size-mb", "--bucket-mb", dest="bucket_mb", type=float, default=2048,
                    help="weight sync bucket size, as in training")
     p.add_argument("--sync-kind", choices=("adapter", "merged"), default="adapter", help="LoRA sync of the step")
@@ -2364,6 +2368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.loop import make_replay_fn
     from trainer.models.base import apply_attention_policy
     from trainer.sampling import parse_sampling_config, resolve_sde_indices
+    from trainer.train_model import replicates_frozen
 
     args = parse_args(argv)
     fam = parts_of(args)
@@ -2437,6 +2442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     **({"activation_checkpointing_every": args.activation_checkpointing_every}
                        if args.activation_checkpointing_every != 1 else {}),
                     "replay_precision": args.replay_precision,
+                    "frozen_params": "replicate" if replicates_frozen(args.fsdp_frozen_params, info.world_size) else "shard",
                     **({"replay_fp8_layers": args.replay_fp8_variants[0][0]}
                        if args.replay_fp8_variants[0][0] != "lora-base" else {}),
                     **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),

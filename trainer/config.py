@@ -418,6 +418,15 @@ class FsdpConfig:
     no_fsdp_reshard_after_forward: bool = _flag(
         False, "Keep parameters gathered after forward (more memory, fewer all-gathers)."
     )
+    fsdp_frozen_params: Literal["auto", "shard", "replicate"] = _flag(
+        "auto",
+        "Where the frozen parameters (a LoRA run's whole base) live: 'shard' (FSDP2 shards them with the "
+        "trainable ones and gathers each block's at its forward and again at its backward), 'replicate' "
+        "(whole on every rank in --fsdp-param-dtype, outside FSDP2: no gathers and no copies, for the whole "
+        "frozen model's memory on each rank) or 'auto' (replicate on one rank, where a shard is the whole "
+        "tensor and sharding only copies it; shard on several, and under --fsdp-cpu-offload). The values "
+        "computed are the same either way.",
+    )
     fsdp_activation_checkpointing: bool = _flag(
         False, "Recompute each transformer block in backward; effectively required on the real model."
     )

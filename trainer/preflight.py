@@ -487,6 +487,9 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
         errors.append(f"--replay-fp8-layers {f.replay_fp8_layers} with --replay-precision default: it chooses which "
                       "frozen linears an FP8 replay covers, and the replay is not in FP8; add --replay-precision fp8 "
                       "(or fp8-dgrad), or drop --replay-fp8-layers")
+    if f.fsdp_frozen_params == "replicate" and f.fsdp_cpu_offload:
+        errors.append("--fsdp-frozen-params replicate with --fsdp-cpu-offload: replicated frozen weights stay on "
+                      "the device, which the offload is there to empty; use --fsdp-frozen-params shard (or auto)")
     if mode == "lora":
         if lo.lora_dropout != 0:
             errors.append(

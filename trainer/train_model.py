@@ -10,7 +10,9 @@ Build order (`build_train_model`), each step before the next:
   4. activation checkpointing around each transformer block         (--fsdp-activation-checkpointing;
      or every K-th one                                                --fsdp-activation-checkpointing-every)
   5. fully_shard per block, then the root, on the job's mesh        (MixedPrecisionPolicy from
-                                                                      --fsdp-param-dtype / --fsdp-reduce-dtype)
+                                                                      --fsdp-param-dtype / --fsdp-reduce-dtype);
+     the frozen parameters kept out of it, whole on each rank,       (--fsdp-frozen-params)
+     where they replicate
   6. _assert_trainable_boundary
 """
 
@@ -151,10 +153,33 @@ def share_engine_fp8_weights(model: nn.Module, engine: Any, name_map: Callable[[
     return share_fp8_weights(layers, engine_layers, compute_dtype)
 
 
+def replicates_frozen(setting: str, world_size: int, cpu_offload: bool = False) -> bool:
+    """Whether --fsdp-frozen-params `setting` keeps the frozen parameters whole on every rank,
+    outside FSDP2: 'replicate' always, 'shard' never, 'auto' on one rank without
+    --fsdp-cpu-offload (there a shard is the whole tensor, and FSDP2 would only copy it into and
+    out of its all-gather buffers at every block's forward and backward)."""
+    if setting not in ("auto", "shard", "replicate"):
+        raise ValueError(f"--fsdp-frozen-params must be 'auto', 'shard' or 'replicate', got {setting!r}")
+    return setting == "replicate" or (setting == "auto" and world_size == 1 and not cpu_offload)
+
+
+def _replicate_frozen(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> set[nn.Parameter]:
+    """The frozen parameters of `model`, moved to `device` and cast to `dtype` (the compute dtype
+    FSDP2 would have gathered them in; None: kept), in place, for fully_shard's ignored_params.
+    Each gets storage of its own, as FSDP2's copy would be: a loaded tensor's may be a file
+    mapping, which the actor's offload (storage resizing) cannot free."""
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    for p in frozen:
+        cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        p.data = p.data.to(device=device, dtype=cast, copy=True)
+    return frozen
+
+
 def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
                 activation_checkpointing: bool = False, cpu_offload: bool = False,
-                activation_checkpointing_every: int = 1, compile_blocks: bool = False) -> nn.Module:
+                activation_checkpointing_every: int = 1, compile_blocks: bool = False,
+                replicate_frozen: bool = False) -> nn.Module:
     """Apply activation checkpointing (optional), regional compilation (optional) and FSDP2 to
     `model` in place: fully_shard on every transformer block, then on the root, all over `mesh`.
 
@@ -166,6 +191,9 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
     compile_blocks: torch.compile each block (outside its checkpoint wrapper, inside FSDP2, as
     torchtitan orders them), so the recomputation in backward runs the compiled forward too;
     the added `_orig_mod` name segment is a wrapper segment (core.names).
+    replicate_frozen: the parameters that do not require grad stay plain tensors, whole on every
+    rank, on the mesh's device in param_dtype (replicates_frozen says when): FSDP2 gathers,
+    reduces and offloads only the trainable ones.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -193,6 +221,13 @@ def parallelize(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype | None 
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if replicate_frozen:
+        if cpu_offload:
+            raise ValueError("--fsdp-frozen-params replicate keeps the frozen weights on the device, which "
+                             "--fsdp-cpu-offload would move to the host: use --fsdp-frozen-params shard")
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device(mesh.device_type)
+        kwargs["ignored_params"] = _replicate_frozen(model, device, param_dtype)
     for blocks, i in slots:
         fully_shard(blocks[i], reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -280,7 +315,8 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraC
                 activation_checkpointing=fsdp.fsdp_activation_checkpointing,
                 cpu_offload=fsdp.fsdp_cpu_offload,
                 activation_checkpointing_every=fsdp.fsdp_activation_checkpointing_every,
-                compile_blocks=bool(fsdp.fsdp_compile))
+                compile_blocks=bool(fsdp.fsdp_compile),
+                replicate_frozen=replicates_frozen(fsdp.fsdp_frozen_params, mesh.size(), fsdp.fsdp_cpu_offload))
     _assert_trainable_boundary(model, mode, dead)
     return model, lora_config, dead
 
@@ -324,6 +360,16 @@ def reshard_all(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter or gradient, detached: a DTensor's full_tensor() (a
+    collective: every rank calls it), any other tensor (a frozen parameter that
+    --fsdp-frozen-params keeps whole) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

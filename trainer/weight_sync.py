@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from trainer.train_model import reshard_all
+from trainer.train_model import full_tensor, reshard_all
 from trainer.core.checksum import WeightsChecksum
 from trainer.core.dtypes import DTYPES
 from trainer.core.manifest import SYNC_KINDS, WeightManifest, WeightSyncError, build_manifest, name_shape_hash
@@ -54,14 +54,6 @@ def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
     RL update is ~1e-4 relative to W: added in bf16 it would round away."""
     merged = w.float() + (b.float() @ a.float()) * float(scaling)
     return merged.to(w.dtype if wire_dtype is None else wire_dtype)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on this rank (DTensor.full_tensor() is a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    t = t.detach()
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class SyncPlan:
@@ -197,7 +189,7 @@ def iter_sync_tensors(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
         is_lora = is_lora_name(raw_name)
         if kind == "adapter":
             if is_lora:
-                yield out(raw_name, _full(param))
+                yield out(raw_name, full_tensor(param))
             continue
         if is_lora:
             continue  # merged: folded into the base weight below
@@ -205,10 +197,10 @@ def iter_sync_tensors(model: nn.Module, kind: str, *, wire_dtype: torch.dtype | 
             m = base_weight_of[raw_name]
             if adapter_name not in m.lora_A:
                 raise WeightSyncError(f"{raw_name}: LoRA adapter {adapter_name!r} missing on this module")
-            a, b = _full(m.lora_A[adapter_name].weight), _full(m.lora_B[adapter_name].weight)
-            yield out(raw_name, merge_lora(_full(param), a, b, m.scaling[adapter_name], wire_dtype))
+            a, b = full_tensor(m.lora_A[adapter_name].weight), full_tensor(m.lora_B[adapter_name].weight)
+            yield out(raw_name, merge_lora(full_tensor(param), a, b, m.scaling[adapter_name], wire_dtype))
         else:
-            yield out(raw_name, _full(param))
+            yield out(raw_name, full_tensor(param))
 
 
 def _check_kind(model: nn.Module, kind: str) -> dict[str, nn.Module]:

@@ -153,6 +153,23 @@ def lora_checks(rank: int, mesh, checks: dict, figures: dict) -> None:
     bucket_checks(actor.model, plain, mesh, checks)
 
 
+def frozen_placement_checks(rank: int, mesh, checks: dict) -> None:
+    """--fsdp-frozen-params replicate on 2 ranks: the frozen base whole on each rank, outside
+    FSDP2, and the update bit for bit the sharded one's (auto shards on several ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    trained = {}
+    for placement in ("auto", "replicate"):
+        cfg = make_cfg("lora", fsdp__fsdp_master_dtype="fp32", fsdp__fsdp_frozen_params=placement)
+        actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+        frozen = [p for p in actor.model.parameters() if not p.requires_grad]
+        plain = [not isinstance(p, DTensor) for p in frozen]
+        checks[f"frozen_{placement}_placement"] = all(plain) if placement == "replicate" else not any(plain)
+        actor.train_step(make_batch(4, seed=30 + rank), ADV[rank], replay)
+        trained[placement] = full_params(actor.model)
+    checks["replicated_frozen_update_bit_identical_to_sharded"] = exact(trained["auto"], trained["replicate"])
+
+
 def _reference(model, kind, wire):
     """The per-parameter reference: one DTensor.full_tensor() per parameter (iter_sync_tensors)."""
     from trainer.weight_sync import iter_sync_tensors
@@ -335,6 +352,7 @@ def main() -> None:
         else:
             full_checks(info.rank, mesh, result["checks"], result["figures"])
             lora_checks(info.rank, mesh, result["checks"], result["figures"])
+            frozen_placement_checks(info.rank, mesh, result["checks"])
             wave_checks(info.rank, result["checks"])
             if model_dir:
                 real_model_checks(info.rank, mesh, model_dir, result["checks"], result["figures"])

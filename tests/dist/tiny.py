@@ -23,6 +23,7 @@ from trainer.core.names import model_name
 from trainer.flow_grpo import replay_transition_logp
 from trainer.models.qwen_image import QwenImageAdapter
 from trainer.trajectory import Geometry, SamplerSettings, Trajectory
+from trainer.train_model import full_tensor
 
 #: the 8 attention projections LoRA targets on Qwen-Image
 LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -39,7 +40,7 @@ SDE_STEPS = 2      # trained steps per candidate (columns of logp)
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """model name -> a gathered copy of every parameter of an FSDP2-sharded model (collective)."""
-    return {model_name(n): p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    return {model_name(n): full_tensor(p).clone() for n, p in model.named_parameters()}
 
 
 def one_rank_mesh() -> Iterator[Any]:

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 from tests.workers.fs_faults import failing_shard_writes, read_only
 from trainer import checkpoint as ck
+from trainer.train_model import full_tensor
 
 
 def build(seed: int):
@@ -41,7 +42,7 @@ def step(model, opt):
 
 
 def full(model):
-    return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    return {n: full_tensor(p).clone() for n, p in model.named_parameters()}
 
 
 def main():
