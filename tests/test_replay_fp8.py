@@ -6,6 +6,8 @@ refusals."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -47,9 +49,10 @@ def test_frozen_fp8_gemm_forward_is_the_rollouts_fp8_linear_and_backward_uses_th
 
 
 def test_fp8_dgrad_is_the_gemm_of_the_dequantized_operands():
-    """fp8-dgrad: dL/dx is one FP8 GEMM of dL/dy quantized per row and W per input channel, i.e.
-    the exact product of the two dequantized operands, and off the unquantized product by FP8
-    rounding only. The forward is fp8's, bit for bit."""
+    """fp8-dgrad: dL/dx is one FP8 GEMM over the forward's FP8 weight Wq (per output channel
+    scales s) and dL/dy * s quantized per row, i.e. the exact product of the two dequantized
+    operands, and off the unquantized product by FP8 rounding only. The forward is fp8's, bit for
+    bit, and a layer reading a shared FP8 copy computes the same input gradient."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 48, generator=g)
     b = torch.randn(32, generator=g)
@@ -58,11 +61,16 @@ def test_fp8_dgrad_is_the_gemm_of_the_dequantized_operands():
     assert torch.equal(y, frozen_fp8_linear(x.detach(), w, b))
     gy = torch.randn(3, 5, 32, generator=g) * torch.logspace(-6, 2, 5)[None, :, None]  # tokens of any scale
     y.backward(gy)
-    gq, gs = quantize_rowwise(gy.reshape(-1, 32))
-    wq, ws = quantize_rowwise(w.t().contiguous())
-    emulated = ((gq.float() * gs) @ (wq.float() * ws).t()).reshape(3, 5, 48)
+    wq, ws = quantize_rowwise(w)
+    gq, gs = quantize_rowwise(gy.reshape(-1, 32) * ws.reshape(1, -1))
+    emulated = ((gq.float() * gs) @ wq.float()).reshape(3, 5, 48)
     torch.testing.assert_close(x.grad, emulated, rtol=1e-5, atol=0)
-    assert torch.equal(x.grad, fp8_input_grad(gy, w))
+    assert torch.equal(x.grad, fp8_input_grad(gy, wq, ws))
+    shared = x.detach().clone().requires_grad_(True)
+    y_shared = frozen_fp8_linear(shared, w, b, fp8_dgrad=True, quantized=SimpleNamespace(weight_fp8=wq, weight_scale=ws))
+    assert torch.equal(y_shared, y)
+    y_shared.backward(gy)
+    assert torch.equal(shared.grad, x.grad)
     exact = gy @ w
     rel = ((x.grad - exact).norm(dim=-1) / exact.norm(dim=-1))
     assert (rel > 1e-4).all() and (rel < 0.08).all()  # FP8 rounding on every token, whatever its scale
@@ -319,10 +327,11 @@ def test_the_loop_links_the_fp8_replay_only_while_the_engine_stays_on_the_device
         assert run(**refused) == ({}, 0), refused
 
 
-def test_a_compiled_actor_traces_the_linked_fp8_copies(mesh, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp8", "fp8-dgrad"])
+def test_a_compiled_actor_traces_the_linked_fp8_copies(mesh, monkeypatch, precision):
     """--fsdp-compile: dynamo traces a linked layer's read of the engine's buffers (the engine's
-    layer is no submodule of the actor); the compiled update is the eager one's (dynamo's eager
-    backend: the same kernels) with the first ratio exactly 1."""
+    layer is no submodule of the actor), in fp8-dgrad's backward too; the compiled update is the
+    eager one's (dynamo's eager backend: the same kernels) with the first ratio exactly 1."""
     from trainer.core import modules
     from trainer.train_model import share_engine_fp8_weights
 
@@ -331,7 +340,7 @@ def test_a_compiled_actor_traces_the_linked_fp8_copies(mesh, monkeypatch):
     try:
         metrics = []
         for compiled in (False, True):
-            cfg = make_cfg("lora", fsdp__replay_precision="fp8", fsdp__replay_fp8_layers="frozen",
+            cfg = make_cfg("lora", fsdp__replay_precision=precision, fsdp__replay_fp8_layers="frozen",
                            fsdp__fsdp_master_dtype="fp32", fsdp__fsdp_compile=compiled)
             actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
             assert share_engine_fp8_weights(actor.model, _fp8_engine(), ADAPTER.weight_name_map) == (28, 0)

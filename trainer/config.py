@@ -459,8 +459,8 @@ class FsdpConfig:
         "LoRA-wrapped linears in the transformer blocks as rowwise-scaled FP8 GEMMs, quantized from the gathered "
         "weight at each forward, or read from the copy an FP8 engine holding the adapter already made of it; the "
         "input gradient uses the unquantized weight) or 'fp8-dgrad' (as 'fp8', and "
-        "the input gradient's GEMM in FP8 too, the incoming gradient scaled per token and the weight per input "
-        "channel: its rounding then reaches the LoRA gradient as well). The anchor and the replay run the "
+        "the input gradient's GEMM in FP8 too, over the forward's FP8 weight, the incoming gradient scaled per "
+        "token: its rounding then reaches the LoRA gradient as well). The anchor and the replay run the "
         "same FP8 GEMMs, so the first ratio stays exactly 1; the gradients differ from 'default' by the FP8 "
         "rounding (docs/PERFORMANCE.md). --fsdp-trainable-mode lora only; needs an FP8 GPU (compute capability "
         ">= 8.9) on CUDA.",

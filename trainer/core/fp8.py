@@ -14,8 +14,9 @@ The actor's LoRA replay (`--replay-precision fp8`, `FP8FrozenLinear`): the froze
 LoRA-wrapped linear, whose weight FSDP2 gathers for each forward; it is quantized from the
 gathered weight at every call (no persistent copy, so sharding keeps its memory), and the
 gradient w.r.t. the input goes through the unquantized weight (`frozen_fp8_linear`), or, with
-`--replay-precision fp8-dgrad` (`FP8DgradFrozenLinear`), through an FP8 GEMM as well
-(`fp8_input_grad`).
+`--replay-precision fp8-dgrad` (`FP8DgradFrozenLinear`), through an FP8 GEMM as well over the
+forward's FP8 weight (`fp8_input_grad`). A layer linked to an FP8 engine's copy of its weight
+(`share_fp8_weights`) reads that copy in both directions instead of quantizing its weight.
 
 The activation quantization (`quantize_rowwise`) is torch ops, which inductor fuses into the
 compiled blocks with the elementwise work before it (docs/PERFORMANCE.md, "Where the FP8 rollout's
@@ -124,43 +125,57 @@ def requantize_fp8(model: nn.Module) -> int:
 class _FrozenFP8Gemm(torch.autograd.Function):
     """y = fp8_linear(x, q(W), s(W), b) forward; dL/dx = dL/dy @ W backward, with W as given (in
     the compute dtype FSDP2 gathered it in: a straight-through estimate of the quantized GEMM's
-    input gradient), or as fp8_input_grad's FP8 GEMM. W and b are frozen: no gradient is returned
-    for them."""
+    input gradient), or as fp8_input_grad's FP8 GEMM over the forward's q(W), s(W). W and b are
+    frozen: no gradient is returned for them."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 fp8_dgrad: bool, weight_fp8: torch.Tensor | None = None,
                 weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if weight_fp8 is None:
+        shared = weight_fp8 is not None
+        if not shared:
             weight_fp8, weight_scale = quantize_rowwise(weight.detach())
-        # the weight itself is saved, not a derived copy: FSDP2 frees and re-gathers its storage
-        # around backward exactly as for F.linear's saved weight
-        ctx.save_for_backward(weight)
+        weight_scale = weight_scale.reshape(1, -1)
+        # saved: the weight itself, not a derived copy (FSDP2 frees and re-gathers its storage
+        # around backward exactly as for F.linear's saved weight), or the FP8 copy a linked
+        # layer shares (persistent, the engine's); fp8_dgrad re-quantizes the weight otherwise
+        ctx.shared = shared and fp8_dgrad
+        ctx.save_for_backward(*((weight_fp8, weight_scale) if ctx.shared else (weight,)))
         ctx.x_dtype = x.dtype
         ctx.fp8_dgrad = fp8_dgrad
-        return fp8_linear(x, weight_fp8, weight_scale.reshape(1, -1), bias)
+        return fp8_linear(x, weight_fp8, weight_scale, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        if ctx.fp8_dgrad:
-            gx = fp8_input_grad(grad.to(weight.dtype), weight)
+        if ctx.shared:
+            gx = fp8_input_grad(grad, *ctx.saved_tensors)
         else:
-            gx = grad.to(weight.dtype) @ weight
+            (weight,) = ctx.saved_tensors
+            if ctx.fp8_dgrad:
+                gx = fp8_input_grad(grad.to(weight.dtype), *quantize_rowwise(weight.detach()))
+            else:
+                gx = grad.to(weight.dtype) @ weight
         return gx.to(ctx.x_dtype), None, None, None, None, None
 
 
-def fp8_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dL/dx = dL/dy @ W as one FP8 GEMM: dL/dy quantized per row (one scale per token over the
-    N outputs) and W per input channel (a row of W^T: one scale per column of the result), so the
-    same rowwise-scaled _scaled_mm as the forward applies both scales exactly.
+def fp8_input_grad(grad: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """dL/dx = dL/dy @ W as one FP8 GEMM over the forward's own FP8 weight, W ~= diag(s) Wq:
+    dL/dy @ W ~= (dL/dy * s) @ Wq, so the weight's per-output-channel scales s multiply the
+    incoming gradient's columns, which is then quantized per row (one scale per token), and the
+    rowwise-scaled _scaled_mm takes Wq transposed (its input channels as the rows of the GEMM's
+    weight) with unit column scales. Nothing of the weight is quantized again: the backward
+    transposes the FP8 copy (1 byte a weight).
 
-    grad [..., N] and weight [N, K] in the compute dtype -> [..., K] in grad's dtype: fp8_linear
-    with W^T [K, N] as its weight. W^T is copied to row-major before its quantization, so that
-    each of its rows (an input channel) gets its scale.
+    grad [..., N] in the compute dtype; weight_fp8 [N, K] float8_e4m3fn and weight_scale [N]
+    (any shape of N elements) as quantize_rowwise(W) gives them -> [..., K] in grad's dtype.
     """
-    wq, ws = quantize_rowwise(weight.t().contiguous())  # [K, N], one scale per input channel
-    return fp8_linear(grad, wq, ws.reshape(1, -1), None)
+    shape = grad.shape
+    n, k = weight_fp8.shape
+    g = grad.reshape(-1, n).float() * weight_scale.reshape(1, n)
+    gq, gs = quantize_rowwise(g)
+    ones = torch.ones(1, k, dtype=torch.float32, device=grad.device)
+    gx = torch._scaled_mm(gq, weight_fp8.t().contiguous().t(), scale_a=gs, scale_b=ones, out_dtype=grad.dtype)
+    return gx.reshape(*shape[:-1], k)
 
 
 def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -171,12 +186,13 @@ def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     fp8_linear(x, quantize_rowwise(W)) -- W quantized per output channel at this call, x per row
     -- so equal inputs give bit-equal outputs (the anchor and the replay agree: the first ratio is
     exactly 1). Backward: dL/dx = dL/dy @ W with W in its own (compute) dtype, not the FP8 copy;
-    with fp8_dgrad, that GEMM in FP8 too (fp8_input_grad), which adds its rounding to the
-    gradient. min_rows: a call with fewer rows (x's leading dims together) runs F.linear in the
+    with fp8_dgrad, that GEMM in FP8 too over the forward's FP8 weight (fp8_input_grad), which adds
+    its rounding to the gradient. min_rows: a call with fewer rows (x's leading dims together) runs F.linear in the
     compute dtype instead: quantizing the whole weight at every call costs more than an FP8 GEMM
     of a few rows saves (a modulation linear sees one row a sample). quantized: an object whose
     `weight_fp8` / `weight_scale` already hold quantize_rowwise(W) (an FP8 engine's FP8Linear of
-    the same frozen weight, share_fp8_weights), read instead of quantizing W again. Returns
+    the same frozen weight, share_fp8_weights), read instead of quantizing W again, in the
+    forward and in fp8_dgrad's backward alike. Returns
     [..., N] in x's dtype.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
