@@ -193,9 +193,12 @@ def test_candidate_alone_equals_candidate_in_mixed_batch(tiny_model_dir, adapter
 
 
 def test_prompts_encoded_once_and_batched(engine, adapter, sampling, monkeypatch):
+    """A rollout's distinct prompts go through the text encoder once, in one call, and each
+    comes back as encode_prompt gives it alone (cut to its own length, values up to summation
+    order); the candidates are denoised in max_batch_size chunks."""
     calls = []
-    original = engine.encode_prompt
-    monkeypatch.setattr(engine, "encode_prompt", lambda p: calls.append(p) or original(p))
+    original = engine.prompt_encoder
+    monkeypatch.setattr(engine, "prompt_encoder", lambda prompts, *a: calls.append(list(prompts)) or original(prompts, *a))
     sizes = []
     handle = engine.transformer.register_forward_pre_hook(
         lambda mod, args, kwargs: sizes.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
@@ -205,9 +208,19 @@ def test_prompts_encoded_once_and_batched(engine, adapter, sampling, monkeypatch
     finally:
         handle.remove()
         engine.max_batch_size = 8
-    assert sorted(calls) == sorted(PROMPTS)
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(PROMPTS)
     n = sampling.num_inference_steps
     assert sorted(sizes) == sorted([4] * n + [4] * n + [1] * n)
+    together = engine.encode_prompts(PROMPTS)
+    lengths = set()
+    for prompt in PROMPTS:
+        alone = original([prompt], engine.device, engine.max_sequence_length)
+        got = together[prompt]
+        assert got["prompt_embeds"].shape == alone["prompt_embeds"][0].shape
+        assert torch.equal(got["prompt_embeds_mask"], alone["prompt_embeds_mask"][0])
+        torch.testing.assert_close(got["prompt_embeds"], alone["prompt_embeds"][0].to(engine.dtype))
+        lengths.add(got["prompt_embeds"].shape[0])
+    assert len(lengths) > 1  # the prompts differ in length: the batch was padded, and cut back
 
 
 def test_cfg_and_empty_trained_steps_fail_clearly(engine, adapter, sampling):

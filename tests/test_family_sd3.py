@@ -147,6 +147,12 @@ def test_conditions_and_schedule_are_the_pipelines(engine, adapter):
     assert ours["prompt_embeds"].shape == (77 + adapter.max_sequence_length, 32)
     assert torch.equal(ours["prompt_embeds"], pe[0]) and torch.equal(ours["pooled_prompt_embeds"], pp[0])
     assert torch.equal(neg["prompt_embeds"], ne[0]) and torch.equal(neg["pooled_prompt_embeds"], npp[0])
+    # a rollout encodes its prompts in one call: every row keeps the fixed window of a prompt alone
+    together = engine.encode_prompts([PROMPTS[1], ""])
+    for got, alone in ((together[PROMPTS[1]], ours), (together[""], neg)):
+        assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in alone.items()}
+        for k in alone:
+            torch.testing.assert_close(got[k], alone[k])
     for n in (6, 10, 40):
         timesteps, _ = retrieve_timesteps(pipe.scheduler, n, "cpu")
         assert engine.sigma_schedule(512, 512, n) == pipe.scheduler.sigmas.tolist()

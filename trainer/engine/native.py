@@ -57,6 +57,9 @@ from trainer.engine.base import (ENGINE_MODULES, EngineCapabilities, EngineMemor
 
 log = logging.getLogger(__name__)
 
+#: distinct prompts per text-encoder call of a rollout (NativeEngine.encode_prompts)
+PROMPT_BATCH = 16
+
 def _default_adapter(adapter: Any) -> Any:
     """The adapter given, or an instance of the default family's (by its dotpath, so this module
     names no family)."""
@@ -223,8 +226,22 @@ class NativeEngine(EngineMemoryState):
         """The conditioning of one prompt on the device: the adapter's condition tensors, row 0
         (no batch dimension), floating ones in the engine dtype (Qwen-Image: prompt_embeds [T, D],
         prompt_embeds_mask [T] int64)."""
-        encoded = self.prompt_encoder([prompt], self.device, self.max_sequence_length)
-        return {k: (v[0].to(self.dtype) if v.is_floating_point() else v[0]) for k, v in encoded.items()}
+        return self.encode_prompts([prompt])[prompt]
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """encode_prompt of each distinct prompt, PROMPT_BATCH of them per text-encoder call (the
+        adapter's split_prompt_batch cuts the call's rows back to what a prompt alone gives): one
+        forward instead of one a prompt, whose launches dominate a short prompt's encoding. A
+        prompt's values depend on its batch by summation order only."""
+        distinct = list(dict.fromkeys(prompts))
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for start in range(0, len(distinct), PROMPT_BATCH):
+            chunk = distinct[start:start + PROMPT_BATCH]
+            encoded = self.prompt_encoder(chunk, self.device, self.max_sequence_length)
+            for prompt, row in zip(chunk, self.adapter.split_prompt_batch(encoded), strict=True):
+                out[prompt] = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in row.items()}
+        return out
 
     @torch.no_grad()
     def generate(self, requests: list[RolloutRequest]) -> Trajectory | None:
@@ -270,7 +287,7 @@ class NativeEngine(EngineMemoryState):
         """(conditions by key, each request's key, each request's negative key under true CFG else
         None, the number of distinct sources VAE-encoded): every distinct condition encoded once per
         call. A text-only request's key is its prompt string (the negative prompt is then one
-        condition per call); an editing request's is core.media_key's ConditionKey over prompt AND
+        condition per call), and those are encoded together after the others (encode_prompts); an editing request's is core.media_key's ConditionKey over prompt AND
         source content AND size, so two sources under one instruction are two conditions, a
         group's candidates share one, and the negative condition (which sees the source too) is
         one per source. Each source file is read once per call (edit_source.load_source): its key
@@ -280,6 +297,7 @@ class NativeEngine(EngineMemoryState):
         conds: dict[Any, dict[str, torch.Tensor]] = {}
         loaded: dict[str, Any] = {}
         latents: dict[Any, dict[str, torch.Tensor]] = {}  # encode_source's, by (source keys, size)
+        texts: list[str] = []  # the text-only conditions, encoded together after the loop
         guided = requests[0].guidance_scale > 1
         keys, neg_keys = [], []
         self.last_sources = loaded
@@ -290,10 +308,12 @@ class NativeEngine(EngineMemoryState):
                     out.append(None)
                     continue
                 key = self._condition_key(prompt, r, sources)
-                if key not in conds:
-                    conds[key] = (self._encode_with_sources(prompt, sources, (int(r.height), int(r.width)), latents)
-                                  if sources else self.encode_prompt(prompt))
+                if not sources:
+                    texts.append(prompt)  # its key is the prompt itself
+                elif key not in conds:
+                    conds[key] = self._encode_with_sources(prompt, sources, (int(r.height), int(r.width)), latents)
                 out.append(key)
+        conds.update(self.encode_prompts(texts))
         return conds, keys, neg_keys, len(latents)
 
     def _load_sources(self, r: RolloutRequest, loaded: dict[str, Any]) -> list:

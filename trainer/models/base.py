@@ -319,6 +319,10 @@ class GenerativeModelAdapter(Protocol):
                        scheduler_config: dict) -> Any:
         """encode(prompts, device, max_sequence_length) -> {name: [B, ...]}, as the pipeline encodes."""
 
+    def split_prompt_batch(self, encoded: dict[str, Any]) -> list[dict[str, Any]]:
+        """One prompt_encoder call's [B, ...] tensors -> B per-prompt dicts, each as a call with
+        that prompt alone returns it, without the batch dimension (FamilyAdapter's default: row i)."""
+
     def batch_conditions(self, rows: Any) -> dict[str, Any]:
         """Per-candidate condition dicts -> one batch dict of [B, ...] tensors (padded where needed)."""
 
@@ -414,6 +418,14 @@ class FamilyAdapter:
         return model
 
     # -- rollout --------------------------------------------------------------------------
+
+    def split_prompt_batch(self, encoded: dict[str, Any]) -> list[dict[str, Any]]:
+        """Row i of every tensor of one prompt_encoder call over several prompts: what the call
+        with prompt i alone returns, for encoders that pad every prompt to one fixed length (or
+        none). A family whose encoder pads to the batch's longest prompt cuts each row to its
+        own length."""
+        n = len(next(iter(encoded.values())))
+        return [{k: v[i] for k, v in encoded.items()} for i in range(n)]
 
     def build_rollout_request(self, prompt: str, *, group_index: int, slot: int, sample_id: str,
                               sampling: SamplingConfig, sde_indices: list[int], sigmas: list[float],

@@ -356,6 +356,19 @@ class QwenImageAdapter(FamilyAdapter):
         encode.template_start_idx = pipe.prompt_template_encode_start_idx
         return encode
 
+    def split_prompt_batch(self, encoded: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Each prompt's row cut to its own tokens: the pipeline pads a batch of prompts at the end
+        to the longest one (prompt_embeds_mask's zeros), and a prompt alone is not padded."""
+        rows = []
+        for row in super().split_prompt_batch(encoded):
+            mask = row["prompt_embeds_mask"]
+            n = int(mask.sum())
+            if not bool(mask[:n].all()):
+                raise ValueError("prompt_embeds_mask of a batched prompt encoding is not its tokens then padding; "
+                                 "encode the prompts one at a time")
+            rows.append({k: v[:n] for k, v in row.items()})
+        return rows
+
     def latent_geometry(self, vae) -> tuple[int, int]:
         """(vae_scale_factor, latent channels) of the engine's VAE."""
         return vae_scale_factor_from_config(vae.config), int(vae.config.z_dim)
