@@ -568,6 +568,38 @@ def test_the_step_actor_checkpoints_every_kth_block_as_asked(capsys):
             next(gen, None)
 
 
+def test_a_stage_peak_is_its_own_and_the_phase_peak_still_covers_it(tmp_path, monkeypatch):
+    """Reporter.stage_peak: each stage's figure is the peak of its own work, whatever came before;
+    the phase's peak (peak_gb, peak_mem_<phase>) is still the highest of all. A fake allocator
+    stands in for CUDA's counters."""
+    from tools.bench import Reporter
+
+    mem = {"now": 0, "peak": 0}
+
+    def alloc(n):
+        mem["now"] += n
+        mem["peak"] = max(mem["peak"], mem["now"])
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: mem.update(peak=mem["now"]))
+    rep = Reporter(tmp_path / "f.jsonl", torch.device("cuda"), {"shape": "tiny"})
+    peaks = {}
+    alloc(50e9)  # the phase so far (the actor's build)
+    with rep.stage_peak("rollout", peaks):
+        alloc(30e9)
+        alloc(-30e9)
+    with rep.stage_peak("update", peaks):
+        alloc(10e9)
+        alloc(-10e9)
+    assert peaks == {"rollout": 80.0, "update": 60.0}
+    assert rep.peak_gb() == 80.0
+    monkeypatch.setattr("tools.bench.device_name", lambda device: "fake")
+    rep.phase_memory("step")
+    line = json.loads((tmp_path / "f.jsonl").read_text().splitlines()[-1])
+    assert line["figure"] == "peak_mem_step" and line["value"] == 80.0
+    assert rep.peak_floor == 0 and rep.peak_gb() == 50.0  # the next phase starts from what is held
+
+
 def test_replay_variant_out_of_memory_is_a_null_figure(tmp_path):
     """A variant whose build runs out of device memory gives its figure with value null and
     oom: true, and the bench carries on."""

@@ -542,6 +542,8 @@ class Reporter:
     rank: int = 0
     world_size: int = 1
     lines: list[dict[str, Any]] = field(default_factory=list)
+    #: bytes: the phase's peak before the last stage_peak reset it (peak_gb takes it in)
+    peak_floor: int = 0
 
     def reduce(self, value: float, op: str) -> float:
         """MAX / MIN / MEAN of a scalar over ranks (no-op unlaunched)."""
@@ -572,13 +574,31 @@ class Reporter:
                     f.write(text + "\n")
         return line
 
+    def peak_gb(self) -> float | None:
+        """The device's peak allocated memory (GB) since the last phase_memory; None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        return max(self.peak_floor, torch.cuda.max_memory_allocated(self.device)) / 1e9
+
     def phase_memory(self, phase: str) -> None:
         """peak_mem_<phase> (GB, max over ranks) since the last reset; resets the peak. CUDA only."""
         if self.device.type != "cuda":
             return
-        peak = torch.cuda.max_memory_allocated(self.device) / 1e9
-        self.emit(f"peak_mem_{phase}", peak, "GB")
+        self.emit(f"peak_mem_{phase}", self.peak_gb(), "GB")
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak_floor = 0
+
+    @contextlib.contextmanager
+    def stage_peak(self, name: str, out: dict[str, float]) -> Iterator[None]:
+        """out[name] = the peak allocated memory (GB) of the work inside, on its own; the phase's
+        peak (peak_gb, phase_memory) still covers it. CUDA only (out unchanged elsewhere)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        self.peak_floor = max(self.peak_floor, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        out[name] = torch.cuda.max_memory_allocated(self.device) / 1e9
 
 
 #: untimed warm-up steps at most before a compiled step is timed (phase_step): each one that still
@@ -1469,6 +1489,7 @@ def replay_variant(c: Ctx, name: str, build: Callable[[], Any], batch: dict, rep
     _free(c.device)
     if c.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(c.device)
+        c.rep.peak_floor = 0
     if c.rep.reduce(1.0 if oom else 0.0, "max") > 0.5:
         c.rep.emit(f"replay_transitions_per_s_{mode}", None, "transitions/s", mode=mode, variant=name, oom=True,
                    **extra)
@@ -1707,16 +1728,18 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
 
     def timed_step(attempt: int) -> tuple[float, dict[str, float], Any, dict[str, Any]]:
         stages: dict[str, float] = {}
+        peaks: dict[str, float] = {}
         retries = alloc_retries(c.device)
         gc_clock.take()
         with timed(c.device) as total:
             traj, degenerate, metrics, gap, probe_s = _one_step(c, update, actor, syncer, base + attempt, stages,
-                                                                sampling, sde_indices, probe)
+                                                                sampling, sde_indices, probe, peaks=peaks)
         pauses = gc_clock.take()
         counters = {"alloc_retries": None if retries is None
                     else c.rep.reduce(alloc_retries(c.device) - retries, "max"),
                     "gc_s": c.rep.reduce(pauses["perf/gc_time"], "max"),
-                    "gc_full_collections": int(c.rep.reduce(pauses["perf/gc_full_collections"], "max"))}
+                    "gc_full_collections": int(c.rep.reduce(pauses["perf/gc_full_collections"], "max")),
+                    "stage_peak_mem_gb": {k: c.rep.reduce(v, "max") for k, v in sorted(peaks.items())} or None}
         return total[0] - probe_s, stages, (traj, degenerate, metrics, gap), counters
 
     # a timed step that still compiled a graph (a text length or variant the warm-up did not meet)
@@ -1731,7 +1754,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
     finally:
         gc_clock.close()
     stages = {k: c.rep.reduce(v, "max") for k, v in sorted(stages.items())}
-    peak = torch.cuda.max_memory_allocated(c.device) / 1e9 if c.device.type == "cuda" else None
+    peak = c.rep.peak_gb()
     update_figures = {k.split("/", 1)[1]: v for k, v in metrics.items()
                       if k in ("train/optimizer_steps", "train/num_microbatches", "train/nft_old_decay",
                                "train/old_deviation", "train/ratio_mean", "train/ratio_max", "train/ratio_min")}
@@ -1841,19 +1864,22 @@ def emit_onpolicy(c: Ctx, actor, metrics: dict[str, float], gap: dict[str, float
 def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, rollout_id: int,
               stages: dict[str, float], sampling: Any = None, sde_indices: list[int] | None = None,
               probe: Callable[[Any], Any] | None = None,
-              stage_ctx: Callable[[str], Any] = lambda name: contextlib.nullcontext()
-              ) -> tuple[Any, bool, dict[str, float], Any, float]:
+              stage_ctx: Callable[[str], Any] = lambda name: contextlib.nullcontext(),
+              peaks: dict[str, float] | None = None) -> tuple[Any, bool, dict[str, float], Any, float]:
     """The stages of phase_step, their seconds into `stages`; (trajectory, reward degenerate, the
     update's metrics, probe(batch)'s result, probe's seconds). probe runs between the reward and
     the update, outside every stage: the caller takes its seconds off the step's. stage_ctx(name):
     a context each of the rollout, reward, update and sync stages runs inside (--profile-step's
-    profilers), outside its timer."""
+    profilers), outside its timer. peaks: given, each of the rollout's and the update's own peak
+    memory (GB, CUDA) goes into it (Reporter.stage_peak)."""
     a = c.args
     if a.offload:
         with timed(c.device) as t:
             actor.offload()
         stages["actor_offload"] = t[0]
-    with stage_ctx("rollout"):
+    own_peak = (lambda name: c.rep.stage_peak(name, peaks)) if peaks is not None else \
+        (lambda name: contextlib.nullcontext())
+    with stage_ctx("rollout"), own_peak("rollout"):
         traj, stages["rollout"] = rollout(c, rollout_id=rollout_id, sampling=sampling, sde_indices=sde_indices)
     if c.engine.compile_blocks:
         stages["rollout_new_graphs"] = c.engine.last_stats.get("new_graphs", 0.0)
@@ -1870,7 +1896,7 @@ def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, ro
             c.engine.release_memory()
             actor.onload()
         stages["swap_to_train"] = t[0]
-    with stage_ctx("update"), timed(c.device) as t:
+    with stage_ctx("update"), own_peak("update"), timed(c.device) as t:
         metrics = update(batch, adv, valid, rollout_id)
     stages["update"] = t[0]
     if a.offload:
