@@ -141,20 +141,21 @@ class _FrozenFP8Gemm(torch.autograd.Function):
         # layer shares (persistent, the engine's); fp8_dgrad re-quantizes the weight otherwise
         ctx.shared = shared and fp8_dgrad
         ctx.save_for_backward(*((weight_fp8, weight_scale) if ctx.shared else (weight,)))
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.fp8_dgrad = fp8_dgrad
         return fp8_linear(x, weight_fp8, weight_scale, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.shared:
+        grad = grad.to(ctx.w_dtype)
+        if not ctx.fp8_dgrad:
+            (weight,) = ctx.saved_tensors
+            gx = grad @ weight
+        elif ctx.shared:
             gx = fp8_input_grad(grad, *ctx.saved_tensors)
         else:
             (weight,) = ctx.saved_tensors
-            if ctx.fp8_dgrad:
-                gx = fp8_input_grad(grad.to(weight.dtype), *quantize_rowwise(weight.detach()))
-            else:
-                gx = grad.to(weight.dtype) @ weight
+            gx = fp8_input_grad(grad, *quantize_rowwise(weight.detach()))
         return gx.to(ctx.x_dtype), None, None, None, None, None
 
 
@@ -186,13 +187,13 @@ def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     fp8_linear(x, quantize_rowwise(W)) -- W quantized per output channel at this call, x per row
     -- so equal inputs give bit-equal outputs (the anchor and the replay agree: the first ratio is
     exactly 1). Backward: dL/dx = dL/dy @ W with W in its own (compute) dtype, not the FP8 copy;
-    with fp8_dgrad, that GEMM in FP8 too over the forward's FP8 weight (fp8_input_grad), which adds
-    its rounding to the gradient. min_rows: a call with fewer rows (x's leading dims together) runs F.linear in the
-    compute dtype instead: quantizing the whole weight at every call costs more than an FP8 GEMM
-    of a few rows saves (a modulation linear sees one row a sample). quantized: an object whose
-    `weight_fp8` / `weight_scale` already hold quantize_rowwise(W) (an FP8 engine's FP8Linear of
-    the same frozen weight, share_fp8_weights), read instead of quantizing W again, in the
-    forward and in fp8_dgrad's backward alike. Returns
+    with fp8_dgrad, that GEMM in FP8 too over the forward's FP8 weight (fp8_input_grad), which
+    adds its rounding to the gradient. min_rows: a call with fewer rows (x's leading dims
+    together) runs F.linear in the compute dtype instead: quantizing the whole weight at every
+    call costs more than an FP8 GEMM of a few rows saves (a modulation linear sees one row a
+    sample). quantized: an object whose `weight_fp8` / `weight_scale` already hold
+    quantize_rowwise(W) (an FP8 engine's FP8Linear of the same frozen weight, share_fp8_weights),
+    read instead of quantizing W again, in the forward and in fp8_dgrad's backward alike. Returns
     [..., N] in x's dtype.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):

@@ -287,7 +287,8 @@ class NativeEngine(EngineMemoryState):
         """(conditions by key, each request's key, each request's negative key under true CFG else
         None, the number of distinct sources VAE-encoded): every distinct condition encoded once per
         call. A text-only request's key is its prompt string (the negative prompt is then one
-        condition per call), and those are encoded together after the others (encode_prompts); an editing request's is core.media_key's ConditionKey over prompt AND
+        condition per call), and those are encoded together after the others (encode_prompts);
+        an editing request's is core.media_key's ConditionKey over prompt AND
         source content AND size, so two sources under one instruction are two conditions, a
         group's candidates share one, and the negative condition (which sees the source too) is
         one per source. Each source file is read once per call (edit_source.load_source): its key
