@@ -589,10 +589,11 @@ class Reporter:
         self.peak_floor = 0
 
     @contextlib.contextmanager
-    def stage_peak(self, name: str, out: dict[str, float]) -> Iterator[None]:
+    def stage_peak(self, name: str, out: dict[str, float] | None) -> Iterator[None]:
         """out[name] = the peak allocated memory (GB) of the work inside, on its own; the phase's
-        peak (peak_gb, phase_memory) still covers it. CUDA only (out unchanged elsewhere)."""
-        if self.device.type != "cuda":
+        peak (peak_gb, phase_memory) still covers it. CUDA only (out unchanged elsewhere, and
+        nothing measured for out None)."""
+        if out is None or self.device.type != "cuda":
             yield
             return
         self.peak_floor = max(self.peak_floor, torch.cuda.max_memory_allocated(self.device))
@@ -1877,9 +1878,7 @@ def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, ro
         with timed(c.device) as t:
             actor.offload()
         stages["actor_offload"] = t[0]
-    own_peak = (lambda name: c.rep.stage_peak(name, peaks)) if peaks is not None else \
-        (lambda name: contextlib.nullcontext())
-    with stage_ctx("rollout"), own_peak("rollout"):
+    with stage_ctx("rollout"), c.rep.stage_peak("rollout", peaks):
         traj, stages["rollout"] = rollout(c, rollout_id=rollout_id, sampling=sampling, sde_indices=sde_indices)
     if c.engine.compile_blocks:
         stages["rollout_new_graphs"] = c.engine.last_stats.get("new_graphs", 0.0)
@@ -1896,7 +1895,7 @@ def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, ro
             c.engine.release_memory()
             actor.onload()
         stages["swap_to_train"] = t[0]
-    with stage_ctx("update"), own_peak("update"), timed(c.device) as t:
+    with stage_ctx("update"), c.rep.stage_peak("update", peaks), timed(c.device) as t:
         metrics = update(batch, adv, valid, rollout_id)
     stages["update"] = t[0]
     if a.offload:
