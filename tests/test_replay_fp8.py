@@ -260,15 +260,20 @@ def test_the_fp8_replay_reads_the_engines_fp8_copy_and_computes_the_same_bits(me
     """share_engine_fp8_weights: every FP8 layer of a sharded actor (LoRA bases, MLPs, modulation)
     links to the engine's FP8 copy of the same weight; the first update's log-probs and its
     ratio of exactly 1 do not move by a bit, and the linked layers read the engine's copy (a
-    changed copy changes the replay) without the engine's layers joining the actor's modules. An
-    engine of other weights, or one that still holds its bf16 weights, is not linked."""
+    changed copy changes the replay) without the engine's layers joining the actor's modules. A
+    linked layer runs the engine's FP8 GEMM on calls of any number of rows (the modulation's 4
+    here, under the row floor of 8 an unlinked layer keeps: the actor quantizing its own weights
+    is built without that floor to compute the same bits). An engine of other weights, or one
+    that still holds its bf16 weights, is not linked."""
     from trainer.core.fp8 import FP8Linear, restore_frozen_linears
     from trainer.train_model import share_engine_fp8_weights
 
-    monkeypatch.setattr("trainer.train_model.FP8_FROZEN_MIN_ROWS", 8)
     cfg = make_cfg("lora", fsdp__replay_precision="fp8-dgrad", fsdp__replay_fp8_layers="frozen")
+    monkeypatch.setattr("trainer.train_model.FP8_FROZEN_MIN_ROWS", 0)
     own = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    monkeypatch.setattr("trainer.train_model.FP8_FROZEN_MIN_ROWS", 8)
     shared = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    assert {m.fp8_min_rows for m in shared.model.modules() if isinstance(m, FP8FrozenLinear)} == {0, 8}
     engine = _fp8_engine()
     names = ADAPTER.weight_name_map
     assert share_engine_fp8_weights(shared.model, engine, names) == (28, 0)
@@ -288,11 +293,14 @@ def test_the_fp8_replay_reads_the_engines_fp8_copy_and_computes_the_same_bits(me
     assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
     for a, b in zip(own.trainable, shared.trainable):  # the same update, bit for bit
         assert torch.equal(a.to_local(), b.to_local())
-    # the linked layers read the engine's copy: zeroing one (a LoRA base, no row floor) changes the replay
-    with torch.no_grad():
-        before = replay(shared.model, batch)
-        next(m for m in linked if m.fp8_min_rows == 0).fp8_source.weight_fp8.zero_()
-        assert not torch.equal(replay(shared.model, batch), before)
+    # the linked layers read the engine's copy: zeroing one, a LoRA base or a modulation linear
+    # (called with 4 rows, under its row floor), changes the replay
+    modulation = next(n for n, m in shared.model.named_modules() if m in linked and n.endswith("img_mod.1"))
+    for layer in (next(m for m in linked if m.fp8_min_rows == 0), shared.model.get_submodule(modulation)):
+        with torch.no_grad():
+            before = replay(shared.model, batch)
+            layer.fp8_source.weight_fp8.zero_()
+            assert not torch.equal(replay(shared.model, batch), before)
     restore_frozen_linears(shared.model)
     assert not any("fp8_source" in m.__dict__ for m in shared.model.modules())
 
@@ -312,27 +320,85 @@ def test_the_loop_links_the_fp8_replay_only_while_the_engine_stays_on_the_device
 
     from trainer.loop import Trainer
 
-    cfg = make_cfg("lora", fsdp__replay_precision="fp8", fsdp__replay_fp8_layers="frozen")
-
     def run(offload_rollout=False, kind="adapter", precision="fp8"):
+        cfg = make_cfg("lora", fsdp__replay_precision="fp8" if precision == "default" else precision,
+                       fsdp__replay_fp8_layers="frozen")
         actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
         r = NS(actor=actor, engine=_fp8_engine(), adapter=ADAPTER, syncer=NS(kind=kind), load_metrics={}, rank=0,
-               cfg=NS(fsdp=NS(replay_precision=precision, fsdp_param_dtype="fp32"),
-                      colocate=NS(offload_rollout=offload_rollout)))
+               device=torch.device("cpu"), cfg=NS(fsdp=NS(replay_precision=precision, fsdp_param_dtype="fp32"),
+                                                  colocate=NS(offload_rollout=offload_rollout)))
         Trainer.share_fp8_weights(r)
         return r.load_metrics, sum(getattr(m, "fp8_source", None) is not None for m in actor.model.modules())
 
-    assert run() == ({"perf/replay_fp8_shared_layers": 28.0}, 28)
+    assert run() == ({"perf/replay_fp8_shared_layers": 28.0, "perf/replay_fp8_released_gb": 0.0}, 28)
+    metrics, linked = run(precision="fp8-dgrad")  # the linked layers' own weights are freed
+    assert linked == 28 and metrics["perf/replay_fp8_released_gb"] == pytest.approx(_linked_weight_bytes() / 1e9)
     for refused in (dict(offload_rollout=True), dict(kind="full"), dict(precision="default")):
         assert run(**refused) == ({}, 0), refused
+
+
+def _linked_weight_bytes() -> int:
+    """The bytes of the tiny DiT's block linears' weights, in the fp32 the tests' actors keep."""
+    dit = tiny_transformer()
+    return sum(m.weight.numel() * 4 for m in dit.transformer_blocks.modules() if type(m) is nn.Linear)
+
+
+def test_fp8_dgrad_frees_the_linked_weights_and_computes_the_same_bits(mesh):
+    """release_linked_weights: under fp8-dgrad a linked layer reads only the engine's FP8 copy, in
+    its forward and its input gradient, so its own weight goes: the parameter leaves the module
+    (and the checkpoint's state dict) and its storage is freed even while a reference to it lives
+    on. The replay and the update are the linked-and-kept actor's bit for bit, the first ratio
+    exactly 1; a second link finds the released layers linked. Nothing switches their precision
+    afterwards; fp8's layers (their input gradient reads the weight) keep theirs."""
+    from trainer.core.fp8 import release_linked_weights
+    from trainer.train_model import share_engine_fp8_weights
+
+    cfg = make_cfg("lora", fsdp__replay_precision="fp8-dgrad", fsdp__replay_fp8_layers="frozen")
+    kept = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    freed = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    engine = _fp8_engine()
+    for actor in (kept, freed):
+        assert share_engine_fp8_weights(actor.model, engine, ADAPTER.weight_name_map) == (28, 0)
+    params = dict(freed.model.named_parameters())
+    held = [m.weight for m in freed.model.modules() if getattr(m, "fp8_source", None) is not None]
+    assert release_linked_weights(freed.model) == (28, _linked_weight_bytes())
+    assert all(w.untyped_storage().nbytes() == 0 for w in held)  # freed, though `held` still points at them
+    gone = set(params) - set(dict(freed.model.named_parameters()))
+    assert len(gone) == 28 and all(n.endswith(".weight") for n in gone)
+    assert not gone & set(freed.model.state_dict())
+    assert release_linked_weights(freed.model) == (0, 0)
+    assert share_engine_fp8_weights(freed.model, engine, ADAPTER.weight_name_map) == (28, 0)
+
+    batch = make_batch(4)
+    with torch.no_grad():
+        assert torch.equal(replay(freed.model, batch), replay(kept.model, batch))
+    for actor in (kept, freed):
+        actor.anchor_from_first_update = False
+        actor.train_step(make_batch(4), ADV, replay)
+        first = actor.last_update_stats[0]
+        assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+    for a, b in zip(kept.trainable, freed.trainable):
+        assert torch.equal(a.to_local(), b.to_local())
+    with pytest.raises(RuntimeError, match="released their weights"):
+        set_replay_precision(freed.model, "default")
+    with pytest.raises(RuntimeError, match="released"):
+        frozen_fp8_linear(torch.randn(2, 16), None, None, fp8_dgrad=True)
+
+    fp8 = Actor(tiny_transformer(), mesh, make_cfg("lora", fsdp__replay_precision="fp8", fsdp__replay_fp8_layers="frozen"),
+                device=torch.device("cpu"), adapter=ADAPTER)
+    assert share_engine_fp8_weights(fp8.model, engine, ADAPTER.weight_name_map) == (28, 0)
+    assert release_linked_weights(fp8.model) == (0, 0)
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8-dgrad"])
 def test_a_compiled_actor_traces_the_linked_fp8_copies(mesh, monkeypatch, precision):
     """--fsdp-compile: dynamo traces a linked layer's read of the engine's buffers (the engine's
     layer is no submodule of the actor), in fp8-dgrad's backward too; the compiled update is the
-    eager one's (dynamo's eager backend: the same kernels) with the first ratio exactly 1."""
+    eager one's (dynamo's eager backend: the same kernels) with the first ratio exactly 1. The
+    compiled fp8-dgrad actor has freed its linked weights (release_linked_weights): the graph
+    reads only the engine's copies."""
     from trainer.core import modules
+    from trainer.core.fp8 import release_linked_weights
     from trainer.train_model import share_engine_fp8_weights
 
     monkeypatch.setitem(modules.REGIONAL_COMPILE_KWARGS, "backend", "eager")
@@ -344,6 +410,8 @@ def test_a_compiled_actor_traces_the_linked_fp8_copies(mesh, monkeypatch, precis
                            fsdp__fsdp_master_dtype="fp32", fsdp__fsdp_compile=compiled)
             actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
             assert share_engine_fp8_weights(actor.model, _fp8_engine(), ADAPTER.weight_name_map) == (28, 0)
+            if compiled:
+                assert release_linked_weights(actor.model)[0] == (28 if precision == "fp8-dgrad" else 0)
             metrics.append(actor.train_step(make_batch(4), ADV, replay))
             first = actor.last_update_stats[0]
             assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()

@@ -848,6 +848,8 @@ class Ctx:
     step_profiled: bool = False
     #: the actor's FP8 replay layers whose weight's FP8 copy differed from the engine's (share_fp8_weights)
     replay_fp8_mismatched: int = 0
+    #: the actor's linked layers whose own weights were freed, and their bytes (share_fp8_weights)
+    replay_fp8_released: tuple[int, int] = (0, 0)
     #: the step's FP8 replay variant, (layers, sharing): --replay-fp8-variants' first entry, then
     #: the one phase_steps runs
     replay_fp8_variant: tuple[str, str] = ("lora-base", "on")
@@ -1598,6 +1600,9 @@ def phase_offload(c: Ctx, actor, mode: str) -> None:
 
 #: --algorithms: the updates phase_step times
 ALGORITHMS = ("flowgrpo", "nft")
+#: --replay-fp8-sharing: link the actor's FP8 layers to the engine's copies and free the weights
+#: that leaves unread (fp8-dgrad), link and keep them, or quantize at every forward
+REPLAY_FP8_SHARING = ("on", "keep", "off")
 #: --old-logprob-source: where the FlowGRPO step's pi_old comes from (the trainer's flag)
 OLD_LOGPROB_SOURCES = ("replay", "rollout")
 
@@ -1764,6 +1769,8 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                engine_fp8_weights_dropped=getattr(c.engine, "fp8_weights_dropped", 0),
                replay_fp8_shared_layers=sum(getattr(m, "fp8_source", None) is not None for m in actor.model.modules()),
                replay_fp8_mismatched_layers=c.replay_fp8_mismatched,
+               replay_fp8_released_layers=c.replay_fp8_released[0],
+               replay_fp8_released_gb=c.replay_fp8_released[1] / 1e9,
                new_graphs=new_graphs, update=update_figures, rollout_split=rollout_split(c), **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
@@ -1777,7 +1784,9 @@ def share_fp8_weights(c: Ctx, actor) -> None:
     """As the trainer's loop does once the engine holds the adapter: an FP8 replay reads the FP8
     engine's copies of the frozen weights (train_model.share_engine_fp8_weights), unless
     --offload (the engine's modules leave the device during the update) or the step's variant has
-    --replay-fp8-sharing off."""
+    --replay-fp8-sharing off; with sharing on, fp8-dgrad's linked layers then free their own
+    weights (core.fp8.release_linked_weights), as the loop's do, and keep leaves them."""
+    from trainer.core.fp8 import release_linked_weights
     from trainer.train_model import share_engine_fp8_weights
 
     a = c.args
@@ -1786,6 +1795,9 @@ def share_fp8_weights(c: Ctx, actor) -> None:
         return
     _, c.replay_fp8_mismatched = share_engine_fp8_weights(actor.model, c.engine, c.adapter.weight_name_map,
                                                           c.dtype)
+    if c.replay_fp8_variant[1] == "on":
+        c.replay_fp8_released = release_linked_weights(actor.model)
+        _free(c.device)
 
 
 def kernel_shares(c: Ctx, averages) -> tuple[dict[str, float], float]:
@@ -2192,10 +2204,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replay-fp8-layers", choices=REPLAY_FP8_LAYERS, default="lora-base",
                    help="with --replay-precision fp8 / fp8-dgrad: the LoRA base layers only, or every frozen block "
                         "linear (the trainer's --replay-fp8-layers)")
-    p.add_argument("--replay-fp8-sharing", choices=("on", "off"), default="on",
+    p.add_argument("--replay-fp8-sharing", choices=REPLAY_FP8_SHARING, default="on",
                    help="with --replay-precision fp8 / fp8-dgrad and --rollout-precision fp8: on: the actor's FP8 "
                         "layers read the engine's FP8 copies of their frozen weights, linked after the step's first "
-                        "adapter sync as the trainer links them; off: they quantize their weight at every forward")
+                        "adapter sync as the trainer links them, and under fp8-dgrad free their own weights, which "
+                        "nothing reads any more (the trainer does too; no later variant can switch them back); keep: "
+                        "linked, their weights kept; off: they quantize their weight at every forward")
     p.add_argument("--replay-fp8-variants", nargs="+", default=None, metavar="LAYERS:SHARING",
                    help="the step phase once per entry (e.g. lora-base:off frozen:on), on the same actor and engine, "
                         "switching in between: FP8 replay variants compared in one process. The first entry builds "
@@ -2245,10 +2259,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     variants = args.replay_fp8_variants or [f"{args.replay_fp8_layers}:{args.replay_fp8_sharing}"]
     args.replay_fp8_variants = [tuple(v.split(":", 1)) for v in variants]
-    for v, (layers, *sharing) in zip(variants, args.replay_fp8_variants):
-        if layers not in REPLAY_FP8_LAYERS or sharing not in (["on"], ["off"]):
+    for i, (v, (layers, *sharing)) in enumerate(zip(variants, args.replay_fp8_variants)):
+        if layers not in REPLAY_FP8_LAYERS or len(sharing) != 1 or sharing[0] not in REPLAY_FP8_SHARING:
             p.error(f"--replay-fp8-variants {v}: each entry is LAYERS:SHARING with LAYERS one of {REPLAY_FP8_LAYERS} "
-                    "and SHARING on or off (e.g. lora-base:off frozen:on)")
+                    f"and SHARING one of {REPLAY_FP8_SHARING} (e.g. lora-base:off frozen:on)")
+        if args.replay_precision == "fp8-dgrad" and sharing == ["on"] and i < len(variants) - 1:
+            p.error(f"--replay-fp8-variants {v}: with --replay-precision fp8-dgrad, sharing on frees the actor's "
+                    "linked weights, so no later entry could switch its layers: put it last, or use "
+                    f"{layers}:keep here")
     video = args.family == "wan"
     if video:  # FlowGRPO's Wan geometry (33 x 240 x 416) at the real shape, 5 x 32 x 32 at the tiny one
         height, width = (240, 416) if args.shape == "real" else (32, 32)

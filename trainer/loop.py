@@ -550,8 +550,12 @@ class Trainer:
         above), the actor's FP8 layers read the engine's FP8 copies of their frozen weights
         instead of quantizing them at every forward (train_model.share_engine_fp8_weights; byte
         for byte the same, checked). Not under --offload-rollout, where the engine's modules leave
-        the device during the update. perf/replay_fp8_shared_layers counts them."""
+        the device during the update. perf/replay_fp8_shared_layers counts them. Under
+        --replay-precision fp8-dgrad a linked layer reads that copy in both directions, so the
+        actor's own copy of its weight is freed (core.fp8.release_linked_weights; only a frozen
+        base kept whole, --fsdp-frozen-params): perf/replay_fp8_released_gb."""
         from trainer.core.dtypes import resolve_dtype
+        from trainer.core.fp8 import release_linked_weights
         from trainer.train_model import share_engine_fp8_weights
 
         if (self.actor.mode != "lora" or self.cfg.fsdp.replay_precision == "default"
@@ -563,8 +567,14 @@ class Trainer:
         if mismatched:
             log.warning("%d of the actor's FP8 replay layers differ from the engine's FP8 copy of their weight; "
                         "they quantize their own weight at every forward", mismatched)
-        elif linked and self.rank == 0:
-            log.info("the actor's FP8 replay reads the engine's FP8 weights of %d layers", linked)
+        released, nbytes = release_linked_weights(self.actor.model) if linked else (0, 0)
+        if linked:
+            self.load_metrics["perf/replay_fp8_released_gb"] = nbytes / 1e9
+        if released and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if linked and not mismatched and self.rank == 0:
+            log.info("the actor's FP8 replay reads the engine's FP8 weights of %d layers%s", linked,
+                     f" and freed its own copies of {released} of them ({nbytes / 1e9:.1f} GB)" if released else "")
 
     # -- one step ------------------------------------------------------------------------------
     def step(self, k: int) -> dict[str, float]:

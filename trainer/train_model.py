@@ -75,6 +75,8 @@ REPLAY_FP8_LAYERS = ("lora-base", "frozen")
 #: --replay-fp8-layers frozen: a linear without an adapter runs its FP8 GEMM only on calls of at
 #: least this many rows. Its weight is quantized at every call, which costs more than an FP8 GEMM
 #: of a few rows saves: a modulation linear sees one row a sample and keeps the compute dtype
+#: (unless linked to an FP8 engine's copy of its weight, share_engine_fp8_weights: nothing to
+#: quantize then, and every call runs the engine's FP8 GEMM)
 FP8_FROZEN_MIN_ROWS = 128
 
 

@@ -16,7 +16,9 @@ gathered weight at every call (no persistent copy, so sharding keeps its memory)
 gradient w.r.t. the input goes through the unquantized weight (`frozen_fp8_linear`), or, with
 `--replay-precision fp8-dgrad` (`FP8DgradFrozenLinear`), through an FP8 GEMM as well over the
 forward's FP8 weight (`fp8_input_grad`). A layer linked to an FP8 engine's copy of its weight
-(`share_fp8_weights`) reads that copy in both directions instead of quantizing its weight.
+(`share_fp8_weights`) reads that copy in both directions instead of quantizing its weight, on
+every call, and under fp8-dgrad no longer reads its own weight at all: `release_linked_weights`
+frees it (the actor's largest share of memory on one GPU).
 
 The activation quantization (`quantize_rowwise`) is torch ops, which inductor fuses into the
 compiled blocks with the elementwise work before it (docs/PERFORMANCE.md, "Where the FP8 rollout's
@@ -129,9 +131,9 @@ class _FrozenFP8Gemm(torch.autograd.Function):
     frozen: no gradient is returned for them."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 fp8_dgrad: bool, weight_fp8: torch.Tensor | None = None,
-                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                weight_scale: torch.Tensor | None = None, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
         shared = weight_fp8 is not None
         if not shared:
             weight_fp8, weight_scale = quantize_rowwise(weight.detach())
@@ -141,7 +143,8 @@ class _FrozenFP8Gemm(torch.autograd.Function):
         # layer shares (persistent, the engine's); fp8_dgrad re-quantizes the weight otherwise
         ctx.shared = shared and fp8_dgrad
         ctx.save_for_backward(*((weight_fp8, weight_scale) if ctx.shared else (weight,)))
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        # a released weight (release_linked_weights) leaves its dtype behind: the gradient's cast
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype if weight is not None else weight_dtype
         ctx.fp8_dgrad = fp8_dgrad
         return fp8_linear(x, weight_fp8, weight_scale, bias)
 
@@ -156,7 +159,7 @@ class _FrozenFP8Gemm(torch.autograd.Function):
         else:
             (weight,) = ctx.saved_tensors
             gx = fp8_input_grad(grad, *quantize_rowwise(weight.detach()))
-        return gx.to(ctx.x_dtype), None, None, None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None, None
 
 
 def fp8_input_grad(grad: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -179,8 +182,9 @@ def fp8_input_grad(grad: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: t
     return gx.reshape(*shape[:-1], k)
 
 
-def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                      fp8_dgrad: bool = False, min_rows: int = 0, quantized: Any = None) -> torch.Tensor:
+def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, *,
+                      fp8_dgrad: bool = False, min_rows: int = 0, quantized: Any = None,
+                      weight_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The frozen base GEMM of a LoRA-wrapped linear in FP8, differentiable w.r.t. x only.
 
     x [..., K] (bf16/fp32); weight [N, K], bias [N] or None, both frozen. Forward:
@@ -193,15 +197,24 @@ def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     call costs more than an FP8 GEMM of a few rows saves (a modulation linear sees one row a
     sample). quantized: an object whose `weight_fp8` / `weight_scale` already hold
     quantize_rowwise(W) (an FP8 engine's FP8Linear of the same frozen weight, share_fp8_weights),
-    read instead of quantizing W again, in the forward and in fp8_dgrad's backward alike. Returns
-    [..., N] in x's dtype.
+    read instead of quantizing W again, in the forward and in fp8_dgrad's backward alike, on
+    calls of any number of rows (min_rows prices the quantization such a copy saves: the few rows
+    of a modulation linear run the engine's own FP8 GEMM). weight None: released
+    (release_linked_weights), only with `quantized` and fp8_dgrad, which never read it;
+    weight_dtype then names the dtype it had (the incoming gradient's cast). Returns [..., N] in
+    x's dtype.
     """
-    if weight.requires_grad or (bias is not None and bias.requires_grad):
+    if weight is None:
+        if quantized is None or not fp8_dgrad or weight_dtype is None:
+            raise RuntimeError("this frozen layer's weight was released (release_linked_weights): only an FP8 input "
+                               "gradient over its linked FP8 copy can run it, with the dtype the weight had")
+    elif weight.requires_grad or (bias is not None and bias.requires_grad):
         raise RuntimeError("frozen_fp8_linear is for frozen weights (the LoRA base): this weight trains")
+    if quantized is not None:
+        return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad, quantized.weight_fp8, quantized.weight_scale,
+                                    weight_dtype)
     if min_rows and x.numel() // x.shape[-1] < min_rows:
         return F.linear(x, weight, bias)
-    if quantized is not None:
-        return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad, quantized.weight_fp8, quantized.weight_scale)
     return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad)
 
 
@@ -212,16 +225,18 @@ class FP8FrozenLinear(nn.Linear):
     `restore_frozen_linears` turns it back."""
 
     fp8_dgrad = False
-    #: calls with fewer rows run the compute dtype's GEMM (frozen_fp8_linear's min_rows); set per
-    #: layer by convert_frozen_to_fp8
+    #: calls with fewer rows run the compute dtype's GEMM (frozen_fp8_linear's min_rows), unless
+    #: linked (fp8_source); set per layer by convert_frozen_to_fp8
     fp8_min_rows = 0
     #: an FP8 engine's FP8Linear holding this frozen weight's FP8 copy (share_fp8_weights), or
     #: None: the weight is quantized at each call. Kept in the instance dict, not as a submodule
     fp8_source = None
+    #: the dtype of a weight release_linked_weights freed (`weight` is then None); None: not released
+    fp8_released_dtype = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_fp8_linear(x, self.weight, self.bias, fp8_dgrad=self.fp8_dgrad, min_rows=self.fp8_min_rows,
-                                 quantized=self.fp8_source)
+                                 quantized=self.fp8_source, weight_dtype=self.fp8_released_dtype)
 
 
 class FP8DgradFrozenLinear(FP8FrozenLinear):
@@ -251,8 +266,14 @@ def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, m
 
 def restore_frozen_linears(model: nn.Module) -> int:
     """Every FP8FrozenLinear (or FP8DgradFrozenLinear) under `model` back to a plain nn.Linear (the
-    bf16 / fp32 GEMM). Returns how many."""
+    bf16 / fp32 GEMM). Returns how many. Raises, changing nothing, when a layer's weight was
+    released (release_linked_weights): there is no weight to go back to."""
     layers = [m for m in model.modules() if isinstance(m, FP8FrozenLinear)]
+    released = sum(m.fp8_released_dtype is not None for m in layers)
+    if released:
+        raise RuntimeError(f"{released} of the model's FP8 layers released their weights (release_linked_weights: "
+                           "they read only an FP8 engine's copies): they cannot change precision again; build the "
+                           "actor anew from the model's weights")
     for m in layers:
         m.__class__ = nn.Linear
         m.__dict__.pop("fp8_min_rows", None)
@@ -268,13 +289,18 @@ def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.
     A pair is linked only where the engine's copy equals quantize_rowwise of the layer's weight
     byte for byte (checked here, once; a DTensor weight is gathered for it, and cast to
     `compute_dtype`, the dtype its forward sees it in: FSDP2's param_dtype, None for the stored
-    one), so every output stays what the layer computed before. Every rank of a sharded actor
-    must call it with the same names. Returns (linked, mismatched)."""
+    one), so every output of its FP8 GEMM stays what the layer computed before; a call under the
+    layer's fp8_min_rows, which ran the compute dtype's GEMM, now runs the engine's FP8 one (what
+    the sampler ran). Every rank of a sharded actor must call it with the same names. Returns
+    (linked, mismatched)."""
     linked = mismatched = 0
     for name, layer in layers.items():
         if not isinstance(layer, FP8FrozenLinear):
             continue
         source = engine_layers.get(name)
+        if layer.weight is None:  # released after an earlier link, which stays: its weight equalled that copy
+            linked += 1
+            continue
         weight = layer.weight.detach()
         if hasattr(weight, "full_tensor"):  # a collective: gathered before any skip, on every rank alike
             weight = weight.full_tensor()
@@ -290,3 +316,32 @@ def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.
         else:
             mismatched += 1
     return linked, mismatched
+
+
+def release_linked_weights(model: nn.Module) -> tuple[int, int]:
+    """Free the weight of every FP8DgradFrozenLinear under `model` that is linked to an FP8
+    engine's copy of it (share_fp8_weights): its forward reads that copy on every call and its
+    input gradient is an FP8 GEMM over the same copy, so the weight itself is never read again.
+    `weight` becomes None (the layer keeps its bias, and its dtype in `fp8_released_dtype`), and
+    a storage the weight alone holds is freed at once, whatever else still references the tensor
+    (a sync plan's record of the module tree). Only a plain tensor -- the frozen base kept whole
+    outside FSDP2 (--fsdp-frozen-params) -- is released: a DTensor's shard lives in FSDP2's
+    buffers. Nothing can change the layer's precision afterwards (restore_frozen_linears raises).
+    Returns (layers released, their weights' bytes)."""
+    from torch.distributed.tensor import DTensor
+
+    n = freed = 0
+    for m in model.modules():
+        if not (isinstance(m, FP8DgradFrozenLinear) and m.fp8_source is not None and m.weight is not None
+                and not isinstance(m.weight, DTensor)):
+            continue
+        w = m.weight
+        m.__dict__["fp8_released_dtype"] = w.dtype
+        m.weight = None
+        nbytes = w.numel() * w.element_size()
+        st = w.untyped_storage()
+        if st.nbytes() == nbytes and st.resizable():
+            st.resize_(0)
+        freed += nbytes
+        n += 1
+    return n, freed
