@@ -470,7 +470,8 @@ class FsdpConfig:
         "Which frozen linears of the transformer blocks --replay-precision fp8 / fp8-dgrad puts in FP8: "
         "'lora-base' (the base layers of the LoRA-wrapped linears) or 'frozen' (those and every other frozen "
         "block linear: with LoRA on the attention, the MLPs and the modulation; a layer without an adapter "
-        "runs FP8 only on calls of 128 rows or more, so the modulation's few rows keep the compute dtype). "
+        "runs FP8 only on calls of 128 rows or more, so the modulation's few rows keep the compute dtype, "
+        "unless it reads the FP8 engine's copy of its weight, which costs no quantization). "
         "More of the update in FP8, more FP8 rounding in the gradients (docs/PERFORMANCE.md).",
     )
     fsdp_cpu_offload: bool = _flag(
