@@ -243,6 +243,20 @@ def test_recorded_old_logprobs_with_an_fp8_replay_are_warned_about(base):  # noq
     assert not [w for w in warnings_of(base + lora) if w.startswith("--old-logprob-source")]
 
 
+def _same_replay_and_update(a: Actor, b: Actor) -> None:
+    """Two actors replay a batch to the same bits, and one update with separate anchors leaves
+    them with the same LoRA weights, bit for bit, each first ratio exactly 1."""
+    with torch.no_grad():
+        assert torch.equal(replay(a.model, make_batch(4)), replay(b.model, make_batch(4)))
+    for actor in (a, b):
+        actor.anchor_from_first_update = False
+        actor.train_step(make_batch(4), ADV, replay)
+        first = actor.last_update_stats[0]
+        assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
+    for x, y in zip(a.trainable, b.trainable):
+        assert torch.equal(x.to_local(), y.to_local())
+
+
 def _fp8_engine(seed: int = 0):
     """What share_engine_fp8_weights reads of an FP8 engine that holds LoRA: its transformer with
     every eligible block linear an FP8Linear (the tiny DiT, seeded like the actor's), precision
@@ -284,15 +298,7 @@ def test_the_fp8_replay_reads_the_engines_fp8_copy_and_computes_the_same_bits(me
     assert not any(isinstance(m, FP8Linear) for m in shared.model.modules())
 
     batch = make_batch(4)
-    with torch.no_grad():
-        assert torch.equal(replay(shared.model, batch), replay(own.model, batch))
-    for actor in (own, shared):
-        actor.anchor_from_first_update = False
-        actor.train_step(make_batch(4), ADV, replay)
-    first = shared.last_update_stats[0]
-    assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
-    for a, b in zip(own.trainable, shared.trainable):  # the same update, bit for bit
-        assert torch.equal(a.to_local(), b.to_local())
+    _same_replay_and_update(own, shared)
     # the linked layers read the engine's copy: zeroing one, a LoRA base or a modulation linear
     # (called with 4 rows, under its row floor), changes the replay
     modulation = next(n for n, m in shared.model.named_modules() if m in linked and n.endswith("img_mod.1"))
@@ -369,16 +375,7 @@ def test_fp8_dgrad_frees_the_linked_weights_and_computes_the_same_bits(mesh):
     assert release_linked_weights(freed.model) == (0, 0)
     assert share_engine_fp8_weights(freed.model, engine, ADAPTER.weight_name_map) == (28, 0)
 
-    batch = make_batch(4)
-    with torch.no_grad():
-        assert torch.equal(replay(freed.model, batch), replay(kept.model, batch))
-    for actor in (kept, freed):
-        actor.anchor_from_first_update = False
-        actor.train_step(make_batch(4), ADV, replay)
-        first = actor.last_update_stats[0]
-        assert first["ratio_max"].item() == 1.0 == first["ratio_min"].item()
-    for a, b in zip(kept.trainable, freed.trainable):
-        assert torch.equal(a.to_local(), b.to_local())
+    _same_replay_and_update(kept, freed)
     with pytest.raises(RuntimeError, match="released their weights"):
         set_replay_precision(freed.model, "default")
     with pytest.raises(RuntimeError, match="released"):
