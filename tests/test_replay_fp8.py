@@ -374,6 +374,8 @@ def test_fp8_dgrad_frees_the_linked_weights_and_computes_the_same_bits(mesh):
     assert not gone & set(freed.model.state_dict())
     assert release_linked_weights(freed.model) == (0, 0)
     assert share_engine_fp8_weights(freed.model, engine, ADAPTER.weight_name_map) == (28, 0)
+    with pytest.raises(RuntimeError, match="released its weight after linking to another engine"):
+        share_engine_fp8_weights(freed.model, _fp8_engine(), ADAPTER.weight_name_map)
 
     _same_replay_and_update(kept, freed)
     with pytest.raises(RuntimeError, match="released their weights"):

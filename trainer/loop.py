@@ -572,7 +572,7 @@ class Trainer:
             self.load_metrics["perf/replay_fp8_released_gb"] = nbytes / 1e9
         if released and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if linked and not mismatched and self.rank == 0:
+        if linked and self.rank == 0:
             log.info("the actor's FP8 replay reads the engine's FP8 weights of %d layers%s", linked,
                      f" and freed its own copies of {released} of them ({nbytes / 1e9:.1f} GB)" if released else "")
 

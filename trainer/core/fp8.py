@@ -291,14 +291,18 @@ def share_fp8_weights(layers: dict[str, nn.Module], engine_layers: dict[str, nn.
     `compute_dtype`, the dtype its forward sees it in: FSDP2's param_dtype, None for the stored
     one), so every output of its FP8 GEMM stays what the layer computed before; a call under the
     layer's fp8_min_rows, which ran the compute dtype's GEMM, now runs the engine's FP8 one (what
-    the sampler ran). Every rank of a sharded actor must call it with the same names. Returns
-    (linked, mismatched)."""
+    the sampler ran). A layer whose weight was released since (release_linked_weights) keeps its
+    link and counts as linked; against another engine's layer it raises, nothing left to check.
+    Every rank of a sharded actor must call it with the same names. Returns (linked, mismatched)."""
     linked = mismatched = 0
     for name, layer in layers.items():
         if not isinstance(layer, FP8FrozenLinear):
             continue
         source = engine_layers.get(name)
         if layer.weight is None:  # released after an earlier link, which stays: its weight equalled that copy
+            if source is not layer.fp8_source:
+                raise RuntimeError(f"{name}: this layer released its weight after linking to another engine's FP8 "
+                                   "copy, so nothing can check it against this one: build the actor anew")
             linked += 1
             continue
         weight = layer.weight.detach()
