@@ -380,7 +380,7 @@ def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
     assert rows_of["attn.to_q"] == candidates * image_tokens
     assert rows_of["attn.add_q_proj"] == candidates * text_tokens
     assert rows_of["img_mod.1"] == candidates  # one modulation row per DiT row
-    for variant in ("bf16", "fp8_rowwise", "fp8_rowwise_quantized", "fp8_tensorwise"):
+    for variant in ("bf16", "fp8_rowwise", "fp8_rowwise_fast_accum", "fp8_rowwise_quantized", "fp8_tensorwise"):
         timed = [line for line in gemms if line["variant"] == variant]
         assert sum(len(line["layers"]) for line in timed) == 14, variant
         assert all(line["per_forward"] == 2 * len(line["layers"]) and line["value"] > 0 for line in timed)
@@ -1077,14 +1077,17 @@ def test_the_step_phase_times_each_fp8_replay_variant_on_one_actor(tmp_path):
     """--replay-fp8-variants: one step per entry on the same actor and FP8 engine, each line naming
     its variant; linked layers only with sharing keep or on (16 LoRA bases, 28 with the MLPs and
     modulation), none mismatched, their own weights freed only with on (fp8-dgrad), and the first
-    ratio of every variant within the FP8 sampler's rounding. A variant with sharing on before
-    another is refused (its freed weights could not switch back)."""
+    ratio of every variant within the FP8 sampler's rounding; a third field :fast switches the
+    engine's and the actor's FP8 forward GEMMs to fast accumulation for its step alone. A variant
+    with sharing on before another is refused (its freed weights could not switch back), unless
+    the other differs in its accumulation alone."""
     out = tmp_path / "figures.jsonl"
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--shape", "tiny", "--device", "cpu",
            "--height", "32", "--width", "32", "--steps", "3", "--sde-pool", "1", "2", "--trained-steps", "2",
            "--prompts", "2", "--group-size", "2", "--micro-batch", "2", "--num-updates", "2", "--iters", "1",
            "--text-tokens", "8", "--rollout-precision", "fp8", "--replay-precision", "fp8-dgrad",
-           "--replay-fp8-variants", "lora-base:off", "lora-base:keep", "frozen:off", "frozen:on",
+           "--replay-fp8-variants", "lora-base:off", "lora-base:keep:fast", "frozen:off", "frozen:on",
+           "frozen:on:fast",
            "--old-logprob-source", "rollout", "--skip", "dit", "checksum", "merged", "replay", "update", "offload",
            "eager", "adapter", "fp8_grad", "--profile-step", str(tmp_path / "step.txt"), "--out", str(out)]
     proc = run_bench(cmd)
@@ -1092,18 +1095,26 @@ def test_the_step_phase_times_each_fp8_replay_variant_on_one_actor(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     steps = [line for line in lines if line["figure"] == "step_s"]
     profiles = [line["path"] for line in lines if line["figure"] == "step_profile_s"]  # one per variant
-    assert profiles == [str(tmp_path / f"step-{v}.txt") for v in ("lora-base-off", "lora-base-keep", "frozen-off",
-                                                                   "frozen-on")]
+    assert profiles == [str(tmp_path / f"step-{v}.txt") for v in ("lora-base-off-full", "lora-base-keep-fast",
+                                                                   "frozen-off-full", "frozen-on-full",
+                                                                   "frozen-on-fast")]
     assert all(Path(p).read_text().startswith("== rollout: ") for p in profiles)
     got = [(s["replay_fp8_layers"], s["replay_fp8_sharing"], s["replay_fp8_shared_layers"],
             s["replay_fp8_mismatched_layers"], s["replay_fp8_released_layers"]) for s in steps]
     assert got == [("lora-base", "off", 0, 0, 0), ("lora-base", "keep", 16, 0, 0), ("frozen", "off", 0, 0, 0),
-                   ("frozen", "on", 28, 0, 28)], got
-    assert steps[-1]["replay_fp8_released_gb"] > 0
+                   ("frozen", "on", 28, 0, 28), ("frozen", "on", 28, 0, 28)], got
+    assert steps[-1]["replay_fp8_released_gb"] == steps[-2]["replay_fp8_released_gb"] > 0
+    # the tiny DiT's blocks: 28 FP8 linears in the engine; the actor's FP8 layers of the variant
+    assert [s["fp8_accum"] for s in steps] == ["full", "fast", "full", "full", "fast"]
+    assert [s["fp8_fast_accum_layers"] for s in steps] == [{"engine": 0, "actor": 0}, {"engine": 28, "actor": 16},
+                                                           {"engine": 0, "actor": 0}, {"engine": 0, "actor": 0},
+                                                           {"engine": 28, "actor": 28}]
     onpolicy = [line for line in lines if line["figure"] == "step_onpolicy"]
     assert [(o["replay_fp8_layers"], o["replay_fp8_sharing"]) for o in onpolicy] == [g[:2] for g in got]
     assert all(0 <= o["value"] < 1e-2 for o in onpolicy), onpolicy
     bad = run_bench(cmd[:cmd.index("--replay-fp8-variants") + 1] + ["frozen:maybe"])
-    assert bad.returncode == 2 and "--replay-fp8-variants frozen:maybe: each entry is LAYERS:SHARING" in bad.stderr
-    bad = run_bench(cmd[:cmd.index("--replay-fp8-variants") + 1] + ["frozen:on", "lora-base:off"])
+    assert bad.returncode == 2 and "--replay-fp8-variants frozen:maybe: each entry is LAYERS:SHARING[:ACCUM]" in bad.stderr
+    bad = run_bench(cmd[:cmd.index("--replay-fp8-variants") + 1] + ["frozen:keep:slow"])
+    assert bad.returncode == 2 and "ACCUM one of ('full', 'fast')" in bad.stderr
+    bad = run_bench(cmd[:cmd.index("--replay-fp8-variants") + 1] + ["frozen:on", "frozen:on:fast", "frozen:keep"])
     assert bad.returncode == 2 and "frozen:on: with --replay-precision fp8-dgrad, sharing on frees" in bad.stderr

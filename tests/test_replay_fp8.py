@@ -225,6 +225,29 @@ def test_preflight_names_the_replay_precision_flag_and_its_fix(base, monkeypatch
     assert problems(base + lora + ["--replay-fp8-layers", "frozen", "--replay-precision", "fp8"]) == []
     monkeypatch.setattr(_torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert not [p for p in problems(base + lora + ["--replay-precision", "fp8"]) if "compute capability" in p]
+    monkeypatch.undo()
+    got = problems(base + lora + ["--fp8-fast-accum"])
+    assert [p for p in got if p.startswith("--fp8-fast-accum without an FP8 GEMM")
+            and p.endswith("add one of those, or drop --fp8-fast-accum")], got
+    for fp8 in (["--replay-precision", "fp8-dgrad"], ["--rollout-precision", "fp8"]):
+        assert problems(base + lora + fp8 + ["--fp8-fast-accum"]) == []
+
+
+def test_the_actor_builds_its_fp8_layers_with_fast_accumulation(mesh):
+    """--fp8-fast-accum: every FP8 layer of the actor's blocks (fp8-dgrad, frozen) runs its forward GEMM
+    with fast accumulation (the anchor and the replay alike: the same layers)."""
+    cfg = make_cfg("lora", fsdp__replay_precision="fp8-dgrad", fsdp__replay_fp8_layers="frozen",
+                   fsdp__fsdp_master_dtype="fp32", fsdp__fp8_fast_accum=True,
+                   lora__lora_rank=16)  # adapters whose linears FP8 could take (multiples of 16)
+    actor = Actor(tiny_transformer(), mesh, cfg, device=torch.device("cpu"), adapter=ADAPTER)
+    layers = [m for m in actor.model.modules() if isinstance(m, FP8FrozenLinear)]
+    assert len(layers) == 28 and all(m.fp8_fast_accum for m in layers)
+    # switched again once built, when the last block's never-trained adapters are frozen too: the
+    # same 28 layers, no adapter linear among them
+    assert set_replay_precision(actor.model, "fp8-dgrad", "frozen") == 28
+    fp8 = [n for n, m in actor.model.named_modules() if isinstance(m, FP8FrozenLinear)]
+    assert len(fp8) == 28 and not [n for n in fp8 if ".lora_" in n], fp8
+    assert not any(m.fp8_fast_accum for m in actor.model.modules() if isinstance(m, FP8FrozenLinear))
 
 
 def test_recorded_old_logprobs_with_an_fp8_replay_are_warned_about(base):  # noqa: F811

@@ -77,6 +77,76 @@ def test_fp8_linear_is_the_gemm_of_the_dequantized_operands():
     torch.testing.assert_close(lin(x) - lin.bias, 2 * (stale - lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def _record_scaled_mm(monkeypatch) -> list[bool]:
+    """torch._scaled_mm wrapped to record each call's use_fast_accum (CPU computes the same either way)."""
+    calls: list[bool] = []
+    real = torch._scaled_mm
+
+    def scaled_mm(*args, use_fast_accum=False, **kwargs):
+        calls.append(use_fast_accum)
+        return real(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    return calls
+
+
+def test_fast_accumulation_reaches_every_fp8_forward_gemm_and_never_the_input_gradient(monkeypatch):
+    """--fp8-fast-accum: the rollout's FP8Linear and the replay's frozen FP8 layers (fp8-dgrad too,
+    linked to the engine's copy or not) ask _scaled_mm for fast accumulation in their forward
+    GEMM; the FP8 input gradient never does; set_fp8_fast_accum switches both ways and
+    restore_frozen_linears forgets it."""
+    from trainer.core.fp8 import (FP8DgradFrozenLinear, convert_frozen_to_fp8, restore_frozen_linears,
+                                  set_fp8_fast_accum, share_fp8_weights)
+
+    torch.manual_seed(0)
+    engine = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
+    actor = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16)).requires_grad_(False)
+    actor.load_state_dict(engine.state_dict())
+    assert convert_to_fp8(engine, fast_accum=True) == 2
+    assert convert_frozen_to_fp8(list(actor), fp8_dgrad=True, fast_accum=True) == 2
+    assert all(isinstance(m, FP8DgradFrozenLinear) and m.fp8_fast_accum for m in actor)
+    x = torch.randn(4, 32, requires_grad=True)
+    calls = _record_scaled_mm(monkeypatch)
+    with torch.no_grad():
+        y_engine = engine(x)
+    assert calls == [True, True]
+    calls.clear()
+    actor(x).sum().backward()
+    assert calls == [True, True, False, False]  # two forward GEMMs, then the input gradients (full accumulation)
+    assert share_fp8_weights(dict(actor.named_children()), dict(engine.named_children())) == (2, 0)
+    calls.clear()
+    y_linked = actor(x)
+    assert calls == [True, True] and torch.equal(y_linked, y_engine)  # the linked replay is the sampler's GEMM
+    assert set_fp8_fast_accum(engine, False) == 2 and set_fp8_fast_accum(actor, False) == 2
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(engine(x), y_engine)  # CPU: the same numbers either way
+        actor(x)
+    assert calls == [False] * 4
+    set_fp8_fast_accum(actor, True)
+    assert restore_frozen_linears(actor) == 2
+    assert not any("fp8_fast_accum" in vars(m) for m in actor)
+    convert_frozen_to_fp8(list(actor))
+    assert not any(m.fp8_fast_accum for m in actor)  # converted again: full accumulation unless asked
+
+
+def test_the_engine_takes_fast_accumulation_with_fp8_only(tiny_model_dir):
+    """NativeEngine(fp8_fast_accum=True) flags each FP8 linear of its blocks; without FP8 it names the
+    flag; engine_options passes --fp8-fast-accum only to an FP8 rollout."""
+    from trainer.loop import engine_options
+
+    eng = NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, precision="fp8", fp8_fast_accum=True)
+    fp8 = [m for m in eng.transformer.modules() if isinstance(m, FP8Linear)]
+    assert fp8 and all(m.fp8_fast_accum for m in fp8) and eng.fp8_fast_accum
+    with pytest.raises(ValueError, match="--fp8-fast-accum.*--rollout-precision fp8"):
+        NativeEngine(str(tiny_model_dir), device="cpu", dtype=torch.float32, fp8_fast_accum=True)
+    flags = SimpleNamespace(rollout_compile=False, rollout_precision="fp8", max_sequence_length=None,
+                            sglang_attention_backend=None)
+    assert engine_options(flags, True) == {"precision": "fp8", "fp8_fast_accum": True}
+    assert engine_options(flags) == {"precision": "fp8"}
+    assert engine_options(SimpleNamespace(**{**vars(flags), "rollout_precision": "default"}), True) == {}
+
+
 def test_fp8_engine_quantizes_the_blocks_and_keeps_fp8_through_syncs(tiny_model_dir, monkeypatch):
     from tests.test_engine import lora_actor
     from trainer.weight_sync import iter_sync_tensors

@@ -744,7 +744,9 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
                       fsdp_frozen_params=getattr(args, "fsdp_frozen_params", "auto"),
                       replay_precision=getattr(args, "replay_precision", "default") if lora else "default",
                       replay_fp8_layers=args.replay_fp8_variants[0][0] if getattr(args, "replay_fp8_variants", None)
-                      else getattr(args, "replay_fp8_layers", "lora-base"))
+                      else getattr(args, "replay_fp8_layers", "lora-base"),
+                      fp8_fast_accum=args.replay_fp8_variants[0][2] == "fast"
+                      if getattr(args, "replay_fp8_variants", None) else bool(getattr(args, "fp8_fast_accum", False)))
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
@@ -850,9 +852,9 @@ class Ctx:
     replay_fp8_mismatched: int = 0
     #: the actor's linked layers whose own weights were freed, and their bytes (share_fp8_weights)
     replay_fp8_released: tuple[int, int] = (0, 0)
-    #: the step's FP8 replay variant, (layers, sharing): --replay-fp8-variants' first entry, then
-    #: the one phase_steps runs
-    replay_fp8_variant: tuple[str, str] = ("lora-base", "on")
+    #: the step's FP8 variant, (layers, sharing, accumulation): --replay-fp8-variants' first entry,
+    #: then the one phase_steps runs
+    replay_fp8_variant: tuple[str, str, str] = ("lora-base", "on", "full")
     #: --profile-step with several FP8 replay variants: each one's profile path gets this suffix
     profile_suffix: str = ""
 
@@ -914,7 +916,7 @@ def phase_dit_forward(c: Ctx, variant: str = "eager") -> None:
 
 
 #: --gemms: how each of a block's linear GEMMs is timed (see phase_gemms)
-GEMM_VARIANTS = ("bf16", "fp8_rowwise", "fp8_rowwise_quantized", "fp8_tensorwise")
+GEMM_VARIANTS = ("bf16", "fp8_rowwise", "fp8_rowwise_fast_accum", "fp8_rowwise_quantized", "fp8_tensorwise")
 
 
 def block_linears(c: Ctx) -> list[dict[str, Any]]:
@@ -949,6 +951,7 @@ def phase_gemms(c: Ctx, rows: int) -> None:
       bf16                   F.linear in the compute dtype (the eager / compiled rollout);
       fp8_rowwise            torch._scaled_mm alone, one scale per activation row and per weight
                              channel (the --rollout-precision fp8 GEMM, inputs already quantized);
+      fp8_rowwise_fast_accum the same with the tensor cores' fast accumulation (--fp8-fast-accum);
       fp8_rowwise_quantized  core.fp8.fp8_linear: the same GEMM with its per-row activation
                              quantization, unfused (what an eager FP8 rollout runs; compiled blocks
                              fuse the quantization into the kernels before it);
@@ -977,6 +980,8 @@ def phase_gemms(c: Ctx, rows: int) -> None:
             ws = ws.reshape(1, -1).contiguous()
             one = torch.ones((), device=c.device, dtype=torch.float32)
             fns["fp8_rowwise"] = lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=c.dtype)
+            fns["fp8_rowwise_fast_accum"] = lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                                                     out_dtype=c.dtype, use_fast_accum=True)
             fns["fp8_rowwise_quantized"] = lambda: fp8_linear(x, wq, ws, None)
             fns["fp8_tensorwise"] = lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=c.dtype)
         for variant in GEMM_VARIANTS:
@@ -1386,7 +1391,8 @@ def phase_replay_precision(c: Ctx, actor, batch: Any, adv: torch.Tensor, replay_
     try:
         ref, logp = _lora_gradient(c, actor, rows, adv_rows, replay_fn)
     finally:
-        set_replay_precision(actor.model, a.replay_precision, a.replay_fp8_variants[0][0])
+        set_replay_precision(actor.model, a.replay_precision, a.replay_fp8_variants[0][0],
+                             fast_accum=a.replay_fp8_variants[0][2] == "fast")
     world = c.rep.world_size
 
     def total(parts) -> float:  # a sum over every rank's shards
@@ -1603,6 +1609,9 @@ ALGORITHMS = ("flowgrpo", "nft")
 #: --replay-fp8-sharing: link the actor's FP8 layers to the engine's copies and free the weights
 #: that leaves unread (fp8-dgrad), link and keep them, or quantize at every forward
 REPLAY_FP8_SHARING = ("on", "keep", "off")
+#: --replay-fp8-variants' optional third field: the FP8 forward GEMMs' accumulation, full or with
+#: the tensor cores' fast one (the trainer's --fp8-fast-accum), engine and actor alike
+FP8_ACCUMULATIONS = ("full", "fast")
 #: --old-logprob-source: where the FlowGRPO step's pi_old comes from (the trainer's flag)
 OLD_LOGPROB_SOURCES = ("replay", "rollout")
 
@@ -1694,7 +1703,7 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                           lora_config=actor.lora_config, policy_version=c.engine.policy_version)
     sampling, sde_indices = nft_parts(c) if algorithm == "nft" else (None, None)
     update = nft_update(c, actor, sampling) if algorithm == "nft" else flowgrpo_update(actor, replay_fn, source)
-    fp8_variant = dict(zip(("replay_fp8_layers", "replay_fp8_sharing"), c.replay_fp8_variant)) \
+    fp8_variant = dict(zip(("replay_fp8_layers", "replay_fp8_sharing", "fp8_accum"), c.replay_fp8_variant)) \
         if a.replay_precision != "default" and algorithm == "flowgrpo" else {}
     tags = {"algorithm": algorithm, **fp8_variant, **({"old_logprob_source": source} if algorithm == "flowgrpo" else
                                         {"nft_timestep_fraction": float(c.args.nft_timestep_fraction),
@@ -1771,6 +1780,8 @@ def phase_step(c: Ctx, actor, replay_fn, kind: str, *, algorithm: str = "flowgrp
                replay_fp8_mismatched_layers=c.replay_fp8_mismatched,
                replay_fp8_released_layers=c.replay_fp8_released[0],
                replay_fp8_released_gb=c.replay_fp8_released[1] / 1e9,
+               fp8_fast_accum_layers={side: sum(bool(getattr(m, "fp8_fast_accum", False)) for m in model.modules())
+                                      for side, model in (("engine", c.engine.transformer), ("actor", actor.model))},
                new_graphs=new_graphs, update=update_figures, rollout_split=rollout_split(c), **tags)
     if onpolicy:
         emit_onpolicy(c, actor, metrics, gap, tags)
@@ -1796,7 +1807,9 @@ def share_fp8_weights(c: Ctx, actor) -> None:
     _, c.replay_fp8_mismatched = share_engine_fp8_weights(actor.model, c.engine, c.adapter.weight_name_map,
                                                           c.dtype)
     if c.replay_fp8_variant[1] == "on":
-        c.replay_fp8_released = release_linked_weights(actor.model)
+        released = release_linked_weights(actor.model)
+        if released[0]:  # a later variant of the same layers finds them released already
+            c.replay_fp8_released = released
         _free(c.device)
 
 
@@ -1923,6 +1936,7 @@ def _one_step(c: Ctx, update: Callable[..., dict[str, float]], actor, syncer, ro
 def phase_steps(c: Ctx, actor, replay_fn, kind: str) -> None:
     """The FlowGRPO steps of --algorithms, one per --old-logprob-source, on the bench's actor. The
     nft step is phase_nft_step's, on an actor of its own, after the caller drops this one."""
+    from trainer.core.fp8 import set_fp8_fast_accum
     from trainer.train_model import set_replay_precision
 
     a = c.args
@@ -1936,7 +1950,13 @@ def phase_steps(c: Ctx, actor, replay_fn, kind: str) -> None:
         if len(variants) > 1:  # --profile-step: a profile per variant
             c.step_profiled, c.profile_suffix = False, "-".join(variant)
         if v:  # another FP8 replay variant on the same actor: its layers swapped, its links undone
-            set_replay_precision(actor.model, a.replay_precision, variant[0])
+            fast = variant[2] == "fast"
+            if variant[:2] == variants[v - 1][:2]:  # the accumulation alone (released weights stay released)
+                set_fp8_fast_accum(actor.model, fast)
+            else:
+                set_replay_precision(actor.model, a.replay_precision, variant[0], fast_accum=fast)
+            if c.engine.precision == "fp8":  # the sampler's GEMMs accumulate as the replay's
+                set_fp8_fast_accum(c.engine.transformer, fast)
         for i, source in enumerate(a.old_logprob_source or ["replay"]):
             # one warm-up per actor and variant: the later sources find the compiled shapes and
             # AdamW state; a later variant recompiles the actor's blocks and links (or not) anew
@@ -2210,10 +2230,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "adapter sync as the trainer links them, and under fp8-dgrad free their own weights, which "
                         "nothing reads any more (the trainer does too; no later variant can switch them back); keep: "
                         "linked, their weights kept; off: they quantize their weight at every forward")
-    p.add_argument("--replay-fp8-variants", nargs="+", default=None, metavar="LAYERS:SHARING",
-                   help="the step phase once per entry (e.g. lora-base:off frozen:on), on the same actor and engine, "
-                        "switching in between: FP8 replay variants compared in one process. The first entry builds "
-                        "the actor and serves the other phases; unset: --replay-fp8-layers:--replay-fp8-sharing")
+    p.add_argument("--fp8-fast-accum", action="store_true",
+                   help="the FP8 forward GEMMs of the engine and the actor with fast accumulation (the trainer's "
+                        "--fp8-fast-accum); the default accumulation of --replay-fp8-variants' entries")
+    p.add_argument("--replay-fp8-variants", nargs="+", default=None, metavar="LAYERS:SHARING[:ACCUM]",
+                   help="the step phase once per entry (e.g. lora-base:off frozen:on frozen:on:fast), on the same "
+                        "actor and engine, switching in between: FP8 replay variants compared in one process; ACCUM "
+                        f"(one of {FP8_ACCUMULATIONS}) sets the FP8 forward GEMMs' accumulation, the engine's too "
+                        "(unset: --fp8-fast-accum's). The first entry builds the actor and serves the other phases; "
+                        "unset: --replay-fp8-layers:--replay-fp8-sharing")
     p.add_argument("--algorithms", nargs="+", default=["flowgrpo"], choices=ALGORITHMS, metavar="ALGORITHM",
                    help=f"the updates the step phase times, each top to bottom as the trainer's --algorithm runs it, "
                         f"of {ALGORITHMS} (FlowGRPO first, on the bench's actor; nft on a fresh actor built after "
@@ -2258,15 +2283,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "copy of it (quantize_s, dit_quantize_s)")
     args = p.parse_args(argv)
     variants = args.replay_fp8_variants or [f"{args.replay_fp8_layers}:{args.replay_fp8_sharing}"]
-    args.replay_fp8_variants = [tuple(v.split(":", 1)) for v in variants]
+    accum = "fast" if args.fp8_fast_accum else "full"
+    args.replay_fp8_variants = [tuple(v.split(":", 2)) + ((accum,) if v.count(":") == 1 else ()) for v in variants]
     for i, (v, (layers, *sharing)) in enumerate(zip(variants, args.replay_fp8_variants)):
-        if layers not in REPLAY_FP8_LAYERS or len(sharing) != 1 or sharing[0] not in REPLAY_FP8_SHARING:
-            p.error(f"--replay-fp8-variants {v}: each entry is LAYERS:SHARING with LAYERS one of {REPLAY_FP8_LAYERS} "
-                    f"and SHARING one of {REPLAY_FP8_SHARING} (e.g. lora-base:off frozen:on)")
-        if args.replay_precision == "fp8-dgrad" and sharing == ["on"] and i < len(variants) - 1:
+        if (layers not in REPLAY_FP8_LAYERS or len(sharing) != 2 or sharing[0] not in REPLAY_FP8_SHARING
+                or sharing[1] not in FP8_ACCUMULATIONS):
+            p.error(f"--replay-fp8-variants {v}: each entry is LAYERS:SHARING[:ACCUM] with LAYERS one of "
+                    f"{REPLAY_FP8_LAYERS}, SHARING one of {REPLAY_FP8_SHARING} and ACCUM one of {FP8_ACCUMULATIONS} "
+                    "(e.g. lora-base:off frozen:on frozen:on:fast)")
+        if sharing[1] == "fast" and args.replay_precision == "default" and args.rollout_precision == "default":
+            p.error(f"--replay-fp8-variants {v} / --fp8-fast-accum: fast accumulation is the FP8 GEMMs'; add "
+                    "--rollout-precision fp8 or --replay-precision fp8 (or fp8-dgrad)")
+        later = args.replay_fp8_variants[i + 1:]
+        if (args.replay_precision == "fp8-dgrad" and sharing[0] == "on"
+                and any(w[:2] != (layers, "on") for w in later)):
             p.error(f"--replay-fp8-variants {v}: with --replay-precision fp8-dgrad, sharing on frees the actor's "
-                    "linked weights, so no later entry could switch its layers: put it last, or use "
-                    f"{layers}:keep here")
+                    "linked weights, so no later entry could switch its layers: put it last (or follow it only with "
+                    f"{layers}:on:ACCUM entries), or use {layers}:keep here")
     video = args.family == "wan"
     if video:  # FlowGRPO's Wan geometry (33 x 240 x 416) at the real shape, 5 x 32 x 32 at the tiny one
         height, width = (240, 416) if args.shape == "real" else (32, 32)
@@ -2488,6 +2521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "frozen_params": "replicate" if replicates_frozen(args.fsdp_frozen_params, info.world_size) else "shard",
                     **({"replay_fp8_layers": args.replay_fp8_variants[0][0]}
                        if args.replay_fp8_variants[0][0] != "lora-base" else {}),
+                    **({"fp8_fast_accum": True} if args.replay_fp8_variants[0][2] == "fast" else {}),
                     **({"text_tokens_spread": args.text_tokens_spread} if args.text_tokens_spread else {}),
                     **fam.geometry(dit_cfg)}
         rep = Reporter(args.out, device, geometry, rank=info.rank, world_size=info.world_size)
@@ -2523,7 +2557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_gemms(c, rows)
         if speedups:
             with timed(device) as t:
-                engine.enable_speedups(compile_blocks=args.rollout_compile, precision=args.rollout_precision)
+                engine.enable_speedups(compile_blocks=args.rollout_compile, precision=args.rollout_precision,
+                                       fp8_fast_accum=(args.rollout_precision == "fp8"
+                                                       and args.replay_fp8_variants[0][2] == "fast"))
             from trainer.core.fp8 import FP8Linear
 
             # FP8 takes only linears whose sizes are multiples of 16: a narrow test DiT may have none

@@ -221,13 +221,15 @@ def _viewable(media: torch.Tensor, gap: int = 2) -> torch.Tensor:
     return media
 
 
-def engine_options(rollout: Any) -> dict[str, Any]:
+def engine_options(rollout: Any, fp8_fast_accum: bool = False) -> dict[str, Any]:
     """The engine keywords the rollout flags set, only those set: the native engine's speed
-    options (--rollout-compile, --rollout-precision; another engine need not know them), the
-    SGLang engine's attention backend, and the text window (--max-sequence-length; unset: the
-    family's own)."""
+    options (--rollout-compile, --rollout-precision, with it --fp8-fast-accum; another engine need
+    not know them), the SGLang engine's attention backend, and the text window
+    (--max-sequence-length; unset: the family's own)."""
     options = {k: v for k, v in (("compile_blocks", bool(rollout.rollout_compile)),
-                                 ("precision", rollout.rollout_precision)) if v not in (False, "default")}
+                                 ("precision", rollout.rollout_precision),
+                                 ("fp8_fast_accum", fp8_fast_accum and rollout.rollout_precision == "fp8"))
+               if v not in (False, "default")}
     if rollout.max_sequence_length is not None:
         options["max_sequence_length"] = int(rollout.max_sequence_length)
     if rollout.sglang_attention_backend:
@@ -417,7 +419,7 @@ class Trainer:
         #: start-up figures (load times per wave, memory after each load), logged with rollout 0's
         self.load_metrics: dict[str, float] = {}
         engine_waves: list[float] = []
-        options = engine_options(cfg.rollout)
+        options = engine_options(cfg.rollout, cfg.fsdp.fp8_fast_accum)
         with Timer(self.device) as t:
             self.engine = load_in_waves(
                 lambda: engine_cls(cfg.model.model_path, device=self.device, dtype=compute_dtype,

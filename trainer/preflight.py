@@ -487,6 +487,10 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
         errors.append(f"--replay-fp8-layers {f.replay_fp8_layers} with --replay-precision default: it chooses which "
                       "frozen linears an FP8 replay covers, and the replay is not in FP8; add --replay-precision fp8 "
                       "(or fp8-dgrad), or drop --replay-fp8-layers")
+    if f.fp8_fast_accum and f.replay_precision == "default" and cfg.rollout.rollout_precision == "default":
+        errors.append("--fp8-fast-accum without an FP8 GEMM to apply it to: it sets how the FP8 GEMMs of "
+                      "--rollout-precision fp8 and --replay-precision fp8 / fp8-dgrad accumulate; add one of those, or "
+                      "drop --fp8-fast-accum")
     if f.fsdp_frozen_params == "replicate" and f.fsdp_cpu_offload:
         errors.append("--fsdp-frozen-params replicate with --fsdp-cpu-offload: replicated frozen weights stay on "
                       "the device, which the offload is there to empty; use --fsdp-frozen-params shard (or auto)")

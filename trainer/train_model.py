@@ -92,14 +92,19 @@ def lora_base_layers(model: nn.Module) -> list[nn.Module]:
 
 def frozen_block_linears(model: nn.Module) -> list[nn.Module]:
     """Every plain nn.Linear inside the model's repeated transformer blocks whose weight is frozen
-    and that no LoRA layer wraps (with LoRA on the attention: the MLPs and the modulation), in
-    module order."""
-    bases = {id(m) for m in lora_base_layers(model)}
+    and that is no part of a LoRA layer (with LoRA on the attention: the MLPs and the modulation),
+    in module order. A LoRA layer's base and its adapter's own linears are left out: an adapter
+    frozen as never trained (the last block's text outputs) stays an adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    lora = {id(sub) for blocks in repeated_block_lists(model) for block in blocks for m in block.modules()
+            if isinstance(m, LoraLayer) for sub in m.modules()}
     return [m for blocks in repeated_block_lists(model) for block in blocks for m in block.modules()
-            if type(m) is nn.Linear and id(m) not in bases and not m.weight.requires_grad]
+            if type(m) is nn.Linear and id(m) not in lora and not m.weight.requires_grad]
 
 
-def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-base") -> int:
+def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-base", *,
+                         fast_accum: bool = False) -> int:
     """--replay-precision for every forward of the actor (anchor, replay, the nft velocity, the
     reference with the adapter disabled): "fp8" turns the eligible LoRA base layers of the blocks
     (lora_base_layers; both dims multiples of 16) into core.fp8.FP8FrozenLinear, whose GEMM is
@@ -107,6 +112,7 @@ def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-b
     FP8DgradFrozenLinear, whose input gradient is an FP8 GEMM too; "default" turns them back
     into nn.Linear. layers (--replay-fp8-layers) "frozen": the blocks' other frozen linears
     (frozen_block_linears) as well, each in FP8 only on calls of FP8_FROZEN_MIN_ROWS rows or more.
+    fast_accum (--fp8-fast-accum): their forward GEMMs with fast accumulation (core.fp8.fp8_linear).
     Class swaps only (parameters, names, sharding unchanged), so it may be called before or after
     parallelize; a compiled block recompiles on the next call. Returns the layers now in FP8.
     Raises when an FP8 precision finds no eligible LoRA base layer (nothing would change)."""
@@ -120,9 +126,10 @@ def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-b
     if precision == "default":
         return 0
     dgrad = precision == "fp8-dgrad"
-    n = convert_frozen_to_fp8(lora_base_layers(model), fp8_dgrad=dgrad)
+    n = convert_frozen_to_fp8(lora_base_layers(model), fp8_dgrad=dgrad, fast_accum=fast_accum)
     if n and layers == "frozen":
-        n += convert_frozen_to_fp8(frozen_block_linears(model), fp8_dgrad=dgrad, min_rows=FP8_FROZEN_MIN_ROWS)
+        n += convert_frozen_to_fp8(frozen_block_linears(model), fp8_dgrad=dgrad, min_rows=FP8_FROZEN_MIN_ROWS,
+                                   fast_accum=fast_accum)
     if n == 0:
         raise ValueError(f"--replay-precision {precision} found no LoRA-wrapped linear layer in the transformer blocks "
                          "whose dimensions are multiples of 16: check --lora-target-modules, or use "
@@ -285,11 +292,13 @@ def build_train_model(model: nn.Module, mesh: Any, fsdp: FsdpConfig, lora: LoraC
                              "over CPU-offloaded adapter DTensors has no collective backend")
         targets = lora.lora_target_modules or list(getattr(adapter, "lora_target_modules", ()))
         lora_config = apply_lora(model, targets, lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
-        n_fp8 = set_replay_precision(model, fsdp.replay_precision, fsdp.replay_fp8_layers)
+        n_fp8 = set_replay_precision(model, fsdp.replay_precision, fsdp.replay_fp8_layers,
+                                     fast_accum=fsdp.fp8_fast_accum)
         if n_fp8:
-            log.info("--replay-precision %s --replay-fp8-layers %s: %d frozen block linears run their GEMM in FP8%s",
+            log.info("--replay-precision %s --replay-fp8-layers %s: %d frozen block linears run their GEMM in FP8%s%s",
                      fsdp.replay_precision, fsdp.replay_fp8_layers, n_fp8,
-                     ", their input gradient too" if fsdp.replay_precision == "fp8-dgrad" else "")
+                     ", their input gradient too" if fsdp.replay_precision == "fp8-dgrad" else "",
+                     ", with fast accumulation forward" if fsdp.fp8_fast_accum else "")
     elif mode == "full":
         if fsdp.replay_precision != "default":
             raise ValueError(f"--replay-precision {fsdp.replay_precision} applies to the frozen base of LoRA layers; "

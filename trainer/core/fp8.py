@@ -53,18 +53,22 @@ def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, fast_accum: bool = False) -> torch.Tensor:
     """y = x @ W^T + b with x quantized per row and W per output channel.
 
     x [..., K] (bf16/fp32); weight_fp8 [N, K] float8_e4m3fn; weight_scale [1, N] fp32; bias [N]
     or None. Returns [..., N] in x's dtype. The GEMM accumulates in fp32 and applies
-    scale_x[m] * scale_w[n] to each output element (rowwise scaling).
+    scale_x[m] * scale_w[n] to each output element (rowwise scaling). fast_accum (--fp8-fast-accum):
+    Hopper's FP8 tensor cores keep their own, narrower accumulator over the whole K instead of
+    adding it into fp32 registers every few K-blocks; faster, with a larger rounding error of the
+    sum (docs/PERFORMANCE.md measures both). CPU ignores it.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq, xs = quantize_rowwise(x2)
     y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=xs, scale_b=weight_scale,
-                         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+                         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype,
+                         use_fast_accum=fast_accum)
     return y.reshape(*shape[:-1], weight_fp8.shape[0])
 
 
@@ -76,6 +80,8 @@ class FP8Linear(nn.Linear):
 
     weight_fp8: torch.Tensor
     weight_scale: torch.Tensor
+    #: the forward GEMM's fast accumulation (fp8_linear; set_fp8_fast_accum)
+    fp8_fast_accum = False
 
     def requantize(self) -> None:
         if self.weight is None:
@@ -92,7 +98,7 @@ class FP8Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
+        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.fp8_fast_accum)
 
 
 def fp8_eligible(module: nn.Module) -> bool:
@@ -101,16 +107,33 @@ def fp8_eligible(module: nn.Module) -> bool:
             and module.out_features % _ALIGN == 0)
 
 
-def convert_to_fp8(blocks: nn.Module) -> int:
+def convert_to_fp8(blocks: nn.Module, *, fast_accum: bool = False) -> int:
     """Turn every eligible nn.Linear under `blocks` into an FP8Linear in place (class swap; the
-    parameters and their names stay), quantizing its current weight. Returns how many. Call it
-    on the repeated transformer blocks only: the embedders and the final projection stay in the
-    compute dtype, as FP8 inference recipes keep them."""
+    parameters and their names stay), quantizing its current weight; fast_accum: its GEMM's
+    (fp8_linear). Returns how many. Call it on the repeated transformer blocks only: the embedders
+    and the final projection stay in the compute dtype, as FP8 inference recipes keep them."""
     n = 0
     for module in blocks.modules():
         if fp8_eligible(module):
             module.__class__ = FP8Linear
             module.requantize()
+            if fast_accum:
+                module.fp8_fast_accum = True
+            n += 1
+    return n
+
+
+def set_fp8_fast_accum(model: nn.Module, on: bool) -> int:
+    """Every FP8 forward GEMM under `model` (FP8Linear, FP8FrozenLinear) with fast accumulation
+    (fp8_linear) or without: an attribute per layer, so a compiled block recompiles on its next
+    call. The FP8 input gradient (fp8_input_grad) always accumulates in full. Returns how many
+    layers."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (FP8Linear, FP8FrozenLinear)):
+            m.__dict__.pop("fp8_fast_accum", None)
+            if on:
+                m.fp8_fast_accum = True
             n += 1
     return n
 
@@ -133,7 +156,8 @@ class _FrozenFP8Gemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 fp8_dgrad: bool, weight_fp8: torch.Tensor | None = None,
-                weight_scale: torch.Tensor | None = None, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
+                weight_scale: torch.Tensor | None = None, weight_dtype: torch.dtype | None = None,
+                fast_accum: bool = False) -> torch.Tensor:
         shared = weight_fp8 is not None
         if not shared:
             weight_fp8, weight_scale = quantize_rowwise(weight.detach())
@@ -146,7 +170,7 @@ class _FrozenFP8Gemm(torch.autograd.Function):
         # a released weight (release_linked_weights) leaves its dtype behind: the gradient's cast
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype if weight is not None else weight_dtype
         ctx.fp8_dgrad = fp8_dgrad
-        return fp8_linear(x, weight_fp8, weight_scale, bias)
+        return fp8_linear(x, weight_fp8, weight_scale, bias, fast_accum)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -159,7 +183,7 @@ class _FrozenFP8Gemm(torch.autograd.Function):
         else:
             (weight,) = ctx.saved_tensors
             gx = fp8_input_grad(grad, *quantize_rowwise(weight.detach()))
-        return gx.to(ctx.x_dtype), None, None, None, None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None
 
 
 def fp8_input_grad(grad: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -184,7 +208,7 @@ def fp8_input_grad(grad: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: t
 
 def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, *,
                       fp8_dgrad: bool = False, min_rows: int = 0, quantized: Any = None,
-                      weight_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      weight_dtype: torch.dtype | None = None, fast_accum: bool = False) -> torch.Tensor:
     """The frozen base GEMM of a LoRA-wrapped linear in FP8, differentiable w.r.t. x only.
 
     x [..., K] (bf16/fp32); weight [N, K], bias [N] or None, both frozen. Forward:
@@ -201,7 +225,8 @@ def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     calls of any number of rows (min_rows prices the quantization such a copy saves: the few rows
     of a modulation linear run the engine's own FP8 GEMM). weight None: released
     (release_linked_weights), only with `quantized` and fp8_dgrad, which never read it;
-    weight_dtype then names the dtype it had (the incoming gradient's cast). Returns [..., N] in
+    weight_dtype then names the dtype it had (the incoming gradient's cast). fast_accum: the
+    forward GEMM's (fp8_linear; the input gradient's accumulates in full). Returns [..., N] in
     x's dtype.
     """
     if weight is None:
@@ -212,10 +237,10 @@ def frozen_fp8_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
         raise RuntimeError("frozen_fp8_linear is for frozen weights (the LoRA base): this weight trains")
     if quantized is not None:
         return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad, quantized.weight_fp8, quantized.weight_scale,
-                                    weight_dtype)
+                                    weight_dtype, fast_accum)
     if min_rows and x.numel() // x.shape[-1] < min_rows:
         return F.linear(x, weight, bias)
-    return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad)
+    return _FrozenFP8Gemm.apply(x, weight, bias, fp8_dgrad, None, None, None, fast_accum)
 
 
 class FP8FrozenLinear(nn.Linear):
@@ -233,10 +258,13 @@ class FP8FrozenLinear(nn.Linear):
     fp8_source = None
     #: the dtype of a weight release_linked_weights freed (`weight` is then None); None: not released
     fp8_released_dtype = None
+    #: the forward GEMM's fast accumulation (fp8_linear; set_fp8_fast_accum)
+    fp8_fast_accum = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_fp8_linear(x, self.weight, self.bias, fp8_dgrad=self.fp8_dgrad, min_rows=self.fp8_min_rows,
-                                 quantized=self.fp8_source, weight_dtype=self.fp8_released_dtype)
+                                 quantized=self.fp8_source, weight_dtype=self.fp8_released_dtype,
+                                 fast_accum=self.fp8_fast_accum)
 
 
 class FP8DgradFrozenLinear(FP8FrozenLinear):
@@ -246,11 +274,12 @@ class FP8DgradFrozenLinear(FP8FrozenLinear):
     fp8_dgrad = True
 
 
-def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, min_rows: int = 0) -> int:
+def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, min_rows: int = 0,
+                          fast_accum: bool = False) -> int:
     """Turn each eligible (fp8_eligible) frozen nn.Linear of `layers` into an FP8FrozenLinear (an
     FP8DgradFrozenLinear with fp8_dgrad) in place (class swap: parameters and names stay), whose
-    calls of fewer than `min_rows` rows keep the compute dtype (frozen_fp8_linear). Returns how
-    many were converted."""
+    calls of fewer than `min_rows` rows keep the compute dtype (frozen_fp8_linear) and whose
+    forward GEMM accumulates fast with fast_accum. Returns how many were converted."""
     n = 0
     for m in layers:
         if fp8_eligible(m):
@@ -260,6 +289,8 @@ def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, m
             m.__class__ = FP8DgradFrozenLinear if fp8_dgrad else FP8FrozenLinear
             if min_rows:
                 m.fp8_min_rows = min_rows
+            if fast_accum:
+                m.fp8_fast_accum = True
             n += 1
     return n
 
@@ -276,8 +307,8 @@ def restore_frozen_linears(model: nn.Module) -> int:
                            "actor anew from the model's weights")
     for m in layers:
         m.__class__ = nn.Linear
-        m.__dict__.pop("fp8_min_rows", None)
-        m.__dict__.pop("fp8_source", None)
+        for attr in ("fp8_min_rows", "fp8_source", "fp8_fast_accum"):
+            m.__dict__.pop(attr, None)
     return len(layers)
 
 

@@ -102,6 +102,8 @@ class NativeEngine(EngineMemoryState):
       adapters are installed the base can no longer change (a full or merged sync is refused),
       so their weights in `dtype` are freed and only the FP8 copies stay: about half the DiT's
       memory in bf16 (`fp8_weights_dropped` counts the layers).
+    fp8_fast_accum: the FP8 GEMMs with fast accumulation (--fp8-fast-accum, core.fp8.fp8_linear);
+      only with precision "fp8".
     """
 
     #: every family, true CFG, every sde_type, compiled blocks and FP8 GEMMs
@@ -109,14 +111,14 @@ class NativeEngine(EngineMemoryState):
 
     def __init__(self, model_path, *, device=None, dtype=None, max_batch_size: int = 0,
                  max_sequence_length: int | None = None, revision: str | None = None, adapter: Any = None,
-                 compile_blocks: bool = False, precision: str = "default"):
+                 compile_blocks: bool = False, precision: str = "default", fp8_fast_accum: bool = False):
         self.adapter = _default_adapter(adapter)
         dev = _resolve_device(device)
         dt = engine_dtype(dtype, dev)
         m = self.adapter.load_rollout_modules(model_path, dtype=dt, device=dev)
         self._set_up(m["transformer"], m["vae"], m["text_encoder"], m["tokenizer"], m["scheduler_config"],
                      device=dev, dtype=dt, max_batch_size=max_batch_size, max_sequence_length=max_sequence_length,
-                     cast=False, compile_blocks=compile_blocks, precision=precision)
+                     cast=False, compile_blocks=compile_blocks, precision=precision, fp8_fast_accum=fp8_fast_accum)
         self.model_path = str(m.get("path", model_path))
         self.revision = revision
 
@@ -124,7 +126,7 @@ class NativeEngine(EngineMemoryState):
     def from_modules(cls, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device=None,
                      dtype=None, max_batch_size: int = 0, max_sequence_length: int | None = None,
                      adapter: Any = None, compile_blocks: bool = False,
-                     precision: str = "default") -> "NativeEngine":
+                     precision: str = "default", fp8_fast_accum: bool = False) -> "NativeEngine":
         """An engine over modules already in memory (nothing is read from disk): the adapter's
         family's DiT, VAE, text encoder (one module; an nn.ModuleDict for several), tokenizer(s)
         and the scheduler config dict, as its load_rollout_modules returns them (Qwen-Image:
@@ -137,14 +139,14 @@ class NativeEngine(EngineMemoryState):
         engine._set_up(transformer, vae, text_encoder, tokenizer, dict(scheduler_config), device=dev,
                        dtype=engine_dtype(dtype, dev), max_batch_size=max_batch_size,
                        max_sequence_length=max_sequence_length, cast=True, compile_blocks=compile_blocks,
-                       precision=precision)
+                       precision=precision, fp8_fast_accum=fp8_fast_accum)
         engine.model_path = "<in-memory modules>"
         engine.revision = None
         return engine
 
     def _set_up(self, transformer, vae, text_encoder, tokenizer, scheduler_config: dict, *, device: torch.device,
                 dtype: torch.dtype, max_batch_size: int, max_sequence_length: int | None, cast: bool,
-                compile_blocks: bool = False, precision: str = "default") -> None:
+                compile_blocks: bool = False, precision: str = "default", fp8_fast_accum: bool = False) -> None:
         """Everything after loading: placement, frozen eval modules, the prompt-encoding pipeline,
         derived constants, state. cast: also cast the modules to `dtype` (loaders already did)."""
         self.device = device
@@ -178,23 +180,28 @@ class NativeEngine(EngineMemoryState):
         #: the DiT's name -> parameter index, see _weight_index
         self._weights_index: _WeightIndex | None = None
         #: the speed options in force (enable_speedups adds them, never takes them away)
-        self.precision, self.compile_blocks = "default", False
+        self.precision, self.compile_blocks, self.fp8_fast_accum = "default", False, False
         #: id(weight parameter) -> its FP8Linear, to re-quantize exactly the layers a sync wrote
         self._fp8_of_weight: dict[int, Any] = {}
         #: FP8 layers whose weight in `dtype` was freed when LoRA came in (only their FP8 copy stays)
         self.fp8_weights_dropped = 0
-        self.enable_speedups(compile_blocks, precision)
+        self.enable_speedups(compile_blocks, precision, fp8_fast_accum)
 
-    def enable_speedups(self, compile_blocks: bool = False, precision: str = "default") -> None:
-        """FP8 linears (precision "fp8") and regional compilation of the DiT's repeated blocks
-        (see the class docstring); called by the constructor. Both are one-way: a later call can
-        add them, not take them away. FP8 goes first, so the compiled graphs hold the FP8 GEMMs
-        and fuse the activation quantization into the surrounding kernels."""
-        from trainer.core.fp8 import FP8Linear, convert_to_fp8
+    def enable_speedups(self, compile_blocks: bool = False, precision: str = "default",
+                        fp8_fast_accum: bool = False) -> None:
+        """FP8 linears (precision "fp8", their GEMMs with fast accumulation under fp8_fast_accum)
+        and regional compilation of the DiT's repeated blocks (see the class docstring); called by
+        the constructor. All are one-way: a later call can add them, not take them away. FP8 goes
+        first, so the compiled graphs hold the FP8 GEMMs and fuse the activation quantization into
+        the surrounding kernels."""
+        from trainer.core.fp8 import FP8Linear, convert_to_fp8, set_fp8_fast_accum
         from trainer.core.modules import REGIONAL_COMPILE_KWARGS, raise_recompile_limit, repeated_blocks
 
         if precision not in ("default", "fp8"):
             raise ValueError(f"precision must be 'default' or 'fp8' (--rollout-precision), got {precision!r}")
+        if fp8_fast_accum and "fp8" not in (precision, self.precision):
+            raise ValueError("fp8_fast_accum (--fp8-fast-accum) sets how FP8 GEMMs accumulate: it needs precision "
+                             "'fp8' (--rollout-precision fp8)")
         blocks = repeated_blocks(self.transformer)
         if precision == "fp8" and self.precision != "fp8":
             if model_has_lora(self.transformer):
@@ -204,6 +211,10 @@ class NativeEngine(EngineMemoryState):
             for block in blocks:
                 convert_to_fp8(block)
             self._fp8_of_weight = {id(m.weight): m for m in self.transformer.modules() if isinstance(m, FP8Linear)}
+        if fp8_fast_accum and not self.fp8_fast_accum:
+            self.fp8_fast_accum = True
+            for block in blocks:
+                set_fp8_fast_accum(block, True)
         if compile_blocks and not self.compile_blocks:
             self.compile_blocks = True
             raise_recompile_limit()  # static + dynamic graphs, masked or not, one more set once LoRA is in
