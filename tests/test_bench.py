@@ -360,11 +360,12 @@ def test_skip_fp8_grad_leaves_out_only_the_gradient_comparison(tmp_path):
 def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
     """--gemms times every linear of the blocks at the rollout's rows (M = candidates x the tokens
     the layer sees), once per distinct shape and variant, and dit_gemms_s is their sum over one
-    forward; --profile-rollout writes the op table of one FP8 DiT forward and splits its time."""
+    forward; --profile-rollout writes the op table of one FP8 DiT forward and splits its time;
+    --optimizers times one AdamW step both ways."""
     out = tmp_path / "gemms.jsonl"
     profile = tmp_path / "rollout_profile.txt"
     proc = run_bench([sys.executable, str(ROOT / "tools" / "bench.py"), *_TINY_STEP, "--rollout-precision", "fp8",
-                      "--gemms", "--profile-rollout", str(profile),
+                      "--gemms", "--profile-rollout", str(profile), "--optimizers",
                       "--skip", "checksum", "merged", "replay", "update", "adapter", "offload", "step",
                       "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -405,6 +406,11 @@ def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
     assert sum(prof["shares"].values()) == pytest.approx(1.0)
     assert prof["shares"]["gemm"] > 0 and prof["shares"]["quantize"] > 0  # the eager FP8 path's amax / clamp
     assert "aten::_scaled_mm" in profile.read_text()
+    # --optimizers: AdamW's two implementations over the LoRA actor's tensors, fused within rounding of foreach
+    steps = {line["implementation"]: line for line in lines if line["figure"] == "optimizer_step_s"}
+    assert steps.keys() == {"foreach", "fused"} and all(line["value"] > 0 for line in steps.values())
+    assert steps["foreach"]["tensors"] == steps["fused"]["tensors"] > 0
+    assert 0 <= steps["fused"]["max_abs_diff_to_foreach"] < 1e-6
 
 
 def test_a_compiled_bench_refuses_a_compile_cache_others_can_write_before_anything_is_built(

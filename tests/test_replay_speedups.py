@@ -182,3 +182,24 @@ def test_progress_ticks_once_per_replayed_micro_batch(mesh):
     fn, ticks = CountingReplay(), []
     actor.train_step(make_batch(4), adv, fn, progress=lambda: ticks.append(1))
     assert len(ticks) == fn.grad + fn.no_grad == 4 + actor.last_anchor_passes
+
+
+def test_fused_adamw_takes_the_steps_of_the_default_one(mesh):
+    """--adam-fused: the actor's AdamW is torch's fused kernel (over the LoRA DTensors), and two updates
+    move the weights and the moments as the multi-tensor default does, up to float rounding."""
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    over = {"fsdp__fsdp_master_dtype": "fp32"}
+    ref, _, ref_m = run_update(mesh, True, adv, mode="lora", **over)
+    new, _, new_m = run_update(mesh, True, adv, mode="lora", optim__adam_fused=True, **over)
+    assert new.optimizer.param_groups[0]["fused"] and not ref.optimizer.param_groups[0]["fused"]
+    assert new_m["train/optimizer_steps"] == ref_m["train/optimizer_steps"] == 2
+    p_ref, p_new = full_params(ref.model), full_params(new.model)
+    moved = [k for k in p_ref if not torch.equal(p_ref[k], full_params(Actor(
+        tiny_transformer(), mesh, make_cfg("lora", **over), device=torch.device("cpu"), adapter=ADAPTER).model)[k])]
+    assert moved  # the updates changed the adapter
+    assert all(torch.allclose(p_ref[k], p_new[k], rtol=0, atol=1e-6) for k in p_ref)
+    for pr, pn in zip(ref.trainable, new.trainable):
+        sr, sn = ref.optimizer.state[pr], new.optimizer.state[pn]
+        assert sr.keys() == sn.keys()  # the same state: a checkpoint of either resumes the other
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(sr[k].full_tensor(), sn[k].full_tensor(), rtol=1e-5, atol=1e-9)

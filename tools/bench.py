@@ -750,7 +750,8 @@ def actor_cfg(args, mode: str, algorithm: str = "flowgrpo"):
     return SimpleNamespace(
         fsdp=fsdp,
         lora=LoraConfig(lora_rank=args.lora_rank if lora else 0, lora_alpha=args.lora_alpha, lora_adapter_mode=lora),
-        optim=OptimConfig(lr=3e-4 if lora else 1e-5, weight_decay=0.0, adam_eps=1e-8 if lora else 1e-15),
+        optim=OptimConfig(lr=3e-4 if lora else 1e-5, weight_decay=0.0, adam_eps=1e-8 if lora else 1e-15,
+                          adam_fused=bool(getattr(args, "adam_fused", False))),
         grpo=GrpoConfig(eps_clip=1e-4, num_updates_per_batch=args.num_updates, micro_batch_size=args.micro_batch,
                         **nft))
 
@@ -1358,6 +1359,45 @@ def phase_update(c: Ctx, actor, batch: dict, adv, valid, replay_fn, mode: str) -
                transitions=int(adv.shape[0]) * len(c.sde_indices))
     c.rep.phase_memory(f"update_{mode}")
     return sec
+
+
+#: --optimizers: AdamW's implementations timed side by side (the trainer's --adam-fused picks fused)
+ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
+
+
+def phase_optimizers(c: Ctx, actor) -> None:
+    """--optimizers: one AdamW step over copies of the actor's trainable tensors (this rank's shards,
+    as the actor's optimizer sees them: DTensors under FSDP2) with random gradients, as each of
+    ADAMW_IMPLEMENTATIONS, from the same state: optimizer_step_s per implementation (the mean of
+    --iters steps after two warm-ups) and, on the fused figure, the largest difference of its
+    tensors from foreach's after the same steps. The actor is not touched."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.train_model import local_shard
+
+    o = actor.optimizer.defaults
+    gen = torch.Generator(device="cpu").manual_seed(c.args.seed)
+    grads = [torch.randn(local_shard(p).shape, generator=gen).to(local_shard(p)) for p in actor.trainable]
+    results: dict[str, list[torch.Tensor]] = {}
+    iters = max(c.args.iters, 5)
+    for impl in ADAMW_IMPLEMENTATIONS:
+        params = [torch.nn.Parameter(p.detach().clone()) for p in actor.trainable]
+        for p, g in zip(params, grads):
+            p.grad = g if not isinstance(p.data, DTensor) else DTensor.from_local(
+                g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        opt = torch.optim.AdamW(params, lr=o["lr"], betas=o["betas"], eps=o["eps"], weight_decay=o["weight_decay"],
+                                **{impl: True})
+        for _ in range(2):
+            opt.step()
+        sec = c.rep.reduce(_mean_time(c.device, opt.step, iters), "max")
+        results[impl] = [local_shard(p).detach() for p in params]
+        diff = None if impl == "foreach" else c.rep.reduce(max(
+            float((a.float() - b.float()).abs().max()) for a, b in zip(results[impl], results["foreach"])), "max")
+        c.rep.emit("optimizer_step_s", sec, "s", implementation=impl, tensors=len(params),
+                   elements=c.rep.reduce(float(sum(g.numel() for g in grads)), "mean") * c.rep.world_size,
+                   steps=2 + iters, **({} if diff is None else {"max_abs_diff_to_foreach": diff}))
+        del opt, params
+    c.rep.phase_memory("optimizers")
 
 
 def _lora_gradient(c: Ctx, actor, rows: Any, adv: torch.Tensor, replay_fn) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -2230,6 +2270,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "adapter sync as the trainer links them, and under fp8-dgrad free their own weights, which "
                         "nothing reads any more (the trainer does too; no later variant can switch them back); keep: "
                         "linked, their weights kept; off: they quantize their weight at every forward")
+    p.add_argument("--adam-fused", action="store_true",
+                   help="the actor's AdamW as torch's fused kernel (the trainer's --adam-fused)")
+    p.add_argument("--optimizers", action="store_true",
+                   help=f"time one AdamW step over copies of the LoRA actor's trainable tensors as each of "
+                        f"{ADAMW_IMPLEMENTATIONS} (optimizer_step_s, with fused's largest difference from foreach)")
     p.add_argument("--fp8-fast-accum", action="store_true",
                    help="the FP8 forward GEMMs of the engine and the actor with fast accumulation (the trainer's "
                         "--fp8-fast-accum); the default accumulation of --replay-fp8-variants' entries")
@@ -2603,6 +2648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase_replay(c, actor, batch, replay_fn, "lora")
         if args.profile_replay is not None:
             phase_profile_replay(c, actor, batch, replay_fn, args.profile_replay)
+        if args.optimizers:
+            phase_optimizers(c, actor)
         if "update" not in skip:
             phase_update(c, actor, batch, adv, valid, replay_fn, "lora")
         if args.replay_precision != "default" and "fp8_grad" not in skip:  # after the update: LoRA B is no longer 0

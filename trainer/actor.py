@@ -408,7 +408,8 @@ class Actor:
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         o = self.optim
         self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                           eps=o.adam_eps, weight_decay=o.weight_decay)
+                                           eps=o.adam_eps, weight_decay=o.weight_decay,
+                                           **({"fused": True} if o.adam_fused else {}))
         self.decay_iters = o.lr_decay_iters if o.lr_decay_iters else total_optimizer_steps
         #: optimizer steps taken so far (the lr schedule position; checkpointed as lr_scheduler_steps)
         self.optimizer_steps = 0

@@ -563,6 +563,12 @@ class OptimConfig:
         "AdamW eps; must be > 0. Full FT uses 1e-15: per-element grads are ~1e-8, so 1e-8 "
         "would dominate the denominator.",
     )
+    adam_fused: bool = _flag(
+        False,
+        "AdamW as torch's fused kernel (one launch for all tensors) instead of its multi-tensor default: less "
+        "time per optimizer step where there are many small tensors (LoRA), the same update up to float "
+        "rounding. Same optimizer state, so a checkpoint resumes with either.",
+    )
     clip_grad: float = _flag(1.0, "Gradient-norm clip before each optimizer step; must be > 0.")
     ema_decay: float = _flag(
         0.0,
