@@ -387,6 +387,14 @@ def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
         assert all(line["per_forward"] == 2 * len(line["layers"]) and line["value"] > 0 for line in timed)
         assert sums[variant]["value"] == pytest.approx(sum(line["seconds"] * line["per_forward"] for line in timed))
         assert sums[variant]["ratio_to_bf16"] == pytest.approx(sums["bf16"]["value"] / sums[variant]["value"])
+        # fp32 on CPU: exact but for summation order; FP8 by its rounding (CPU ignores fast accumulation);
+        # the tensorwise GEMM's unit scales over rowwise-quantized operands are timed, not compared
+        errors = [line["max_rel_error"] for line in timed]
+        if variant == "fp8_tensorwise":
+            assert errors == [None] * len(timed)
+        else:
+            assert all(e < (1e-5 if variant == "bf16" else 0.1) for e in errors), (variant, errors)
+            assert variant == "bf16" or all(e > 1e-4 for e in errors), (variant, errors)
     # the quantization alone: one figure per distinct FP8 GEMM input, 12 FP8 linears a block (the
     # modulations' 3072-wide outputs pass too; the tiny widths are multiples of 16)
     quants = [line for line in lines if line["figure"] == "quantize_s"]

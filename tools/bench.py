@@ -944,11 +944,17 @@ def block_linears(c: Ctx) -> list[dict[str, Any]]:
     return found
 
 
+def _rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |y - ref| / max |ref|: a GEMM output's largest error on the scale of its largest value."""
+    return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
 def phase_gemms(c: Ctx, rows: int) -> None:
     """--gemms: the DiT's linear GEMMs one by one at a DiT forward of `rows` rows, in each of
     GEMM_VARIANTS, to show how far the FP8 rollout's GEMMs are from the tensor cores' rate and what
-    another scaling would give (gemm_tflops per distinct (M, K, N), dit_gemms_s: the sum over one
-    forward's blocks, beside dit_forward_s):
+    another scaling would give (gemm_tflops per distinct (M, K, N), with each variant's
+    max_rel_error against the fp32 product of the unquantized operands; dit_gemms_s: the sum over
+    one forward's blocks, beside dit_forward_s):
       bf16                   F.linear in the compute dtype (the eager / compiled rollout);
       fp8_rowwise            torch._scaled_mm alone, one scale per activation row and per weight
                              channel (the --rollout-precision fp8 GEMM, inputs already quantized);
@@ -975,6 +981,7 @@ def phase_gemms(c: Ctx, rows: int) -> None:
         w = entry["module"].weight.detach().to(c.dtype)
         x = torch.randn(m, k, device=c.device, dtype=c.dtype)
         fns: dict[str, Callable[[], Any]] = {"bf16": lambda: torch.nn.functional.linear(x, w)}
+        ref = torch.nn.functional.linear(x.float(), w.float())  # the exact product, in fp32
         if fp8_eligible(entry["module"]):
             xq, xs = quantize_rowwise(x)
             wq, ws = quantize_rowwise(w)
@@ -989,12 +996,15 @@ def phase_gemms(c: Ctx, rows: int) -> None:
             if variant not in fns:
                 timed_all[variant] = False
                 continue
-            fns[variant]()  # warm-up: cuBLAS / CUTLASS heuristics
+            y = fns[variant]()  # warm-up: cuBLAS / CUTLASS heuristics
+            err = None if variant == "fp8_tensorwise" else _rel_error(y, ref)  # unit scales: timing only
+            del y
             sec = c.rep.reduce(_mean_time(c.device, fns[variant], iters), "max")
             totals[variant] += sec * entry["count"]
             c.rep.emit("gemm_tflops", 2.0 * m * k * n / sec / 1e12, "TFLOP/s", op="min", variant=variant,
-                       m=m, k=k, n=n, layers=entry["names"], per_forward=entry["count"], seconds=sec)
-        del x, fns
+                       m=m, k=k, n=n, layers=entry["names"], per_forward=entry["count"], seconds=sec,
+                       max_rel_error=None if err is None else c.rep.reduce(err, "max"))
+        del x, fns, ref
     for variant in GEMM_VARIANTS:
         if timed_all[variant]:  # a sum that left out a layer would understate the forward
             c.rep.emit("dit_gemms_s", totals[variant], "s", variant=variant, rows=rows, linears=len(layers),
