@@ -395,6 +395,8 @@ def test_gemms_and_rollout_profile_account_for_every_block_linear(tmp_path):
         else:
             assert all(e < (1e-5 if variant == "bf16" else 0.1) for e in errors), (variant, errors)
             assert variant == "bf16" or all(e > 1e-4 for e in errors), (variant, errors)
+        if variant.startswith("fp8_rowwise"):  # the FP8 operands' own product: summation order only on CPU
+            assert all(line["max_rel_error_dequantized"] < 1e-5 for line in timed), variant
     # the quantization alone: one figure per distinct FP8 GEMM input, 12 FP8 linears a block (the
     # modulations' 3072-wide outputs pass too; the tiny widths are multiples of 16)
     quants = [line for line in lines if line["figure"] == "quantize_s"]

@@ -953,8 +953,10 @@ def phase_gemms(c: Ctx, rows: int) -> None:
     """--gemms: the DiT's linear GEMMs one by one at a DiT forward of `rows` rows, in each of
     GEMM_VARIANTS, to show how far the FP8 rollout's GEMMs are from the tensor cores' rate and what
     another scaling would give (gemm_tflops per distinct (M, K, N), with each variant's
-    max_rel_error against the fp32 product of the unquantized operands; dit_gemms_s: the sum over
-    one forward's blocks, beside dit_forward_s):
+    max_rel_error against the fp32 product of the unquantized operands and, for the rowwise FP8
+    ones, max_rel_error_dequantized against that of the FP8 operands as dequantized: the
+    accumulation's own error; dit_gemms_s: the sum over one forward's blocks, beside
+    dit_forward_s):
       bf16                   F.linear in the compute dtype (the eager / compiled rollout);
       fp8_rowwise            torch._scaled_mm alone, one scale per activation row and per weight
                              channel (the --rollout-precision fp8 GEMM, inputs already quantized);
@@ -992,19 +994,24 @@ def phase_gemms(c: Ctx, rows: int) -> None:
                                                                      out_dtype=c.dtype, use_fast_accum=True)
             fns["fp8_rowwise_quantized"] = lambda: fp8_linear(x, wq, ws, None)
             fns["fp8_tensorwise"] = lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=c.dtype)
+            # the exact product of the FP8 operands as dequantized: what an FP8 GEMM's accumulation misses
+            dq_ref = torch.nn.functional.linear(xq.float() * xs, wq.float() * ws.reshape(-1, 1))
         for variant in GEMM_VARIANTS:
             if variant not in fns:
                 timed_all[variant] = False
                 continue
             y = fns[variant]()  # warm-up: cuBLAS / CUTLASS heuristics
             err = None if variant == "fp8_tensorwise" else _rel_error(y, ref)  # unit scales: timing only
+            err_dq = _rel_error(y, dq_ref) if variant.startswith("fp8_rowwise") else None
             del y
             sec = c.rep.reduce(_mean_time(c.device, fns[variant], iters), "max")
             totals[variant] += sec * entry["count"]
             c.rep.emit("gemm_tflops", 2.0 * m * k * n / sec / 1e12, "TFLOP/s", op="min", variant=variant,
                        m=m, k=k, n=n, layers=entry["names"], per_forward=entry["count"], seconds=sec,
-                       max_rel_error=None if err is None else c.rep.reduce(err, "max"))
+                       max_rel_error=None if err is None else c.rep.reduce(err, "max"),
+                       **({} if err_dq is None else {"max_rel_error_dequantized": c.rep.reduce(err_dq, "max")}))
         del x, fns, ref
+        dq_ref = None
     for variant in GEMM_VARIANTS:
         if timed_all[variant]:  # a sum that left out a layer would understate the forward
             c.rep.emit("dit_gemms_s", totals[variant], "s", variant=variant, rows=rows, linears=len(layers),
