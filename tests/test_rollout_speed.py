@@ -102,8 +102,8 @@ def test_fast_accumulation_reaches_every_fp8_forward_gemm_and_never_the_input_gr
     engine = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
     actor = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16)).requires_grad_(False)
     actor.load_state_dict(engine.state_dict())
-    assert convert_to_fp8(engine, fast_accum=True) == 2
-    assert convert_frozen_to_fp8(list(actor), fp8_dgrad=True, fast_accum=True) == 2
+    assert convert_to_fp8(engine) == 2 and set_fp8_fast_accum(engine, True) == 2
+    assert convert_frozen_to_fp8(list(actor), fp8_dgrad=True) == 2 and set_fp8_fast_accum(actor, True) == 2
     assert all(isinstance(m, FP8DgradFrozenLinear) and m.fp8_fast_accum for m in actor)
     x = torch.randn(4, 32, requires_grad=True)
     calls = _record_scaled_mm(monkeypatch)

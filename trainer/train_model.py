@@ -116,7 +116,7 @@ def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-b
     Class swaps only (parameters, names, sharding unchanged), so it may be called before or after
     parallelize; a compiled block recompiles on the next call. Returns the layers now in FP8.
     Raises when an FP8 precision finds no eligible LoRA base layer (nothing would change)."""
-    from trainer.core.fp8 import convert_frozen_to_fp8, restore_frozen_linears
+    from trainer.core.fp8 import convert_frozen_to_fp8, restore_frozen_linears, set_fp8_fast_accum
 
     if precision not in REPLAY_PRECISIONS:
         raise ValueError(f"--replay-precision must be one of {REPLAY_PRECISIONS}, got {precision!r}")
@@ -126,10 +126,11 @@ def set_replay_precision(model: nn.Module, precision: str, layers: str = "lora-b
     if precision == "default":
         return 0
     dgrad = precision == "fp8-dgrad"
-    n = convert_frozen_to_fp8(lora_base_layers(model), fp8_dgrad=dgrad, fast_accum=fast_accum)
+    n = convert_frozen_to_fp8(lora_base_layers(model), fp8_dgrad=dgrad)
     if n and layers == "frozen":
-        n += convert_frozen_to_fp8(frozen_block_linears(model), fp8_dgrad=dgrad, min_rows=FP8_FROZEN_MIN_ROWS,
-                                   fast_accum=fast_accum)
+        n += convert_frozen_to_fp8(frozen_block_linears(model), fp8_dgrad=dgrad, min_rows=FP8_FROZEN_MIN_ROWS)
+    if fast_accum:
+        set_fp8_fast_accum(model, True)
     if n == 0:
         raise ValueError(f"--replay-precision {precision} found no LoRA-wrapped linear layer in the transformer blocks "
                          "whose dimensions are multiples of 16: check --lora-target-modules, or use "

@@ -107,18 +107,17 @@ def fp8_eligible(module: nn.Module) -> bool:
             and module.out_features % _ALIGN == 0)
 
 
-def convert_to_fp8(blocks: nn.Module, *, fast_accum: bool = False) -> int:
+def convert_to_fp8(blocks: nn.Module) -> int:
     """Turn every eligible nn.Linear under `blocks` into an FP8Linear in place (class swap; the
-    parameters and their names stay), quantizing its current weight; fast_accum: its GEMM's
-    (fp8_linear). Returns how many. Call it on the repeated transformer blocks only: the embedders
-    and the final projection stay in the compute dtype, as FP8 inference recipes keep them."""
+    parameters and their names stay), quantizing its current weight, its GEMM accumulating in full
+    (set_fp8_fast_accum changes that). Returns how many. Call it on the repeated transformer blocks
+    only: the embedders and the final projection stay in the compute dtype, as FP8 inference
+    recipes keep them."""
     n = 0
     for module in blocks.modules():
         if fp8_eligible(module):
             module.__class__ = FP8Linear
             module.requantize()
-            if fast_accum:
-                module.fp8_fast_accum = True
             n += 1
     return n
 
@@ -274,12 +273,12 @@ class FP8DgradFrozenLinear(FP8FrozenLinear):
     fp8_dgrad = True
 
 
-def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, min_rows: int = 0,
-                          fast_accum: bool = False) -> int:
+def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, min_rows: int = 0) -> int:
     """Turn each eligible (fp8_eligible) frozen nn.Linear of `layers` into an FP8FrozenLinear (an
     FP8DgradFrozenLinear with fp8_dgrad) in place (class swap: parameters and names stay), whose
     calls of fewer than `min_rows` rows keep the compute dtype (frozen_fp8_linear) and whose
-    forward GEMM accumulates fast with fast_accum. Returns how many were converted."""
+    forward GEMM accumulates in full (set_fp8_fast_accum changes that). Returns how many were
+    converted."""
     n = 0
     for m in layers:
         if fp8_eligible(m):
@@ -289,8 +288,6 @@ def convert_frozen_to_fp8(layers: list[nn.Module], *, fp8_dgrad: bool = False, m
             m.__class__ = FP8DgradFrozenLinear if fp8_dgrad else FP8FrozenLinear
             if min_rows:
                 m.fp8_min_rows = min_rows
-            if fast_accum:
-                m.fp8_fast_accum = True
             n += 1
     return n
 
