@@ -428,15 +428,21 @@ class FsdpConfig:
         "computed are the same either way.",
     )
     fsdp_activation_checkpointing: bool = _flag(
-        False, "Recompute each transformer block in backward; effectively required on the real model."
+        False,
+        "Recompute each transformer block in backward: the activations' memory for one more block forward each. "
+        "The real model needs it unless memory is there: on one H200 holding the whole 60-block Qwen-Image model "
+        "beside its FP8 engine, the LoRA step at micro-batch 8 fit without it (130.6 GB) once --replay-precision "
+        "fp8-dgrad freed the actor's weights linked to the engine; before that, checkpointing every 2nd block "
+        "already peaked at 142.3 GB (docs/PERFORMANCE.md).",
     )
     fsdp_activation_checkpointing_every: int = _flag(
         1,
         "With --fsdp-activation-checkpointing, recompute only the transformer blocks 0, K, 2K, ... (1: every "
         "block). The other blocks keep their activations through backward: each backward then runs (K-1)/K fewer "
-        "block forwards, for the activations of the blocks left out. On one GPU holding the whole 60-block "
-        "Qwen-Image model beside its engine, K=2 ran out of memory (docs/PERFORMANCE.md); sharded actors have "
-        "more room. Must be >= 1; above 1 it needs --fsdp-activation-checkpointing.",
+        "block forwards, for the activations of the blocks left out. On one H200 holding the whole 60-block "
+        "Qwen-Image model beside its FP8 engine, K=2 at micro-batch 8 fit (142.3 GB) once the engine freed its "
+        "bf16 block weights, and took 0.41 s off the update (docs/PERFORMANCE.md); sharded actors have more "
+        "room. Must be >= 1; above 1 it needs --fsdp-activation-checkpointing.",
     )
     fsdp_compile: bool = _flag(
         False,
