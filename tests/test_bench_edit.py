@@ -6,6 +6,7 @@ size, and the fp32 replay equals the sampler; --shape real is refused before it 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -122,3 +123,20 @@ def test_bench_family_edit_runs_every_phase_at_tiny_shape(family, tmp_path):
     # bit on one machine and differed by 6e-8 on another (AVX-512); FLUX's differ by ~1e-7
     assert figures["replay_logp_max_abs_err_lora"]["value"] <= 1e-6
     assert figures["rollout_s"]["geometry"]["sources_per_prompt"] == 1
+
+
+def test_bench_edit_profile_writes_both_sides_kernel_tables(tmp_path):
+    """--profile: one more rollout of the engine and of the stock pipeline under torch.profiler,
+    each a table with its time by kernel class; the timed figures come first, unchanged in kind."""
+    from tools import bench_edit
+
+    out, prof = tmp_path / "edit.jsonl", tmp_path / "kernels.txt"
+    assert bench_edit.main(["--prompts", "1", "--group-size", "2", "--steps", "2", "--output", str(out),
+                            "--profile", str(prof)]) == 0
+    text = prof.read_text()
+    heads = [line for line in text.splitlines() if line.startswith("== ")]
+    assert [h.split(":")[0] for h in heads] == ["== engine rollout", "== diffusers pipeline"]
+    for h in heads:  # the DiT's linears land in the GEMM class, its SDPA in attention
+        secs = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", h.split("by class: ")[1])}
+        assert secs["gemm"] > 0 and secs["attention"] > 0
+    assert "edit_rollout_speedup" in out.read_text()

@@ -166,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     p.add_argument("--skip-diffusers", action="store_true", help="do not time the stock pipeline")
     p.add_argument("--output", type=Path, default=None, help="JSONL file the figures are appended to")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="also profile one more rollout of each side (torch.profiler) and write their kernel tables, "
+                        "sorted by device time, to this text file; the timed figures are taken before it")
     args = p.parse_args(argv)
     size, steps = FAMILY_DEFAULTS[args.family]["real"] if args.shape == "real" else TINY_DEFAULTS
     args.height = args.height or size
@@ -232,6 +235,31 @@ def stock_pipeline(args, engine, sources: list[str], instruction: str):
         edit_plus.VAE_IMAGE_SIZE = saved
 
 
+def kernel_table(run, device: torch.device, title: str, rows: int = 30) -> str:
+    """The kernels of one call of `run` under torch.profiler: the total device (or CPU) time by
+    class of kernel (attention, GEMM, the rest), then the `rows` costliest by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    classes = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        if device.type == "cuda" and e.device_type.name != "CUDA":
+            continue
+        t = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
+        name = e.key.lower()
+        kind = ("attention" if any(k in name for k in ("flash", "fmha", "attention", "sdpa")) else
+                "gemm" if any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "aten::addmm", "aten::mm",
+                                                "aten::bmm")) else "other")
+        classes[kind] += t / 1e6
+    head = ", ".join(f"{k} {v:.3f} s" for k, v in classes.items())
+    return f"== {title}: device time by class: {head}\n" + prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n"
+
+
 def main(argv=None) -> int:
     from tools import bench
 
@@ -284,10 +312,14 @@ def main(argv=None) -> int:
                     with bench.timed(device) as t:
                         stock()
                     times.append(t[0])
-            theirs = n / (sum(times) / len(times))
-            rep.emit("edit_diffusers_images_per_s", theirs, "images/s")
-            rep.emit("edit_rollout_speedup", ours / theirs, "x")
-            rep.phase_memory("edit_diffusers")
+                theirs = n / (sum(times) / len(times))
+                rep.emit("edit_diffusers_images_per_s", theirs, "images/s")
+                rep.emit("edit_rollout_speedup", ours / theirs, "x")
+                rep.phase_memory("edit_diffusers")
+                if args.profile:
+                    tables = [kernel_table(lambda: engine.generate(requests), device, "engine rollout"),
+                              kernel_table(stock, device, "diffusers pipeline")]
+                    args.profile.write_text("".join(tables))
 
         with torch.no_grad():
             engine.adapter.replay_transitions(engine.transformer, traj)  # warm-up
