@@ -463,7 +463,7 @@ def test_compile_cache_dir_is_checked_before_code_is_loaded_from_it(base, tmp_pa
     assert problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)]) == []
 
     # a directory another user owns is refused too (or its parent, where the tests do not run as root)
-    monkeypatch.setattr(os, "getuid", lambda: os.stat(fresh).st_uid + 1)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(fresh).st_uid + 1)
     (msg,) = problems(base + ["--fsdp-compile", "--compile-cache-dir", str(fresh)])
     assert f"is owned by uid {os.stat(fresh).st_uid}" in msg
 
@@ -496,7 +496,7 @@ def test_without_compile_cache_dir_torchs_own_cache_is_checked(base, tmp_path, m
     assert pf.torch_compile_cache_dir() == (str(default), "torch's default cache")
     assert problems(base + ["--fsdp-compile"]) == [] and not default.exists()
     default.mkdir(parents=True)
-    monkeypatch.setattr(os, "getuid", lambda: os.stat(default).st_uid + 1)  # created first by another user
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(default).st_uid + 1)  # created first by another user
     (msg,) = problems(base + ["--fsdp-compile"])
     assert f"torch's default cache {default}" in msg and f"is owned by uid {os.stat(default).st_uid}" in msg
     monkeypatch.undo()

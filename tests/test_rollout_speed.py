@@ -472,7 +472,7 @@ def test_a_resumed_run_compiles_the_dynamic_graph_at_once(tmp_path, monkeypatch)
     import torch.compiler
 
     from trainer.core.modules import CompileWatch
-    from trainer.loop import use_compile_cache, use_compile_profile
+    from trainer.loop import RunError, use_compile_cache, use_compile_profile
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cc"))
     use_compile_cache(str(tmp_path / "cc"))
@@ -511,11 +511,15 @@ def test_a_resumed_run_compiles_the_dynamic_graph_at_once(tmp_path, monkeypatch)
         torch.compiler.config.job_id = None
         assert use_compile_profile(cfg(str(tmp_path / "other"))) != job  # another run: its own profile
         assert graphs_per_call([9, 11]) == [1, 1]
-        # the profile is a pickle dynamo loads: not from a cache that others can write into
+        # the profile is a pickle dynamo loads, the kernels beside it code inductor imports: a
+        # compiling run stops on a cache that others can write into, profile or not
         torch.compiler.config.job_id = None
         (tmp_path / "cc").chmod(0o755)  # others may search it now (the run creates it 0700)
         (tmp_path / "cc" / "dynamo").chmod(0o777)
-        assert use_compile_profile(cfg(str(tmp_path / "run"))) is None and torch.compiler.config.job_id is None
+        with pytest.raises(RunError, match="is writable by group or others"):
+            use_compile_profile(cfg(str(tmp_path / "run")))
+        assert torch.compiler.config.job_id is None
+        (tmp_path / "cc" / "dynamo").chmod(0o700)
         torch.compiler.config.job_id = "set-by-the-user"  # as TORCH_COMPILE_JOB_ID would: kept as it is
         assert use_compile_profile(cfg(str(tmp_path / "run"))) == "set-by-the-user"
     finally:

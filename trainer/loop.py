@@ -1120,13 +1120,17 @@ def summarize(history: list[dict[str, float]], components: list[str], window: in
 
 
 def use_compile_cache(path: str | None) -> None:
-    """Point torch.compile's kernel cache at `path` (--compile-cache-dir; preflight checked who
-    may write there), created private to this user; None leaves torch's default. Before any
-    compile: inductor reads TORCHINDUCTOR_CACHE_DIR when it first looks for a kernel."""
+    """Point torch.compile's kernel cache at `path` (--compile-cache-dir), created private to
+    this user, or checked where it exists (preflight's private_dir_problem: a directory someone
+    else made or can write is refused, RunError, never used); None leaves torch's default. Before
+    any compile: inductor reads TORCHINDUCTOR_CACHE_DIR when it first looks for a kernel."""
+    from trainer.preflight import private_dir_problem
+
     if not path:
         return
     p = Path(path).absolute()
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if problem := private_dir_problem(str(p)):
+        raise RunError(f"--compile-cache-dir {path}: {problem}")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(p)
 
 
@@ -1140,24 +1144,23 @@ def use_compile_profile(cfg: Any) -> str | None:
     kernels (<compile cache>/dynamo/code_state_*.pkl, one per rank) after each compile; the name
     is derived from the --save path, so only the same run's processes share it. A job id the
     environment already sets (TORCH_COMPILE_JOB_ID) is kept as it is. The profile is a pickle that
-    dynamo loads, so the run does not turn it on, and warns, where the cache directory holds
-    anything another user owns or can write (preflight's torch_compile_cache_problem, which
-    preflight ran on the same directory; checked again here for callers that skip preflight). Returns the job id in force, or
-    None (no profile) when nothing compiles, the run has no --save or the cache is not safe to
-    load from."""
+    dynamo loads, as inductor loads the kernels beside it, so a compiling run whose cache directory
+    holds anything another user owns or can write stops here (RunError; preflight's
+    torch_compile_cache_problem refused it already, checked again for callers that skip
+    preflight): turning the profile off alone would still load their kernels. Returns the job id
+    in force, or None (no profile) when nothing compiles or the run has no --save."""
     import hashlib
 
     import torch.compiler
 
     from trainer.preflight import torch_compile_cache_problem
 
+    compiles = cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile
+    if compiles and (problem := torch_compile_cache_problem()):
+        raise RunError(problem)
     if torch.compiler.config.job_id is not None:  # the user's own
         return torch.compiler.config.job_id
-    if not (cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile) or not cfg.checkpoint.save:
-        return None
-    if problem := torch_compile_cache_problem():
-        log.warning("torch.compile's dynamic-shape profile is off for this run (a resume compiles its static "
-                    "graphs again): %s", problem)
+    if not compiles or not cfg.checkpoint.save:
         return None
     run = str(Path(cfg.checkpoint.save).absolute())
     torch.compiler.config.job_id = "flowgrpo-" + hashlib.sha256(run.encode()).hexdigest()[:16]

@@ -1115,7 +1115,9 @@ def _check_compile_cache(cfg: RunConfig, errors: list[str], warnings: list[str])
     if path and not compiles:
         warnings.append(f"--compile-cache-dir {path} has no effect without --rollout-compile or --fsdp-compile")
     if path:
-        problem = writable_dir_problem(path) or compile_cache_problem(path)
+        # no probe file: one appearing in a shared parent (/tmp) would tell another user when to plant
+        # the directory; the run creates it exclusively anyway (prepare_compile_cache)
+        problem = writable_dir_problem(path, probe=False) or compile_cache_problem(path)
         if problem:
             errors.append(f"--compile-cache-dir {path}: {problem}")
     elif compiles and (problem := torch_compile_cache_problem()):
@@ -1155,7 +1157,7 @@ def compile_cache_problem(path: str) -> str | None:
     ancestor of `path` that another user than root owns, or that group or others can write
     without the sticky bit (they could rename `path` away and put their own in its place)."""
     p = Path(path).absolute()
-    uid = os.getuid() if hasattr(os, "getuid") else None  # None: no POSIX ownership to check
+    uid = os.geteuid() if hasattr(os, "geteuid") else None  # the owner of what the process creates; None: no POSIX
     for anc in Path(os.path.realpath(p)).parents if uid is not None else ():
         if not anc.exists():
             continue
@@ -1190,10 +1192,69 @@ def compile_cache_problem(path: str) -> str | None:
     return None
 
 
-def writable_dir_problem(path: str) -> str | None:
+def prepare_compile_cache(cfg: RunConfig) -> str | None:
+    """Make the directory compiled kernels will be loaded from this user's, before anything
+    compiles; the problem as a message naming the flag (None when it is fine). Preflight only
+    checks, and creates nothing, so in a parent others can write (/tmp) the directory can appear
+    between its check and the first compile, made by another user who then owns what inductor
+    imports: hence one exclusive create here, then the check of whatever is there
+    (private_dir_problem). Every rank runs it: one creates, the others find the directory and
+    check it the same way. The directory is --compile-cache-dir where given, else torch's own
+    cache when the run compiles (torch itself would create that one with exist_ok)."""
+    if path := cfg.fsdp.compile_cache_dir:
+        problem = private_dir_problem(path)
+        return problem and f"--compile-cache-dir {path}: {problem}"
+    if not (cfg.rollout.rollout_compile or cfg.fsdp.fsdp_compile):
+        return None
+    path, source = torch_compile_cache_dir()
+    problem = private_dir_problem(path)
+    return problem and (f"--rollout-compile / --fsdp-compile load compiled kernels from {source} {path}: {problem}; "
+                        "or pass --compile-cache-dir DIR (the run creates it private to you)")
+
+
+def private_dir_problem(path: str) -> str | None:
+    """Create `path` private to this user (mode 0700), or check the one already there; None
+    when the process may load code from it. The last component is made by one mkdir that fails
+    when anything has that name (never mkdir(exist_ok=True), which takes whatever another user
+    put there first); what is found is then held to the same rule as a directory the user names:
+    a directory owned by the effective uid, not writable by group or others, nor anything in it,
+    and parents nobody else can swap it out of (compile_cache_problem)."""
+    p = Path(path).absolute()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)  # parents: owner and mode checked below
+    except OSError as e:
+        return f"cannot create its parent {p.parent} ({e.strerror or e}); choose a directory of your own"
+    try:
+        os.mkdir(p, 0o700)
+    except FileExistsError:
+        pass  # another rank of this run made it, or the user, or someone else: checked below
+    except OSError as e:
+        return f"cannot create it ({e.strerror or e}); choose a directory of your own"
+    try:
+        st = p.stat()
+    except OSError as e:
+        return f"cannot read it ({e.strerror or e}); choose a directory of your own"
+    import stat
+
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{p} is not a directory; choose a new path"
+    euid = os.geteuid() if hasattr(os, "geteuid") else None
+    if euid is not None and st.st_uid != euid:
+        return (f"{p} is owned by uid {st.st_uid}, not by this user (uid {euid}): someone else created it, and the "
+                "run would load code from it. Nothing was loaded; remove it, or choose a directory under one of "
+                "your own")
+    if st.st_mode & 0o022:
+        return (f"{p} is writable by group or others (mode {st.st_mode & 0o777:o}); the run would load code from "
+                f"it. Fix: chmod go-w {p}, or choose a new directory")
+    return compile_cache_problem(str(p))
+
+
+def writable_dir_problem(path: str, probe: bool = True) -> str | None:
     """Why `path` cannot be used as an output directory (None when it can): probed by creating
     a file in it or in its nearest existing ancestor, since permission bits do not tell the
-    whole story (read-only mounts, immutable directories, root)."""
+    whole story (read-only mounts, immutable directories, root). probe=False asks access(2)
+    instead, which leaves no trace (it still sees a read-only mount): for a directory whose
+    creation must not be announced to whoever watches a shared parent."""
     import tempfile
 
     p = Path(path).absolute()
@@ -1202,6 +1263,8 @@ def writable_dir_problem(path: str) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a regular file, so the directory cannot be created under it; choose another path"
+    if not probe:
+        return None if os.access(existing, os.W_OK | os.X_OK) else f"cannot write in {existing}; choose a writable directory"
     try:
         fd, probe = tempfile.mkstemp(prefix=".preflight-", dir=existing)
         os.close(fd)

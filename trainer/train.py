@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank0 and not quiet:
             print("preflight ok")
         return 0
+    from trainer.preflight import prepare_compile_cache
+
+    if problem := prepare_compile_cache(cfg):  # before anything can compile; every rank checks
+        report_fatal(os.environ.get("RANK", "0"), f"error: {problem}")
+        return EXIT_CONFIG
     # The loop is imported only after preflight so a bad config never pays for torch.
     from trainer.loop import run
 
