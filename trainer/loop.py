@@ -1089,11 +1089,14 @@ def silence_known_harmless_warnings() -> None:
     (its last linear projection reshapes), because an in-place op on that output would skip the
     pre-backward all-gather. Here the output is the velocity, which every consumer (dit_velocity,
     the flow_grpo transition math, CFG) only reads out of place, so for the root transformer
-    classes the warning is noise; for any other module it still shows."""
+    classes the warning is noise; for any other module it still shows. The roots: every image
+    family's `*Transformer2DModel`, Wan's `WanTransformer3DModel` (its unpatchify reshapes too),
+    and `WanExperts`, the root of a two-expert Wan model."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w*Transformer2DModel\) returned a view "
-                            r"tensor", category=UserWarning)
+    roots = r"\w*Transformer2DModel|WanTransformer3DModel|WanExperts"
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP(?:{roots})\) returned a view tensor",
+                            category=UserWarning)
 
 
 def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
