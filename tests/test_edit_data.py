@@ -150,7 +150,8 @@ def test_inspect_leakage_and_repeats_by_media_bytes(tmp_path, capsys):
     # within one file: same instruction on two copies of one image is a repeat warning
     rep = write_jsonl(tmp_path / "ev" / "rep.jsonl", [rec("<image> make it blue", "r0", ["copy.png"]),
                                                       rec("<image>  make it blue", "r1", ["../tr/img.png"])])
-    assert inspect_data.main(["--eval", str(rep)]) == 0
+    # (line 2 names a file outside the eval file's directory: allowed by naming their common root)
+    assert inspect_data.main(["--eval", str(rep), "--media-root", str(tmp_path)]) == 0
     assert f"{rep}:2: same prompt as line 1" in capsys.readouterr().out
 
 

@@ -17,8 +17,10 @@ Every step is deterministic, never RNG:
 2. drop records whose media files do not exist (unless --no-check-media);
 3. drop prompts with fewer than --min-prompt-words words (placeholders not counted);
 4. dedup by content key (the whitespace-normalised prompt, plus for a record with media the
-   sha256 of each media file's bytes in order: the same image under two names is a duplicate, two
-   images with one name in different directories are not); of a set of duplicates the record
+   sha256 of each media file's bytes in order and its metadata but ``source``: the same image
+   under two names is a duplicate, two images with one name in different directories are not,
+   nor are two edits of one image that ask for different targets, e.g. metadata.color "red" and
+   "green"); of a set of duplicates the record
    with the smallest sample_id is kept, so the result depends on the set of records, not their
    order;
 5. split by u = split_unit(sample_id) in [0, 1): --eval-fraction F puts u < F in eval (a record
@@ -44,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.cli import ToolError, existing_file, output_dir, run_tool, tool_parser  # noqa: E402
+from trainer.core.media_key import media_file_problem  # noqa: E402
 from trainer.data import (DataError, MediaDigests, PromptRecord, count_words, iter_jsonl_lines, parse_record,
                           record_content_hash, record_dedup_key, resolve_media_path, split_unit, where,
                           write_jsonl)
@@ -198,6 +201,13 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
     kept_by_hash: dict[str, tuple[int, PromptRecord]] = {}
     digests = MediaDigests()
     for lineno, rec in records:
+        for ref in rec.media():
+            # a FIFO, a device, a /proc file or an oversized one named as media is refused, not
+            # dropped as missing and never read (its hash could take minutes, or never end)
+            full = resolve_media_path(ref, src_dir)
+            problem = os.path.exists(full) and media_file_problem(full)
+            if problem:
+                raise DataError(f"{where(input_path, lineno)}: media file {ref!r}: {problem}; fix or delete the record")
         if check_media:
             missing = [p for p in rec.media() if not os.path.isfile(resolve_media_path(p, src_dir))]
             if missing:

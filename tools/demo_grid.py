@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 def _load_pngs(directory: Path, groups: int, n: int) -> list[torch.Tensor]:
     """Images [3, H, W] in [0, 1] of groups x n candidates, in (group, slot) order."""
     import torch
-    from PIL import Image
 
     from trainer.artifacts import image_name
+    from trainer.core.image_file import decode_rgb
 
     out = []
     for g in range(groups):
@@ -49,8 +49,7 @@ def _load_pngs(directory: Path, groups: int, n: int) -> list[torch.Tensor]:
             path = directory / image_name(g, s)
             if not path.is_file():
                 raise ToolError(f"{path} is missing: did the run write its eval images there?")
-            with Image.open(path) as im:
-                rgb = im.convert("RGB")
+            rgb = decode_rgb(path)  # the accepted formats only, size checked from the header
             arr = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
             out.append(arr.view(rgb.height, rgb.width, 3).permute(2, 0, 1).float() / 255)
     return out
@@ -133,7 +132,8 @@ def _grid(args) -> int:
     if not cfg.eval.eval_prompt_data:
         raise ToolError(f"{args.config} has no eval-prompt-data to draw")
     task, root = cfg.model.generation_task, Path(cfg.artifacts.artifact_root)
-    name, ds = next(iter(load_eval_sets(cfg.eval.eval_prompt_data, task=task).items()))
+    sets = load_eval_sets(cfg.eval.eval_prompt_data, task=task, media_root=cfg.rollout.media_root)
+    name, ds = next(iter(sets.items()))
     records = [ds[i] for i in range(len(ds))]
     n = int(cfg.eval.n_samples_per_eval_prompt)
     # the loop's layout: one eval set writes eval/<task>/, several eval/<task>/<name>/

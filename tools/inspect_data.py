@@ -13,6 +13,8 @@ Errors (each reported as ``file:line: what``):
   a ``metadata.task`` outside GENERATION_TASKS, a malformed sample id;
 - ``<image>`` / ``<video>`` placeholder counts that differ from the ``images`` / ``videos`` lists;
 - a referenced media file that does not exist (with --decode-media: that does not decode);
+- a referenced media file outside the prompt file's directory and --media-root (symlinks
+  followed; ``--media-root /`` allows any file);
 - a sample id used twice in one file;
 - train/eval leakage (both flags given): an eval record whose sample id, or whose content (the
   prompt, plus the bytes of its media files in order), is in train;
@@ -31,9 +33,10 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.cli import EXIT_USAGE, existing_file, run_tool, tool_parser  # noqa: E402
-from trainer.data import (MediaDigests, PromptRecord, find_leakage, iter_jsonl_lines, parse_record,
-                          record_dedup_key, record_problems, resolve_media_path, where)
+from trainer.cli import EXIT_USAGE, existing_dir, existing_file, run_tool, tool_parser  # noqa: E402
+from trainer.core.media_key import media_file_problem  # noqa: E402
+from trainer.data import (MEDIA_ROOT_FIX, MediaDigests, PromptRecord, confined_media_path, find_leakage,
+                          iter_jsonl_lines, parse_record, record_dedup_key, record_problems, where)
 
 DEFAULT_MAX_REPORT = 200
 
@@ -54,15 +57,18 @@ class FileScan:
 def decode_problem(path: str, kind: str) -> str | None:
     """None if the media file decodes fully, else why not.
 
-    Images are decoded with Pillow (``load()`` reads every pixel, so truncated files fail).
+    Images are decoded with Pillow, as PNG, JPEG or WebP only (trainer.core.image_file: a file of
+    another format is refused by its bytes, whatever its name), every pixel read, so truncated
+    files fail.
     Videos need PyAV; without it the check reports that, rather than passing unchecked.
     """
     if kind == "images":
-        from PIL import Image
+        from trainer.core.image_file import ImageFileError, decode_rgb
 
-        try:
-            with Image.open(path) as im:
-                im.load()
+        try:  # the accepted formats only, the size checked from the header before decoding
+            decode_rgb(path, os.path.basename(path))
+        except ImageFileError as e:
+            return str(e)
         except Exception as e:  # noqa: BLE001 - any decoder failure is the finding
             return f"{type(e).__name__}: {e}"
         return None
@@ -78,8 +84,10 @@ def decode_problem(path: str, kind: str) -> str | None:
     return None
 
 
-def scan_file(path: str, decode_media: bool, digests: MediaDigests | None = None) -> FileScan:
-    """Per-line checks of one prompt file (everything except cross-file leakage)."""
+def scan_file(path: str, decode_media: bool, digests: MediaDigests | None = None,
+              media_root: str | None = None) -> FileScan:
+    """Per-line checks of one prompt file (everything except cross-file leakage); a media file
+    outside the file's directory and `media_root` (symlinks followed) is an error, never read."""
     scan = FileScan(path=path)
     digests = digests or MediaDigests()
     if not os.path.isfile(path):
@@ -98,11 +106,20 @@ def scan_file(path: str, decode_media: bool, digests: MediaDigests | None = None
             scan.errors.extend(f"{where(path, lineno)}: {p}" for p in problems)
             continue
         rec = parse_record(obj)
+        outside = False
         for kind, refs in (("images", rec.images), ("videos", rec.videos)):
             for ref in refs:
-                full = resolve_media_path(ref, base)
-                if not os.path.isfile(full):
+                full, allowed = confined_media_path(ref, base, media_root)
+                if not allowed:
+                    outside = True
+                    scan.errors.append(f"{where(path, lineno)}: {kind} file {ref!r} ({full}) lies outside the "
+                                       f"prompt file's directory; {MEDIA_ROOT_FIX}")
+                    continue
+                problem = media_file_problem(full)
+                if not os.path.exists(full):
                     scan.errors.append(f"{where(path, lineno)}: {kind} file {ref!r} does not exist ({full})")
+                elif problem:  # a FIFO, a device, a /proc file, an oversized one: never opened
+                    scan.errors.append(f"{where(path, lineno)}: {kind} file {ref!r}: {problem}")
                 elif decode_media:
                     why = decode_problem(full, kind)
                     if why:
@@ -112,6 +129,8 @@ def scan_file(path: str, decode_media: bool, digests: MediaDigests | None = None
                                f"{ids[rec.sample_id]}; ids must be unique (run tools/curate_data.py)")
         else:
             ids[rec.sample_id] = lineno
+        if outside:
+            continue  # its media are not read: the error above says why
         h = record_dedup_key(rec, base, digests)
         if h in hashes:
             scan.warnings.append(f"{where(path, lineno)}: same prompt as line {hashes[h]} "
@@ -139,12 +158,13 @@ def leakage_errors(train: FileScan, other: FileScan) -> list[str]:
     return errors
 
 
-def inspect(train_path: str | None, eval_paths: list[str], decode_media: bool = False) -> tuple[list[str], list[str], list[FileScan]]:
+def inspect(train_path: str | None, eval_paths: list[str], decode_media: bool = False,
+            media_root: str | None = None) -> tuple[list[str], list[str], list[FileScan]]:
     """(errors, warnings, scans) for a train file and its eval files; either may be absent (None /
     []), and leakage is checked only when both are there."""
     digests = MediaDigests()  # a file shared by train and eval is read once
-    train = scan_file(train_path, decode_media, digests) if train_path else None
-    evals = [scan_file(p, decode_media, digests) for p in eval_paths]
+    train = scan_file(train_path, decode_media, digests, media_root) if train_path else None
+    evals = [scan_file(p, decode_media, digests, media_root) for p in eval_paths]
     scans = ([train] if train else []) + evals
     errors = [e for s in scans for e in s.errors]
     warnings = [w for s in scans for w in s.warnings]
@@ -161,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", default=[], nargs="+", type=existing_file,
                    help="eval prompt JSONL file(s), checked for leakage against --train when it is given")
     p.add_argument("--decode-media", action="store_true", help="also decode every referenced media file")
+    p.add_argument("--media-root", default=None, type=existing_dir,
+                   help="directory whose files the prompt files may also name as media, beside their own "
+                        "directory (a path outside both, symlinks followed, is an error; '/' allows any file)")
     p.add_argument("--max-report", type=int, default=DEFAULT_MAX_REPORT,
                    help="print at most this many errors and warnings each (the counts are always complete)")
     return p
@@ -177,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _inspect(args) -> int:
-    errors, warnings, scans = inspect(args.train, args.eval, args.decode_media)
+    errors, warnings, scans = inspect(args.train, args.eval, args.decode_media, args.media_root)
     for label, items in (("error", errors), ("warning", warnings)):
         for line in items[:args.max_report]:
             print(f"{label}: {line}")

@@ -41,37 +41,70 @@ from collections.abc import Callable, Iterator
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.data import (MAX_LINE_BYTES, DataError, content_hash, file_sha256, iter_lines_bounded, media_content_hash,
-                          normalize_prompt, read_jsonl, stable_media_sample_id, stable_sample_id, where,
-                          write_jsonl)
+from trainer.data import (MAX_LINE_BYTES, MAX_PROMPT_CHARS, DataError, canonical_json, content_hash, file_sha256,
+                          iter_lines_bounded, media_content_hash, normalize_prompt, read_jsonl, stable_media_sample_id,
+                          stable_sample_id, where, write_jsonl)
 from trainer.cli import ToolError, existing_path, output_file, run_tool, tool_parser  # noqa: E402
+from trainer.core.files import atomic_writer  # noqa: E402
+from trainer.data import confined_media_path  # noqa: E402
+from trainer.models.edit_source import header_problem  # noqa: E402
+from trainer.core.media_key import MediaFileError, media_file_problem  # noqa: E402
 from trainer.config import GENERATION_TASKS  # noqa: E402
 
 #: rows per pyarrow record batch: bounds memory whatever the file size
-PARQUET_BATCH_ROWS = 8192
+PARQUET_BATCH_ROWS = 1024
 PROMPT_COLUMN_CANDIDATES = ("prompt", "caption", "text")
+#: the most uncompressed bytes the prompt column may hold in one row group (parquet metadata,
+#: checked before the row group is read). The reader decodes a page at a time, but a page holds
+#: whole values, so one huge cell (a 1 GiB "caption" compresses to kilobytes) would be held at
+#: once, several times over; this bounds what it can be. A million 200-character captions in one
+#: row group fit; --max-parquet-chunk-mb changes it
+MAX_PARQUET_CHUNK_BYTES = 256 << 20
 
 # A converter yields (origin, raw_prompt): origin is "file:row" / "file:line" for messages,
 # raw_prompt is the text or None when the source row has no prompt (counted as empty).
 RawPrompts = Iterator[tuple[str, "str | None"]]
 
 
-def iter_parquet_column(path: str, column: str) -> RawPrompts:
-    """Stream one string column of a parquet file, batch by batch (0-based row numbers)."""
+def _column_leaves(pf, column: str) -> list[int]:
+    """Indices of the parquet leaf columns that hold arrow column `column` (one for a string
+    column, several for a nested one)."""
+    schema = pf.metadata.schema
+    return [k for k in range(len(schema)) if schema.column(k).path == column
+            or schema.column(k).path.startswith(column + ".")]
+
+
+def iter_parquet_column(path: str, column: str, max_chunk_bytes: int = MAX_PARQUET_CHUNK_BYTES) -> RawPrompts:
+    """Stream one string column of a parquet file, row group by row group and batch by batch
+    (0-based row numbers). Before a row group is read, its size in the metadata is checked: more
+    than `max_chunk_bytes` uncompressed, or more than MAX_LINE_BYTES a row on average (at least
+    one cell over the limit a prompt line has), is a DataError naming the file and rows; a value
+    longer than MAX_PROMPT_CHARS is one naming its row (bounded: its row group passed the check)."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if column not in names:
         raise DataError(f"{where(path)}: no column {column!r}; columns are {names}; choose one with --column")
+    leaves = _column_leaves(pf, column)
     row = 0
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
-        for value in batch.column(0).to_pylist():
-            if value is not None and not isinstance(value, str):
-                raise DataError(f"{where(path)}: row {row} of column {column!r} is {type(value).__name__}, "
-                                "not text; choose a text column with --column")
-            yield f"{path}:row {row}", value
-            row += 1
+    for group in range(pf.metadata.num_row_groups):
+        meta = pf.metadata.row_group(group)
+        size, n = sum(meta.column(k).total_uncompressed_size for k in leaves), meta.num_rows
+        rows = f"row {row}" if n == 1 else f"rows {row}-{row + n - 1}"
+        if size > max_chunk_bytes or (n and size > n * MAX_LINE_BYTES):
+            limit = (f"more than the {max_chunk_bytes} bytes one row group of it may hold (--max-parquet-chunk-mb)"
+                     if size > max_chunk_bytes else f"more than {MAX_LINE_BYTES} bytes a row")
+            raise DataError(f"{where(path)}:{rows}: column {column!r} holds {size} bytes uncompressed there, {limit}; "
+                            f"a prompt has at most {MAX_PROMPT_CHARS} characters: drop the oversized rows, or choose "
+                            "the prompt column with --column")
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[column]):
+            for value in batch.column(0).to_pylist():
+                if value is not None and not isinstance(value, str):
+                    raise DataError(f"{where(path)}: row {row} of column {column!r} is {type(value).__name__}, "
+                                    "not text; choose a text column with --column")
+                yield f"{path}:row {row}", value
+                row += 1
 
 
 def parquet_files(input_path: str) -> list[str]:
@@ -87,13 +120,14 @@ def parquet_files(input_path: str) -> list[str]:
     return files
 
 
-def convert_pickapic(input_path: str, column: str | None) -> RawPrompts:
+def convert_pickapic(input_path: str, column: str | None,
+                     max_chunk_bytes: int = MAX_PARQUET_CHUNK_BYTES) -> RawPrompts:
     """Pick-a-Pic: the ``caption`` column (or ``--column``) of every parquet file under the input."""
     for path in parquet_files(input_path):
-        yield from iter_parquet_column(path, column or "caption")
+        yield from iter_parquet_column(path, column or "caption", max_chunk_bytes)
 
 
-def convert_prompts(input_path: str, column: str | None) -> RawPrompts:
+def convert_prompts(input_path: str, column: str | None, max_chunk_bytes: int = MAX_PARQUET_CHUNK_BYTES) -> RawPrompts:
     """Generic prompts: parquet column, JSONL field, or plain text lines (chosen by extension)."""
     if not os.path.isfile(input_path):
         raise DataError(f"--input {input_path}: no such file (the prompts source takes one file)")
@@ -107,7 +141,7 @@ def convert_prompts(input_path: str, column: str | None) -> RawPrompts:
             if column is None:
                 raise DataError(f"{where(input_path)}: none of the columns {list(PROMPT_COLUMN_CANDIDATES)} "
                                 f"exists (columns: {names}); choose one with --column")
-        yield from iter_parquet_column(input_path, column)
+        yield from iter_parquet_column(input_path, column, max_chunk_bytes)
     elif lower.endswith((".jsonl", ".ndjson")):
         field = column or "prompt"
         for lineno, obj in read_jsonl(input_path):
@@ -132,7 +166,7 @@ def convert_prompts(input_path: str, column: str | None) -> RawPrompts:
                 yield f"{input_path}:{lineno}", line
 
 
-CONVERTERS: dict[str, Callable[[str, "str | None"], RawPrompts]] = {
+CONVERTERS: dict[str, Callable[..., RawPrompts]] = {
     "pickapic": convert_pickapic,
     "prompts": convert_prompts,
 }
@@ -150,8 +184,7 @@ EDIT_INSTRUCTION_COLUMNS = ("instruction", "edit_instruction", "edit_prompt", "p
 MAX_IMAGE_BYTES = 64 << 20
 #: leading bytes -> extension of the image formats a source image may have; anything else is
 #: refused by its bytes (not decoded: inspect_data --decode-media does that, in one place)
-IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"GIF87a", ".gif"),
-                    (b"GIF89a", ".gif"), (b"BM", ".bmp"))
+IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"))
 
 #: a source image as read: ("path", the path as written) or ("bytes", the encoded image)
 SourceImage = tuple[str, "str | bytes"]
@@ -243,8 +276,10 @@ class MediaWriter:
     resolved under ``media_root``; every image becomes (path relative to the output's directory,
     its "sha256:<hex>" key, the same key trainer.data.MediaDigests gives the file)."""
 
-    def __init__(self, media_dir: str, media_root: str, out_dir: str):
+    def __init__(self, media_dir: str, media_root: str, out_dir: str, allow_outside: bool = False):
         self.media_dir, self.media_root, self.out_dir = media_dir, media_root, out_dir
+        #: whether a source path may lie outside media_root (--allow-media-outside-root)
+        self.allow_outside = allow_outside
         self.written = 0
 
     def place(self, image: SourceImage, origin: str) -> tuple[str, str]:
@@ -256,34 +291,60 @@ class MediaWriter:
                                 "accepted; drop or downscale that row")
             ext = image_extension(data)
             if ext is None:
-                raise DataError(f"{origin}: the source-image bytes are no PNG / JPEG / WebP / GIF / BMP image "
+                raise DataError(f"{origin}: the source-image bytes are no PNG / JPEG / WebP image "
                                 f"(they start {data[:8]!r}); check --image-column")
+            problem = header_problem(data)
+            if problem:
+                raise DataError(f"{origin}: the source image {problem}; drop or fix that row")
             digest = hashlib.sha256(data).hexdigest()
             path = os.path.join(self.media_dir, digest + ext)
-            if not (os.path.isfile(path) and file_sha256(path) == digest):
+            # a regular file of these bytes is kept; anything else there (a planted symlink, a
+            # partial file) is replaced by a rename, never written through
+            if not (os.path.isfile(path) and not os.path.islink(path) and file_sha256(path) == digest):
                 os.makedirs(self.media_dir, exist_ok=True)
-                tmp = f"{path}.tmp{os.getpid()}"
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
-                finally:
-                    if os.path.exists(tmp):
-                        os.remove(tmp)
+                with atomic_writer(path) as f:
+                    f.write(data)
                 self.written += 1
         else:
-            path = value if os.path.isabs(value) else os.path.join(self.media_root, value)
-            path = os.path.normpath(path)
-            if not os.path.isfile(path):
+            path, allowed = confined_media_path(value, self.media_root)
+            if not (allowed or self.allow_outside):
+                raise DataError(f"{origin}: source image {value!r} ({path}) lies outside --media-root "
+                                f"{self.media_root} (symlinks followed); move it there, point --media-root at the "
+                                "directory that holds it, or pass --allow-media-outside-root")
+            if not os.path.exists(path):
                 raise DataError(f"{origin}: source image {value!r} is not a file ({path}); relative paths are "
                                 "under --media-root (default: the input file's directory)")
-            if os.path.getsize(path) > MAX_IMAGE_BYTES:
-                raise DataError(f"{origin}: source image {path} is over {MAX_IMAGE_BYTES} bytes; drop that row")
-            digest = file_sha256(path)
+            problem = media_file_problem(path, MAX_IMAGE_BYTES)  # a FIFO or /proc file is never opened
+            if problem:
+                raise DataError(f"{origin}: source image {value!r}: {problem}; drop that row")
+            try:
+                digest = file_sha256(path, MAX_IMAGE_BYTES)
+            except MediaFileError as e:  # changed since the check
+                raise DataError(f"{origin}: source image {value!r}: {e}") from None
+            problem = header_problem(path)
+            if problem:
+                raise DataError(f"{origin}: source image {value!r} {problem}; drop or fix that row")
         rel = os.path.relpath(os.path.abspath(path), self.out_dir).replace(os.sep, "/")
         return rel, "sha256:" + digest
+
+
+def bounded_prompt(prompt: str, origin: str) -> str:
+    """`prompt` when it holds at most MAX_PROMPT_CHARS characters (the trainer's limit: a longer
+    one is refused there), else DataError naming its row: never written, never cut short."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise DataError(f"{origin}: the prompt has {len(prompt)} characters, more than the {MAX_PROMPT_CHARS} a prompt "
+                        "may hold; shorten or drop that row")
+    return prompt
+
+
+def bounded_record(record: dict, origin: str) -> dict:
+    """`record` when its JSONL line fits MAX_LINE_BYTES (the readers refuse a longer line), else
+    DataError naming its row."""
+    size = len(canonical_json(record).encode("utf-8"))
+    if size > MAX_LINE_BYTES:
+        raise DataError(f"{origin}: its record would be a line of {size} bytes, more than the {MAX_LINE_BYTES} a "
+                        "prompt file's line may have; drop that row (or shorten its paths / --id-prefix)")
+    return record
 
 
 def edit_prompt(instruction: str, n_images: int) -> str:
@@ -307,7 +368,7 @@ def first_seen(seen: dict[str, str], sid: str, full: str, counts: Counter, colli
 
 def prepare_edit(input_path: str, task: str, output: str, column: str | None = None, image_column: str | None = None,
                  id_prefix: str | None = None, media_dir: str | None = None,
-                 media_root: str | None = None) -> Counter:
+                 media_root: str | None = None, allow_media_outside_root: bool = False) -> Counter:
     """Convert an edit-pair file and write ``output``; returns the counts (``read``, ``written``,
     ``empty``, ``no_image``, ``duplicate``, ``images_written``)."""
     prefix = id_prefix or "edit"
@@ -315,7 +376,8 @@ def prepare_edit(input_path: str, task: str, output: str, column: str | None = N
         raise DataError(f"--id-prefix {prefix!r}: must be non-empty without whitespace")
     out_dir = os.path.dirname(os.path.abspath(output))
     writer = MediaWriter(os.path.abspath(media_dir or os.path.join(out_dir, "media")),
-                         os.path.abspath(media_root or os.path.dirname(os.path.abspath(input_path))), out_dir)
+                         os.path.abspath(media_root or os.path.dirname(os.path.abspath(input_path))), out_dir,
+                         allow_outside=allow_media_outside_root)
     counts: Counter = Counter()
     seen: dict[str, str] = {}
 
@@ -329,6 +391,7 @@ def prepare_edit(input_path: str, task: str, output: str, column: str | None = N
             if not images:
                 counts["no_image"] += 1
                 continue
+            bounded_prompt(edit_prompt(instruction, len(images)), origin)  # before any image is written
             placed = [writer.place(image, origin) for image in images]
             prompt = edit_prompt(instruction, len(placed))
             keys = [key for _, key in placed]
@@ -336,8 +399,8 @@ def prepare_edit(input_path: str, task: str, output: str, column: str | None = N
             sid = stable_media_sample_id(prefix, prompt, keys)
             if not first_seen(seen, sid, full, counts, f"{origin}: sample id {sid} collides with a different record"):
                 continue
-            yield {"prompt": prompt, "images": [rel for rel, _ in placed],
-                   "metadata": {"sample_id": sid, "source": "edit", "task": task}}
+            yield bounded_record({"prompt": prompt, "images": [rel for rel, _ in placed],
+                                  "metadata": {"sample_id": sid, "source": "edit", "task": task}}, origin)
 
     counts["written"] = write_jsonl(output, rows())
     counts["images_written"] = writer.written
@@ -349,10 +412,13 @@ SOURCES = (*CONVERTERS, "edit")
 
 
 def prepare(source: str, input_path: str, task: str, output: str, column: str | None = None,
-            id_prefix: str | None = None, **edit_options) -> Counter:
+            id_prefix: str | None = None, max_parquet_chunk_bytes: int = MAX_PARQUET_CHUNK_BYTES,
+            **edit_options) -> Counter:
     """Convert ``input_path`` with CONVERTERS[source] (or prepare_edit for ``edit``, which takes
     ``edit_options``) and write ``output``; returns the counts (``read``, ``written``, ``empty``,
-    ``duplicate``, and for edit ``no_image`` and ``images_written``)."""
+    ``duplicate``, and for edit ``no_image`` and ``images_written``). A prompt over
+    MAX_PROMPT_CHARS or a record over MAX_LINE_BYTES is a DataError naming its row, in every
+    route (bounded_prompt, bounded_record)."""
     if source not in SOURCES:
         raise DataError(f"--source {source!r}: unknown; choose one of {sorted(SOURCES)}")
     if task not in GENERATION_TASKS:
@@ -368,17 +434,19 @@ def prepare(source: str, input_path: str, task: str, output: str, column: str | 
     seen: dict[str, str] = {}
 
     def rows() -> Iterator[dict]:
-        for origin, raw in CONVERTERS[source](input_path, column):
+        for origin, raw in CONVERTERS[source](input_path, column, max_parquet_chunk_bytes):
             counts["read"] += 1
             prompt = normalize_prompt(raw) if raw is not None else ""
             if not prompt:
                 counts["empty"] += 1
                 continue
+            bounded_prompt(prompt, origin)
             full = content_hash(prompt)
             sid = stable_sample_id(prefix, prompt)
             if not first_seen(seen, sid, full, counts, f"{origin}: sample id {sid} collides with a different prompt"):
                 continue
-            yield {"prompt": prompt, "metadata": {"sample_id": sid, "source": source, "task": task}}
+            yield bounded_record({"prompt": prompt, "metadata": {"sample_id": sid, "source": source, "task": task}},
+                                 origin)
 
     counts["written"] = write_jsonl(output, rows())
     return counts
@@ -407,11 +475,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="edit only: where source-image bytes are written as <sha256>.<ext> (unset: media/ "
                         "beside --output); records point at them by paths relative to --output's directory")
     p.add_argument("--media-root", default=None,
-                   help="edit only: directory that relative source-image paths are under (unset: the "
-                        "--input file's directory)")
+                   help="edit only: directory that source-image paths are under, relative ones resolved "
+                        "against it; a path outside it, symlinks followed, is refused (unset: the --input file's "
+                        "directory)")
+    p.add_argument("--allow-media-outside-root", action="store_true",
+                   help="edit only: accept source-image paths outside --media-root (any file this user can read)")
     p.add_argument("--id-prefix", default=None,
                    help="sample ids are '<id-prefix>_<content hash>' (unset: the --source name); an edit "
                         "record's hash covers the instruction and the source images' bytes")
+    p.add_argument("--max-parquet-chunk-mb", type=int, default=MAX_PARQUET_CHUNK_BYTES >> 20,
+                   help="pickapic / prompts parquet: the most MiB (uncompressed, per the file's metadata) the prompt "
+                        "column may hold in one row group, checked before it is read; must be > 0 (it bounds the "
+                        "memory one oversized cell can take)")
     return p
 
 
@@ -431,15 +506,20 @@ def _prepare(args: argparse.Namespace) -> int:
         # only this tool wrote <output>.tmp (earlier versions), and only until the rename: it is a
         # killed run's. The writer now uses a fresh random name, so the leftover is removed below
         print(f"prepare_data: note: {tmp} is left from an interrupted run; it is replaced")
-    edit_flags = {"--image-column": args.image_column, "--media-dir": args.media_dir, "--media-root": args.media_root}
+    edit_flags = {"--image-column": args.image_column, "--media-dir": args.media_dir, "--media-root": args.media_root,
+                  "--allow-media-outside-root": args.allow_media_outside_root or None}
     if args.source != "edit":
         given = [flag for flag, value in edit_flags.items() if value is not None]
         if given:
             raise ToolError(f"{', '.join(given)} only apply to --source edit")
-        counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix)
+        if args.max_parquet_chunk_mb <= 0:
+            raise ToolError(f"--max-parquet-chunk-mb must be > 0, got {args.max_parquet_chunk_mb}")
+        counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix,
+                         max_parquet_chunk_bytes=args.max_parquet_chunk_mb << 20)
     else:
         counts = prepare(args.source, args.input, args.task, args.output, args.column, args.id_prefix,
-                         image_column=args.image_column, media_dir=args.media_dir, media_root=args.media_root)
+                         image_column=args.image_column, media_dir=args.media_dir, media_root=args.media_root,
+                         allow_media_outside_root=args.allow_media_outside_root)
     if stale and not os.path.isdir(tmp):
         os.unlink(tmp)  # a link is removed itself, never followed
     print(f"prepare_data: read {counts['read']} prompt(s) from {args.input}; wrote {counts['written']} "

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "names, e.g. trainer.models.sd3.SD3Adapter for a StableDiffusion3Pipeline; "
                         "trainer.models.qwen_image.QwenImageAdapter otherwise)")
     p.add_argument("--prompt-data", required=True, type=existing_file, help="JSONL prompt file (training schema)")
+    p.add_argument("--media-root", default=None, type=existing_dir,
+                   help="directory whose files the prompt file may also name as source images, beside its own "
+                        "directory (a path outside both, symlinks followed, is refused; '/' allows any file)")
     p.add_argument("--output-dir", "--output", "--artifact-root", dest="output_dir", required=True,
                    help="artifact root; files go to OUTPUT_DIR/<task>/rollout_<id>/")
     p.add_argument("--n-samples-per-prompt", type=int, default=1, help="candidates per prompt (>= 1)")
@@ -78,11 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_prompts(path: str, task: str) -> list[dict]:
-    """The prompt file as [{"prompt", "metadata"}], validated by the trainer's reader."""
+def read_prompts(path: str, task: str, media_root: str | None = None) -> list[dict]:
+    """The prompt file as [{"prompt", "metadata"}], validated by the trainer's reader, its source
+    images confined to its directory (or --media-root) and their headers checked, so a bad source
+    is refused before the model loads. ToolError listing every unusable source."""
     from trainer.data import PromptDataset
+    from trainer.models.edit_source import source_file_problems
 
-    return [rec.to_dict() for rec in PromptDataset.from_jsonl(path, task=task)]
+    ds = PromptDataset.from_jsonl(path, task=task, media_root=media_root)
+    bad = source_file_problems(ds)
+    if bad:
+        raise ToolError(f"{len(bad)} source image(s) no rollout can use: {'; '.join(bad[:10])}"
+                        f"{'; ...' if len(bad) > 10 else ''}; fix or drop those records (tools/inspect_data.py "
+                        "--decode-media checks them)")
+    return [rec.to_dict() for rec in ds.records]
 
 
 def split_dict_keys(argv: list[str], flag: str) -> tuple[list[str], dict]:
@@ -219,7 +231,7 @@ def _sample(args: argparse.Namespace) -> int:
     if problems:
         raise ToolError("\n".join(problems))
     checkpoint = lora_source(args.lora, args.task) if args.lora else None
-    prompts = read_prompts(args.prompt_data, args.task)
+    prompts = read_prompts(args.prompt_data, args.task, args.media_root)
     target = artifacts.rollout_dir(args.output_dir, args.task, args.rollout_id)
     if target.exists() and any(target.iterdir()) and not args.overwrite:
         raise ToolError(f"{target} already holds artifacts; choose another --output-dir / --rollout-id or pass "

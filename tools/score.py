@@ -21,7 +21,16 @@ edit_judge) get as in training.
 Videos (a t2v rollout's group_<8 digits>_sample_<4 digits>.webp, animated WebP): a scorer whose
 track is video (video_ocr, temporal_consistency, video_vlm_judge, framewise, or a remote video
 scorer) reads each file's frames in order (at most MAX_VIDEO_FRAMES per file; every frame is
-checked against Pillow's decompression-bomb limit as it is decoded).
+refused from its header, before any frame is decoded, when it has more than MAX_VIDEO_FRAMES
+frames or more than MAX_VIDEO_PIXELS pixels over all its frames).
+
+Every file is opened as PNG, JPEG or WebP only (trainer.core.image_file; other formats are
+refused by their bytes, whatever the name), an image of more than 4096 x 4096 pixels is refused
+from its header. Source images named by a sidecar (`source_paths`) or a prompt line
+(`metadata.source_images`) are read only inside the prompt file's directory or --media-root,
+symlinks followed; relative ones are under the prompt file's directory, else --media-root.
+After the last image, the mean of each component over the images it scored (and their count)
+is printed to stderr.
 """
 
 from __future__ import annotations
@@ -41,7 +50,10 @@ from trainer.cli import ToolError, existing_dir, existing_file, run_tool, tool_p
 ARTIFACT_RE = re.compile(r"^group_(\d{8})_sample_(\d{4})\.(?:png|webp)$")
 #: frames read from one video file: 4x Wan2.1's 81, so a file cannot make the tool hold unbounded frames
 MAX_VIDEO_FRAMES = 324
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+#: pixels (frames x width x height) decoded from one video file: two 81-frame 720 x 1280 videos,
+#: about 450 MB as uint8 RGB, checked from the header before a frame is decoded
+MAX_VIDEO_PIXELS = 2 * 81 * 720 * 1280
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
@@ -77,7 +89,13 @@ def sidecar_prompt(image_dir: str | Path, group: int) -> tuple[str, dict] | None
 def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]] | None) -> list[dict]:
     """[{path, prompt, metadata, group, slot}] in output order (see the module docstring).
     prompts: the --prompt-data lines, or None when it was not given."""
-    files = sorted(p for p in Path(image_dir).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    from trainer.core.media_key import media_file_problem
+
+    files = sorted(p for p in Path(image_dir).iterdir() if not p.is_dir() and p.suffix.lower() in IMAGE_SUFFIXES)
+    for p in files:  # a FIFO, a device or a link to a /proc file named like an image is never opened
+        problem = media_file_problem(p)
+        if problem:
+            raise ValueError(f"--images {image_dir}: {problem}; remove it from the folder")
     if not files:
         raise ValueError(f"--images {image_dir}: no image files found")
     named = [ARTIFACT_RE.match(p.name) for p in files]
@@ -116,20 +134,58 @@ def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]] | None) 
 
 
 def read_video_frames(path: Path):
-    """The frames of a video file (animated WebP, or any image as one frame) as uint8
-    [F, H, W, 3], in order; more than MAX_VIDEO_FRAMES raises ToolError naming the file."""
+    """The frames of a video file (animated WebP, or any accepted image as one frame) as uint8
+    [F, H, W, 3], in order. ToolError naming the file, before any frame is decoded, for more than
+    MAX_VIDEO_FRAMES frames or MAX_VIDEO_PIXELS pixels in all (the header's counts); the frames
+    are decoded one at a time into one array, so memory is that array and one frame."""
     import numpy as np
-    from PIL import Image, ImageSequence
+    from PIL import ImageSequence
 
-    frames = []
-    with Image.open(path) as im:
-        for frame in ImageSequence.Iterator(im):
-            if len(frames) == MAX_VIDEO_FRAMES:
-                raise ToolError(f"{path}: more than {MAX_VIDEO_FRAMES} frames; not a rollout's video")
-            frames.append(np.asarray(frame.convert("RGB"), dtype=np.uint8))
-    if len({f.shape for f in frames}) != 1:
-        raise ToolError(f"{path}: its frames differ in size; not a rollout's video")
-    return np.stack(frames)
+    from trainer.core.image_file import ImageFileError, open_image
+
+    try:
+        with open_image(path, max_frames=MAX_VIDEO_FRAMES, max_total_pixels=MAX_VIDEO_PIXELS) as im:
+            out = np.empty((getattr(im, "n_frames", 1), im.height, im.width, 3), dtype=np.uint8)
+            for i, frame in enumerate(ImageSequence.Iterator(im)):
+                if i == len(out) or frame.size != im.size:
+                    raise ToolError(f"{path}: its frames differ from its header; not a rollout's video")
+                out[i] = np.asarray(frame.convert("RGB"), dtype=np.uint8)
+    except ImageFileError as e:
+        raise ToolError(f"{e} (a rollout's video is at most {MAX_VIDEO_FRAMES} frames, {MAX_VIDEO_PIXELS} pixels "
+                        "in all)") from None
+    return out
+
+
+def confine_sources(rows: list[dict], prompt_dir: str | None, media_root: str | None) -> None:
+    """Each row's source references (a sidecar's SOURCE_PATHS_KEY, a prompt line's string
+    entries of SOURCE_IMAGES_KEY) replaced in place by their real paths; ToolError naming the
+    image and the source when one lies outside `prompt_dir` and `media_root` (data.confined_media_path)
+    or no directory is given to resolve it against."""
+    from trainer.data import MEDIA_ROOT_FIX, confined_media_path
+    from trainer.models.edit_source import SOURCE_PATHS_KEY
+    from trainer.rewards.base import SOURCE_IMAGES_KEY
+
+    base = prompt_dir or media_root
+    for r in rows:
+        md = r["metadata"]
+        for key in (SOURCE_PATHS_KEY, SOURCE_IMAGES_KEY):
+            refs = md.get(key)
+            if not isinstance(refs, list) or not any(isinstance(x, str) for x in refs):
+                continue
+            if base is None:
+                raise ToolError(f"{r['path'].name}: its record names source images ({refs[0]!r}, ...); pass "
+                                "--media-root DIR (the directory of the training data) or --prompt-data FILE to "
+                                "say where they may be read")
+            out = []
+            for ref in refs:
+                if isinstance(ref, str):
+                    real, allowed = confined_media_path(ref, base, media_root)
+                    if not allowed:
+                        raise ToolError(f"{r['path'].name}: source image {ref!r} ({real}) lies outside "
+                                        f"{base}; {MEDIA_ROOT_FIX}")
+                    ref = real
+                out.append(ref)
+            r["metadata"] = md = {**md, key: out}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,6 +207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--images", required=True, type=existing_dir, help="folder of images")
     p.add_argument("--prompt-data", default=None, type=existing_file,
                    help="JSONL prompt file; needed unless every image's group sidecar is in --images")
+    p.add_argument("--media-root", default=None, type=existing_dir,
+                   help="directory whose files the records may name as source images, beside --prompt-data's "
+                        "directory; relative sources are under it when there is no --prompt-data ('/' allows "
+                        "any file)")
     p.add_argument("--reward-batch-size", "--batch-size", dest="batch_size", type=int, default=16,
                    help="images per scorer call")
     args = p.parse_args(argv)
@@ -173,20 +233,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _score(args: argparse.Namespace) -> int:
-    from PIL import Image
+    import os
 
+    from trainer.core.image_file import ImageFileError, decode_rgb
     from trainer.models.edit_source import with_source_pixels
     from trainer.rewards.base import SOURCE_IMAGES_KEY
     from trainer.rewards.manager import RewardManager, scorer_tracks
 
     try:
         rows = match_images(args.images, read_prompt_file(args.prompt_data) if args.prompt_data else None)
+        confine_sources(rows, os.path.dirname(os.path.abspath(args.prompt_data)) if args.prompt_data else None,
+                        args.media_root)
         manager = RewardManager(
             args.reward_runtime, args.reward_scorer_path, args.reward_model_path, args.device, args.reward_endpoint,
             batch_size=args.batch_size,
         )
     except (ValueError, TypeError) as e:  # the messages name the file, the flag or the scorer
         raise ToolError(str(e)) from None
+    totals: dict[str, tuple[float, int]] = {}  # component -> (sum, count) of its finite scores
     for start in range(0, len(rows), args.batch_size):
         chunk = rows[start:start + args.batch_size]
         images = []
@@ -194,12 +258,17 @@ def _score(args: argparse.Namespace) -> int:
             if "video" in scorer_tracks(manager.scorer):
                 images.append(read_video_frames(r["path"]))
                 continue
-            with Image.open(r["path"]) as im:
-                images.append(im.convert("RGB"))
+            try:
+                images.append(decode_rgb(r["path"]))
+            except ImageFileError as e:
+                raise ToolError(str(e)) from None
         # an edit's sidecar names its sources: the edit scorers get their pixels as in training (a
         # video's [F, H, W, 3] frames give its size; its sidecar names no sources)
         sizes = [(im.height, im.width) if hasattr(im, "convert") else tuple(im.shape[1:3]) for im in images]
-        metadata = with_source_pixels([r["metadata"] for r in chunk], sizes, SOURCE_IMAGES_KEY)
+        try:
+            metadata = with_source_pixels([r["metadata"] for r in chunk], sizes, SOURCE_IMAGES_KEY)
+        except (ValueError, OSError) as e:  # edit_source's errors name the source file
+            raise ToolError(str(e)) from None
         if images and not hasattr(images[0], "convert"):
             from trainer.rewards.video import VideoBatch
 
@@ -210,8 +279,16 @@ def _score(args: argparse.Namespace) -> int:
             for name, t in out.components.items():
                 v = float(t[i])
                 scores[name] = v if math.isfinite(v) else None
+                if math.isfinite(v):
+                    totals[name] = (totals.get(name, (0.0, 0))[0] + v, totals.get(name, (0.0, 0))[1] + 1)
+                else:
+                    totals.setdefault(name, (0.0, 0))
             line = {"image": r["path"].name, "prompt": r["prompt"], "group": r["group"], "slot": r["slot"]}
             print(json.dumps({**line, "scores": scores}), flush=True)
+    for name, (total, n) in sorted(totals.items()):
+        mean = f"{total / n:.4f}" if n else "none"
+        print(f"score: {name}: mean {mean} over {n} of {len(rows)} images (the others scored NaN)"
+              if n < len(rows) else f"score: {name}: mean {mean} over {n} images", file=sys.stderr)
     return 0
 
 

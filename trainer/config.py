@@ -166,6 +166,20 @@ def resolve_scorer_path(name: str | None) -> str | None:
     return SCORER_SHORT_NAMES.get(name, name)
 
 
+def unknown_scorer_name(flag: str, name: str) -> str | None:
+    """Why `name` names no scorer, when it is neither a short name nor shaped like a dotpath (a
+    typo of a short name, most often): the message lists the short names, the closest first;
+    None otherwise (a dotpath is checked where it is imported)."""
+    import difflib
+
+    if name in SCORER_SHORT_NAMES or "." in name.strip("."):
+        return None
+    close = difflib.get_close_matches(name, SCORER_SHORT_NAMES, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"{flag} {name!r} is neither a shipped scorer's short name nor a dotpath package.module.Class; {hint}"
+            f"the short names: {', '.join(sorted(SCORER_SHORT_NAMES))}")
+
+
 #: the dtype names the FSDP and weight-sync flags take
 DtypeName = Literal["bf16", "fp32"]
 
@@ -329,6 +343,11 @@ class RolloutConfig:
     )
     prompt_data: str | None = _flag(
         None, "Training prompt set (JSONL, one {\"prompt\": ...} per line); required, must exist."
+    )
+    media_root: str | None = _flag(
+        None,
+        "Directory whose files the prompt files may also name as media (source images), beside their "
+        "own directory; a path outside both, symlinks followed, is refused. '/' allows any file.",
     )
     num_rollout: int | None = _flag(
         None,

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.core.media_key import file_sha256
+from trainer.core.media_key import MediaFileError, file_sha256, media_file_problem
 from trainer.config import GENERATION_TASKS
 
 #: media reference key -> the placeholder the prompt must hold once per reference
@@ -306,6 +306,27 @@ def resolve_media_path(ref: str, base_dir: str | os.PathLike) -> str:
     return os.path.normpath(ref if os.path.isabs(ref) else os.path.join(os.fspath(base_dir), ref))
 
 
+#: how a media file outside its allowed roots is fixed, for the commands with --media-root
+MEDIA_ROOT_FIX = ("move it under the prompt file's directory, or name the directory that holds it with "
+                  "--media-root DIR (--media-root / allows any file)")
+
+
+def within(path: str, root: str) -> bool:
+    """Whether real path `path` is `root` (a real path) or under it."""
+    return os.path.commonpath([path, root]) == root
+
+
+def confined_media_path(ref: str, base_dir: str | os.PathLike, media_root: str | os.PathLike | None = None,
+                        ) -> tuple[str, bool]:
+    """(real path, allowed) of media `ref` named by a prompt file in `base_dir`: the path with every
+    symlink followed, and whether it lies inside base_dir's real path or media_root's (a prompt
+    file may name only its own data, so a shared prompt file cannot send another file of this host
+    to a model or a remote scorer; media_root "/" allows any file)."""
+    real = os.path.realpath(resolve_media_path(ref, base_dir))
+    roots = [os.path.realpath(base_dir)] + ([os.path.realpath(media_root)] if media_root else [])
+    return real, any(within(real, r) for r in roots)
+
+
 # ----------------------------------------------------------------------------- hashes
 
 
@@ -358,30 +379,44 @@ class MediaDigests:
 
     def key(self, full_path: str) -> str:
         """``sha256:<hex>`` of a readable regular file; ``path:<full_path>`` otherwise (a record
-        kept by --no-check-media still gets a key, equal only for the same missing path)."""
+        kept by --no-check-media still gets a key, equal only for the same missing path). A file
+        media_file_problem refuses (a FIFO, a device, a /proc file, one over MAX_MEDIA_BYTES) is
+        never read: the tools report it through media_file_problem themselves."""
         if full_path not in self._keys:
             try:
-                self._keys[full_path] = "sha256:" + file_sha256(full_path) if os.path.isfile(full_path) \
-                    else "path:" + full_path
-            except OSError:
+                self._keys[full_path] = "path:" + full_path if media_file_problem(full_path) \
+                    else "sha256:" + file_sha256(full_path)
+            except (OSError, MediaFileError):  # gone or changed since the check
                 self._keys[full_path] = "path:" + full_path
         return self._keys[full_path]
 
 
-def media_content_hash(prompt: str, media_keys: Iterable[str]) -> str:
+def media_content_hash(prompt: str, media_keys: Iterable[str], metadata: dict | None = None) -> str:
     """sha256 hex of the whitespace-normalised prompt and the media keys IN ORDER (an edit's
-    "Picture 1" and "Picture 2" are not interchangeable, unlike content_hash's sorted paths)."""
-    payload = canonical_json({"media_keys": list(media_keys), "prompt": normalize_prompt(prompt)})
+    "Picture 1" and "Picture 2" are not interchangeable, unlike content_hash's sorted paths), and
+    `metadata` when it is not empty (without it the hash is the one sample ids are made of)."""
+    fields = {"media_keys": list(media_keys), "prompt": normalize_prompt(prompt)}
+    if metadata:
+        fields["metadata"] = metadata
+    payload = canonical_json(fields)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+#: metadata keys that say where a record came from, not what it asks: left out of its dedup key
+RECORD_PROVENANCE_KEYS = frozenset({"source"})
 
 
 def record_dedup_key(record: PromptRecord, base_dir: str | os.PathLike, digests: MediaDigests) -> str:
     """The dedup / leakage key of a record read from a file in ``base_dir``: content_hash when it
-    has no media (t2i files keep their keys), else media_content_hash over the bytes of its media."""
+    has no media (t2i files keep their keys), else media_content_hash over the bytes of its media
+    and its metadata but the provenance (RECORD_PROVENANCE_KEYS): two edits of one source under
+    one instruction that ask for different targets (metadata.color "red" and "green") are two
+    records, whatever the files are named or the rows ordered."""
     if not record.media():
         return record_content_hash(record)
+    defining = {k: v for k, v in record.extra.items() if k not in RECORD_PROVENANCE_KEYS}
     return media_content_hash(record.prompt, (digests.key(resolve_media_path(ref, base_dir))
-                                              for ref in record.media()))
+                                              for ref in record.media()), defining)
 
 
 def find_leakage(a: Iterable[PromptRecord], b: Iterable[PromptRecord], keys_a: Iterable[str] | None = None,
@@ -426,17 +461,21 @@ class PromptDataset:
     lines: list[int]
 
     @classmethod
-    def from_jsonl(cls, path: str | os.PathLike, task: str | None = None) -> "PromptDataset":
+    def from_jsonl(cls, path: str | os.PathLike, task: str | None = None,
+                   media_root: str | os.PathLike | None = None) -> "PromptDataset":
         """Read and validate a prompt file; DataError naming ``file:line`` on the first bad line,
         a duplicate sample id, a record of another task, or an empty file.
 
-        Media references are resolved to absolute paths (relative to the file's directory).
+        Media references are resolved to real paths (relative to the file's directory, symlinks
+        followed); DataError listing every one that lies outside the file's directory and
+        `media_root` (confined_media_path).
         """
         path = os.fspath(path)
         base = os.path.dirname(os.path.abspath(path))
         records: list[PromptRecord] = []
         lines: list[int] = []
         seen: dict[str, int] = {}
+        outside: list[str] = []
         for lineno, obj in read_jsonl(path):
             try:
                 rec = parse_record(obj)
@@ -451,11 +490,19 @@ class PromptDataset:
                                 f"{seen[rec.sample_id]}; sample ids must be unique (run tools/curate_data.py)")
             seen[rec.sample_id] = lineno
             if rec.media():
-                rec = PromptRecord(rec.prompt, rec.task, rec.sample_id,
-                                   tuple(resolve_media_path(p, base) for p in rec.images),
-                                   tuple(resolve_media_path(p, base) for p in rec.videos), rec.extra)
+                resolved = {}
+                for ref in rec.media():
+                    resolved[ref], allowed = confined_media_path(ref, base, media_root)
+                    if not allowed:
+                        outside.append(f"{where(path, lineno)}: {ref!r} ({resolved[ref]})")
+                rec = PromptRecord(rec.prompt, rec.task, rec.sample_id, tuple(resolved[p] for p in rec.images),
+                                   tuple(resolved[p] for p in rec.videos), rec.extra)
             records.append(rec)
             lines.append(lineno)
+        if outside:
+            roots = base + (f" or --media-root {media_root}" if media_root else "")
+            raise DataError(f"{len(outside)} media file(s) lie outside {roots}: {'; '.join(outside[:5])}"
+                            f"{'; ...' if len(outside) > 5 else ''}; {MEDIA_ROOT_FIX}")
         if not records:
             raise DataError(f"{where(path)}: the prompt file is empty; point the flag at a prepared "
                             "prompt set (tools/prepare_data.py, tools/curate_data.py)")
@@ -518,7 +565,8 @@ class PromptOrder:
         return [int(i) for i in self.permutation(epoch)[start:start + self.rollout_batch_size]]
 
 
-def load_eval_sets(pairs: Iterable[tuple[str, str | os.PathLike]], task: str | None = None) -> dict[str, PromptDataset]:
+def load_eval_sets(pairs: Iterable[tuple[str, str | os.PathLike]], task: str | None = None,
+                   media_root: str | os.PathLike | None = None) -> dict[str, PromptDataset]:
     """``--eval-prompt-data NAME PATH [NAME PATH ...]`` -> {name: PromptDataset}, in the given order.
 
     DataError for a duplicate name, or any error ``PromptDataset.from_jsonl`` raises (which names
@@ -531,5 +579,5 @@ def load_eval_sets(pairs: Iterable[tuple[str, str | os.PathLike]], task: str | N
         if name in out:
             raise DataError(f"--eval-prompt-data: eval set name {name!r} given twice "
                             f"({out[name].path} and {where(path)}); names must be unique")
-        out[name] = PromptDataset.from_jsonl(path, task=task)
+        out[name] = PromptDataset.from_jsonl(path, task=task, media_root=media_root)
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import platform
 import subprocess
@@ -25,7 +26,7 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -221,6 +222,43 @@ def _viewable(media: torch.Tensor, gap: int = 2) -> torch.Tensor:
     return media
 
 
+def _shown(media: torch.Tensor) -> torch.Tensor:
+    """One candidate as TensorBoard shows it: an image as it is (the grid sizes it), a video
+    [F, 3, H, W] as its view_strip (trainer.video_artifacts: a few frames at a readable height,
+    already sized, so the grid must take it as given: _grid_sizing)."""
+    if media.dim() == 4:
+        from trainer.video_artifacts import view_strip
+
+        return view_strip(media)
+    return media
+
+
+def _grid_sizing(video: bool) -> dict[str, Any]:
+    """The grid's tile sizing for a rollout's candidates: a video's strips as _shown sized them,
+    images brought to the grid's own tile side."""
+    return {"tile_side": None} if video else {}
+
+
+def _source_tiles(traj: Any, row: int, metadata: list[dict] | None) -> list[tuple[str, torch.Tensor]]:
+    """(caption, uint8 [3, H, W]) of each source image candidate `row` was conditioned on: the
+    pixels the scorers got (metadata: _scorer_inputs' third list, SOURCE_IMAGES_KEY, the engine's
+    read of the file at the candidate's size), captioned with the file's name (no directories); []
+    for a candidate without sources."""
+    from trainer.models.edit_source import SOURCE_PATHS_KEY
+    from trainer.rewards.base import SOURCE_IMAGES_KEY
+
+    pixels = (metadata[row] or {}).get(SOURCE_IMAGES_KEY) if metadata else None
+    if not pixels:
+        return []
+    names = [os.path.basename(str(p)) for p in (traj.metadata[row] or {}).get(SOURCE_PATHS_KEY) or ()]
+    tiles = []
+    for j, px in enumerate(pixels):
+        name = names[j] if j < len(names) else f"{j}"
+        label = "source" if len(pixels) == 1 else f"source {j}"
+        tiles.append((f"{label}: {name}", torch.as_tensor(px).permute(2, 0, 1).contiguous()))
+    return tiles
+
+
 def engine_options(rollout: Any, fp8_fast_accum: bool = False) -> dict[str, Any]:
     """The engine keywords the rollout flags set, only those set: the native engine's speed
     options (--rollout-compile, --rollout-precision, with it --fp8-fast-accum; another engine need
@@ -361,6 +399,8 @@ EVAL_TABLE_PROMPTS = 256
 #: the rollout grid (rollout/candidates): this many prompts, one row each, of this many candidates
 ROLLOUT_GRID_PROMPTS = 4
 ROLLOUT_GRID_CANDIDATES = 8
+#: a video's row shows fewer candidates: each is a strip of frames (trainer.video_artifacts.view_strip)
+ROLLOUT_GRID_VIDEO_CANDIDATES = 4
 #: long side of an eval image as it is sent to rank 0 for TensorBoard (the grid shows tiles
 #: of at most metrics.TILE_SIDE[1] pixels: a full-size image would cross the wire for nothing)
 EVAL_THUMB_SIDE = 256
@@ -380,6 +420,9 @@ class Trainer:
         from trainer.weight_sync import WeightSyncer
 
         self.cfg, self.info = cfg, info
+        #: this process's start (the whole run's wall time adds the earlier parts' from the checkpoint)
+        self.started_at = time.perf_counter()
+        self.earlier_wall_time = 0.0
         #: the recipe file's name: names the recipe record and the TensorBoard run
         self.recipe_name = recipe_name
         self.rank, self.world, self.device = info.rank, info.world_size, info.device
@@ -397,9 +440,11 @@ class Trainer:
         apply_attention_policy(self.adapter, self.device)
 
         # data: the order is a pure function of (seed, rollout id), identical on every rank
-        self.dataset = PromptDataset.from_jsonl(cfg.rollout.prompt_data, task=self.task)
+        media_root = cfg.rollout.media_root
+        self.dataset = PromptDataset.from_jsonl(cfg.rollout.prompt_data, task=self.task, media_root=media_root)
         self.order = self.dataset.order(self.num_groups, int(cfg.rollout.rollout_seed))
-        self.eval_sets = load_eval_sets(cfg.eval.eval_prompt_data, task=self.task) if cfg.eval.eval_prompt_data else {}
+        self.eval_sets = (load_eval_sets(cfg.eval.eval_prompt_data, task=self.task, media_root=media_root)
+                          if cfg.eval.eval_prompt_data else {})
 
         # the scorer before the policy: a scorer directory missing files or a dead endpoint must
         # cost seconds, not a 57 GB pipeline load and a rollout
@@ -449,6 +494,10 @@ class Trainer:
         tb_dir = cfg.logging.tensorboard_dir or (str(Path(cfg.checkpoint.save) / "tensorboard") if cfg.checkpoint.save else None)
         self.metrics = MetricsLogger(tb_dir, self.rank, run_name=recipe_name)
         self.checkpoint_failures = 0
+        #: rollouts of the whole run (across resumes) in which every group failed to score
+        self.failed_rollouts = 0
+        #: rank 0's --eval-base figures, for the end summary
+        self.base_eval: dict[str, float] = {}
         #: rollouts in a row in which every group failed to score (no update happened)
         self.failed_rollouts_in_a_row = 0
         self.start_rollout = 0
@@ -526,6 +575,10 @@ class Trainer:
             raise RunError(f"--load {load} holds no committed checkpoint for task {self.task}; nothing to resume")
         self.actor.load_state_dict(state)
         self.checkpoint_failures = int(state.get("checkpoint_failures", 0))
+        # the end summary is the whole run's: its counters and wall time go on from the checkpoint's
+        self.failed_rollouts = int(state.get("failed_rollouts", 0))
+        self.metrics.failures = int(state.get("metrics_write_failures", 0))
+        self.earlier_wall_time = float(state.get("wall_time_s", 0.0))
         # The engine was loaded from --model-path: give it the restored policy under the
         # checkpoint's own version number.
         self.syncer.load_state_dict(state)
@@ -616,7 +669,8 @@ class Trainer:
             manager = self.reward_manager
             local_idx = [g * self.group_size + s for g, s in out.candidates]
             traj = out.trajectory
-            scored = manager.score(*_scorer_inputs(traj, take_sources(self.engine)))
+            inputs = _scorer_inputs(traj, take_sources(self.engine))
+            scored = manager.score(*inputs)
             components = gather_scores(scored.components, local_idx, self.num_groups * self.group_size)
             std_mode = resolve_std_mode(cfg.grpo.generative_advantage_std_mode,
                                         cfg.grpo.disable_grpo_std_normalization, self.group_size)
@@ -630,6 +684,8 @@ class Trainer:
         m.update(reward.metrics)
         m.update(rollout_throughput(self.num_groups * self.group_size, m["perf/rollout_time"], self.world))
         self._log_histograms(k, reward)
+        self._write_index(out, prompts, self.group_size, reward.components, reward.advantages,
+                          title=f"{self.task} rollout {k}")
         m.update(scored.failure_metrics())
         self.components = sorted(reward.components)
         self._watch_failed_rollout(k, len(reward.failed_groups))
@@ -707,7 +763,8 @@ class Trainer:
         if "hwm" in (host := host_memory_gb()):
             m["perf/host_peak_gb"] = host["hwm"]
         m["train/checkpoint_failures"] = float(self.checkpoint_failures)
-        self._log_images(k, out, reward)
+        m["train/metrics_write_failures"] = float(self.metrics.failures)
+        self._log_images(k, out, reward, inputs[2])
         return m
 
     def _start_watch(self, traj: Any) -> "Future | None":
@@ -779,6 +836,7 @@ class Trainer:
             self.failed_rollouts_in_a_row = 0
             return
         self.failed_rollouts_in_a_row += 1
+        self.failed_rollouts += 1
         limit = int(self.cfg.reward.reward_max_failed_rollouts)
         if self.rank == 0:
             log.error("rollout %d: all %d groups failed to score (no finite reward), so no update happens; %d such "
@@ -819,21 +877,46 @@ class Trainer:
             log.info("[logp parity] max |replayed anchor - sampler log-prob| = %.3g", worst)
         return {"debug/logp_parity_max_abs": worst}
 
-    def _log_images(self, k: int, out: Any, reward: Any) -> None:
+    def _log_images(self, k: int, out: Any, reward: Any, metadata: list[dict] | None = None) -> None:
         """rollout/candidates: up to ROLLOUT_GRID_PROMPTS of rank 0's prompts, one row each (the
-        prompt wrapped above it), up to ROLLOUT_GRID_CANDIDATES candidates per row, each tile
-        captioned with its slot and scores."""
+        prompt wrapped above it), up to ROLLOUT_GRID_CANDIDATES candidates per row (a video's
+        ROLLOUT_GRID_VIDEO_CANDIDATES, each a strip of readable frames), each tile captioned with
+        its slot and scores; an edit's row starts with the source image(s) its candidates were
+        conditioned on (metadata: the scorer metadata, which carries their pixels)."""
         traj = out.trajectory
         if self.rank != 0 or traj is None:
             return
+        video = traj.images.dim() == 5
+        per_row = ROLLOUT_GRID_VIDEO_CANDIDATES if video else ROLLOUT_GRID_CANDIDATES
         rows = []
         for g in sorted(set(traj.group_indices.tolist()))[:ROLLOUT_GRID_PROMPTS]:
-            shown = traj.rows_of_group(g)[:ROLLOUT_GRID_CANDIDATES]
+            shown = traj.rows_of_group(g)[:per_row]
+            sources = _source_tiles(traj, shown[0], metadata)
             captions = [f"s{int(traj.slots[i])} " + _score_text(reward.components, g * self.group_size + int(traj.slots[i]))
                         for i in shown]
-            rows.append((f"group {g}: {traj.prompts[shown[0]]}", [_viewable(traj.images[i]) for i in shown],
-                         captions))
-        self.metrics.log_rows_grid(k, "rollout/candidates", rows)
+            rows.append((f"group {g}: {traj.prompts[shown[0]]}",
+                         [t for _, t in sources] + [_shown(traj.images[i]) for i in shown],
+                         [c for c, _ in sources] + captions))
+        self.metrics.log_rows_grid(k, "rollout/candidates", rows, **_grid_sizing(video))
+
+    def _write_index(self, out: Any, records: list[Any], group_size: int, comps: dict[str, torch.Tensor],
+                     advantages: torch.Tensor | None, *, title: str) -> None:
+        """Rank 0: the scored rollout's index.jsonl and index.html in its artifact directory
+        (trainer.artifacts.write_rollout_index): every candidate's file beside its prompt, group,
+        slot, scores (advantage: a training rollout's) and source files' names. Every rank knows
+        every group's record and the gathered scores, so rank 0 writes the whole rollout's."""
+        if self.rank != 0 or out.artifact_dir is None:
+            return
+        from trainer.artifacts import rollout_index, write_rollout_index
+
+        video = out.trajectory is not None and out.trajectory.images.dim() == 5
+        if video:
+            from trainer.video_artifacts import video_name as media_name
+        else:
+            from trainer.artifacts import image_name as media_name
+        entries = rollout_index([(r.prompt, r.images) for r in records], group_size, comps, advantages,
+                                media_name=media_name)
+        write_rollout_index(out.artifact_dir, entries, title=title)
 
     def _log_histograms(self, k: int, reward: Any) -> None:
         """reward/<component>_hist, reward/weighted_total_hist and reward/advantage_hist over the
@@ -900,28 +983,35 @@ class Trainer:
             self.metrics.log_text(k, f"eval/{name}/per_prompt",
                                   per_prompt_table([r.prompt for r in records], {**comps, **trained}, n,
                                                    EVAL_TABLE_PROMPTS))
-            self._log_eval_images(k, name, out.trajectory, comps, n)
+            self._write_index(out, records, n, {**comps, **trained}, None,
+                              title=f"{self.task} {'base ' if base else ''}eval {name} at rollout {k}")
+            self._log_eval_images(k, name, out.trajectory, comps, n, inputs[2])
         return out_m
 
-    def _log_eval_images(self, k: int, set_name: str, traj: Any, comps: dict[str, torch.Tensor], n: int) -> None:
-        """One image per eval prompt, its n candidates side by side with their scores, under the
-        tag eval/<set>/prompt_<index>: the prompt and its seeds are the same at every eval, so
-        TensorBoard's slider on that tag shows the same candidates changing over training. The
-        first EVAL_IMAGE_PROMPTS prompts of the set, whichever rank generated them: each rank
-        sends its share to rank 0 as small uint8 thumbnails (collective: every rank calls it)."""
-        rows = _eval_thumbnails(traj, EVAL_IMAGE_PROMPTS)
+    def _log_eval_images(self, k: int, set_name: str, traj: Any, comps: dict[str, torch.Tensor], n: int,
+                         metadata: list[dict] | None = None) -> None:
+        """One image per eval prompt, its n candidates side by side with their scores (an edit's
+        source image(s) first), under the tag eval/<set>/prompt_<index>: the prompt and its seeds
+        are the same at every eval, so TensorBoard's slider on that tag shows the same candidates
+        changing over training. The first EVAL_IMAGE_PROMPTS prompts of the set, whichever rank
+        generated them: each rank sends its share to rank 0 as small uint8 thumbnails
+        (collective: every rank calls it). metadata: the scorer metadata (the sources' pixels)."""
+        rows = _eval_thumbnails(traj, EVAL_IMAGE_PROMPTS, metadata)
         gathered = gather_to_rank0(rows)
         if self.rank != 0:
             return
-        by_group: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+        by_group: dict[int, list[_Thumb]] = {}
         for part in gathered:
-            for g, slot, prompt, thumb in part:
-                by_group.setdefault(g, []).append((slot, prompt, thumb))
+            for thumb in part:
+                by_group.setdefault(thumb.group, []).append(thumb)
         for g in sorted(by_group)[:EVAL_IMAGE_PROMPTS]:
-            shown = sorted(by_group[g], key=lambda t: t[0])
-            captions = [f"s{slot} {_score_text(comps, g * n + slot)} | {prompt}" for slot, prompt, _ in shown]
-            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}", [t for _, _, t in shown],
-                                        captions, cols=len(shown))
+            shown = sorted(by_group[g], key=lambda t: t.slot)
+            sources = next((t.sources for t in shown if t.sources), ())
+            captions = [f"s{t.slot} {_score_text(comps, g * n + t.slot)} | {t.prompt}" for t in shown]
+            self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}",
+                                        [im for _, im in sources] + [t.image for t in shown],
+                                        [c for c, _ in sources] + captions, cols=len(sources) + len(shown),
+                                        **_grid_sizing(shown[0].video))
 
     def save(self, k: int) -> None:
         """One checkpoint of rollout k; a failed write is counted, never fatal."""
@@ -936,6 +1026,9 @@ class Trainer:
             "base_model_path": str(Path(cfg.model.model_path).resolve()),
             "sampling_fingerprint": self.sampling.fingerprint(),
             "checkpoint_failures": self.checkpoint_failures,
+            "failed_rollouts": self.failed_rollouts,
+            "metrics_write_failures": self.metrics.failures,
+            "wall_time_s": self.wall_time(),
             **self.actor.state_dict(),
             **self.syncer.state_dict(),
         }
@@ -961,9 +1054,14 @@ class Trainer:
         m["perf/eval_base_time"] = t.elapsed
         self.metrics.log(0, m)
         if self.rank == 0:
-            log.info("base model eval: %s", ", ".join(f"{key}={v:.4g}" for key, v in sorted(m.items())
-                                                      if key.endswith("_mean")))
+            self.base_eval = m
+            log.info("%s", eval_line("base model eval", m))
         return m
+
+    def wall_time(self) -> float:
+        """Seconds of the whole run: the earlier parts' up to the checkpoint this one resumed
+        (as that checkpoint recorded them), plus this process's so far."""
+        return self.earlier_wall_time + time.perf_counter() - self.started_at
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -981,15 +1079,21 @@ class Trainer:
                    dynamic_ncols=True, leave=True)
         history = []
         self._gc_clock = GcClock()
+        t_loop = time.perf_counter()
         try:
             for k in bar:
                 metrics = self.step(k)
                 if k == self.start_rollout:
                     metrics = {**self.load_metrics, **metrics}
                 self.metrics.log(k, metrics)
-                history.append(metrics)
+                history.append({**metrics, "rollout": k})
                 if self.rank == 0:
-                    bar.write(self.metrics.console_line(k, metrics, self.components))
+                    # the time left at this run's pace so far (evals and saves included, at their share)
+                    eta = (time.perf_counter() - t_loop) / (k + 1 - self.start_rollout) * (num_rollout - k - 1)
+                    bar.write(self.metrics.console_line(k, metrics, self.components, total=num_rollout, eta_s=eta))
+                    if any(key.startswith("eval/") for key in metrics):
+                        bar.write(eval_line(f"eval after rollout {k}", metrics))
+                    sys.stdout.flush()  # a log file is block-buffered: each rollout's lines as it ends
                 if self.stop_reason:  # every rank fed the watch the same gathered figures: all stop here
                     log.error("stopping after rollout %d (--stop-on-hacking): %s", k, self.stop_reason)
                     break
@@ -1052,22 +1156,47 @@ def _score_text(comps: dict[str, torch.Tensor], index: int) -> str:
     return ", ".join(f"{c}={float(v[index]):.3f}" for c, v in sorted(comps.items()))
 
 
-def _eval_thumbnails(traj: Any, max_group: int) -> list[tuple[int, int, str, torch.Tensor]]:
-    """(group, slot, prompt, uint8 [3, h, w] image of long side <= EVAL_THUMB_SIDE) for this
-    rank's candidates of groups below `max_group`."""
+class _Thumb(NamedTuple):
+    """One eval candidate as sent to rank 0 for TensorBoard (_eval_thumbnails)."""
+
+    group: int
+    slot: int
+    prompt: str
+    #: uint8 [3, h, w]: an image of long side <= EVAL_THUMB_SIDE, a video's view_strip
+    image: torch.Tensor
+    video: bool
+    #: (caption, uint8 [3, h, w] of long side <= EVAL_THUMB_SIDE) per source image of an edit, on
+    #: the first candidate of its group this rank holds (a source crosses the wire once per rank)
+    sources: tuple[tuple[str, torch.Tensor], ...] = ()
+
+
+def _thumbnail(im: torch.Tensor) -> torch.Tensor:
+    """uint8 [3, h, w] of an image [3, H, W] (float in [0, 1] or uint8), long side <= EVAL_THUMB_SIDE."""
+    im = im.detach().cpu()
+    im = im.float() / 255.0 if im.dtype == torch.uint8 else im.float()
+    side = max(im.shape[-2:])
+    if side > EVAL_THUMB_SIDE:
+        size = [max(1, round(d * EVAL_THUMB_SIDE / side)) for d in im.shape[-2:]]
+        im = torch.nn.functional.interpolate(im[None], size=size, mode="area")[0]
+    return (im.clamp(0, 1) * 255 + 0.5).to(torch.uint8)
+
+
+def _eval_thumbnails(traj: Any, max_group: int, metadata: list[dict] | None = None) -> list[_Thumb]:
+    """A _Thumb per candidate of this rank in groups below `max_group`; an edit's first candidate
+    of each group carries its sources (_source_tiles, from the scorer metadata)."""
     if traj is None:
         return []
-    out = []
+    video = traj.images.dim() == 5
+    out, seen = [], set()
     for i, g in enumerate(traj.group_indices.tolist()):
         if g >= max_group:
             continue
-        im = _viewable(traj.images[i]).detach().float().cpu()
-        side = max(im.shape[-2:])
-        if side > EVAL_THUMB_SIDE:
-            size = [max(1, round(d * EVAL_THUMB_SIDE / side)) for d in im.shape[-2:]]
-            im = torch.nn.functional.interpolate(im[None], size=size, mode="area")[0]
-        out.append((int(g), int(traj.slots[i]), str(traj.prompts[i]),
-                    (im.clamp(0, 1) * 255 + 0.5).to(torch.uint8)))
+        # a video's strip is sized by view_strip (a few frames at most 160 px high): bounded already
+        image = _shown(traj.images[i])
+        image = (image.clamp(0, 1) * 255 + 0.5).to(torch.uint8) if video else _thumbnail(image)
+        sources = () if g in seen else tuple((c, _thumbnail(t)) for c, t in _source_tiles(traj, i, metadata))
+        seen.add(g)
+        out.append(_Thumb(int(g), int(traj.slots[i]), str(traj.prompts[i]), image, video, sources))
     return out
 
 
@@ -1099,27 +1228,149 @@ def silence_known_harmless_warnings() -> None:
                             category=UserWarning)
 
 
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
 def summarize(history: list[dict[str, float]], components: list[str], window: int = 5) -> dict[str, dict[str, float]]:
-    """First-vs-last figures of each reward component: the mean of reward/<c>_mean over the
-    first and the last `window` rollouts, and the mean within-group std of the component's raw
-    score (reward/<c>_group_std_mean: the learning signal it carries)."""
+    """First-vs-last figures of each reward component over `history` (one dict per rollout, in
+    rollout order; its "rollout" key, where present, names the rollout): the mean of
+    reward/<c>_mean over the first and the last w rollouts that scored it, and the mean
+    within-group std of the component's raw score (reward/<c>_group_std_mean: the learning signal
+    it carries). w = min(window, n // 2) for n scored rollouts, so the two windows never share a
+    rollout (one rollout alone is both). first_rollouts / last_rollouts: the windows' first and
+    last rollout ids."""
     out = {}
     for c in components:
-        series = [h[f"reward/{c}_mean"] for h in history if f"reward/{c}_mean" in h]
-        # the component's own raw spread: the weighted reward's (reward/group_std_mean) would show
-        # a component's weight, or another component's spread
-        stds = [h[f"reward/{c}_group_std_mean"] for h in history if f"reward/{c}_group_std_mean" in h]
-        if not series:
+        rows = [(h.get("rollout", i), h) for i, h in enumerate(history) if _finite(h.get(f"reward/{c}_mean"))]
+        if not rows:
             continue
-        w = min(window, len(series))
+        w = min(window, len(rows) // 2) or 1
+        first, last = rows[:w], rows[-w:]
+
+        def mean(part: list, key: str) -> float | None:
+            # the component's own raw spread: the weighted reward's (reward/group_std_mean) would
+            # show a component's weight, or another component's spread
+            vals = [float(h[key]) for _, h in part if _finite(h.get(key))]
+            return sum(vals) / len(vals) if vals else None
+
         out[c] = {
-            "first_mean": sum(series[:w]) / w,
-            "last_mean": sum(series[-w:]) / w,
-            "group_std_first": sum(stds[:w]) / max(len(stds[:w]), 1),
-            "group_std_last": sum(stds[-w:]) / max(len(stds[-w:]), 1),
-            "rollouts": len(series),
+            "first_mean": mean(first, f"reward/{c}_mean"),
+            "last_mean": mean(last, f"reward/{c}_mean"),
+            "group_std_first": mean(first, f"reward/{c}_group_std_mean"),
+            "group_std_last": mean(last, f"reward/{c}_group_std_mean"),
+            "rollouts": len(rows),
+            "window": w,
+            "first_rollouts": [first[0][0], first[-1][0]],
+            "last_rollouts": [last[0][0], last[-1][0]],
         }
     return out
+
+
+def summarize_evals(history: list[dict[str, float]], base: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per eval set and component ("<set>/<component>", from eval/<set>/<component>_mean): the
+    first and the last eval's figure with their rollout ids, how many evals ran, and with
+    --eval-base the base model's figure."""
+    out: dict[str, dict] = {}
+    for i, h in enumerate(history):
+        for key, v in h.items():
+            if key.startswith("eval/") and key.endswith("_mean") and _finite(v):
+                e = out.setdefault(key[len("eval/"):-len("_mean")], {"first": float(v), "first_rollout": h.get("rollout", i),
+                                                                     "evals": 0})
+                e.update(last=float(v), last_rollout=h.get("rollout", i), evals=e["evals"] + 1)
+    for key, v in (base or {}).items():
+        if key.startswith("eval/") and key.endswith("_mean") and _finite(v):
+            out.setdefault(key[len("eval/"):-len("_mean")], {})["base"] = float(v)
+    return out
+
+
+def eval_line(title: str, metrics: dict[str, float]) -> str:
+    """`<title>: <set> <component>=<mean>+-<std> ... | <set> ...` from eval/<set>/<c>_mean and _std."""
+    sets: dict[str, list[str]] = {}
+    for key, v in sorted(metrics.items()):
+        if key.startswith("eval/") and key.endswith("_mean") and key.count("/") == 2:
+            _, name, comp = key[:-len("_mean")].split("/")
+            std = metrics.get(f"eval/{name}/{comp}_std")
+            sets.setdefault(name, []).append(f"{comp}={float(v):.4g}" + (f"+-{float(std):.2g}" if _finite(std) else ""))
+    return f"{title}: " + (" | ".join(f"{name} " + " ".join(parts) for name, parts in sets.items()) or "no figures")
+
+
+def earlier_history(run_dir: Path | None, start_rollout: int) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """A resumed run's rollouts before `start_rollout`, read back from the run's own TensorBoard
+    events (metrics.read_scalars): one dict per rollout as fit's history holds them, and the
+    --eval-base figures of step 0 (logged there before rollout 0's, which carries perf/eval_time
+    when it evaluated too). Where a rollout ran twice (a part that ended after its last
+    checkpoint), the later write is the one the resumed run continues from. ([], {}) for a
+    fresh run, or when the events cannot be read (a note says so)."""
+    from trainer.metrics import read_scalars
+
+    if start_rollout <= 0 or run_dir is None:
+        return [], {}
+    try:
+        scalars = read_scalars(run_dir)
+    except Exception as e:  # noqa: BLE001 - the summary is then this part's only, and says so
+        log.warning("the end summary covers this part of the run only: %s's events could not be read (%s)",
+                    run_dir, e)
+        return [], {}
+    rows: dict[int, dict[str, float]] = {}
+    base: dict[str, float] = {}
+    for tag, points in scalars.items():
+        for step, value in points:
+            if step < start_rollout:
+                rows.setdefault(step, {})[tag] = value
+    first = rows.get(0, {})
+    if "perf/eval_base_time" in first and "perf/eval_time" not in first:
+        base = {k: v for k, v in first.items() if k.startswith("eval/")}
+        rows[0] = {k: v for k, v in first.items() if not k.startswith("eval/")}
+    return [{**rows[k], "rollout": k} for k in sorted(rows)], base
+
+
+def run_summary(trainer: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """The whole run's summary (across resumes): the reward components' first-vs-last windows,
+    the evals' first and last figures, rollouts scored and failed, the failure counters and the
+    wall time. Rank 0; reads the earlier parts' figures back from the run's TensorBoard events."""
+    earlier, base = earlier_history(trainer.metrics.run_dir, trainer.start_rollout)
+    history = earlier + result["history"]
+    ran = result["history"][-1]["rollout"] + 1 if result["history"] else trainer.start_rollout
+    return {
+        "summary": summarize(history, result["components"]),
+        "eval": summarize_evals(history, trainer.base_eval or base),
+        "rollouts": ran,
+        "resumed_at": trainer.start_rollout or None,
+        "scored_rollouts": ran - trainer.failed_rollouts,
+        "failed_rollouts": trainer.failed_rollouts,
+        "checkpoint_failures": trainer.checkpoint_failures,
+        "metrics_write_failures": trainer.metrics.failures,
+        "wall_time_s": round(trainer.wall_time(), 1),
+        "this_process_wall_time_s": round(time.perf_counter() - trainer.started_at, 1),
+    }
+
+
+def log_run_summary(s: dict[str, Any]) -> None:
+    """The summary in words, a few lines in the log before its JSON line."""
+    from trainer.metrics import format_seconds
+
+    resumed = f", resumed at rollout {s['resumed_at']}" if s["resumed_at"] else ""
+    log.info("run summary: %d rollouts%s, %d scored, %d failed to score; wall time %s (this process %s); "
+             "checkpoint failures %d, metrics write failures %d", s["rollouts"], resumed, s["scored_rollouts"],
+             s["failed_rollouts"], format_seconds(s["wall_time_s"]), format_seconds(s["this_process_wall_time_s"]),
+             s["checkpoint_failures"], s["metrics_write_failures"])
+    for c, f in s["summary"].items():
+        std = ""
+        if f["group_std_first"] is not None and f["group_std_last"] is not None:
+            std = f", within-group std {f['group_std_first']:.4g} -> {f['group_std_last']:.4g}"
+        log.info("  reward %s: %.4g (rollouts %d-%d) -> %.4g (rollouts %d-%d)%s", c, f["first_mean"],
+                 *f["first_rollouts"], f["last_mean"], *f["last_rollouts"], std)
+    for name, e in s["eval"].items():
+        base = f"base {e['base']:.4g}, " if "base" in e else ""
+        if "first" in e:
+            log.info("  eval %s: %s%.4g at rollout %d -> %.4g at rollout %d (%d evals)", name, base, e["first"],
+                     e["first_rollout"], e["last"], e["last_rollout"], e["evals"])
+        elif base:
+            log.info("  eval %s: %s", name, base.rstrip(", "))
 
 
 def use_compile_cache(path: str | None) -> None:
@@ -1170,6 +1421,23 @@ def use_compile_profile(cfg: Any) -> str | None:
     return torch.compiler.config.job_id
 
 
+def trained_nothing(trainer: Any, history: list[dict[str, float]]) -> None:
+    """RunError when this process ran rollouts and not one of them scored (every group of each
+    failed: no update happened): a run that trained nothing must not end like one that trained.
+    Every rank gathered the same rewards, so every rank raises."""
+    if not history or any(float(h.get("reward/num_groups", 0)) > 0 for h in history):
+        return
+    reward = trainer.cfg.reward
+    where = (f"--reward-endpoint {redact_url(reward.reward_endpoint)}" if reward.reward_runtime == "remote"
+             else f"--reward-scorer-path {reward.reward_scorer_path}")
+    first, last = history[0]["rollout"], history[-1]["rollout"]
+    raise RunError(
+        f"this run trained nothing: none of its {len(history)} rollout(s) ({first}-{last}) scored, every group of "
+        f"each failed (no finite reward from {where}; the reasons are logged above and counted in "
+        f"reward/failed_candidates_*). Fix the scorer and run again; --reward-max-failed-rollouts (now "
+        f"{int(reward.reward_max_failed_rollouts)}) stops a longer run after that many such rollouts in a row")
+
+
 def run(cfg: Any, recipe: str | None = None) -> int:
     """Build this rank's trainer, resume if asked, train, print a summary; returns the exit code.
 
@@ -1203,13 +1471,16 @@ def run(cfg: Any, recipe: str | None = None) -> int:
         trainer.metrics.log_run(trainer.start_rollout, trainer.recipe_name, cfg.to_dict())
         result = trainer.fit()
         if info.rank == 0:
-            summary = summarize(result["history"], result["components"])
-            print(json.dumps({"summary": summary, "stopped_on_hacking": result["stopped"],
+            summary = run_summary(trainer, result)
+            log_run_summary(summary)
+            sys.stderr.flush()
+            print(json.dumps({**summary, "stopped_on_hacking": result["stopped"],
                               "recipe_record": str(record) if record else None,
                               "tensorboard_dir": str(trainer.metrics.log_dir) if trainer.metrics.log_dir else None,
                               "artifact_root": cfg.artifacts.artifact_root, "save": cfg.checkpoint.save}), flush=True)
         if result["stopped"]:
             code = 3  # the requested rollouts were not all run: let a scheduler see it
+        trained_nothing(trainer, result["history"])
     except (RunError, CheckpointError, DataError, ModelFilesError) as e:  # the message says it all
         rank = info.rank if info is not None else os.environ.get("RANK", "?")
         report_fatal(rank, f"error: {e}")

@@ -128,6 +128,18 @@ def _check_dotpath(flag: str, value: str, errors: list[str]) -> None:
             errors.append(f"{flag} {value}: module file {rel}.py does not exist in this checkout; {hint}")
 
 
+def _check_scorer(flag: str, name: str, errors: list[str], dotpath_flag: str | None = None) -> None:
+    """A scorer flag's value: a shipped short name, or a dotpath (_check_dotpath, its errors
+    under `dotpath_flag` when given); a bare word that is neither gets the short names and the
+    closest one."""
+    from trainer.config import unknown_scorer_name
+
+    if not name.startswith("relax") and (problem := unknown_scorer_name(flag, name)):
+        errors.append(problem)
+    else:
+        _check_dotpath(dotpath_flag or flag, resolve_scorer_path(name), errors)
+
+
 def _positive_int(flag: str, value: int | None, errors: list[str], *, minimum: int = 1, required: bool = False) -> bool:
     """True when `value` is set and >= minimum; otherwise record why (if required or set)."""
     if value is None:
@@ -235,6 +247,7 @@ def _check_edit_task(cfg: RunConfig, errors: list[str]) -> None:
         elif m.generation_task == "t2i" and edit:
             errors.append(f"--model-adapter-path {adapter} is an image-editing family: it trains records with "
                           "source images; set --generation-task i2i (or use a text-to-image --model-path)")
+    _need_existing("--media-root", cfg.rollout.media_root, "dir", errors, required=False)
     if m.generation_task != "i2i":
         return
     from trainer.data import DataError, PromptDataset
@@ -245,19 +258,21 @@ def _check_edit_task(cfg: RunConfig, errors: list[str]) -> None:
         if not path or not Path(path).is_file():
             continue
         try:
-            ds = PromptDataset.from_jsonl(path, task="i2i")
+            ds = PromptDataset.from_jsonl(path, task="i2i", media_root=cfg.rollout.media_root)
         except DataError:
-            continue  # _check_data_contents reports it
+            continue  # _check_data_contents reports it (media outside the roots included)
         where = [f"{path}:{line}" for rec, line in zip(ds.records, ds.lines) if not rec.images]
         if where:
             errors.append(f"{flag}: {len(where)} record(s) have no source image (e.g. {', '.join(where[:3])}); an "
                           "i2i record lists its images (\"images\": [...], one <image> each in the prompt): build "
                           "the file with tools/prepare_data.py --source edit")
-        gone = [f"{path}:{line} {p}" for rec, line in zip(ds.records, ds.lines) for p in rec.images
-                if not Path(p).is_file()]
-        if gone:
-            errors.append(f"{flag}: {len(gone)} source image(s) do not exist (e.g. {'; '.join(gone[:3])}); check "
-                          "the file with tools/inspect_data.py --decode-media")
+        from trainer.models.edit_source import source_file_problems
+
+        bad = source_file_problems(ds)
+        if bad:
+            errors.append(f"{flag}: {len(bad)} source image(s) no rollout can use: {'; '.join(bad[:10])}"
+                          f"{'; ...' if len(bad) > 10 else ''}; fix or drop those records (tools/inspect_data.py "
+                          "--decode-media checks them)")
         counts = sorted({len(rec.images) for rec in ds.records if rec.images})
         if len(counts) > 1:
             errors.append(f"{flag}: records carry {' or '.join(map(str, counts))} source images; one rollout samples "
@@ -365,7 +380,7 @@ def _check_video_task(cfg: RunConfig, errors: list[str]) -> None:
             errors.append(f"--reward-frame-scorer {rw.reward_frame_scorer} scores an edit against its source images, "
                           "which a video's frames do not have: use an image scorer (e.g. ocr, pickscore, color)")
         elif inner:
-            _check_dotpath("--reward-frame-scorer", inner, errors)
+            _check_scorer("--reward-frame-scorer", rw.reward_frame_scorer, errors)
         if rw.reward_frame_every is not None and rw.reward_frame_count is not None:
             errors.append("--reward-frame-every and --reward-frame-count are two frame rules; set one of them")
         for flag, value in (("--reward-frame-every", rw.reward_frame_every),
@@ -865,7 +880,7 @@ def _check_reward(cfg: RunConfig, errors: list[str]) -> None:
                 "jpeg_compressibility, color)"
             )
     else:
-        _check_dotpath("--reward-scorer-path", scorer, errors)
+        _check_scorer("--reward-scorer-path", rw.reward_scorer_path, errors)
     if scorer in SCORERS_NEEDING_MODEL and rw.reward_runtime != "remote":
         _need_existing("--reward-model-path", rw.reward_model_path, "dir", errors, required=True)
     elif rw.reward_model_path:
@@ -929,7 +944,7 @@ def _check_judge_and_watch(cfg: RunConfig, errors: list[str]) -> None:
         return
     for name, model_path in entries:
         scorer = resolve_scorer_path(name)
-        _check_dotpath(f"--eval-reward-scorers entry {name!r}", scorer, errors)
+        _check_scorer("--eval-reward-scorers entry", name, errors, dotpath_flag=f"--eval-reward-scorers entry {name!r}")
         if scorer in SCORERS_NEEDING_MODEL and not model_path:
             errors.append(f"--eval-reward-scorers entry {name!r} needs its model directory: '{name}=/local/model/dir'")
         if model_path:
@@ -1284,7 +1299,7 @@ def _check_data_contents(cfg: RunConfig, errors: list[str]) -> None:
     for flag, path in files:
         if path and Path(path).is_file():
             try:
-                PromptDataset.from_jsonl(path, task=task)
+                PromptDataset.from_jsonl(path, task=task, media_root=cfg.rollout.media_root)
             except DataError as e:
                 errors.append(f"{flag}: {e}")
 

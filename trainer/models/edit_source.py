@@ -20,6 +20,12 @@ SOURCE_PATHS_KEY = "source_paths"
 #: the largest source accepted, in pixels: a decompression bomb is refused before it is decoded
 MAX_SOURCE_PIXELS = 4096 * 4096
 
+#: the longest side of a source over its shortest: Qwen-Image-Edit shows the VL encoder the source
+#: at ~384 x 384 pixels of the same aspect, sides rounded to 32 (edit_geometry.area_dimensions),
+#: and Qwen2-VL's image processor refuses an aspect over 200:1; up to about 275:1 the rounded
+#: sides stay within it, so 200:1 holds for every family (FLUX.1-Kontext resizes to the output)
+MAX_SOURCE_ASPECT = 200
+
 #: the largest source file read, in bytes. A source is read whole, once, and hashed and decoded
 #: from those bytes, so its size is bounded before it is read (a 4096 x 4096 RGBA image at 16 bits
 #: a channel is 128 MiB uncompressed; no image within MAX_SOURCE_PIXELS needs more)
@@ -54,24 +60,84 @@ def read_source_bytes(path: str | os.PathLike) -> bytes:
     return data
 
 
+def geometry_problem(width: int, height: int) -> str | None:
+    """Why no rollout can use a width x height source, or None: more than MAX_SOURCE_PIXELS pixels,
+    or a longer side more than MAX_SOURCE_ASPECT times the shorter one."""
+    if width * height > MAX_SOURCE_PIXELS:
+        return f"is {width}x{height}, more than {MAX_SOURCE_PIXELS} pixels; downscale it"
+    if max(width, height) > MAX_SOURCE_ASPECT * min(width, height):
+        return (f"is {width}x{height}, an aspect ratio over {MAX_SOURCE_ASPECT}:1 that the edit families' "
+                "condition resize cannot take; crop it")
+    return None
+
+
+def _check_geometry(im: Any, path: str) -> None:
+    why = geometry_problem(im.width, im.height)
+    if why:
+        raise ValueError(f"source image {path} {why} (tools/prepare_data.py keeps the file as it is)")
+
+
 def decode_source(data: bytes, path: str | os.PathLike) -> Any:
     """The RGB PIL image of a source file's bytes `data`, fully decoded; `path` names it in
-    errors. ValueError naming it when it does not decode or has more than MAX_SOURCE_PIXELS pixels
-    (checked from its header, before the pixels are decoded)."""
-    from PIL import Image
+    errors. ValueError naming it when it is not one of image_file.ACCEPTED_FORMATS, does not
+    decode, or its header's size fails geometry_problem (checked before the pixels are decoded)."""
+    from trainer.core.image_file import ImageFileError, open_image
 
     path = os.fspath(path)
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.width * im.height > MAX_SOURCE_PIXELS:
-                raise ValueError(f"source image {path} is {im.width}x{im.height}, more than {MAX_SOURCE_PIXELS} "
-                                 "pixels; downscale it (tools/prepare_data.py keeps the file as it is)")
+        with open_image(data, f"source image {path}", max_pixels=MAX_SOURCE_PIXELS, max_frames=None) as im:
+            _check_geometry(im, path)
             return im.convert("RGB")
+    except ImageFileError as e:
+        raise ValueError(f"{e}; check it with tools/inspect_data.py --decode-media") from None
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - any decoder failure names the file
         raise ValueError(f"source image {path} does not decode ({type(e).__name__}: {e}); check it with "
                          "tools/inspect_data.py --decode-media") from None
+
+
+def source_problem(path: str | os.PathLike) -> str | None:
+    """Why the source file `path` cannot be used, from its size and its header only (no pixel is
+    decoded: cheap enough for every source of a prompt file before a run), or None: missing, over
+    MAX_SOURCE_BYTES, not an accepted format, or a size geometry_problem refuses."""
+    from trainer.core.image_file import ImageFileError, open_image
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        return "does not exist"
+    size = os.path.getsize(path)
+    if size > MAX_SOURCE_BYTES:
+        return f"is {size} bytes, more than {MAX_SOURCE_BYTES}; downscale or recompress it"
+    return header_problem(path)
+
+
+def header_problem(source: str | os.PathLike | bytes) -> str | None:
+    """Why a source (its path or its file's bytes) cannot be used, from its header only, or None:
+    not one of image_file.ACCEPTED_FORMATS, a header the decoder refuses, or geometry_problem."""
+    from trainer.core.image_file import ImageFileError, open_image
+
+    try:
+        with open_image(source, "it", max_pixels=MAX_SOURCE_PIXELS, max_frames=None) as im:
+            return geometry_problem(im.width, im.height)
+    except ImageFileError as e:
+        return str(e).removeprefix("it ")
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+
+
+def source_file_problems(ds: Any) -> list[str]:
+    """"file:line: source image PATH <why>" for every source of the PromptDataset `ds` that
+    source_problem refuses, each file's header read once (no pixel decoded)."""
+    seen: dict[str, str | None] = {}
+    out = []
+    for rec, line in zip(ds.records, ds.lines):
+        for p in rec.images:
+            if p not in seen:
+                seen[p] = source_problem(p)
+            if seen[p]:
+                out.append(f"{ds.path}:{line}: source image {p} {seen[p]}")
+    return out
 
 
 def open_source_image(path: str | os.PathLike) -> Any:

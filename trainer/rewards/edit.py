@@ -47,6 +47,7 @@ behind tools/reward_server.py receive them in the same metadata key.
 from __future__ import annotations
 
 import math
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -84,13 +85,13 @@ EDIT_JUDGE_TEMPLATE = (
 def _to_uint8(entry: Any, where: str) -> np.ndarray:
     """One source entry (uint8 array, float tensor, PIL image or file path) -> uint8 [H, W, 3]."""
     if isinstance(entry, (str, bytes)) or hasattr(entry, "__fspath__"):
-        from PIL import Image
+        from trainer.core.image_file import ImageFileError, decode_rgb
 
-        with Image.open(entry) as im:
-            if im.width * im.height > MAX_SOURCE_PIXELS:
-                raise RewardError(f"{where}: source image {entry} is {im.width}x{im.height}, more than "
-                                  f"{MAX_SOURCE_PIXELS} pixels")
-            return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
+        try:  # an untrusted file: the accepted formats only, its size checked from the header
+            return np.asarray(decode_rgb(entry, f"source image {os.fsdecode(entry)}", max_pixels=MAX_SOURCE_PIXELS),
+                              dtype=np.uint8).copy()
+        except (ImageFileError, OSError) as e:
+            raise RewardError(f"{where}: {e}") from None
     try:
         return ImageBatch.from_any([entry]).uint8[0]
     except (TypeError, ValueError) as e:
