@@ -308,8 +308,9 @@ def test_preflight_rules_of_the_video_task(model_dir, tmp_path, monkeypatch):
 
 
 def test_videos_reach_tensorboard_as_frame_strips(engine, adapter):
-    """The loop shows a video candidate as its frame strip (8 evenly spaced frames; here all 5,
-    2 white pixels apart): in the eval probes' thumbnails and the rollout grid."""
+    """The loop's image statistics see a video candidate as its frame strip (8 evenly spaced
+    frames; here all 5, 2 white pixels apart); the eval probes' thumbnails are strips too (their
+    size: tests/test_run_visuals.py)."""
     from trainer.loop import _eval_thumbnails, _viewable
     from trainer.video_artifacts import frame_strip
 
@@ -318,8 +319,9 @@ def test_videos_reach_tensorboard_as_frame_strips(engine, adapter):
     assert strip.shape == (3, 32, 5 * 32 + 4 * 2) and torch.equal(strip, frame_strip(traj.images[0]))
     assert torch.equal(_viewable(traj.images[0, 0]), traj.images[0, 0])  # an image stays as it is
     thumbs = _eval_thumbnails(traj, max_group=1)
-    assert [(g, s) for g, s, _, _ in thumbs] == [(0, 0), (0, 1)]
-    assert all(t.dtype == torch.uint8 and t.shape[0] == 3 and t.shape[2] > t.shape[1] for _, _, _, t in thumbs)
+    assert [(t.group, t.slot) for t in thumbs] == [(0, 0), (0, 1)]
+    assert all(t.image.dtype == torch.uint8 and t.image.shape[0] == 3 and t.image.shape[2] > t.image.shape[1]
+               for t in thumbs)
 
 
 def test_the_score_tool_scores_a_rollouts_videos(engine, adapter, tmp_path, capsys):

@@ -5,6 +5,12 @@ Layout::
     <root>/<task>/rollout_<7 digits>/group_<8 digits>.safetensors          one sidecar per group
     <root>/<task>/rollout_<7 digits>/group_<8 digits>_sample_<4 digits>.png one image per candidate
     <root>/eval/<task>/rollout_<7 digits>/...                               evaluation, same layout
+    <root>/<task>/rollout_<7 digits>/index.jsonl, index.html                which file shows which prompt
+
+The index (write_rollout_index) names each candidate's file beside its prompt, group, slot,
+reward components (and advantage, for a training rollout) and, for an edit, its source files'
+names: one JSON line per group, and the same as an HTML page that shows the candidates under their
+prompt in a browser. Rank 0 writes it once the rollout is scored.
 
 A sidecar is one safetensors file with flattened namespaces (K candidates of the group, S
 trained steps, L packed tokens of C channels, T text tokens of width D):
@@ -35,14 +41,16 @@ not complete, and a link planted in the directory is never followed.
 
 from __future__ import annotations
 
+import html
 import json
 import logging
+import math
 import os
 import re
 from glob import escape as glob_escape
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -414,3 +422,98 @@ def prepare_rollout_dir(root, task: str, rollout_id: int, *, eval: bool = False)
 def iter_sidecars(directory) -> Iterable[Path]:
     """The complete sidecars of a rollout directory (no .tmp leftovers), by group index."""
     return sorted(p for p in Path(directory).glob("group_*.safetensors") if p.is_file())
+
+
+# ----------------------------------------------------------------------------- rollout index
+
+INDEX_JSONL = "index.jsonl"
+INDEX_HTML = "index.html"
+#: characters of a prompt the index keeps (its sidecar keeps it whole): enough to tell prompts
+#: apart, and a group's entry stays a few KB however long the prompt file's lines are
+INDEX_PROMPT_CHARS = 1000
+
+
+def _cut(text: str, limit: int = INDEX_PROMPT_CHARS) -> str:
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _score(value: Any) -> float | None:
+    """A finite score as a float; None for NaN / inf (a failed group), which JSON cannot hold."""
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
+def rollout_index(groups: Sequence[tuple[str, Sequence[str]]], group_size: int,
+                  components: Mapping[str, torch.Tensor], advantages: torch.Tensor | None = None, *,
+                  media_name: Callable[[int, int], str] = image_name) -> list[dict[str, Any]]:
+    """One entry per group of a rollout: {"group", "prompt" (cut to INDEX_PROMPT_CHARS), "sources"
+    (the source files' names, no directories: an edit's, else []), "sidecar", "candidates": [{"slot",
+    "file", "scores": {component: value or None}, "advantage" (with `advantages`)}]}.
+
+    groups: (prompt, source paths) per group, in group order; components / advantages: the
+    rollout's gathered [num_groups * group_size] vectors, candidate g * group_size + slot; media_name:
+    the candidate's file name (image_name, or trainer.video_artifacts.video_name for a video)."""
+    entries = []
+    for g, (prompt, sources) in enumerate(groups):
+        candidates = []
+        for slot in range(int(group_size)):
+            i = g * int(group_size) + slot
+            cand: dict[str, Any] = {"slot": slot, "file": media_name(g, slot),
+                                    "scores": {str(c): _score(v[i]) for c, v in sorted(components.items())}}
+            if advantages is not None:
+                cand["advantage"] = _score(advantages[i])
+            candidates.append(cand)
+        entries.append({"group": g, "prompt": _cut(prompt), "sources": [os.path.basename(str(p)) for p in sources],
+                        "sidecar": sidecar_name(g), "candidates": candidates})
+    return entries
+
+
+# no script, no frame, no request beyond the page's own images: the page quotes prompts from an
+# untrusted prompt file, so besides escaping them it forbids what a missed escape could use
+_INDEX_CSP = "default-src 'none'; img-src 'self' file:; style-src 'unsafe-inline'"
+_INDEX_STYLE = ("body{font:14px sans-serif;margin:1em}section{margin-bottom:1.5em}"
+                ".prompt{background:#eee;padding:.4em;white-space:pre-wrap}figure{display:inline-block;"
+                "margin:0 .5em .5em 0;vertical-align:top}img{max-height:256px;image-rendering:pixelated}"
+                "figcaption{font-size:12px;max-width:256px}")
+
+
+def index_html(entries: Sequence[Mapping[str, Any]], title: str) -> str:
+    """The index as a page: per group its prompt, its source names, then its candidates' files as
+    images, each captioned with its slot and scores. Every text from outside (prompts, file and
+    component names) is HTML-escaped."""
+    esc = lambda v: html.escape(str(v), quote=True)  # noqa: E731
+
+    def caption(c: Mapping[str, Any]) -> str:
+        parts = [f"s{c['slot']}"] + [f"{esc(k)}={'n/a' if v is None else f'{v:.4g}'}" for k, v in c["scores"].items()]
+        if "advantage" in c:
+            parts.append(f"adv={'n/a' if c['advantage'] is None else format(c['advantage'], '.3g')}")
+        return " ".join(parts)
+
+    out = ['<!doctype html>', '<html><head><meta charset="utf-8">',
+           f'<meta http-equiv="Content-Security-Policy" content="{_INDEX_CSP}">',
+           f'<title>{esc(title)}</title><style>{_INDEX_STYLE}</style></head><body>', f'<h1>{esc(title)}</h1>']
+    for e in entries:
+        out.append(f'<section id="group-{int(e["group"])}"><h2>group {int(e["group"])}</h2>'
+                   f'<p class="prompt">{esc(e["prompt"])}</p>')
+        if e["sources"]:
+            out.append(f'<p>source: {esc(", ".join(e["sources"]))}</p>')
+        for c in e["candidates"]:
+            out.append(f'<figure><img src="{esc(c["file"])}" alt="{esc(c["file"])}" loading="lazy">'
+                       f'<figcaption>{caption(c)}</figcaption></figure>')
+        out.append('</section>')
+    out.append('</body></html>')
+    return "\n".join(out) + "\n"
+
+
+def write_rollout_index(directory, entries: Sequence[Mapping[str, Any]], *, title: str) -> tuple[Path, Path]:
+    """Write a rollout's index.jsonl (one entry of rollout_index per line, ASCII: a prompt's line
+    or paragraph separators are escaped, so every reader splits lines alike) and index.html
+    (index_html) into its directory, each atomically (atomic_write_bytes: never a partial file
+    under its name, never through a planted link; an existing index is refused). Their names are
+    fixed: nothing in a prompt chooses a file name."""
+    directory = Path(directory)
+    lines = "".join(json.dumps(e, sort_keys=True, ensure_ascii=True) + "\n" for e in entries)
+    jsonl = atomic_write_bytes(directory / INDEX_JSONL, lines.encode("ascii"))
+    page = atomic_write_bytes(directory / INDEX_HTML, index_html(entries, title).encode("utf-8"))
+    return jsonl, page

@@ -19,7 +19,8 @@ as one frame of the summed duration, so a clip with repeated frames may hold few
 it was given; the playing time (sum of durations) is always exactly num_frames / fps.
 
 TensorBoard can only play video through moviepy (not a dependency); `frame_strip` lays a few
-evenly spaced frames side by side as one image for `add_image` instead.
+evenly spaced frames side by side as one image for `add_image` instead, and `view_strip` sizes
+such a strip for a person to read: a few frames, each at a height a caption sits under.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ DEFAULT_FPS = 16
 DEFAULT_QUALITY = 80
 #: libwebp's largest canvas side
 WEBP_MAX_SIDE = 16383
+#: a clip as TensorBoard shows it (view_strip): this many evenly spaced frames, each brought to a
+#: height in VIEW_HEIGHT (a 32 px tiny clip enlarged to 128, a 480 px one shrunk to 160) and at
+#: most VIEW_MAX_WIDTH wide, so a frame is readable and a strip is at most 4 x 160 x 320 pixels
+VIEW_FRAMES = 4
+VIEW_HEIGHT = (128, 160)
+VIEW_MAX_WIDTH = 320
 
 
 def video_name(group_index: int, slot: int) -> str:
@@ -125,3 +132,26 @@ def frame_strip(frames: torch.Tensor, *, count: int = 8, gap: int = 2) -> torch.
 def write_frame_strip(path, frames: torch.Tensor, *, count: int = 8, gap: int = 2, overwrite: bool = False) -> Path:
     """Atomically write frame_strip(frames) as an 8-bit RGB PNG."""
     return write_png(path, frame_strip(frames, count=count, gap=gap), overwrite=overwrite)
+
+
+def view_size(height: int, width: int, *, heights: tuple[int, int] = VIEW_HEIGHT,
+              max_width: int = VIEW_MAX_WIDTH) -> tuple[int, int]:
+    """(h, w) of a height x width frame as view_strip shows it: the height brought into `heights`
+    (enlarged when below, shrunk when above), then both shrunk if the width passes `max_width`;
+    the aspect ratio is kept (to the pixel)."""
+    scale = min(max(heights[0] / height, 1.0), heights[1] / height)
+    scale = min(scale, max_width / width)
+    return max(1, round(height * scale)), max(1, round(width * scale))
+
+
+def view_strip(frames: torch.Tensor, *, count: int = VIEW_FRAMES, gap: int = 2) -> torch.Tensor:
+    """frame_strip of `count` frames, each resized to view_size first: a float [3, h, n * w +
+    (n - 1) * gap] image in [0, 1]. Enlarging is nearest-neighbour, so a tiny clip's pixels stay
+    as they are; shrinking averages (area), so detail does not alias."""
+    _check_frames(frames, "view_strip")
+    h, w = view_size(int(frames.shape[2]), int(frames.shape[3]))
+    picks = frames[sample_frame_indices(int(frames.shape[0]), count=count)].detach().float().clamp(0, 1).cpu()
+    if (h, w) != tuple(picks.shape[-2:]):
+        mode = "nearest-exact" if h >= picks.shape[2] else "area"
+        picks = torch.nn.functional.interpolate(picks, size=(h, w), mode=mode).clamp(0, 1)
+    return frame_strip(picks, count=len(picks), gap=gap)

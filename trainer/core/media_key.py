@@ -21,20 +21,121 @@ negative condition is per source, not one per call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
 #: bytes read at a time when hashing a media file (memory stays bounded whatever its size)
 HASH_CHUNK = 1 << 20
 
+#: the largest media file (a source image, a video) a data tool reads or hashes, in bytes. No
+#: image a family can take comes near it (the engine reads at most 256 MiB of a source); it bounds
+#: the time one named file can cost (about a second of hashing) and keeps a file that claims a huge
+#: size (/proc/kcore) from being read at all
+MAX_MEDIA_BYTES = 1 << 30
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 hex of a file's bytes, read in HASH_CHUNK pieces."""
+#: kernel pseudo-filesystems: their files say "regular" and report a size of 0 (or 4096) whatever
+#: they hold, and reading one can take minutes (/proc/self/pagemap) or fail midway (/proc/self/mem)
+PSEUDO_FS_ROOTS = ("/proc", "/sys")
+
+
+class MediaFileError(ValueError):
+    """A file named as media that is no media file: not a regular file, a /proc or /sys file,
+    larger than the bound, or grown while it was read. The message names the file and says why."""
+
+
+@functools.lru_cache(maxsize=1)
+def _pseudo_fs_devices() -> frozenset[int]:
+    devices = set()
+    for root in PSEUDO_FS_ROOTS:
+        try:
+            devices.add(os.stat(root).st_dev)
+        except OSError:
+            pass
+    return frozenset(devices)
+
+
+def _stat_problem(st: os.stat_result, max_bytes: int) -> str | None:
+    """Why a file of status `st` is no media file to read, or None."""
+    mode = st.st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file")
+        return f"is {kind}, not a regular file"
+    if st.st_dev in _pseudo_fs_devices():
+        return "is a kernel pseudo-file (/proc or /sys), not a media file"
+    if st.st_size > max_bytes:
+        return f"is {st.st_size} bytes, more than the {max_bytes} a media file may have"
+    return None
+
+
+def media_file_problem(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES) -> str | None:
+    """Why `path` (links followed) is no media file a data tool may read, as "<path> is ...",
+    or None for a regular file of at most `max_bytes` outside /proc and /sys. From its status
+    alone: nothing is opened, so a FIFO cannot block."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"{path} does not exist"
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror})"
+    problem = _stat_problem(st, max_bytes)
+    return f"{path} {problem}" if problem else None
+
+
+def open_media_file(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES) -> tuple[BinaryIO, int]:
+    """(binary file object, size) of a media file, checked on the open descriptor itself (no
+    window between check and read): MediaFileError naming it unless media_file_problem would
+    accept it. Opened non-blocking, so a FIFO is refused instead of waiting for a writer;
+    OSError (FileNotFoundError, ...) as open() raises it."""
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        problem = _stat_problem(st, max_bytes)
+        if problem:
+            raise MediaFileError(f"{path} {problem}; a record's media must be image or video files")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _bounded_chunks(f: BinaryIO, size: int, path: str) -> Iterable[bytes]:
+    """The bytes of an open media file of `size` bytes in HASH_CHUNK pieces: never more than its
+    size at open (a file grown meanwhile, or one whose size is not what it holds, is refused)."""
+    left = size
+    while left > 0:
+        chunk = f.read(min(HASH_CHUNK, left))
+        if not chunk:
+            raise MediaFileError(f"{path} shrank while it was read; retry once nothing writes it")
+        left -= len(chunk)
+        yield chunk
+    if f.read(1):
+        raise MediaFileError(f"{path} holds more than the {size} bytes its size says (it grew while it was "
+                             "read, or it is a pseudo-file); retry once nothing writes it")
+
+
+def read_media_bytes(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES) -> bytes:
+    """The bytes of a media file, from one bounded read (open_media_file's checks and errors)."""
+    f, size = open_media_file(path, max_bytes)
+    with f:
+        return b"".join(_bounded_chunks(f, size, os.fspath(path)))
+
+
+def file_sha256(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES) -> str:
+    """sha256 hex of a media file's bytes, read in HASH_CHUNK pieces (open_media_file's checks
+    and errors: a FIFO, a device, a /proc file or one over `max_bytes` is never read)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
+    f, size = open_media_file(path, max_bytes)
+    with f:
+        for chunk in _bounded_chunks(f, size, os.fspath(path)):
             h.update(chunk)
     return h.hexdigest()
 

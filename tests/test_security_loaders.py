@@ -1,0 +1,206 @@
+"""Bounds of the data tools and the model / adapter loaders against hostile or broken input,
+driven through the public commands: a parquet cell that decompresses to hundreds of MB, a prompt
+longer than the trainer takes, media paths naming /proc files or FIFOs, adapter configs whose rank
+or alpha would allocate without bound or sample NaN, and a Wan model index that would drop an
+expert. Each must end in a clear message (exit 2), in bounded memory and time, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+#: runs argv[1:] and prints the child's peak RSS in KiB (ru_maxrss of the waited-for children: only
+#: the tool, not this test process nor the one that wrote the input)
+PEAK_RSS = """import json, resource, subprocess, sys
+p = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(json.dumps({"rc": p.returncode, "out": p.stdout, "err": p.stderr,
+                  "rss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))"""
+
+
+def tool(name: str, *args, timeout: float = 60, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, str(REPO / "tools" / name), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or REPO)
+
+
+def tool_peak_rss(name: str, *args, timeout: float = 120) -> dict:
+    p = subprocess.run([PY, "-c", PEAK_RSS, PY, str(REPO / "tools" / name), *map(str, args)], capture_output=True,
+                       text=True, timeout=timeout, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def write_parquet(path: Path, prompts_code: str, row_group_size: int | None = None) -> None:
+    """A parquet file with a "prompt" column of the list `prompts_code` evaluates to, written by a
+    child process so the big string it may hold never counts against this test's memory."""
+    code = ("import pyarrow as pa, pyarrow.parquet as pq, sys\n"
+            f"pq.write_table(pa.table({{'prompt': {prompts_code}}}), sys.argv[1], compression='zstd', "
+            f"row_group_size={row_group_size!r})")
+    subprocess.run([PY, "-c", code, str(path)], check=True, timeout=120)
+
+
+# ------------------------------------------------------------------------------ prepare_data
+
+
+def test_prepare_data_parquet_huge_cell_is_refused_from_metadata_in_bounded_memory(tmp_path):
+    """A 128 MiB cell (a few KB on disk) among small rows: refused from the row group's metadata
+    before it is read (--max-parquet-chunk-mb 64), naming the file and rows; the tool's peak RSS
+    stays near an idle interpreter with pyarrow, far below the cell (reading it took 4.5x the cell)."""
+    src = tmp_path / "huge.parquet"
+    write_parquet(src, "['a cat'] * 100 + ['x' * (128 << 20)] + ['a dog'] * 100")
+    assert src.stat().st_size < 1 << 20
+    out = tmp_path / "out.jsonl"
+    r = tool_peak_rss("prepare_data.py", "--source", "prompts", "--input", src, "--output", out,
+                      "--max-parquet-chunk-mb", "64")
+    assert r["rc"] == 2, r
+    assert f"{src}:rows 0-200: column 'prompt' holds" in r["err"] and "--max-parquet-chunk-mb" in r["err"], r["err"]
+    assert "Traceback" not in r["err"]
+    assert r["rss_kib"] < 200 << 10, f"peak RSS {r['rss_kib'] >> 10} MiB for a refused 128 MiB cell"
+    assert not out.exists() and not list(tmp_path.glob("out.jsonl*"))
+
+
+def test_prepare_data_parquet_row_group_of_oversized_rows_is_refused_at_default_bound(tmp_path):
+    """A row group whose rows average more than a prompt line may hold (1 MiB): refused at the
+    default bound, before reading, naming the row; the pickapic route too."""
+    src = tmp_path / "one.parquet"
+    write_parquet(src, "['x' * (48 << 20)]")
+    out = tmp_path / "out.jsonl"
+    for source in ("prompts", "pickapic"):
+        r = tool_peak_rss("prepare_data.py", "--source", source, "--input", src, "--output", out,
+                          *(["--column", "prompt"] if source == "pickapic" else []))
+        assert r["rc"] == 2, r
+        assert f"{src}:row 0: column 'prompt' holds" in r["err"] and "1048576 bytes a row" in r["err"], r["err"]
+        assert r["rss_kib"] < 200 << 10, r["rss_kib"]
+        assert not out.exists()
+
+
+def test_prepare_data_prompt_over_the_trainer_limit_is_refused_in_every_prompt_route(tmp_path):
+    """The trainer's 10,000-character prompt limit holds in prepare_data's parquet, JSONL and text
+    routes: the row is named, nothing is written (the output keeps what it held)."""
+    long = "word " * 2500  # 12,499 characters after normalisation
+    (tmp_path / "p.txt").write_text(f"a short one\n{long}\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": long}) + "\n")
+    write_parquet(tmp_path / "p.parquet", f"['short', {long!r}]")
+    out = tmp_path / "out.jsonl"
+    out.write_text("kept\n")
+    for name, where in (("p.txt", ":2:"), ("p.jsonl", ":2:"), ("p.parquet", ":row 1:")):
+        r = tool("prepare_data.py", "--source", "prompts", "--input", tmp_path / name, "--output", out)
+        assert r.returncode == 2, r.stderr
+        assert f"{tmp_path / name}{where} the prompt has 12499 characters, more than the 10000" in r.stderr, r.stderr
+        assert out.read_text() == "kept\n"
+
+
+def test_prepare_data_edit_record_line_over_the_reader_limit_is_refused(tmp_path):
+    """An edit record whose line would pass 1 MiB (1,100 sources under a long relative path, within
+    the prompt limit) is refused naming its row, not written: every line prepare_data writes is
+    one the readers accept."""
+    from PIL import Image
+
+    deep = tmp_path.joinpath(*["d" * 250] * 4)  # the sources' directory, far from the output's
+    deep.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(deep / "src.png")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"instruction": "make it red", "image": ["src.png"] * 1100}) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = tool("prepare_data.py", "--source", "edit", "--task", "i2i", "--input", data, "--output", out,
+             "--media-root", deep)
+    assert r.returncode == 2 and f"{data}:1: its record would be a line of" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ media files
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _media_root_flag(name: str) -> list[str]:
+    """`--media-root /` where the tool has it (media outside the prompt file's directory need it)."""
+    return ["--media-root", "/"] if "--media-root" in tool(name, "--help").stdout else []
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc")
+def test_inspect_data_refuses_proc_files_fifos_and_directories_as_media(tmp_path):
+    """/proc/self/pagemap (hashed for minutes before), /proc/self/mem (a traceback before), a FIFO
+    (would block) and a directory: each an error naming the file:line and what it is; the run ends
+    in seconds, exit 2."""
+    _fifo(tmp_path / "pipe.png")
+    (tmp_path / "dir.png").mkdir()
+    refs = ["/proc/self/pagemap", "/proc/self/mem", "pipe.png", "dir.png"]
+    lines = [{"prompt": "<image> make it red", "images": [ref], "metadata": {"task": "i2i", "sample_id": f"s{i}"}}
+             for i, ref in enumerate(refs)]
+    data = tmp_path / "edit.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = tool("inspect_data.py", "--train", data, "--decode-media", *_media_root_flag("inspect_data.py"), timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    report = r.stdout + r.stderr
+    assert "Traceback" not in report
+    for line, name in ((1, "pagemap"), (2, "mem")):  # the path as named, or /proc/<pid>/ resolved
+        assert re.search(rf"{re.escape(str(data))}:{line}: images file '/proc/self/{name}': /proc/\w+/{name} is a "
+                         r"kernel pseudo-file \(/proc or /sys\), not a media file", report), report
+    assert f"{data}:3: images file 'pipe.png': {tmp_path / 'pipe.png'} is a FIFO (named pipe), not a regular file" in report
+    assert f"{data}:4: images file 'dir.png': {tmp_path / 'dir.png'} is a directory, not a regular file" in report
+
+
+def test_curate_data_refuses_a_fifo_named_as_media_without_hanging(tmp_path):
+    """curate_data hashes media for its dedup key: a FIFO named as a record's image is an error
+    naming the file:line (with and without --no-check-media), never opened; exit 2 in seconds."""
+    _fifo(tmp_path / "pipe.png")
+    data = tmp_path / "edit.jsonl"
+    data.write_text(json.dumps({"prompt": "<image> make it red", "images": ["pipe.png"],
+                                "metadata": {"task": "i2i", "sample_id": "s0"}}) + "\n")
+    for extra in ([], ["--no-check-media"]):
+        r = tool("curate_data.py", "--input", data, "--output-dir", tmp_path / "out", "--eval-size", "1", *extra,
+                 timeout=30)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"{data}:1: media file 'pipe.png': {tmp_path / 'pipe.png'} is a FIFO" in r.stderr, r.stderr
+        assert not (tmp_path / "out" / "train.jsonl").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc")
+def test_curate_data_refuses_proc_files_as_media(tmp_path):
+    data = tmp_path / "edit.jsonl"
+    data.write_text(json.dumps({"prompt": "<image> make it red", "images": ["/proc/self/pagemap"],
+                                "metadata": {"task": "i2i", "sample_id": "s0"}}) + "\n")
+    r = tool("curate_data.py", "--input", data, "--output-dir", tmp_path / "out", "--eval-size", "1",
+             *_media_root_flag("curate_data.py"), timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "/proc/self/pagemap" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_prepare_data_edit_refuses_a_fifo_source_path(tmp_path):
+    """prepare_data --source edit hashes each source path it keeps: a FIFO is refused naming the
+    row, not waited on."""
+    _fifo(tmp_path / "pipe.png")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"instruction": "make it red", "image": "pipe.png"}) + "\n")
+    r = tool("prepare_data.py", "--source", "edit", "--task", "i2i", "--input", data, "--output",
+             tmp_path / "out.jsonl", timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{data}:1: source image 'pipe.png'" in r.stderr and "is a FIFO" in r.stderr, r.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_score_refuses_a_fifo_or_proc_link_in_the_images_folder(tmp_path):
+    """tools/score.py --images: a FIFO named like an image, or a link to /proc/self/mem, is an
+    error naming it before any scorer loads, not a hang or a traceback."""
+    images = tmp_path / "imgs"
+    images.mkdir()
+    _fifo(images / "a.png")
+    r = tool("score.py", "--reward-scorer-path", "color", "--images", images, timeout=60)
+    assert r.returncode == 2 and f"{images / 'a.png'} is a FIFO (named pipe)" in r.stderr, r.stderr
+    if Path("/proc/self/mem").exists():
+        (images / "a.png").unlink()
+        (images / "b.png").symlink_to("/proc/self/mem")
+        r = tool("score.py", "--reward-scorer-path", "color", "--images", images, timeout=60)
+        assert r.returncode == 2 and "kernel pseudo-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
