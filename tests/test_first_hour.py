@@ -32,3 +32,40 @@ def test_the_fsdp_view_warning_is_silenced_for_wans_roots_and_shown_for_other_mo
         for cls in roots + others:
             warnings.warn(text.format(cls), UserWarning)
     assert [str(w.message) for w in seen] == [text.format(cls) for cls in others]
+
+
+def _run(args: list[str], cwd: Path, tool: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer.train ARGS` (or `python tools/<tool>.py ARGS`) as a user runs it."""
+    cmd = [sys.executable, str(ROOT / "tools" / f"{tool}.py")] if tool else [sys.executable, "-m", "trainer.train"]
+    return subprocess.run([*cmd, *args], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+
+
+def _t2i_argv(tmp: Path) -> list[str]:
+    """A one-process t2i run that passes preflight (the model directory is never read there)."""
+    (tmp / "model").mkdir(exist_ok=True)
+    (tmp / "p.jsonl").write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2i", "sample_id": "p0"}})
+                                 + "\n")
+    return ["--generation-task", "t2i", "--model-path", "model", "--prompt-data", "p.jsonl", "--num-rollout", "1",
+            "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+            "--num-updates-per-batch", "1", "--micro-batch-size", "2", "--reward-runtime", "cpu",
+            "--artifact-root", "artifacts", "--save", "ckpt",
+            "--sampling-config", json.dumps({"num_inference_steps": 4, "sde_indices": [1, 2]})]
+
+
+def test_a_mistyped_scorer_name_lists_the_short_names_and_the_closest(tmp_path):
+    """`--reward-scorer-path color_edt`: exit 2, the closest short name and all of them, from the
+    trainer's preflight and from the reward server (which builds the scorer the same way)."""
+    res = _run(_t2i_argv(tmp_path) + ["--reward-scorer-path", "color_edt", "--preflight-only"], tmp_path)
+    assert res.returncode == 2
+    (line,) = [ln for ln in res.stderr.splitlines() if "color_edt" in ln]
+    assert "did you mean 'color_edit'?" in line and "pickscore" in line and "video_ocr" in line, line
+    res = _run(_t2i_argv(tmp_path) + ["--reward-scorer-path", "framewise",
+                                      "--reward-frame-scorer", "pickscor", "--preflight-only"], tmp_path)
+    assert res.returncode == 2 and "--reward-frame-scorer 'pickscor'" in res.stderr
+    assert "did you mean 'pickscore'?" in res.stderr
+    res = _run(["--reward-scorer-path", "color_edt", "--port", "0"], tmp_path, tool="reward_server")
+    assert res.returncode == 2 and "did you mean 'color_edit'?" in res.stderr and "temporal_consistency" in res.stderr
+    # a dotpath is not second-guessed, and a word far from every name lists them without a guess
+    res = _run(_t2i_argv(tmp_path) + ["--reward-scorer-path", "zzqq", "--preflight-only"], tmp_path)
+    assert res.returncode == 2 and "did you mean" not in res.stderr and "the short names: aesthetic" in res.stderr

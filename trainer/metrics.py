@@ -67,22 +67,24 @@ class MetricsLogger:
         self._writer.flush()
 
     def log_image_grid(self, step: int, tag: str, images: Sequence[Any], captions: Sequence[str],
-                       cols: int | None = None) -> None:
+                       cols: int | None = None, **grid: Any) -> None:
         """A grid of images ([3, H, W] floats in [0, 1]), each tile with its caption drawn
-        under it; the captions also go to the Text tab as `<tag>/captions`."""
+        under it; the captions also go to the Text tab as `<tag>/captions`. `grid`: captioned_grid's
+        options (tile_side)."""
         if not self.enabled or not images:
             return
-        self._writer.add_image(tag, captioned_grid(images, captions, cols=cols), step, dataformats="HWC")
+        self._writer.add_image(tag, captioned_grid(images, captions, cols=cols, **grid), step, dataformats="HWC")
         self._writer.add_text(tag + "/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self._writer.flush()
 
-    def log_rows_grid(self, step: int, tag: str, rows: Sequence[tuple[str, Sequence[Any], Sequence[str]]]) -> None:
+    def log_rows_grid(self, step: int, tag: str, rows: Sequence[tuple[str, Sequence[Any], Sequence[str]]],
+                      **grid: Any) -> None:
         """One image of several prompts, one row each: (title, images, captions) per row, the title
         (the prompt, wrapped, never cut) above the row's tiles; the titles and captions also go
-        to the Text tab as `<tag>/captions`."""
+        to the Text tab as `<tag>/captions`. `grid`: prompt_rows_grid's options (tile_side)."""
         if not self.enabled or not rows:
             return
-        self._writer.add_image(tag, prompt_rows_grid(rows), step, dataformats="HWC")
+        self._writer.add_image(tag, prompt_rows_grid(rows, **grid), step, dataformats="HWC")
         text = "\n\n".join(f"**{title}**  \n" + "  \n".join(caps) for title, _, caps in rows)
         self._writer.add_text(tag + "/captions", text, step)
         self._writer.flush()
@@ -148,10 +150,20 @@ TILE_SIDE = (160, 256)
 CAPTION_LINES = 3
 
 
+def _tile_scale(h: int, w: int, tile_side: tuple[int, int] | None) -> float:
+    """The factor that brings an h x w tile's long side into `tile_side` (1 for None: the caller
+    sized the tiles itself, as the loop does a video's frame strip, whose long side is several
+    frames wide and would otherwise shrink each frame to a few pixels)."""
+    if tile_side is None:
+        return 1.0
+    return min(max(tile_side[0] / max(h, w), 1.0), tile_side[1] / max(h, w))
+
+
 def captioned_grid(images: Sequence[Any], captions: Sequence[str], cols: int | None = None,
-                   tile_side: tuple[int, int] = TILE_SIDE, caption_lines: int = CAPTION_LINES) -> np.ndarray:
+                   tile_side: tuple[int, int] | None = TILE_SIDE, caption_lines: int = CAPTION_LINES) -> np.ndarray:
     """Tile [3, H, W] float images in [0, 1] into one HWC uint8 array with each caption
-    written (wrapped, at most `caption_lines` lines) on a white strip under its tile."""
+    written (wrapped, at most `caption_lines` lines) on a white strip under its tile; every tile
+    at the largest one's size, its long side brought into `tile_side` (None: as given)."""
     from PIL import Image, ImageDraw, ImageFont
 
     if len(captions) != len(images):
@@ -159,7 +171,7 @@ def captioned_grid(images: Sequence[Any], captions: Sequence[str], cols: int | N
     arrs = [_to_uint8_hwc(im) for im in images]
     h = max(a.shape[0] for a in arrs)
     w = max(a.shape[1] for a in arrs)
-    scale = min(max(tile_side[0] / max(h, w), 1.0), tile_side[1] / max(h, w))
+    scale = _tile_scale(h, w, tile_side)
     tw, th = max(1, round(w * scale)), max(1, round(h * scale))
     font = ImageFont.load_default()
     line_h = font.getbbox("Ag")[3] + 3
@@ -192,11 +204,13 @@ def captioned_grid(images: Sequence[Any], captions: Sequence[str], cols: int | N
 TITLE_LINES = 6
 
 
-def prompt_rows_grid(rows: Sequence[tuple[str, Sequence[Any], Sequence[str]]], tile_side: tuple[int, int] = TILE_SIDE,
+def prompt_rows_grid(rows: Sequence[tuple[str, Sequence[Any], Sequence[str]]],
+                     tile_side: tuple[int, int] | None = TILE_SIDE,
                      caption_lines: int = CAPTION_LINES, title_lines: int = TITLE_LINES) -> np.ndarray:
     """One HWC uint8 array: per row (title, images, captions), the title wrapped across the
     row's width on a grey strip, then the row's [3, H, W] images in [0, 1] side by side, each
-    with its caption (wrapped, at most `caption_lines` lines) under it."""
+    with its caption (wrapped, at most `caption_lines` lines) under it; tiles sized as in
+    captioned_grid."""
     from PIL import Image, ImageDraw, ImageFont
 
     if not rows:
@@ -207,7 +221,7 @@ def prompt_rows_grid(rows: Sequence[tuple[str, Sequence[Any], Sequence[str]]], t
     arrs = [[_to_uint8_hwc(im) for im in images] for _, images, _ in rows]
     h = max(a.shape[0] for row in arrs for a in row)
     w = max(a.shape[1] for row in arrs for a in row)
-    scale = min(max(tile_side[0] / max(h, w), 1.0), tile_side[1] / max(h, w))
+    scale = _tile_scale(h, w, tile_side)
     tw, th = max(1, round(w * scale)), max(1, round(h * scale))
     font = ImageFont.load_default()
     line_h = font.getbbox("Ag")[3] + 3

@@ -193,6 +193,10 @@ def build_scorer(scorer_path: str, model_path: str | None = None, device: str = 
     A class is built with (model_path, device) and, for a scorer with settings of its own (its
     `config_fields`), those settings as keyword arguments. A plain function becomes a
     FunctionScorer whose component is the dotpath's last name; it takes no model directory."""
+    from trainer.config import unknown_scorer_name
+
+    if problem := unknown_scorer_name("--reward-scorer-path", scorer_path):
+        raise ValueError(problem)
     scorer_path = resolve_scorer_path(scorer_path)
     obj = import_dotpath(scorer_path, "--reward-scorer-path")
     if inspect.isclass(obj):
