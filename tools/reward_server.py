@@ -10,28 +10,35 @@ docs/security.md. Standard library http.server only; requests are scored one at 
 need not be thread-safe), while GETs (health / info) are answered concurrently. --port 0 picks a
 free port; the first line on stdout is always "listening on http://HOST:PORT/score".
 
-What a peer can make this server hold is bounded: --max-connections handler threads (more
-connections are answered 503), each with its request body (--max-request-mb) which must arrive
-within --request-timeout-s, and --max-decodes requests decoded or scored at once, each at most
---max-request-pixels (every PNG's size is read from its header before anything is decoded; other
-image formats are refused).
+What a peer can make this server hold is bounded. Until its request line and headers are in
+(within --header-timeout-s) and carry the token, a connection is one of at most
+--max-pending-connections held by one thread, never a handler slot, so idle or unauthenticated
+peers cannot crowd out the trainer. Then: --max-connections handler threads (more requests are
+answered 503), each with its request body (--max-request-mb) which must arrive within
+--request-timeout-s, and --max-decodes requests decoded or scored at once, each at most
+--max-request-pixels, --max-request-images or --max-request-frames and --max-json-nodes (counted
+before the body is parsed; every PNG's size is read from its header before anything is decoded;
+other image formats are refused).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
+import io
 import ipaddress
 import json
 import logging
 import os
+import selectors
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -52,9 +59,12 @@ log = logging.getLogger("reward_server")
 #: so that the client finishes sending and reads the answer instead of a connection reset
 DRAIN_SECONDS = 5.0
 DRAIN_MAX_BYTES = 1 << 30
+#: a request line and headers longer than this are answered 431 (http.server's own limits are a
+#: 64 KiB line and 100 headers; an honest request's head is a few hundred bytes)
+MAX_HEADER_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ServerLimits:
     """The server's resource bounds (the flags of the same names; docs/security.md)."""
 
@@ -65,16 +75,27 @@ class ServerLimits:
     max_request_pixels: int = RequestLimits.max_request_pixels
     #: requests decoded or scored at once: their decoded pixels are what is in memory
     max_decodes: int = 2
-    #: open connections (one handler thread each); more are answered 503
+    #: requests read, decoded or scored at once (one handler thread each), counted once their
+    #: headers carry the token; more are answered 503
     max_connections: int = 32
     #: seconds in which a request (line, headers, body) must arrive; an idle or trickling
     #: connection is dropped then
     request_timeout_s: float = 30.0
+    #: seconds in which a new connection's request line and headers must arrive
+    header_timeout_s: float = 10.0
+    #: connections whose headers have not arrived yet, held by one thread; beyond it the
+    #: longest-waiting is dropped
+    max_pending_connections: int = 256
+    #: images (edit source images included) and video frames of one request; JSON values of its body
+    max_request_images: int = RequestLimits.max_request_images
+    max_request_frames: int = RequestLimits.max_request_frames
+    max_json_nodes: int = RequestLimits.max_json_nodes
 
     def check(self) -> None:
         """ValueError naming the flag of a bound that is not positive."""
         for name in ("max_request_mb", "max_image_pixels", "max_request_pixels", "max_decodes", "max_connections",
-                     "request_timeout_s"):
+                     "request_timeout_s", "header_timeout_s", "max_pending_connections", "max_request_images",
+                     "max_request_frames", "max_json_nodes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
 
@@ -123,38 +144,249 @@ class _Reaper:
                 self._cv.wait(None if nearest is None else max(nearest - now, 0.01))
 
 
+class _Prefixed(io.RawIOBase):
+    """A connection's bytes that the gate already read (request line, headers, perhaps the start
+    of the body), then the socket itself: what the handler reads its request from."""
+
+    def __init__(self, prefix: bytes, sock: socket.socket):
+        self._prefix = memoryview(prefix)
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._prefix:
+            n = min(len(buffer), len(self._prefix))
+            buffer[:n] = self._prefix[:n]
+            self._prefix = self._prefix[n:]
+            return n
+        return self._sock.recv_into(buffer)
+
+
+@dataclasses.dataclass
+class _Waiting:
+    """A connection the gate holds: its bytes so far, and what it waits for until `deadline`
+    (its headers while `drain` is None, else the `drain` body bytes still to discard)."""
+
+    sock: socket.socket
+    address: Any
+    deadline: float
+    buf: bytearray
+    drain: int | None = None
+
+
+def _header_end(buf: bytearray) -> int:
+    """Index just past the blank line that ends the headers, or -1 while it has not arrived."""
+    ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := buf.find(sep)) >= 0]
+    return min(ends, default=-1)
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case) in a request head, stripped."""
+    for line in head.split(b"\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+class _Gate:
+    """Holds every new connection until its request line and headers are in: one thread and one
+    selector for all of them, so an idle or unauthenticated peer costs a file descriptor and at
+    most MAX_HEADER_BYTES, never one of the --max-connections handler threads.
+
+    Headers that carry the token (any, when the server has none) get a handler slot, or a 503
+    when every slot is taken; headers without it are answered 401 here. Headers that do not
+    arrive within --header-timeout-s drop the connection, and beyond --max-pending-connections
+    the longest-waiting connection is dropped: an honest client sends its headers with the
+    connection, so it is never the one waiting longest."""
+
+    def __init__(self, server: "_BoundedServer", header_timeout_s: float, max_pending: int):
+        self.server = server
+        self.header_timeout_s = header_timeout_s
+        self.max_pending = max_pending
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._incoming: list[tuple[socket.socket, Any]] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._waiting: dict[socket.socket, _Waiting] = {}  # insertion order: longest-waiting first
+        self._thread = threading.Thread(target=self._run, name="reward-server-gate", daemon=True)
+        self._thread.start()
+
+    def add(self, sock: socket.socket, address: Any) -> None:
+        with self._lock:
+            self._incoming.append((sock, address))
+        self._wake()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._wake()
+        self._thread.join(5)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # the buffer is full: the gate is awake already
+            pass
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    incoming, self._incoming, stopped = self._incoming, [], self._stopped
+                for sock in [s for s, _ in incoming] if stopped else ():
+                    sock.close()
+                if stopped:
+                    break
+                for sock, address in incoming:
+                    self._hold(sock, address)
+                now = time.monotonic()
+                for w in [w for w in self._waiting.values() if w.deadline <= now]:
+                    self._drop(w)
+                nearest = min((w.deadline for w in self._waiting.values()), default=None)
+                for key, _ in self._selector.select(None if nearest is None else max(nearest - now, 0.01)):
+                    if key.fileobj is self._wake_r:
+                        try:
+                            self._wake_r.recv(4096)
+                        except OSError:
+                            pass
+                    elif key.fileobj in self._waiting:
+                        self._readable(key.data)
+        finally:
+            for w in list(self._waiting.values()):
+                self._drop(w)
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _hold(self, sock: socket.socket, address: Any) -> None:
+        if len(self._waiting) >= self.max_pending:
+            self._drop(next(iter(self._waiting.values())))
+        w = _Waiting(sock, address, time.monotonic() + self.header_timeout_s, bytearray())
+        try:
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ, w)
+        except (OSError, ValueError):
+            sock.close()
+            return
+        self._waiting[sock] = w
+
+    def _drop(self, w: _Waiting) -> None:
+        self._waiting.pop(w.sock, None)
+        try:
+            self._selector.unregister(w.sock)
+        except (KeyError, ValueError):
+            pass
+        w.sock.close()
+
+    def _readable(self, w: _Waiting) -> None:
+        try:
+            chunk = w.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            return self._drop(w)
+        if not chunk:
+            return self._drop(w)
+        if w.drain is not None:
+            w.drain -= len(chunk)
+            if w.drain <= 0:
+                self._drop(w)
+            return
+        w.buf += chunk
+        end = _header_end(w.buf)
+        if end < 0:
+            if len(w.buf) > MAX_HEADER_BYTES:
+                self._refuse(w, 431, f"the request line and headers exceed {MAX_HEADER_BYTES} bytes", 0, 0)
+            return
+        head = bytes(w.buf[:end])
+        raw_length = _header(head, b"content-length") or b"0"
+        length = int(raw_length) if raw_length.isdigit() else 0
+        if not self.server.authorized(_header(head, b"authorization")):
+            return self._refuse(w, 401, self.server.unauthorized_message, length, len(w.buf) - end)
+        if not self.server.take_slot():
+            return self._refuse(w, 503, "the reward server is at --max-connections; retry later", length,
+                                len(w.buf) - end)
+        self._waiting.pop(w.sock)
+        self._selector.unregister(w.sock)
+        w.sock.setblocking(True)
+        try:
+            self.server.handle_admitted(w.sock, w.address, bytes(w.buf))
+        except Exception:  # noqa: BLE001 - no thread for it (the host's limit): that connection only
+            log.error("could not start a handler:\n%s", traceback.format_exc())
+
+    def _refuse(self, w: _Waiting, status: int, message: str, length: int, already: int) -> None:
+        """Answer at once, then read and drop the rest of the body (bounded, as _refuse in the
+        handler does) so that the client reads this answer rather than a reset connection."""
+        body = json.dumps({"error": message}).encode()
+        head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+                f"Connection: close\r\nContent-Length: {len(body)}\r\n"
+                + ("Retry-After: 1\r\n" if status == 503 else "") + "\r\n").encode()
+        try:
+            w.sock.send(head + body)
+        except OSError:
+            return self._drop(w)
+        w.drain = min(length, DRAIN_MAX_BYTES) - already
+        w.deadline = time.monotonic() + DRAIN_SECONDS
+        if w.drain <= 0:
+            self._drop(w)
+
+
 class _BoundedServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with at most `max_connections` handler threads: a connection beyond
-    them is answered 503 at once (the client retries 503 with backoff) instead of a new thread."""
+    """ThreadingHTTPServer whose connections wait in the _Gate until their headers are in and
+    authorized, and then run in at most `max_connections` handler threads (one request each)."""
 
     daemon_threads = True
     request_queue_size = 128  # the listen backlog: socketserver's 5 makes a burst of ranks wait for SYN retries
 
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
-        self._slots = threading.BoundedSemaphore(max_connections)
+    def __init__(self, address: tuple[str, int], handler: type, limits: ServerLimits, expected: bytes | None,
+                 unauthorized_message: str):
+        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._expected = expected
+        self.unauthorized_message = unauthorized_message
+        self._prefixes: dict[socket.socket, bytes] = {}
         self.reaper = _Reaper()
         super().__init__(address, handler)
+        self.gate = _Gate(self, limits.header_timeout_s, limits.max_pending_connections)
 
     def server_close(self) -> None:
         super().server_close()
+        self.gate.stop()
         self.reaper.stop()
 
+    def authorized(self, given: bytes | str | None) -> bool:
+        """Whether an Authorization header value carries the token (always, without one)."""
+        if self._expected is None:
+            return True
+        if isinstance(given, str):
+            given = given.encode("utf-8", "replace")
+        return hmac.compare_digest(given or b"", self._expected)
+
+    def take_slot(self) -> bool:
+        return self._slots.acquire(blocking=False)
+
     def process_request(self, request: socket.socket, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            body = json.dumps({"error": "the reward server is at --max-connections; retry later"}).encode()
-            try:
-                request.settimeout(1.0)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
+        self.gate.add(request, client_address)
+
+    def handle_admitted(self, request: socket.socket, client_address: Any, prefix: bytes) -> None:
+        """A handler thread for a connection the gate admitted (its slot taken), which reads
+        the request from `prefix` (what the gate read) and then the socket."""
+        self._prefixes[request] = prefix
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self._prefixes.pop(request, None)
             self._slots.release()
+            self.shutdown_request(request)
             raise
+
+    def take_prefix(self, request: socket.socket) -> bytes:
+        return self._prefixes.pop(request, b"")
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         try:
@@ -190,7 +422,8 @@ def make_server(
     if max_request_mb is not None:
         limits = ServerLimits(**{**limits.__dict__, "max_request_mb": float(max_request_mb)})
     limits.check()
-    request_limits = RequestLimits(limits.max_image_pixels, limits.max_request_pixels)
+    request_limits = RequestLimits(limits.max_image_pixels, limits.max_request_pixels, limits.max_request_images,
+                                   limits.max_request_frames, limits.max_json_nodes)
     tracks = tuple(getattr(scorer, "required_tracks", ("image",)))
     if tracks not in (("image",), ("video",)):
         raise ValueError(f"the scorer's required_tracks {tracks} is neither ('image',) nor ('video',)")
@@ -205,13 +438,25 @@ def make_server(
         # decode_request hands edit sources to the scorer, with "images" only (trainer/rewards/remote.py)
         "source_images": tracks == ("image",),
         "limits": {"max_request_bytes": max_bytes, "max_image_pixels": limits.max_image_pixels,
-                   "max_request_pixels": limits.max_request_pixels},
+                   "max_request_pixels": limits.max_request_pixels, "max_request_images": limits.max_request_images,
+                   "max_request_frames": limits.max_request_frames, "max_json_nodes": limits.max_json_nodes},
     }).encode()
     expected = f"Bearer {token}".encode() if token else None
+    unauthorized = (f"missing or wrong bearer token: this server requires the token in {TOKEN_ENV}; set the "
+                    "same variable in the client's environment")
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         timeout = limits.request_timeout_s  # per socket operation (StreamRequestHandler.setup)
+
+        def setup(self) -> None:
+            super().setup()
+            self.rfile = io.BufferedReader(_Prefixed(self.server.take_prefix(self.connection), self.connection))
+
+        def handle(self) -> None:
+            # one request per connection: a kept-alive connection would hold its slot while idle
+            self.close_connection = True
+            self.handle_one_request()
 
         def handle_one_request(self) -> None:
             # the whole request (line, headers, body) must arrive within --request-timeout-s
@@ -221,13 +466,11 @@ def make_server(
             finally:
                 self.server.reaper.disarm(self.connection)
 
-        def _send(self, code: int, body: bytes, close: bool = False) -> None:
+        def _send(self, code: int, body: bytes) -> None:
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
-            if close:
-                self.send_header("Connection", "close")
-                self.close_connection = True
+            self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
             self.wfile.flush()
@@ -239,7 +482,7 @@ def make_server(
             """Answer before reading the body, then read and drop it (bounded), so the client
             gets this answer rather than a reset connection."""
             self.server.reaper.disarm(self.connection)
-            self._send(code, json.dumps({"error": message}).encode(), close=True)
+            self._send(code, json.dumps({"error": message}).encode())
             end = time.monotonic() + DRAIN_SECONDS
             left = min(max(unread, 0), DRAIN_MAX_BYTES)
             try:
@@ -252,20 +495,13 @@ def make_server(
             except OSError:
                 pass
 
-        def _authorized(self) -> bool:
-            if expected is None:
-                return True
-            given = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
-            return hmac.compare_digest(given, expected)
-
-        def _unauthorized_message(self) -> str:
-            return (f"missing or wrong bearer token: this server requires the token in {TOKEN_ENV}; set the "
-                    "same variable in the client's environment")
+        def _authorized(self) -> bool:  # the gate checked the raw header; this is http.server's parse of it
+            return self.server.authorized(self.headers.get("Authorization"))
 
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
             self.server.reaper.disarm(self.connection)
             if not self._authorized():
-                return self._refuse(401, self._unauthorized_message(), 0)
+                return self._refuse(401, unauthorized, 0)
             self._send(200, info)
 
         def do_POST(self) -> None:  # noqa: N802
@@ -285,7 +521,7 @@ def make_server(
             except ValueError:  # unanswered, the client would see a dropped connection and retry it
                 return self._refuse(400, f"Content-Length {raw_length[:50]!r} is not an integer", 0)
             if not self._authorized():
-                return self._refuse(401, self._unauthorized_message(), length)
+                return self._refuse(401, unauthorized, length)
             if length <= 0:
                 return self._refuse(411, "a POST needs a JSON body with Content-Length", 0)
             if length > max_bytes:
@@ -316,7 +552,7 @@ def make_server(
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)
 
-    return _BoundedServer((host, port), Handler, limits.max_connections)
+    return _BoundedServer((host, port), Handler, limits, expected, unauthorized)
 
 
 def check_bind(host: str, token: str | None, allow_unauthenticated: bool) -> None:
@@ -357,9 +593,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pixels of all images of one request together (> 0)")
     p.add_argument("--max-decodes", type=int, default=d.max_decodes,
                    help="requests decoded or scored at once (> 0); each holds up to --max-request-pixels x 3 bytes")
+    p.add_argument("--max-request-images", type=int, default=d.max_request_images,
+                   help="images of one request, edit source images included (> 0); clients split larger batches")
+    p.add_argument("--max-request-frames", type=int, default=d.max_request_frames,
+                   help="video frames of one request, all videos together (> 0); clients split larger batches")
+    p.add_argument("--max-json-nodes", type=int, default=d.max_json_nodes,
+                   help="JSON values of one request body (> 0), counted before it is parsed")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
-                   help="open connections, one thread each (> 0); more are answered 503 and retried by the client; "
-                        "at least the number of training ranks that score here")
+                   help="requests handled at once, one thread each (> 0), counted once their headers carry the "
+                        "token; more are answered 503 and retried by the client; at least the number of training "
+                        "ranks that score here")
+    p.add_argument("--max-pending-connections", type=int, default=d.max_pending_connections,
+                   help="connections whose request line and headers have not arrived yet (> 0), all held by one "
+                        "thread; beyond it the longest-waiting is dropped")
+    p.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
+                   help="seconds in which a new connection's request line and headers must arrive (> 0)")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
                    help="seconds in which a whole request must arrive (> 0); slower or idle connections are dropped")
     return p.parse_args(argv)
@@ -372,8 +620,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    limits = ServerLimits(args.max_request_mb, args.max_image_pixels, args.max_request_pixels, args.max_decodes,
-                          args.max_connections, args.request_timeout_s)
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     try:
         limits.check()
     except ValueError as e:

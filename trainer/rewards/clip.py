@@ -95,8 +95,9 @@ class ClipEmbedder:
         return torch.nn.functional.normalize(feats.float(), dim=-1)
 
     def text(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        unique = list(dict.fromkeys(prompts))
-        rows = torch.tensor([unique.index(p) for p in prompts], device=self.device)
+        row_of = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # a dict: list.index is quadratic
+        unique = list(row_of)
+        rows = torch.tensor([row_of[p] for p in prompts], device=self.device)
         tok = self.tokenizer(unique, padding=True, truncation=True, max_length=self._max_len,
                                        return_tensors="pt")
         feats = self.model.get_text_features(input_ids=tok["input_ids"].to(self.device),

@@ -67,7 +67,7 @@ import torch
 
 from trainer.core.redact import redact_url
 from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch, RewardError, check_scores
-from trainer.rewards.transport import TOKEN_ENV, HttpFailure, exchange, loads_bounded
+from trainer.rewards.transport import TOKEN_ENV, HttpFailure, TooManyNodes, exchange, json_nodes, loads_bounded
 
 PROTOCOL_VERSION = 1
 #: most source images one candidate may reference (Qwen-Image-Edit-2509 takes up to 3)
@@ -113,6 +113,12 @@ class RequestLimits:
     max_image_pixels: int = 4096 * 4096
     #: pixels of all the images of one request together (64 Mi, e.g. 64 images of 1024 x 1024; 192 MB as RGB)
     max_request_pixels: int = 64 * 1024 * 1024
+    #: images of one request, edit source images included (a client sends 32 at a time)
+    max_request_images: int = 256
+    #: video frames of one request, all its videos together (32 videos of 81 frames are 2592)
+    max_request_frames: int = 4096
+    #: JSON values of one request body (transport.json_nodes), counted before it is parsed
+    max_json_nodes: int = 100_000
 
 
 def encode_png_b64(image: np.ndarray) -> str:
@@ -296,7 +302,9 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
     (a VideoBatch from "videos"). Every image's or frame's size is read from its PNG header and
     checked against `limits` before the first one is decoded, so a decompression bomb costs nothing."""
     try:
-        req = loads_bounded(body, "request body")
+        req = loads_bounded(body, "request body", limits.max_json_nodes, "--max-json-nodes")
+    except TooManyNodes as e:
+        raise RequestError(f"{e}; send fewer images per request", 413) from None
     except ValueError as e:
         raise RequestError(str(e)) from None
     if not isinstance(req, dict):
@@ -323,6 +331,9 @@ def decode_request(body: bytes, limits: RequestLimits = RequestLimits(),
     if sources is not None and (not isinstance(sources, list) or not all(isinstance(x, str) for x in sources)):
         raise RequestError('"source_images" must be a list of base64 PNG strings')
     sources = sources or []
+    if len(images) + len(sources) > limits.max_request_images:
+        raise RequestError(f"the request holds {len(images)} images and {len(sources)} source images, more than "
+                           f"--max-request-images={limits.max_request_images}; send fewer images per request", 413)
     source_index = _source_index(req.get("source_index"), len(images), len(sources)) if sources else None
     metadata = _check_rows(prompts, metadata, images, "images", lambda i, im: None if isinstance(im, str) else
                            f"image {i} must be a base64 string, got {type(im).__name__}")
@@ -357,6 +368,10 @@ def _decode_videos(prompts: list, videos: list, metadata: Any,
     together) before any frame is decoded."""
     from trainer.rewards.video import VideoBatch
 
+    frames = sum(len(v) for v in videos if isinstance(v, list))
+    if frames > limits.max_request_frames:
+        raise RequestError(f"the request's {len(videos)} videos hold {frames} frames, more than --max-request-frames="
+                           f"{limits.max_request_frames}; send fewer or shorter videos per request", 413)
     metadata = _check_rows(prompts, metadata, videos, "videos", lambda i, v: (
         None if isinstance(v, list) and v and all(isinstance(f, str) for f in v)
         else f"video {i} must be a non-empty list of base64 PNG strings (its frames)"))
