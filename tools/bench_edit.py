@@ -166,6 +166,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     p.add_argument("--skip-diffusers", action="store_true", help="do not time the stock pipeline")
     p.add_argument("--output", type=Path, default=None, help="JSONL file the figures are appended to")
+    p.add_argument("--rollout-compile", action="store_true",
+                   help="after the eager rollout and the stock pipeline, compile the engine's DiT blocks and time "
+                        "its rollout again (edit_rollout_images_per_s and edit_rollout_speedup with variant=...)")
+    p.add_argument("--rollout-precision", choices=("default", "fp8"), default="default",
+                   help="fp8: the same, with the DiT blocks' linears in FP8 (fast accumulation), as the trainer's "
+                        "--rollout-precision fp8 --fp8-fast-accum")
     p.add_argument("--profile", type=Path, default=None,
                    help="also profile one more rollout of each side (torch.profiler) and write their kernel tables, "
                         "sorted by device time, to this text file; the timed figures are taken before it")
@@ -320,6 +326,30 @@ def main(argv=None) -> int:
                     tables = [kernel_table(lambda: engine.generate(requests), device, "engine rollout"),
                               kernel_table(stock, device, "diffusers pipeline")]
                     args.profile.write_text("".join(tables))
+
+        if args.rollout_compile or args.rollout_precision != "default":
+            # after the stock pipeline, which shares the engine's modules and must see them eager
+            variant = "+".join((["fp8"] if args.rollout_precision == "fp8" else [])
+                               + (["compile"] if args.rollout_compile else []))
+            engine.enable_speedups(compile_blocks=args.rollout_compile, precision=args.rollout_precision,
+                                   fp8_fast_accum=args.rollout_precision == "fp8")
+            with bench.timed(device) as t:
+                traj = engine.generate(requests)  # warm-up: the compiles
+            rep.emit("edit_rollout_warmup_s", t[0], "s", variant=variant)
+            times = []
+            for _ in range(args.iters):
+                with bench.timed(device) as t:
+                    traj = engine.generate(requests)
+                times.append(t[0])
+            fast = n / (sum(times) / len(times))
+            rep.emit("edit_rollout_images_per_s", fast, "images/s", variant=variant)
+            rep.emit("edit_rollout_speedup", fast / ours, "x", variant=variant, against="eager")
+            if not args.skip_diffusers:
+                rep.emit("edit_rollout_speedup", fast / theirs, "x", variant=variant, against="diffusers")
+            rep.phase_memory(f"edit_rollout_{variant}")
+            if args.profile:
+                with args.profile.open("a") as f:
+                    f.write(kernel_table(lambda: engine.generate(requests), device, f"engine rollout, {variant}"))
 
         with torch.no_grad():
             engine.adapter.replay_transitions(engine.transformer, traj)  # warm-up
