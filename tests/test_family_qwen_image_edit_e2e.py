@@ -72,6 +72,27 @@ def test_the_colour_edit_reward_saw_the_source(runs, capsys):
     assert rescored == pytest.approx(means[LAST], abs=1e-3)
 
 
+def test_a_person_sees_each_edit_beside_its_source_and_an_index_of_the_rollout(runs):
+    """TensorBoard's rollout grid starts the record's row with its source (the pixels the model
+    was conditioned on, captioned with the file's name); the rollout directory's index.jsonl
+    names each PNG beside the prompt, the source and the scores the run logged, index.html shows
+    them with the prompt escaped."""
+    from tests.test_run_visuals import has_pixels, tb_images, tb_texts
+    from trainer.metrics import read_scalars
+    from trainer.models.edit_source import source_pixels
+
+    assert "source: src0.png" in tb_texts(runs[0] / "tb")["rollout/candidates/captions"]
+    src = source_pixels(runs[0].parent / "data" / "media" / "src0.png", 16, 16)
+    assert has_pixels(tb_images(runs[0] / "tb")["rollout/candidates"], src.repeat(10, axis=0).repeat(10, axis=1))
+    d = runs[0] / "artifacts" / "i2i" / f"rollout_{LAST:07d}"
+    (entry,) = [json.loads(line) for line in (d / "index.jsonl").read_text().splitlines()]
+    assert entry["prompt"] == "<image> make the square red" and entry["sources"] == ["src0.png"]
+    assert [c["file"] for c in entry["candidates"]] == sorted(p.name for p in d.glob("*.png"))
+    scores = [c["scores"]["color_edit"] for c in entry["candidates"]]
+    assert sum(scores) / len(scores) == pytest.approx(read_scalars(runs[0] / "tb")["reward/color_edit_mean"][LAST][1])
+    assert "&lt;image&gt; make the square red" in (d / "index.html").read_text()
+
+
 def _fixed_input():
     g = torch.Generator().manual_seed(123)
     # 2 x 2 target tokens followed by 2 x 2 source tokens, as the edit pipeline's sequence

@@ -74,6 +74,21 @@ def test_lora_resume_is_exact_and_videos_are_written(runs):
         assert im.is_animated and im.size == (32, 32)
 
 
+def test_videos_reach_tensorboard_at_a_readable_height_and_the_index_names_them(runs):
+    """The rollout grid shows each clip as frames 128 px high (the 32 px frames enlarged, not a
+    32 px strip shrunk further); the rollout's index.jsonl names its WebP files with the prompt."""
+    from tests.test_run_visuals import tb_images
+
+    grid = tb_images(runs[0] / "tb")["rollout/candidates"]
+    # rank 0's two clips of the group: two strips of 4 frames, 128 + 2 px per frame
+    assert grid.shape[1] == 2 * (4 * 128 + 3 * 2) + 4
+    d = runs[0] / "artifacts" / "t2v" / "rollout_0000001"
+    (entry,) = [json.loads(line) for line in (d / "index.jsonl").read_text().splitlines()]
+    assert entry["prompt"] == "a red ball" and entry["sources"] == []
+    assert [c["file"] for c in entry["candidates"]] == sorted(p.name for p in d.glob("*.webp"))
+    assert all(set(c) == {"slot", "file", "scores", "advantage"} for c in entry["candidates"])
+
+
 def _fixed_input():
     g = torch.Generator().manual_seed(123)
     return dict(hidden_states=torch.randn(2, 16, 2, 4, 4, generator=g),
