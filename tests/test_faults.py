@@ -268,7 +268,7 @@ def test_rollouts_that_fully_fail_are_loud_then_fatal(tmp_path, tiny_model_dir):
     assert proc.returncode == 1
     assert "2 consecutive rollouts (up to rollout 1) in which every group failed to score" in _one_error_line(proc.stderr)
     assert "rollout 0: all 2 groups failed to score" in proc.stderr
-    assert "rollout 0 | FAILED groups=2/2" in proc.stderr + proc.stdout
+    assert "rollout 0/5 | FAILED groups=2/2" in proc.stderr + proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------

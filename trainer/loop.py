@@ -399,8 +399,12 @@ EVAL_TABLE_PROMPTS = 256
 #: the rollout grid (rollout/candidates): this many prompts, one row each, of this many candidates
 ROLLOUT_GRID_PROMPTS = 4
 ROLLOUT_GRID_CANDIDATES = 8
-#: a video's row shows fewer candidates: each is a strip of frames (trainer.video_artifacts.view_strip)
+#: a video's grids show fewer: each candidate is a strip of frames (trainer.video_artifacts.view_strip),
+#: several times an image's pixels; the rollout grid this many prompts of this many candidates, the
+#: eval EVAL_VIDEO_PROMPTS prompts (the rollout's index.html shows every clip, playing)
+ROLLOUT_GRID_VIDEO_PROMPTS = 2
 ROLLOUT_GRID_VIDEO_CANDIDATES = 4
+EVAL_VIDEO_PROMPTS = 4
 #: long side of an eval image as it is sent to rank 0 for TensorBoard (the grid shows tiles
 #: of at most metrics.TILE_SIDE[1] pixels: a full-size image would cross the wire for nothing)
 EVAL_THUMB_SIDE = 256
@@ -880,16 +884,18 @@ class Trainer:
     def _log_images(self, k: int, out: Any, reward: Any, metadata: list[dict] | None = None) -> None:
         """rollout/candidates: up to ROLLOUT_GRID_PROMPTS of rank 0's prompts, one row each (the
         prompt wrapped above it), up to ROLLOUT_GRID_CANDIDATES candidates per row (a video's
-        ROLLOUT_GRID_VIDEO_CANDIDATES, each a strip of readable frames), each tile captioned with
-        its slot and scores; an edit's row starts with the source image(s) its candidates were
-        conditioned on (metadata: the scorer metadata, which carries their pixels)."""
+        grid: the ROLLOUT_GRID_VIDEO_ limits, each candidate a strip of readable frames), each
+        tile captioned with its slot and scores; an edit's row starts with the source image(s)
+        its candidates were conditioned on (metadata: the scorer metadata, which carries their
+        pixels)."""
         traj = out.trajectory
         if self.rank != 0 or traj is None:
             return
         video = traj.images.dim() == 5
+        prompts = ROLLOUT_GRID_VIDEO_PROMPTS if video else ROLLOUT_GRID_PROMPTS
         per_row = ROLLOUT_GRID_VIDEO_CANDIDATES if video else ROLLOUT_GRID_CANDIDATES
         rows = []
-        for g in sorted(set(traj.group_indices.tolist()))[:ROLLOUT_GRID_PROMPTS]:
+        for g in sorted(set(traj.group_indices.tolist()))[:prompts]:
             shown = traj.rows_of_group(g)[:per_row]
             sources = _source_tiles(traj, shown[0], metadata)
             captions = [f"s{int(traj.slots[i])} " + _score_text(reward.components, g * self.group_size + int(traj.slots[i]))
@@ -991,12 +997,15 @@ class Trainer:
     def _log_eval_images(self, k: int, set_name: str, traj: Any, comps: dict[str, torch.Tensor], n: int,
                          metadata: list[dict] | None = None) -> None:
         """One image per eval prompt, its n candidates side by side with their scores (an edit's
-        source image(s) first), under the tag eval/<set>/prompt_<index>: the prompt and its seeds
-        are the same at every eval, so TensorBoard's slider on that tag shows the same candidates
-        changing over training. The first EVAL_IMAGE_PROMPTS prompts of the set, whichever rank
-        generated them: each rank sends its share to rank 0 as small uint8 thumbnails
-        (collective: every rank calls it). metadata: the scorer metadata (the sources' pixels)."""
-        rows = _eval_thumbnails(traj, EVAL_IMAGE_PROMPTS, metadata)
+        source image(s) first; a video's: the first ROLLOUT_GRID_VIDEO_CANDIDATES, of the first
+        EVAL_VIDEO_PROMPTS prompts), under the tag eval/<set>/prompt_<index>: the prompt and its
+        seeds are the same at every eval, so TensorBoard's slider on that tag shows the same
+        candidates changing over training. The first EVAL_IMAGE_PROMPTS prompts of the set,
+        whichever rank generated them: each rank sends its share to rank 0 as small uint8
+        thumbnails (collective: every rank calls it). metadata: the scorer metadata (the
+        sources' pixels)."""
+        video = traj is not None and traj.images.dim() == 5
+        rows = _eval_thumbnails(traj, EVAL_VIDEO_PROMPTS if video else EVAL_IMAGE_PROMPTS, metadata)
         gathered = gather_to_rank0(rows)
         if self.rank != 0:
             return
@@ -1004,14 +1013,15 @@ class Trainer:
         for part in gathered:
             for thumb in part:
                 by_group.setdefault(thumb.group, []).append(thumb)
-        for g in sorted(by_group)[:EVAL_IMAGE_PROMPTS]:
-            shown = sorted(by_group[g], key=lambda t: t.slot)
+        video = any(t.video for ts in by_group.values() for t in ts)
+        for g in sorted(by_group)[:EVAL_VIDEO_PROMPTS if video else EVAL_IMAGE_PROMPTS]:
+            shown = sorted(by_group[g], key=lambda t: t.slot)[:ROLLOUT_GRID_VIDEO_CANDIDATES if video else None]
             sources = next((t.sources for t in shown if t.sources), ())
             captions = [f"s{t.slot} {_score_text(comps, g * n + t.slot)} | {t.prompt}" for t in shown]
             self.metrics.log_image_grid(k, f"eval/{set_name}/prompt_{g:03d}",
                                         [im for _, im in sources] + [t.image for t in shown],
                                         [c for c, _ in sources] + captions, cols=len(sources) + len(shown),
-                                        **_grid_sizing(shown[0].video))
+                                        **_grid_sizing(video))
 
     def save(self, k: int) -> None:
         """One checkpoint of rollout k; a failed write is counted, never fatal."""
@@ -1182,14 +1192,15 @@ def _thumbnail(im: torch.Tensor) -> torch.Tensor:
 
 
 def _eval_thumbnails(traj: Any, max_group: int, metadata: list[dict] | None = None) -> list[_Thumb]:
-    """A _Thumb per candidate of this rank in groups below `max_group`; an edit's first candidate
-    of each group carries its sources (_source_tiles, from the scorer metadata)."""
+    """A _Thumb per candidate of this rank in groups below `max_group` (a video's: of the slots
+    below ROLLOUT_GRID_VIDEO_CANDIDATES, all the grid shows); an edit's first candidate of each
+    group carries its sources (_source_tiles, from the scorer metadata)."""
     if traj is None:
         return []
     video = traj.images.dim() == 5
     out, seen = [], set()
     for i, g in enumerate(traj.group_indices.tolist()):
-        if g >= max_group:
+        if g >= max_group or video and int(traj.slots[i]) >= ROLLOUT_GRID_VIDEO_CANDIDATES:
             continue
         # a video's strip is sized by view_strip (a few frames at most 160 px high): bounded already
         image = _shown(traj.images[i])
@@ -1309,6 +1320,7 @@ def earlier_history(run_dir: Path | None, start_rollout: int) -> tuple[list[dict
 
     if start_rollout <= 0 or run_dir is None:
         return [], {}
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its reader narrates every event file it opens
     try:
         scalars = read_scalars(run_dir)
     except Exception as e:  # noqa: BLE001 - the summary is then this part's only, and says so

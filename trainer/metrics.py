@@ -29,6 +29,22 @@ _CONSOLE = (
     ("step_s", "perf/step_time"),
 )
 
+#: the step's stages as the loop times them (name in the line, series name), in the step's order
+_STAGES = (
+    ("rollout", "perf/rollout_time"),
+    ("reward", "perf/reward_time"),
+    ("update", "perf/train_time"),
+    ("sync", "perf/sync_time"),
+    ("save", "perf/checkpoint_time"),
+    ("eval", "perf/eval_time"),
+)
+
+
+def format_seconds(seconds: float) -> str:
+    """H:MM:SS (whole seconds)."""
+    s = int(round(max(float(seconds), 0.0)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
 
 class MetricsLogger:
     """TensorBoard under `log_dir`/`run_name` on rank 0; a no-op elsewhere."""
@@ -41,10 +57,22 @@ class MetricsLogger:
         self.console_keys = console_keys
         self._writer = None
         if self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(str(self.run_dir))
+            self._writer = _EventWriter(self.run_dir)
+
+    @property
+    def failures(self) -> int:
+        """Rollouts (steps) whose TensorBoard events could not all be written (see _EventWriter)."""
+        return self._writer.failures if self._writer is not None else self._restored_failures
+
+    @failures.setter
+    def failures(self, n: int) -> None:
+        """A resumed run's count so far (checkpointed with the trainer's state)."""
+        if self._writer is not None:
+            self._writer.failures = int(n)
+        self._restored_failures = int(n)
+
+    _restored_failures = 0
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -107,13 +135,23 @@ class MetricsLogger:
         self._writer.add_text(tag, text, step)
         self._writer.flush()
 
-    def console_line(self, rollout_id: int, metrics: dict[str, Any], components: Sequence[str] = ()) -> str:
-        parts = [f"rollout {rollout_id}"]
+    def console_line(self, rollout_id: int, metrics: dict[str, Any], components: Sequence[str] = (),
+                     total: int | None = None, eta_s: float | None = None) -> str:
+        """One rollout as one line: `rollout k/N`, the rewards and the update's figures, the
+        step's seconds with each stage's (as the loop timed them), and the time left at the
+        pace so far: a log file (nohup, a job scheduler) has no progress bar to show them."""
+        parts = [f"rollout {rollout_id}" + (f"/{total}" if total else "")]
         keys = [(c, f"reward/{c}_mean") for c in components] + list(self.console_keys)
         for short, key in keys:
             if key in metrics and _is_number(metrics[key]):
                 v = float(metrics[key])
                 parts.append(f"{short}={v:.4g}")
+        stages = [f"{short} {float(metrics[key]):.3g}" for short, key in _STAGES
+                  if key in metrics and _is_number(metrics[key])]
+        if stages:
+            parts.append("stages_s: " + ", ".join(stages))
+        if eta_s is not None:
+            parts.append(f"ETA {format_seconds(eta_s)}")
         failed = metrics.get("reward/failed_groups")
         if _is_number(failed) and float(failed) > 0:
             # a failed group trains nothing: the line must not look like a healthy step
@@ -123,8 +161,129 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._writer is not None:
+            self._restored_failures = self._writer.failures
             self._writer.close()
             self._writer = None
+
+
+class _EventWriter:
+    """TensorBoard's SummaryWriter with its writes guarded: a write that fails (a full disk, a
+    quota, a file-size limit: TensorBoard's writer thread dies with the OSError and every later
+    call raises it again) is counted, warned about once, and never raised, so a run's metrics
+    cannot end the run; whether to stop stays the run's own decision. `failures` counts the steps
+    (rollouts) whose events were not all written. The broken writer is dropped; the next step
+    opens a new event file in the same directory (TensorBoard reads them all as one run), so the
+    events come back once there is room again. An event file that a failed open left empty is
+    removed, so a full disk does not collect one empty file per rollout."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.failures = 0
+        self._writer = None
+        self._file: Path | None = None
+        self._step: int | None = None
+        self._failed_step: int | None = None
+        self._warned = False
+        self._closed = False
+        _quiet_event_writer_threads()
+        self._open(None)
+
+    def _open(self, step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        before = set(self.run_dir.glob("events.out.tfevents.*"))
+        try:
+            self._writer = SummaryWriter(str(self.run_dir))
+        except OSError as e:
+            self._failed(step, e)
+        finally:
+            created = set(self.run_dir.glob("events.out.tfevents.*")) - before
+            self._file = next(iter(created), None)
+        if self._writer is None:
+            self._drop_empty_file()
+
+    def _call(self, step: int | None, write: Any) -> None:
+        if self._closed:
+            return
+        if step is not None:
+            self._step = step
+        step = self._step
+        if self._writer is None:
+            if step == self._failed_step:
+                return  # this step is counted already; a new file is tried at the next one
+            self._open(step)
+            if self._writer is None:
+                return
+        try:
+            write(self._writer)
+        except OSError as e:
+            self._failed(step, e)
+
+    def _failed(self, step: int | None, error: OSError) -> None:
+        if self._failed_step is None or step != self._failed_step:
+            self.failures += 1
+        self._failed_step = step
+        if not self._warned:
+            self._warned = True
+            logger.warning("TensorBoard events could not be written to %s (%s: %s); the run goes on, counting each "
+                           "rollout whose events are lost in train/metrics_write_failures and the end summary, and "
+                           "tries a new event file at the next rollout (free space or raise the file-size limit to "
+                           "have them back). This is warned once.", self.run_dir, type(error).__name__, error)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:  # the same failure again, on the way out
+                pass
+        self._drop_empty_file()
+
+    def _drop_empty_file(self) -> None:
+        try:
+            if self._file is not None and self._file.stat().st_size == 0:
+                self._file.unlink()
+        except OSError:
+            pass
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._call(step, lambda w: w.add_scalar(tag, value, step))
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self._call(step, lambda w: w.add_text(tag, text, step))
+
+    def add_image(self, tag: str, image: Any, step: int, **kwargs: Any) -> None:
+        self._call(step, lambda w: w.add_image(tag, image, step, **kwargs))
+
+    def add_histogram(self, tag: str, values: Any, step: int) -> None:
+        self._call(step, lambda w: w.add_histogram(tag, values, step))
+
+    def flush(self) -> None:
+        self._call(None, lambda w: w.flush())
+
+    def close(self) -> None:
+        self._call(None, lambda w: w.close())
+        self._closed = True
+        self._writer = None
+
+
+def _quiet_event_writer_threads() -> None:
+    """TensorBoard's writer thread dies with a write's OSError and prints its traceback to stderr
+    (threading.excepthook) before the main thread sees the error on its next call, where
+    _EventWriter counts it and warns once. Leave that one traceback out; every other thread's
+    exception is printed as before."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "_quiet_event_writers", False):
+        return
+
+    def hook(args: Any) -> None:
+        if (type(args.thread).__module__ == "tensorboard.summary.writer.event_file_writer"
+                and issubclass(args.exc_type, OSError)):
+            return
+        previous(args)
+
+    hook._quiet_event_writers = True
+    threading.excepthook = hook
 
 
 def _is_number(v: Any) -> bool:
