@@ -50,7 +50,14 @@ reward-scorer-path = "color"
 
 
 def _outputs(out: Path) -> list[str]:
-    return ["--artifact-root", str(out / "artifacts"), "--save", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb")]
+    return ["--artifact-root", str(out / "artifacts"), "--save", str(out / "ckpt"),
+            "--tensorboard-dir", str(out / "tb")]
+
+
+def _train(recipe: Path, out: Path, *args: str, **run: object) -> subprocess.CompletedProcess:
+    """`python -m trainer.train` of `recipe` into `out`, its output captured."""
+    return subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(recipe), *_outputs(out), *args],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240, **run)
 
 
 def _summary(text: str) -> dict:
@@ -100,9 +107,8 @@ def _misbehaving_scorer():
 def test_a_run_that_scored_no_rollout_exits_non_zero_and_says_why(tmp_path, tiny_model_dir):
     # 2 rollouts, below the default stop after 3 failed ones in a row: it used to end with exit 0
     with _misbehaving_scorer() as (url, answers):
-        proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(_recipe(tmp_path, tiny_model_dir)),
-                               *_outputs(tmp_path / "run"), "--num-rollout", "2", "--reward-runtime", "remote",
-                               "--reward-endpoint", url], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+        proc = _train(_recipe(tmp_path, tiny_model_dir), tmp_path / "run", "--num-rollout", "2",
+                      "--reward-runtime", "remote", "--reward-endpoint", url)
     assert {"html", "short"} <= set(answers)
     assert proc.returncode == 1, proc.stderr[-4000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank 0] error: ")]
@@ -127,9 +133,8 @@ def _no_big_files(limit: int):
 def test_a_metrics_write_that_fails_is_counted_and_warned_once(tmp_path, tiny_model_dir):
     # every file the run writes is limited to 48 KB: the event file passes it with rollout 0's
     # candidate grid, so each rollout's events are lost (a new event file is tried each rollout)
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(_recipe(tmp_path, tiny_model_dir)),
-                           *_outputs(tmp_path / "run"), "--num-rollout", "3"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=240, preexec_fn=_no_big_files(48 * 1024))
+    proc = _train(_recipe(tmp_path, tiny_model_dir), tmp_path / "run", "--num-rollout", "3",
+                  preexec_fn=_no_big_files(48 * 1024))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr[-4000:]
     warned = [ln for ln in proc.stderr.splitlines() if "TensorBoard events could not be written" in ln]
