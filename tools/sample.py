@@ -14,9 +14,15 @@ produces. Prompt lines are the training schema:
 
 The sampling config must name trained SDE steps (the sidecar records them). It starts from the
 family's recipe geometry: for Qwen-Image 384x384, 12 steps, eta 0.7, sde_indices [1, 3, 5]; for
-FLUX.1 512x512, 6 steps, embedded guidance 3.5, eta 0.9, sde_indices [1, 2, 3, 4]; the keys of
---sampling-config (a JSON object) and of --sampling-config.KEY VALUE replace that geometry's one
-by one, as the trainer's do over a recipe (null removes a key). A geometry the model cannot draw
+FLUX.1 512x512, 6 steps, embedded guidance 3.5, eta 0.9, sde_indices [1, 2, 3, 4]; for Wan
+(t2v) FlowGRPO's video recipe, 33 frames of 240x416, 20 steps, CFG 4.5 with the empty negative
+prompt, sde_type "wan", sde_indices [0] (minutes a video on a CPU, however small the model: a
+tiny model wants e.g. '{"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 4}').
+The keys of --sampling-config (a JSON object) and of --sampling-config.KEY VALUE replace that
+geometry's one by one, as the trainer's do over a recipe (null removes a key); a new
+num_inference_steps without trained-step keys keeps the default trained steps it still has
+([1, 3, 5] at 4 steps: [1, 3]). The tool prints the geometry it samples, and where each value
+came from, before the model loads. A geometry the model cannot draw
 (larger than an SD3 DiT's position-embedding table, not a multiple of the VAE's scale factor) is
 refused before the model loads, naming the largest size it supports.
 
@@ -60,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-samples-per-prompt", type=int, default=1, help="candidates per prompt (>= 1)")
     p.add_argument("--sampling-config", default=None,
                    help="JSON object of --sampling-config keys, merged over the family's recipe geometry (FLUX.1: "
-                        f"512x512, 6 steps, guidance 3.5; Qwen-Image and SD3: {json.dumps(DEFAULT_SAMPLING)}); "
+                        f"512x512, 6 steps, guidance 3.5; Qwen-Image and SD3: {json.dumps(DEFAULT_SAMPLING)}; "
+                        "Wan (t2v): 33 frames of 240x416, 20 steps, guidance 4.5, sde_type wan, sde_indices [0], "
+                        "minutes a video on a CPU: for a tiny model pass e.g. "
+                        '{"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 4}); '
                         "one key at a time: --sampling-config.num_inference_steps 10".replace("%", "%%"))
     p.add_argument("--lora", default=None, type=existing_dir,
                    help="LoRA to sample with: a PEFT adapter directory (adapter_config.json + "
@@ -81,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_prompts(path: str, task: str, media_root: str | None = None) -> list[dict]:
-    """The prompt file as [{"prompt", "metadata"}], validated by the trainer's reader, its source
+def read_prompts(path: str, task: str, media_root: str | None = None) -> list:
+    """The prompt file's records (trainer.data.PromptRecord), validated by the trainer's reader, its source
     images confined to its directory (or --media-root) and their headers checked, so a bad source
     is refused before the model loads. ToolError listing every unusable source."""
     from trainer.data import PromptDataset
@@ -94,7 +103,7 @@ def read_prompts(path: str, task: str, media_root: str | None = None) -> list[di
         raise ToolError(f"{len(bad)} source image(s) no rollout can use: {'; '.join(bad[:10])}"
                         f"{'; ...' if len(bad) > 10 else ''}; fix or drop those records (tools/inspect_data.py "
                         "--decode-media checks them)")
-    return [rec.to_dict() for rec in ds.records]
+    return ds.records
 
 
 def split_dict_keys(argv: list[str], flag: str) -> tuple[list[str], dict]:
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
 def sampling_geometry(args: argparse.Namespace, adapter) -> dict:
     """The family's recipe geometry with --sampling-config's keys, then --sampling-config.KEY's,
     merged over it (config.merge_dict_flag: the trainer's rule for a dict flag over a recipe)."""
-    from trainer.config import merge_dict_flag
+    from trainer.config import merge_sampling_config as merge_dict_flag  # trained steps follow the step count
 
     geometry = dict(getattr(adapter, "sampling_defaults", DEFAULT_SAMPLING))
     if args.sampling_config is not None:
@@ -152,12 +161,31 @@ def sampling_geometry(args: argparse.Namespace, adapter) -> dict:
     return merge_dict_flag(geometry, args.sampling_keys)
 
 
+def describe_geometry(args: argparse.Namespace, adapter, sampling) -> str:
+    """One line saying what will be sampled and which values are the family's defaults (the
+    flags did not set them): the defaults are a real recipe's, which on a tiny model or a CPU can
+    take minutes where the user expected seconds."""
+    given = set(args.sampling_keys)
+    if args.sampling_config is not None:
+        given |= set(json.loads(args.sampling_config))
+    defaults = getattr(adapter, "sampling_defaults", DEFAULT_SAMPLING)
+    shape = f"{sampling.height} x {sampling.width}"
+    if args.task == "t2v":
+        shape = f"{sampling.num_frames} frames of {shape}"
+    taken = sorted(k for k in defaults if k not in given)
+    origin = (f"the family's defaults for {', '.join(taken)} (--sampling-config sets them)" if taken
+              else "all from --sampling-config")
+    return (f"sampling {shape}, {sampling.num_inference_steps} steps, guidance {sampling.guidance_scale}, "
+            f"{args.n_samples_per_prompt} per prompt: {origin}")
+
+
 def lora_source(path: str, task: str) -> tuple[str, int | None] | None:
     """Where --lora's weights are: None for a PEFT adapter directory, else (save dir, iteration or
     None for the newest) of a checkpoint. ToolError, before anything loads, for anything else."""
     d = Path(path)
     # a two-expert model's (Wan2.2 A14B) adapter export: one adapter directory per transformer
     if (d / "adapter_config.json").is_file() or (d / "transformer_2" / "adapter_config.json").is_file():
+        check_adapter_configs(path)
         return None
     tail = d.name[len("iter_"):]
     if d.name.startswith("iter_") and tail.isdigit():
@@ -170,6 +198,25 @@ def lora_source(path: str, task: str) -> tuple[str, int | None] | None:
                     "adapter_model.safetensors) nor a LoRA checkpoint (an iter_<N> directory, or a --save directory "
                     f"holding {task}/iter_*); write an adapter with `flowgrpo-export --form adapter --save-dir SAVE "
                     "--iteration N --output-dir DIR`, or pass the checkpoint itself")
+
+
+def check_adapter_configs(path: str) -> None:
+    """ToolError naming the file, the field and the fix unless every adapter_config.json that
+    NativeEngine.load_lora_dir would read from the adapter directory `path` (its own, or those of
+    transformer/ and transformer_2/ for a two-expert export) passes read_adapter_config: before the
+    model loads and before the engine allocates the adapter."""
+    from trainer.core.adapter_config import ADAPTER_CONFIG, AdapterConfigError, read_adapter_config
+
+    d = Path(path)
+    experts = [d / "transformer", d / "transformer_2"]
+    for part in experts if all((p / ADAPTER_CONFIG).is_file() for p in experts) else [d]:
+        try:
+            read_adapter_config(part)
+        except FileNotFoundError:
+            raise ToolError(f"--lora {path}: {part / ADAPTER_CONFIG} does not exist; a two-expert adapter has "
+                            "transformer/ and transformer_2/ each with its adapter_config.json") from None
+        except AdapterConfigError as e:
+            raise ToolError(f"--lora {path}: {e}") from None
 
 
 def adapter_from_checkpoint(save_dir: str, iteration: int | None, task: str, adapter_path: str, out: Path) -> Path:
@@ -230,6 +277,7 @@ def _sample(args: argparse.Namespace) -> int:
         problems += video_geometry_problems(sampling.num_frames, sampling.height, sampling.width)
     if problems:
         raise ToolError("\n".join(problems))
+    print(describe_geometry(args, adapter, sampling), flush=True)
     checkpoint = lora_source(args.lora, args.task) if args.lora else None
     prompts = read_prompts(args.prompt_data, args.task, args.media_root)
     target = artifacts.rollout_dir(args.output_dir, args.task, args.rollout_id)

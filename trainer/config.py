@@ -1493,6 +1493,36 @@ def merge_dict_flag(base: dict | None, patch: dict | None) -> dict | None:
     return merged
 
 
+#: the --sampling-config keys that choose the trained steps: a patch setting any of them chose them itself
+TRAINED_STEP_KEYS = ("sde_indices", "sde_pool", "num_sde_steps", "sde_window_size", "sde_window_range",
+                     "sde_timestep_fraction", "sde_resample_per_rollout")
+
+
+def merge_sampling_config(base: dict | None, patch: dict | None) -> dict | None:
+    """merge_dict_flag for --sampling-config, where the trained steps follow the step count: a
+    patch that changes num_inference_steps and none of TRAINED_STEP_KEYS keeps the steps of
+    `base` (a recipe's, a tool's family defaults) that its count still has, in sde_indices and
+    sde_pool, and no more num_sde_steps than the pool keeps, instead of leaving them to be refused
+    for a value the patch never set. ({"num_inference_steps": 4} over sde_indices [1, 3, 5]:
+    [1, 3].) Trained steps of which none fit stay as they are, and are refused, naming them."""
+    merged = merge_dict_flag(base, patch)
+    n = (patch or {}).get("num_inference_steps")
+    if merged is None or not isinstance(n, int) or isinstance(n, bool) or n < 1 \
+            or any(k in patch for k in TRAINED_STEP_KEYS):
+        return merged
+    for key in ("sde_indices", "sde_pool"):
+        steps = merged.get(key)
+        if isinstance(steps, list) and all(isinstance(i, int) for i in steps):
+            kept = [i for i in steps if i < n]
+            if kept:
+                merged[key] = kept
+    pool = merged.get("sde_pool")
+    k = merged.get("num_sde_steps")
+    if isinstance(pool, list) and pool and isinstance(k, int) and k > len(pool):
+        merged["num_sde_steps"] = len(pool)
+    return merged
+
+
 def _cli_value(spec: FlagSpec, values: list[str]) -> Any:
     where = "command line"
     if spec.kind == "bool":
@@ -1568,7 +1598,8 @@ def load_config(argv: list[str], env: dict[str, str] | None = None) -> RunConfig
     skip = frozenset(name for name in cli if FLAGS[name].kind != "dict")
     flat: dict[str, Any] = read_recipe(recipe_path, env, skip=skip) if recipe_path else {}
     for name, value in cli.items():
-        flat[name] = merge_dict_flag(flat.get(name), value) if FLAGS[name].kind == "dict" else value
+        merge = merge_sampling_config if name == "sampling_config" else merge_dict_flag
+        flat[name] = merge(flat.get(name), value) if FLAGS[name].kind == "dict" else value
     if cli.get("eval_prompt_data") == []:
         # `--eval-prompt-data none` turns evaluation off: the recipe's eval schedule and held-out
         # scorers, which need an eval set, go with it unless the command line sets them again
