@@ -115,7 +115,7 @@ def test_bad_inputs_fail_clearly(tmp_path, tiny_model_dir, capsys):
     broken.mkdir()
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
-    fails(base + ["--sampling-config", SMALL, "--lora", str(broken)], r"adapter_config.json has no r / lora_alpha")
+    fails(base + ["--sampling-config", SMALL, "--lora", str(broken)], r"adapter_config.json: .*lora_alpha is missing")
     (broken / "adapter_config.json").write_text("{not json")
     fails(base + ["--sampling-config", SMALL, "--lora", str(broken)], r"adapter_config.json is not valid JSON")
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))

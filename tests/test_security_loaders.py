@@ -204,3 +204,115 @@ def test_score_refuses_a_fifo_or_proc_link_in_the_images_folder(tmp_path):
         (images / "b.png").symlink_to("/proc/self/mem")
         r = tool("score.py", "--reward-scorer-path", "color", "--images", images, timeout=60)
         assert r.returncode == 2 and "kernel pseudo-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------ adapter directories
+
+SMALL = json.dumps({"height": 64, "width": 64, "num_inference_steps": 4, "eta": 0.7, "sde_indices": [1, 2]})
+
+
+def _prompts(path: Path) -> Path:
+    path.write_text(json.dumps({"prompt": "a red panda", "metadata": {"task": "t2i", "sample_id": "p0"}}) + "\n")
+    return path
+
+
+def _adapter(model_dir: Path, out: Path, rank: int = 4, config: dict | None = None) -> Path:
+    """A PEFT adapter directory of the tiny Qwen-Image model (peft's own layers, nonzero B), with
+    adapter_config.json's fields replaced by `config`'s."""
+    import torch
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    adapter = QwenImageAdapter()
+    model = adapter.load_train_model(str(model_dir), dtype=torch.float32)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(adapter.lora_target_modules)))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    state = {f"base_model.model.{k}": v.contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    out.mkdir(parents=True)
+    save_file(state, str(out / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(adapter.lora_target_modules),
+           "use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none"}
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    return out
+
+
+def test_sample_refuses_a_huge_rank_before_the_model_loads_in_bounded_memory(tmp_path, tiny_model_dir):
+    """r = 1e8 (19 GB allocated before the rank was checked): exit 2 naming the file and the field,
+    before the model loads; the process stays small."""
+    lora = _adapter(tiny_model_dir, tmp_path / "lora", config={"r": 100_000_000})
+    r = tool_peak_rss("sample.py", "--model-path", tiny_model_dir, "--prompt-data", _prompts(tmp_path / "p.jsonl"),
+                      "--output", tmp_path / "out", "--sampling-config", SMALL, "--lora", lora)
+    assert r["rc"] == 2, r
+    assert f"{lora / 'adapter_config.json'}: r is 100000000: it must be in [1, 8192]" in r["err"], r["err"]
+    assert "Traceback" not in r["err"] and not (tmp_path / "out").exists()
+    assert r["rss_kib"] < 1500 << 10, r["rss_kib"]
+
+
+def test_sample_refuses_adapter_configs_it_would_misload(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """r = Infinity (a traceback before), lora_alpha = NaN (black images with exit 0 before), a
+    float rank, a DoRA or rsLoRA adapter, a regex target string, a config that is not an object:
+    each exit 2 naming adapter_config.json and the field, before the model loads."""
+    from tools.sample import main
+    from trainer.engine import native
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the adapter config was checked")
+
+    monkeypatch.setattr(native.NativeEngine, "__init__", refuse)
+    lora = _adapter(tiny_model_dir, tmp_path / "lora")
+    cfg_file = lora / "adapter_config.json"
+    good = json.loads(cfg_file.read_text())
+    prompts = _prompts(tmp_path / "p.jsonl")
+    base = ["--model-path", str(tiny_model_dir), "--prompt-data", str(prompts), "--output", str(tmp_path / "out"),
+            "--sampling-config", SMALL, "--lora", str(lora)]
+    cases = [({"r": float("inf")}, "r is Infinity: it must be a whole number"),
+             ({"lora_alpha": float("nan")}, "lora_alpha is NaN: it must be a finite number > 0"),
+             ({"lora_alpha": -8}, "lora_alpha is -8: it must be a finite number > 0"),
+             ({"r": 4.0}, "r is 4.0: it must be a whole number"),
+             ({"use_dora": True}, "use_dora is true (a DoRA adapter"),
+             ({"use_rslora": True}, "use_rslora is true (rank-stabilised scaling"),
+             ({"rank_pattern": {"transformer_blocks.0.attn.to_q": 64}}, "rank_pattern is"),
+             ({"target_modules": ".*to_q"}, "target_modules is \".*to_q\": it must be a non-empty list"),
+             ({"peft_type": "IA3"}, "peft_type is \"IA3\"")]
+    for change, message in cases:
+        cfg_file.write_text(json.dumps({**good, **change}))  # NaN / Infinity as Python's json writes them
+        assert main(base) == 2, change
+        err = capsys.readouterr().err
+        assert f"--lora {lora}: {cfg_file}: " in err and message in err and "Traceback" not in err, (change, err)
+    cfg_file.write_text("[4, 8]")
+    assert main(base) == 2
+    assert f"{cfg_file} holds a JSON list, not an object" in capsys.readouterr().err
+
+
+def test_sample_refuses_an_adapter_whose_tensors_disagree_with_its_rank_or_the_model(tmp_path, tiny_model_dir,
+                                                                                      capsys):
+    """The engine checks the tensors' rank (from the safetensors header) against r, and r against
+    the width of the layers it targets, before peft allocates a layer: exit 2 naming the file, no
+    image written."""
+    import torch
+
+    from tools.sample import main
+    from trainer.engine.native import _narrowest_target
+    from trainer.models.qwen_image import QwenImageAdapter
+
+    prompts = _prompts(tmp_path / "p.jsonl")
+    base = ["--model-path", str(tiny_model_dir), "--prompt-data", str(prompts), "--sampling-config", SMALL]
+    lora = _adapter(tiny_model_dir, tmp_path / "lora", config={"r": 8, "lora_alpha": 16})  # tensors of rank 4
+    assert main(base + ["--output", str(tmp_path / "o1"), "--lora", str(lora)]) == 2
+    err = capsys.readouterr().err
+    assert f"{lora / 'adapter_config.json'} says r = 8 but {lora / 'adapter_model.safetensors'} holds" in err, err
+    assert not list((tmp_path / "o1").rglob("*.png"))
+
+    adapter = QwenImageAdapter()
+    model = adapter.load_train_model(str(tiny_model_dir), dtype=torch.float32)
+    name, width = _narrowest_target(model, adapter.lora_target_modules)
+    wide = _adapter(tiny_model_dir, tmp_path / "wide", rank=width + 1)
+    assert main(base + ["--output", str(tmp_path / "o2"), "--lora", str(wide)]) == 2
+    err = capsys.readouterr().err
+    assert f"LoRA rank {width + 1} is above the width {width} of the targeted layer {name}" in err, err
+    assert not list((tmp_path / "o2").rglob("*.png"))

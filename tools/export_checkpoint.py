@@ -72,6 +72,7 @@ from trainer.cli import existing_dir, run_tool, tool_parser  # noqa: E402
 from trainer.checkpoint import COMMITTED, CONTRACT, TRAINER_STATE, committed_iterations, iteration_dir  # noqa: E402
 from trainer.core.dtypes import DTYPES  # noqa: E402
 from trainer.core.files import dir_mode, file_mode, fsync_dir, fsync_tree  # noqa: E402
+from trainer.core.adapter_config import lora_config_problems  # noqa: E402
 from trainer.core.names import is_lora_name, strip_wrapper_segments  # noqa: E402
 from trainer.weight_sync import merge_lora  # noqa: E402
 
@@ -408,14 +409,20 @@ def lora_settings(ckpt: Checkpoint, default_targets: Iterable[str] = ()) -> Lora
                           "per-module ranks are not supported")
     rank = ranks.pop()
     saved_rank = ckpt.contract.get("lora_rank")
-    if saved_rank is not None and int(saved_rank) != rank:
-        raise ExportError(f"{where} records lora_rank {saved_rank} but the tensors have rank {rank}; "
+    if saved_rank is not None and saved_rank != rank:
+        raise ExportError(f"{where} records lora_rank {saved_rank!r} but the tensors have rank {rank}; "
                           "the checkpoint is inconsistent")
     alpha = ckpt.contract.get("lora_alpha")
     if alpha is None:
         raise ExportError(f"{where} records no lora_alpha: the merge scale alpha / rank cannot be recovered from "
                           "the weights, and a guessed one silently rescales the policy")
     targets = ckpt.contract.get("lora_target_modules") or list(default_targets)
+    # the values written into adapter_config.json and used as the merge scale: a NaN or infinite
+    # alpha would export NaN weights with exit 0
+    problems = lora_config_problems(rank, alpha, list(targets) if isinstance(targets, (list, tuple)) else targets)
+    if problems:
+        raise ExportError(f"{where} (lora_alpha, lora_target_modules; r from the tensors): {'; '.join(problems)}; "
+                          "the checkpoint cannot be exported as it is")
     return LoraSettings(rank=rank, alpha=float(alpha), target_modules=tuple(str(t) for t in targets))
 
 

@@ -487,6 +487,11 @@ def _check_trainable(cfg: RunConfig, errors: list[str], warnings: list[str]) -> 
     mode = f.fsdp_trainable_mode
     if mode == "lora" and lo.lora_rank <= 0:
         errors.append(f"--fsdp-trainable-mode lora needs --lora-rank > 0, got {lo.lora_rank}")
+    from trainer.core.adapter_config import MAX_LORA_RANK
+
+    if lo.lora_rank > MAX_LORA_RANK:  # peft would allocate rank x width per layer before anything checks it
+        errors.append(f"--lora-rank {lo.lora_rank} is above {MAX_LORA_RANK}, wider than any layer of the supported "
+                      "models; LoRA ranks are typically 4-256")
     if lo.lora_rank > 0 and mode != "lora":
         errors.append(
             f"--lora-rank {lo.lora_rank} without --fsdp-trainable-mode lora; set both for LoRA, or "

@@ -522,6 +522,10 @@ class NativeEngine(EngineMemoryState):
         if self._lora_config is None:
             if self.holds_lora():
                 raise WeightSyncError("the engine's transformer already holds LoRA layers it did not install")
+            narrow = _narrowest_target(self.transformer, cfg["target_modules"])
+            if narrow is not None and cfg["rank"] > narrow[1]:  # checked before peft allocates the layers
+                raise WeightSyncError(f"LoRA rank {cfg['rank']} is above the width {narrow[1]} of the targeted layer "
+                                      f"{narrow[0]}; a rank of at most {narrow[1]} fits this model")
             self._inject_lora(cfg)
         elif cfg != self._lora_config:
             raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
@@ -662,25 +666,37 @@ class _WeightIndex:
 
 def read_lora_dir(d: Path) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     """(LoRA config, [(name, tensor)]) of one PEFT adapter directory, peft's "base_model.model."
-    prefix and adapter-name segment removed as in a sync."""
+    prefix and adapter-name segment removed as in a sync. adapter_config.json is checked first
+    (core.adapter_config.read_adapter_config: bounded, r and lora_alpha in range, no field this
+    loader would not apply), then every lora_A / lora_B tensor's shape against its r from the
+    safetensors header, before a tensor is read or a layer allocated."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+    from trainer.core.adapter_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FIX, read_adapter_config
+
+    cfg_file, weights = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
     if not cfg_file.is_file() or not weights.is_file():
         raise FileNotFoundError(f"--lora {str(d)!r} must be a PEFT adapter directory holding "
-                                "adapter_config.json and adapter_model.safetensors")
+                                f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    cfg = read_adapter_config(d)  # AdapterConfigError (a ValueError) names the file and field
+    unreadable = f"--lora: {weights} is not a readable safetensors file ({{}}); re-export the adapter"
     try:
-        raw = json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise ValueError(f"--lora: {cfg_file} is not valid JSON ({e}); re-export the adapter") from None
-    cfg = {"rank": raw.get("r"), "alpha": raw.get("lora_alpha"), "target_modules": raw.get("target_modules")}
-    if cfg["rank"] is None or cfg["alpha"] is None:
-        raise WeightSyncError(f"--lora: {cfg_file} has no r / lora_alpha: not a peft LoRA adapter config")
+        with safe_open(str(weights), framework="pt") as f:  # the header only
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated / garbled files
+        raise ValueError(unreadable.format(e)) from None
+    wrong = [f"{key} {shape}" for key, shape in shapes.items()
+             if (".lora_A." in key and (len(shape) != 2 or shape[0] != cfg["rank"]))
+             or (".lora_B." in key and (len(shape) != 2 or shape[1] != cfg["rank"]))]
+    if wrong:
+        raise ValueError(f"--lora: {cfg_file} says r = {cfg['rank']} but {weights} holds {len(wrong)} tensor(s) of "
+                         f"another rank, e.g. {', '.join(wrong[:2])} (lora_A is [r, in], lora_B [out, r]); set r to "
+                         f"the tensors' rank, or {FIX}")
     try:
         tensors = load_file(str(weights))
-    except Exception as e:  # safetensors raises its own error types for truncated / garbled files
-        raise ValueError(f"--lora: {weights} is not a readable safetensors file ({e}); re-export the "
-                         "adapter") from None
+    except Exception as e:  # noqa: BLE001 - as above
+        raise ValueError(unreadable.format(e)) from None
     return cfg, [(strip_wrapper_segments(key), tensor) for key, tensor in tensors.items()]
 
 
@@ -693,16 +709,31 @@ def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
+def _narrowest_target(transformer: torch.nn.Module, targets) -> tuple[str, int] | None:
+    """(name, min(in, out)) of the narrowest linear layer that peft's suffix rule adapts for the
+    module names `targets`, None when none matches (peft's own error then names them)."""
+    best = None
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            width = min(module.in_features, module.out_features)
+            if best is None or width < best[1]:
+                best = (name, width)
+    return best
+
+
 def _normalize_lora_config(cfg: dict[str, Any], default_targets=()) -> dict[str, Any]:
     """rank / alpha / sorted target_modules of a LoRA config in any of its spellings (ours or
     peft's); default_targets: the family's, when the config names none."""
+    from trainer.core.adapter_config import lora_config_problems
+
     rank = cfg.get("rank", cfg.get("r"))
     alpha = cfg.get("alpha", cfg.get("lora_alpha"))
     targets = cfg.get("target_modules") or default_targets
-    if rank is None or int(rank) <= 0 or alpha is None:
-        raise WeightSyncError(f"lora_config needs rank > 0 and alpha, got {cfg}")
     if isinstance(targets, str):
         targets = [targets]
+    problems = lora_config_problems(rank, alpha, list(targets))
+    if problems:
+        raise WeightSyncError(f"lora_config {cfg}: {'; '.join(problems)}")
     return {"rank": int(rank), "alpha": float(alpha), "target_modules": tuple(sorted(targets))}
 
 
