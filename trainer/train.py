@@ -7,6 +7,10 @@ With --preflight-only it prints the resolved config as JSON followed by
 everything but the violations (the launcher's check: `bash run.sh train` runs it once,
 in one process, before torchrun starts the ranks). Config and preflight errors always
 exit 2, before any weights load.
+
+Exit status of a run: 0 when it ran its rollouts; 1 when it failed, including a run that
+ran rollouts and scored none of them (it trained nothing: the message says so after the
+summary); 2 for the config and preflight; 3 when --stop-on-hacking stopped it early.
 """
 
 from __future__ import annotations
