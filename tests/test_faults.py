@@ -143,7 +143,8 @@ def test_load_must_hold_a_committed_checkpoint(recipe, tmp_path):
     _commit_fake(save, 3)
     # <save>/t2i instead of <save>
     msg = _problems([*recipe, "--load", str(save / "t2i"), *_outputs(tmp_path, "new")])
-    assert f"--load {save / 't2i'} holds no committed t2i checkpoint" in msg and f"pass its parent ({save})" in msg
+    assert f"--load {save / 't2i'} is the task directory inside the checkpoint directory {save}" in msg
+    assert f"pass --load {save}," in msg
     # a typo: an empty directory, and one with only an interrupted save
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -133,3 +133,22 @@ def test_the_sample_tool_says_which_video_values_are_the_recipes(tmp_path):
                             "defaults for cfg_renorm, eta, guidance_scale, negative_prompt, num_inference_steps, "
                             "sde_indices, sde_type"), first
     assert len(list((tmp_path / "out" / "t2v" / "rollout_0000000").glob("*.webp"))) == 1
+
+
+def test_load_given_the_task_directory_gets_one_fix_that_works(tmp_path):
+    """`--load <save>/<task>` with `--save <save>`: one problem, naming the checkpoint directory to
+    pass instead (not also "--save <save>/<task>", which contradicted it); the fix it names passes."""
+    it = tmp_path / "ckpt" / "t2i" / "iter_0000000"
+    it.mkdir(parents=True)
+    (it / "COMMITTED").write_text("")
+    argv = _t2i_argv(tmp_path)
+    argv[argv.index("--num-rollout") + 1] = "3"
+    argv += ["--reward-scorer-path", "color", "--preflight-only"]
+    res = _run(argv + ["--load", "ckpt/t2i"], tmp_path)
+    assert res.returncode == 2
+    problems = [ln for ln in res.stderr.splitlines() if ln.startswith("  - ")]
+    assert problems == [f"  - --load ckpt/t2i is the task directory inside the checkpoint directory {tmp_path / 'ckpt'}: "
+                        f"pass --load {tmp_path / 'ckpt'}, the --save directory of the run to resume (it reads "
+                        "t2i/iter_* itself)"], problems
+    res = _run(argv + ["--load", str(tmp_path / "ckpt")], tmp_path)
+    assert res.returncode == 0, res.stderr

@@ -69,6 +69,17 @@ def latest_committed_iteration(load_root: str | os.PathLike, task: str) -> int |
     return committed[-1] if committed else None
 
 
+def task_dir_root(load_root: str | os.PathLike) -> Path | None:
+    """The checkpoint directory that `load_root` is a task directory of (its parent, where
+    iter_* directories lie directly in `load_root`: `<save>/<task>` given for `<save>`), else None."""
+    root = Path(load_root)
+    try:
+        inside = [d for d in root.iterdir() if d.is_dir()]
+    except OSError:
+        return None
+    return root.absolute().parent if any(_iteration_of(d) is not None for d in inside) else None
+
+
 def describe_load_dir(load_root: str | os.PathLike, task: str) -> str:
     """Why `load_root` holds nothing to resume for `task`, for an error message: what is there."""
     root = Path(load_root)

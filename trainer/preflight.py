@@ -1026,7 +1026,14 @@ def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
         errors.append(f"--ckpt-step {ck.ckpt_step} needs --load DIR (the checkpoint directory to resume from)")
     loadable = bool(ck.load) and Path(ck.load).is_dir()
     committed = ci.committed_iterations(ck.load, task) if loadable else []
-    if loadable and not committed:
+    # <save>/<task> given for <save>: one fix, and the --save rules below judge <save> itself
+    task_root = ci.task_dir_root(ck.load) if loadable and not committed else None
+    load_root = str(task_root) if task_root is not None else ck.load
+    if task_root is not None:
+        errors.append(f"--load {ck.load} is the task directory inside the checkpoint directory {task_root}: pass "
+                      f"--load {task_root}, the --save directory of the run to resume (it reads "
+                      f"{task}/iter_* itself)")
+    elif loadable and not committed:
         errors.append(f"--load {ck.load} holds no committed {task} checkpoint: found {ci.describe_load_dir(ck.load, task)}; "
                       "point --load at the --save directory of the run to resume, or drop --load to start fresh")
     if loadable and committed and ck.ckpt_step is not None and ck.ckpt_step not in committed:
@@ -1041,9 +1048,10 @@ def _check_resume(cfg: RunConfig, errors: list[str]) -> None:
     if save_dir and not ck.load and earlier:
         errors.append(f"--save {ck.save} already holds checkpoints of an earlier run (iterations {earlier}) and "
                       f"--load is not set: resume it with --load {ck.save} {start_over}; nothing is overwritten")
-    elif save_dir and ck.load and earlier and not _same_dir(save_dir, ck.load):
+    elif save_dir and ck.load and earlier and not _same_dir(save_dir, load_root):
         errors.append(f"--save {ck.save} holds checkpoints of another run (iterations {sorted(earlier)}) while resuming "
-                      f"from --load {ck.load}: pass --save {ck.load} to continue in place, or an empty --save to branch off")
+                      f"from --load {load_root}: pass --save {load_root} to continue in place, or an empty --save to "
+                      "branch off")
     elif save_dir and committed and ck.ckpt_step is not None and _same_dir(save_dir, ck.load):
         newer = [it for it in committed if it > ck.ckpt_step]
         if newer:
