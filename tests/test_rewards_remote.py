@@ -133,7 +133,8 @@ def test_dead_endpoint_fails_fast_naming_it():
     imgs, prompts = color_batch()
     t0 = time.monotonic()
     with pytest.raises(RewardEndpointError) as err:
-        RewardManager("remote", endpoint=url, remote_max_retries=2, remote_backoff_s=0.05).score(imgs, prompts)
+        RewardManager("remote", endpoint=url, remote_max_retries=2, remote_backoff_s=0.05,
+                      remote_startup_wait_s=0).score(imgs, prompts)
     assert time.monotonic() - t0 < 5
     msg = str(err.value)
     assert url in msg and "--reward-endpoint" in msg and "3 attempt" in msg

@@ -198,9 +198,11 @@ def test_too_large_body_is_a_413_the_client_reads():
         with pytest.raises(RewardEndpointError, match="too large") as err:
             scorer._exchange(big)
         assert "running" not in str(err.value) and time.monotonic() - t0 < 5  # not retried
-        # a batch over the limit the server advertises is refused before it is sent
+        # an image that no request within the limit the server advertises can carry is refused
+        # before it is sent, naming the flag
         imgs = ImageBatch.from_any(torch.rand(4, 3, 64, 64))
-        with pytest.raises(RewardEndpointError, match="request too large.*--max-request-mb"):
+        with pytest.raises(RewardEndpointError, match="candidate 0 alone .* bytes, more than the server's "
+                                                      "--max-request-mb"):
             scorer(imgs, ["a red kite"] * 4, [{}] * 4)
 
 
@@ -308,7 +310,8 @@ def test_a_redirect_is_an_error_and_not_followed():
 
 @pytest.mark.parametrize("body, needle", [
     (b'{"color": [1' + b"0" * 5000 + b", 0.5]}", "not valid JSON"),
-    (b'{"color": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests too deeply"),
+    (b'{"color": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nests too deeply"),
+    (b'{"color": [' + b"0," * 110_000 + b"0]}", "more than MAX_ANSWER_NODES=100000"),
     (b'{"color": [0.5, 0.5], "bonus": [1, 1]}', "'bonus'"),
     (b'{"color": [0.5]}', "returned 1 values"),
     (b'{"color": [0.5, 0.5]' + b" " * 400_000 + b"}", "exceeds the 300000-byte limit"),

@@ -46,6 +46,11 @@ class RewardError(RuntimeError):
     """A reward could not be computed (bad scorer output, bad configuration)."""
 
 
+class ScorerUnavailable(RewardError):
+    """The scorer could not be reached for a batch (a remote endpoint down or overloaded through
+    its retries): the reward manager fails that call's candidates, counted, instead of the run."""
+
+
 class ImageBatch:
     """A batch of RGB images held once as uint8 arrays, with cached derived views.
 

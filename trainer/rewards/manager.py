@@ -17,6 +17,7 @@ nothing is looked up per rollout.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -27,6 +28,7 @@ from trainer.config import RewardConfig
 from trainer.rewards.base import (
     ImageBatch,
     RewardError,
+    ScorerUnavailable,
     build_scorer,
     check_scores,
     metadata_list,
@@ -35,6 +37,8 @@ from trainer.rewards.base import (
 )
 
 RUNTIMES = ("colocate", "cpu", "remote")
+
+logger = logging.getLogger(__name__)
 
 #: images per scorer call when the caller does not say
 DEFAULT_SCORE_BATCH_SIZE = 32
@@ -70,6 +74,7 @@ class RewardManager:
         remote_max_retries: int = 3,
         remote_backoff_s: float = 1.0,
         scorer_options: dict[str, Any] | None = None,
+        remote_startup_wait_s: float | None = None,
     ):
         if runtime not in RUNTIMES:
             raise ValueError(f"--reward-runtime={runtime!r} must be one of {RUNTIMES}")
@@ -83,7 +88,8 @@ class RewardManager:
             if not endpoint:
                 raise ValueError("--reward-runtime=remote needs --reward-endpoint (e.g. http://host:8000/score)")
             self.device = "remote"
-            self.scorer = RemoteScorer(endpoint, remote_timeout_s, remote_max_retries, remote_backoff_s)
+            wait = {} if remote_startup_wait_s is None else {"startup_wait_s": remote_startup_wait_s}
+            self.scorer = RemoteScorer(endpoint, remote_timeout_s, remote_max_retries, remote_backoff_s, **wait)
             return
         if not scorer_path:
             raise ValueError(
@@ -111,7 +117,10 @@ class RewardManager:
         images: anything ImageBatch.from_any takes (the engine's [B, 3, H, W] / list of [3, H, W]
         float tensors in [0, 1], PIL images, uint8 arrays); converted once here.
         Returns fp32 CPU [B] per component. A component a batch did not return is NaN for that
-        batch's images (it fails their groups, visibly).
+        batch's images (it fails their groups, visibly). A scorer that cannot be reached
+        (ScorerUnavailable: a remote endpoint through its retries) fails this call's remaining
+        candidates without trying it again, counted as reward/failed_candidates_unavailable: an
+        outage costs failed groups, and --reward-max-failed-rollouts decides when the run stops.
         """
         batch = media_batch(images, scorer_tracks(self.scorer), self.scorer_path or self.device)
         n = len(batch)
@@ -122,20 +131,33 @@ class RewardManager:
         bs = int(batch_size or self.batch_size)
         parts: list[tuple[int, int, dict[str, torch.Tensor]]] = []
         score_time = 0.0
+        unavailable = 0
         for start in range(0, n, bs):
             stop = min(start + bs, n)
-            t0 = time.perf_counter()
-            raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
-            score_time += time.perf_counter() - t0
+            if not unavailable:
+                t0 = time.perf_counter()
+                try:
+                    raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
+                except ScorerUnavailable as e:
+                    logger.warning("%s; the %d candidates from here on score NaN and their groups fail "
+                                   "(reward/failed_candidates_unavailable; --reward-max-failed-rollouts such rollouts "
+                                   "in a row stop the run)", e, n - start)
+                    unavailable = n - start
+                score_time += time.perf_counter() - t0
+            if unavailable:
+                continue
             source = f"scorer {self.scorer_path or self.device}"
             parts.append((start, stop, check_scores(raw, stop - start, source)))
-        names = sorted({name for _, _, s in parts for name in s})
+        names = sorted({name for _, _, s in parts for name in s} | (set(self.components) if unavailable else set()))
         out = {name: torch.full((n,), float("nan"), dtype=torch.float32) for name in names}
         for start, stop, s in parts:
             for name, t in s.items():
                 out[name][start:stop] = t
         pop = getattr(self.scorer, "pop_failures", None)
-        return ScoreOutput(components=out, score_time=score_time, num_samples=n, failures=pop() if pop else {})
+        failures = pop() if pop else {}
+        if unavailable:
+            failures["unavailable"] = failures.get("unavailable", 0) + unavailable
+        return ScoreOutput(components=out, score_time=score_time, num_samples=n, failures=failures)
 
 
 def scorer_tracks(scorer: Any) -> tuple[str, ...]:

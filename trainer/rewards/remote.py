@@ -18,7 +18,13 @@ for this trainer:
 
     GET <endpoint>  -> {"protocol": 1, "scorer": "<dotpath>", "components": [...], "required_tracks": [...],
                         "source_images": true,             # false from a video scorer's server
-                        "limits": {"max_request_bytes": ..., "max_image_pixels": ..., "max_request_pixels": ...}}
+                        "limits": {"max_request_bytes": ..., "max_image_pixels": ..., "max_request_pixels": ...,
+                                   "max_request_images": ..., "max_request_frames": ..., "max_json_nodes": ...}}
+
+The client sends a batch in as many requests as the advertised limits need (SERVER_LIMIT_FLAGS;
+a limit an older server does not advertise is not split for): each request as many candidates
+as fit, a candidate's sources with it; a candidate that fits in no request is an error naming
+the server's flag, before anything is sent.
 
 Source images (an edit scorer scores an edit against its source): the client takes them out of
 metadata[b]["source_images"] (SOURCE_IMAGES_KEY; arrays are not JSON), sends each distinct source
@@ -40,10 +46,15 @@ is counted against the pixel limits like an image, before any frame is decoded.
 Strict JSON has no NaN, so a non-finite score travels as null and comes back as NaN (its group
 then fails, visibly). The client retries connection errors, timeouts, HTTP 429 and 5xx a bounded
 number of times with exponential backoff (backoff_s * 2**attempt), never a 4xx or a redirect (they
-repeat themselves), and then raises RewardEndpointError naming the endpoint. An answer that is
-not a valid score table (not JSON, too large, nested too deeply, a component the server did not
-declare, a wrong length) is not retried either: the batch scores NaN, so its groups fail and are
-counted (reward/failed_groups, reward/failed_candidates_malformed), and the run goes on.
+repeat themselves, and raise RewardEndpointError naming the endpoint), and then raises
+EndpointUnavailable: the reward manager fails the candidates of that call (counted as
+reward/failed_candidates_unavailable), so an outage costs failed rollouts, which
+--reward-max-failed-rollouts bounds, rather than the run. The first contact (the trainer's GET
+at start-up) keeps retrying for STARTUP_WAIT_S, for a server that is still starting. An answer
+that is not a valid score table (not JSON, too large, nested too deeply or holding more than
+MAX_ANSWER_NODES values, a component the server did not declare, a wrong length) is not retried
+either: the request's candidates score NaN, so their groups fail and are counted
+(reward/failed_groups, reward/failed_candidates_malformed), and the run goes on.
 """
 
 from __future__ import annotations
@@ -60,18 +71,31 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
 
 from trainer.core.redact import redact_url
-from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch, RewardError, check_scores
+from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch, RewardError, ScorerUnavailable, check_scores
 from trainer.rewards.transport import TOKEN_ENV, HttpFailure, TooManyNodes, exchange, json_nodes, loads_bounded
 
 PROTOCOL_VERSION = 1
 #: most source images one candidate may reference (Qwen-Image-Edit-2509 takes up to 3)
 MAX_SOURCES_PER_IMAGE = 8
+#: how long the first contact with an endpoint (the trainer's start-up GET) keeps retrying an
+#: endpoint that does not answer yet (a server still loading its model, restarting), and the
+#: longest wait between those tries
+STARTUP_WAIT_S = 30.0
+STARTUP_BACKOFF_CAP_S = 5.0
+#: JSON values an answer may hold (transport.json_nodes): a batch's scores are a few hundred
+MAX_ANSWER_NODES = 100_000
+#: the server's advertised limits (its GET "limits") a request is split to fit: key -> its flag
+SERVER_LIMIT_FLAGS = {
+    "max_request_bytes": "--max-request-mb", "max_image_pixels": "--max-image-pixels",
+    "max_request_pixels": "--max-request-pixels", "max_request_images": "--max-request-images",
+    "max_request_frames": "--max-request-frames", "max_json_nodes": "--max-json-nodes",
+}
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +115,11 @@ class RewardEndpointError(RewardError):
 
 class MalformedAnswer(RewardEndpointError):
     """The endpoint answered 200 with something that is not a valid score table."""
+
+
+class EndpointUnavailable(RewardEndpointError, ScorerUnavailable):
+    """The endpoint did not answer (refused, timed out, 429 or 5xx) through every retry: an
+    outage, whose batches the reward manager fails rather than the run."""
 
 
 class RequestError(ValueError):
@@ -194,10 +223,59 @@ def split_sources(metadata: list[dict]) -> tuple[list[dict], list[np.ndarray], l
     return clean, distinct, index
 
 
-def encode_request(images: Any, prompts: list[str], metadata: list[dict]) -> bytes:
-    """The POST body for one batch (see the module docstring): an ImageBatch as "images", a
-    VideoBatch (trainer.rewards.video) as "videos", every frame a lossless PNG. Source images go
-    with "images" only; a VideoBatch whose metadata carries them is refused (RewardError)."""
+@dataclass
+class EncodedBatch:
+    """A batch encoded once (every frame a base64 PNG), from which the request of any range of
+    its candidates is assembled without encoding again (RemoteScorer splits a batch to the
+    server's limits). `media[b]` is candidate b's image, or its video's frames; `pixels[b]` its
+    pixels (all frames); sources are the distinct edit source images and `source_index[b]` the
+    ones candidate b uses."""
+
+    key: str  # "images" or "videos"
+    prompts: list[str]
+    metadata: list[dict]
+    media: list[Any]
+    pixels: list[int]
+    largest: list[int]  # pixels of candidate b's largest image or frame
+    sources: list[str]
+    source_pixels: list[int]
+    source_index: list[list[int]] | None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def counts(self, start: int, stop: int) -> tuple[int, int, int]:
+        """(pixels, images, frames) of the request for candidates [start, stop): images are the
+        images and the distinct sources they use, frames the videos' frames."""
+        used = self.sources_of(start, stop)
+        pixels = sum(self.pixels[start:stop]) + sum(self.source_pixels[k] for k in used)
+        if self.key == "videos":
+            return pixels, 0, sum(len(v) for v in self.media[start:stop])
+        return pixels, stop - start + len(used), 0
+
+    def sources_of(self, start: int, stop: int) -> list[int]:
+        if self.source_index is None:
+            return []
+        return list(dict.fromkeys(k for row in self.source_index[start:stop] for k in row))
+
+    def body(self, start: int = 0, stop: int | None = None) -> bytes:
+        """The POST body for candidates [start, stop), its sources renumbered in order of first
+        use (so the whole batch's body is the one encode_request always gave)."""
+        stop = len(self) if stop is None else stop
+        body: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "prompts": self.prompts[start:stop],
+                                "metadata": self.metadata[start:stop], self.key: self.media[start:stop]}
+        if self.source_index is not None:
+            used = self.sources_of(start, stop)
+            new = {k: i for i, k in enumerate(used)}
+            body["source_images"] = [self.sources[k] for k in used]
+            body["source_index"] = [[new[k] for k in row] for row in self.source_index[start:stop]]
+        return json.dumps(body, default=str).encode("utf-8")
+
+
+def encode_batch(images: Any, prompts: list[str], metadata: list[dict]) -> EncodedBatch:
+    """An ImageBatch (sent as "images") or a VideoBatch (trainer.rewards.video; sent as "videos")
+    encoded once, every frame a lossless PNG. Source images go with "images" only; a VideoBatch
+    whose metadata carries them is refused (RewardError)."""
     from trainer.rewards.video import VideoBatch  # lazy: that module imports the judge, which imports this one
 
     if not (len(images) == len(prompts) == len(metadata)):
@@ -210,19 +288,25 @@ def encode_request(images: Any, prompts: list[str], metadata: list[dict]) -> byt
                           'images to a reward server (they go with "images" only); drop them from the '
                           "metadata or score images")
     sources = None if video else split_sources(metadata)
-    body = {
-        "protocol": PROTOCOL_VERSION,
-        "prompts": list(prompts),
-        "metadata": list(metadata) if sources is None else sources[0],
-    }
+    arrays = images.uint8
     if video:
-        body["videos"] = [[encode_png_b64(frame) for frame in clip] for clip in images.uint8]
+        media: list[Any] = [[encode_png_b64(frame) for frame in clip] for clip in arrays]
+        pixels = [int(c.shape[0] * c.shape[1] * c.shape[2]) for c in arrays]
     else:
-        body["images"] = [encode_png_b64(a) for a in images.uint8]
-        if sources is not None:
-            body["source_images"] = [encode_png_b64(a) for a in sources[1]]
-            body["source_index"] = sources[2]
-    return json.dumps(body, default=str).encode("utf-8")
+        media = [encode_png_b64(a) for a in arrays]
+        pixels = [int(a.shape[0] * a.shape[1]) for a in arrays]
+    largest = [int(a.shape[-3] * a.shape[-2]) for a in arrays]
+    return EncodedBatch(
+        key="videos" if video else "images", prompts=list(prompts),
+        metadata=list(metadata) if sources is None else sources[0], media=media, pixels=pixels, largest=largest,
+        sources=[] if sources is None else [encode_png_b64(a) for a in sources[1]],
+        source_pixels=[] if sources is None else [int(a.shape[0] * a.shape[1]) for a in sources[1]],
+        source_index=None if sources is None else sources[2])
+
+
+def encode_request(images: Any, prompts: list[str], metadata: list[dict]) -> bytes:
+    """The POST body for one batch (see the module docstring)."""
+    return encode_batch(images, prompts, metadata).body()
 
 
 def _source_index(raw: Any, n_images: int, n_sources: int) -> list[list[int]]:
@@ -412,7 +496,9 @@ def decode_response(body: bytes, batch_size: int, endpoint: str,
     endpoint when it is not {component: [B values]} over the declared `components` (when given)."""
     where = f"reward endpoint {redact_url(endpoint)}"
     try:
-        data = loads_bounded(body, "the answer")
+        data = loads_bounded(body, "the answer", MAX_ANSWER_NODES, "MAX_ANSWER_NODES")
+    except TooManyNodes as e:
+        raise MalformedAnswer(f"{where} returned a body that is not a score table: {e}") from None
     except ValueError as e:
         raise MalformedAnswer(f"{where} returned a body that is not JSON: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
@@ -455,13 +541,15 @@ class RemoteScorer:
 
     timeout_s is one deadline for a whole HTTP exchange (connect, send, answer), per attempt;
     max_retries is the number of retries after the first attempt; backoff_s the first wait
-    (doubling). The bearer token comes from the environment variable FLOWGRPO_REWARD_TOKEN.
+    (doubling). The first contact (the GET of info()) keeps retrying for `startup_wait_s`. A
+    batch is sent in as many requests as the server's advertised limits need. The bearer token
+    comes from the environment variable FLOWGRPO_REWARD_TOKEN.
     """
 
     required_tracks = ("image",)
 
     def __init__(self, endpoint: str, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 1.0,
-                 max_response_bytes: int | None = None):
+                 max_response_bytes: int | None = None, startup_wait_s: float = STARTUP_WAIT_S):
         if not endpoint or not endpoint.startswith(("http://", "https://")):
             raise ValueError(
                 f"--reward-endpoint={redact_url(endpoint)!r} must be an http(s):// URL, e.g. http://host:8000/score"
@@ -473,20 +561,20 @@ class RemoteScorer:
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
         self.max_response_bytes = max_response_bytes
+        self.startup_wait_s = float(startup_wait_s)
         self.token = os.environ.get(TOKEN_ENV) or None
         self._info: dict | None = None
         self._failures: Counter = Counter()
         self._lock = threading.Lock()
 
-    def _exchange(self, data: bytes | None) -> bytes:
-        """One request (GET if data is None, else POST) with bounded retries."""
-        attempts = self.max_retries + 1
+    def _exchange(self, data: bytes | None, wait_s: float = 0.0) -> bytes:
+        """One request (GET if data is None, else POST) with bounded retries; with `wait_s`,
+        retried for at least that long (waits capped at STARTUP_BACKOFF_CAP_S)."""
         start = time.monotonic()
+        attempt = 0
         last = ""
         kwargs = {} if self.max_response_bytes is None else {"max_response_bytes": self.max_response_bytes}
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+        while True:
             try:
                 return exchange(self.endpoint, data, self.timeout_s, token=self.token, **kwargs)
             except HttpFailure as f:
@@ -495,8 +583,19 @@ class RemoteScorer:
                     raise MalformedAnswer(f"reward endpoint {self.name} (--reward-endpoint): {f}") from None
                 if not f.retryable:
                     raise RewardEndpointError(self._rejected(f, data)) from None
-        raise RewardEndpointError(
-            f"reward endpoint {self.name} (--reward-endpoint) failed {attempts} attempt(s) over "
+            attempt += 1
+            left = wait_s - (time.monotonic() - start)
+            if attempt > self.max_retries and left <= 0:
+                break
+            delay = self.backoff_s * 2 ** (attempt - 1)
+            if left > 0:
+                if attempt == 1:
+                    logger.warning("reward endpoint %s (--reward-endpoint) does not answer yet (%s); retrying for "
+                                   "up to %.0fs", self.name, last, wait_s)
+                delay = min(delay, STARTUP_BACKOFF_CAP_S, left) if attempt > self.max_retries else delay
+            time.sleep(delay)
+        raise EndpointUnavailable(
+            f"reward endpoint {self.name} (--reward-endpoint) failed {attempt} attempt(s) over "
             f"{time.monotonic() - start:.1f}s; last error: {last}. Check that the reward server is running "
             f"and reachable (python tools/reward_server.py --reward-scorer-path ... --host ... --port ...)."
         )
@@ -506,17 +605,18 @@ class RemoteScorer:
         msg = f"reward endpoint {self.name} (--reward-endpoint) rejected the request: {f}"
         if f.status == 413:
             return (f"{msg}. The request was too large ({len(data or b'')} bytes): score fewer images per "
-                    "request or raise the server's --max-request-mb / --max-request-pixels")
+                    "request or raise the server's limit that the message names")
         if f.status in (401, 403):
             return (f"{msg}. Set {TOKEN_ENV} in the trainer's environment to the server's token "
                     f"({'it is set, but the server did not accept it' if self.token else 'it is not set'})")
         return msg
 
     def info(self) -> dict:
-        """The server's GET answer: scorer dotpath, components, required tracks, limits (cached)."""
+        """The server's GET answer: scorer dotpath, components, required tracks, limits (cached).
+        The first one waits up to `startup_wait_s` for an endpoint that does not answer yet."""
         if self._info is None:
             try:
-                info = loads_bounded(self._exchange(None), "the GET answer")
+                info = loads_bounded(self._exchange(None, self.startup_wait_s), "the GET answer", MAX_ANSWER_NODES)
             except ValueError as e:
                 raise RewardEndpointError(f"reward endpoint {self.name}: {e}") from None
             comps = info.get("components") if isinstance(info, dict) else None
@@ -530,31 +630,88 @@ class RemoteScorer:
     def components(self) -> tuple[str, ...]:
         return tuple(self.info()["components"])
 
+    def limits(self) -> dict[str, int]:
+        """The server's advertised limits (SERVER_LIMIT_FLAGS) that are positive integers; an
+        older server advertises fewer, and what it does not advertise is not split for."""
+        raw = self.info().get("limits")
+        raw = raw if isinstance(raw, dict) else {}
+        return {k: v for k, v in raw.items() if k in SERVER_LIMIT_FLAGS and isinstance(v, int)
+                and not isinstance(v, bool) and v > 0}
+
     def score(self, images: ImageBatch, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
-        """Scores of one batch; a malformed answer is logged, counted and scored NaN (module docstring)."""
+        """Scores of one batch, sent in as many requests as the server's limits need; a malformed
+        answer is logged, counted and scored NaN (module docstring); EndpointUnavailable when the
+        endpoint does not answer through the retries."""
         components = self.components
-        data = encode_request(images, prompts, metadata)  # first: it refuses sources with a video batch
-        if has_sources(metadata) and self.info().get("source_images") is not True:
+        enc = encode_batch(images, prompts, metadata)  # first: it refuses sources with a video batch
+        if enc.source_index is not None and self.info().get("source_images") is not True:
             raise RewardEndpointError(
                 f"reward endpoint {self.name} (--reward-endpoint) does not accept source images (its GET has no "
                 '"source_images": true: an older reward server); an edit scorer there would never see the '
                 "source. Update the server (tools/reward_server.py) to this version")
-        limits = self.info().get("limits")
-        limit = limits.get("max_request_bytes") if isinstance(limits, dict) else None
-        if isinstance(limit, int) and not isinstance(limit, bool) and len(data) > limit:
-            raise RewardEndpointError(
-                f"reward endpoint {self.name} (--reward-endpoint): request too large: {len(images)} images make "
-                f"{len(data)} bytes, more than the server's --max-request-mb ({limit} bytes); score fewer images "
-                "per request or raise the server's limit")
-        try:
-            return decode_response(self._exchange(data), len(images), self.endpoint, components)
-        except MalformedAnswer as e:
-            with self._lock:
-                self._failures["malformed"] += len(images)
-            logger.warning("%s; the batch's %d candidates score NaN and their groups are left out", e, len(images))
-            return {c: torch.full((len(images),), math.nan) for c in components}
+        out = {c: torch.full((len(enc),), math.nan) for c in components}
+        for start, stop, data in self._requests(enc):
+            try:
+                part = decode_response(self._exchange(data), stop - start, self.endpoint, components)
+            except MalformedAnswer as e:
+                with self._lock:
+                    self._failures["malformed"] += stop - start
+                logger.warning("%s; the request's %d candidates score NaN and their groups are left out", e,
+                               stop - start)
+                continue
+            for c, t in part.items():
+                out[c][start:stop] = t
+        return out
 
     __call__ = score
+
+    def _requests(self, enc: EncodedBatch) -> Iterator[tuple[int, int, bytes]]:
+        """(start, stop, body) of requests covering the batch, each within the server's limits:
+        as many candidates as fit, found by bisection (the counts grow with the range); a
+        candidate that fits in no request is a RewardEndpointError naming the limit's flag."""
+        limits = self.limits()
+        start = 0
+        while start < len(enc):
+            body, problem = self._fit(enc, start, len(enc), limits)
+            if body is not None:
+                yield start, len(enc), body
+                return
+            body, problem = self._fit(enc, start, start + 1, limits)
+            if body is None:
+                raise RewardEndpointError(
+                    f"reward endpoint {self.name} (--reward-endpoint): candidate {start} alone {problem}, so no "
+                    f"request can carry it; raise that limit on the reward server (tools/reward_server.py) or "
+                    "score smaller images or videos")
+            lo, hi = start + 1, len(enc)  # [start, lo) fits, [start, hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                fitted, _ = self._fit(enc, start, mid, limits)
+                if fitted is None:
+                    hi = mid
+                else:
+                    lo, body = mid, fitted
+            yield start, lo, body
+            start = lo
+
+    def _fit(self, enc: EncodedBatch, start: int, stop: int, limits: dict[str, int]) -> tuple[bytes | None, str]:
+        """(the body of candidates [start, stop), "") when it is within `limits`, else (None,
+        what exceeds which flag). The counts are checked before the body is assembled."""
+        pixels, images, frames = enc.counts(start, stop)
+        largest = max(enc.largest[start:stop] + [enc.source_pixels[k] for k in enc.sources_of(start, stop)])
+        for key, value, what in (("max_image_pixels", largest, "has an image or frame of"),
+                                 ("max_request_pixels", pixels, "needs"), ("max_request_images", images, "needs"),
+                                 ("max_request_frames", frames, "needs")):
+            unit = "pixels" if "pixels" in key else key.rsplit("_", 1)[1]
+            if key in limits and value > limits[key]:
+                return None, f"{what} {value} {unit}, more than the server's {SERVER_LIMIT_FLAGS[key]}={limits[key]}"
+        body = enc.body(start, stop)
+        if "max_request_bytes" in limits and len(body) > limits["max_request_bytes"]:
+            return None, (f"makes a request of {len(body)} bytes, more than the server's --max-request-mb "
+                          f"({limits['max_request_bytes']} bytes)")
+        if "max_json_nodes" in limits and (n := json_nodes(body)) > limits["max_json_nodes"]:
+            return None, f"makes a request of {n} JSON values, more than the server's --max-json-nodes=" \
+                         f"{limits['max_json_nodes']}"
+        return body, ""
 
     def pop_failures(self) -> dict[str, int]:
         """Candidates lost to malformed answers since the last call (the manager reports them)."""
