@@ -56,6 +56,8 @@ class MetricsLogger:
         self.run_dir = self.log_dir / run_name if self.log_dir is not None and run_name else self.log_dir
         self.console_keys = console_keys
         self._writer = None
+        #: the failure count where no writer holds it (another rank, or after close)
+        self._restored_failures = 0
         if self.enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._writer = _EventWriter(self.run_dir)
@@ -71,8 +73,6 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.failures = int(n)
         self._restored_failures = int(n)
-
-    _restored_failures = 0
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
