@@ -234,16 +234,16 @@ def test_retention_reaps_the_index_with_its_rollout(tmp_path):
 
 
 def test_view_strip_brings_frames_to_a_readable_height():
-    """A 32 px clip's frames are enlarged to 128 px (nearest: its pixels as they are), a 480 x
-    832 one's shrunk to 160 px; 4 evenly spaced frames, first and last included."""
+    """A 32 px clip's frames are enlarged to 128 px (nearest: its pixels as they are), a 240 x
+    416 one's shrunk to 128 px; 4 evenly spaced frames, first and last included."""
     from trainer.video_artifacts import VIEW_FRAMES, frame_strip, view_size, view_strip
 
     frames = torch.rand(9, 3, 32, 32)
     strip = view_strip(frames, gap=2)
     assert strip.shape == (3, 128, VIEW_FRAMES * 128 + (VIEW_FRAMES - 1) * 2)
     assert torch.equal(strip[:, ::4, :128:4], frames[0]) and torch.equal(strip[:, ::4, -128::4], frames[-1])
-    assert view_size(480, 832) == (160, 277) and view_size(120, 2000) == (19, 320)  # width capped too
-    assert view_strip(torch.rand(5, 3, 480, 832), gap=0).shape == (3, 160, 4 * 277)
+    assert view_size(240, 416) == (128, 222) and view_size(120, 2000) == (15, 256)  # width capped too
+    assert view_strip(torch.rand(5, 3, 240, 416), gap=0).shape == (3, 128, 4 * 222)
     assert frame_strip(frames).shape == (3, 32, 8 * 32 + 7 * 2)  # the watch's strip is unchanged
 
 
@@ -291,3 +291,30 @@ def test_videos_reach_tensorboard_at_a_readable_height(wan_rollout, tmp_path):
     assert [c["file"] for c in entry["candidates"]] == ["group_00000000_sample_0000.webp",
                                                         "group_00000000_sample_0001.webp"]
     assert all((out.artifact_dir / c["file"]).is_file() for c in entry["candidates"])
+
+
+def test_a_video_grid_is_bounded_in_prompts_candidates_and_frames(tmp_path):
+    """Readable strips cost pixels, so a video's rollout grid shows one prompt's first 4
+    candidates and its eval grids the first 2 prompts' first 4, whatever the group size: the
+    event file grows by a bounded image per rollout (the bound: docs/training.md)."""
+    from trainer.loop import (EVAL_VIDEO_PROMPTS, ROLLOUT_GRID_VIDEO_CANDIDATES, ROLLOUT_GRID_VIDEO_PROMPTS, Trainer,
+                              _eval_thumbnails)
+
+    groups, size = 3, 6
+    n = groups * size
+    traj = SimpleNamespace(images=torch.rand(n, 5, 3, 120, 208), group_indices=torch.arange(n) // size,
+                           slots=torch.arange(n) % size, prompts=[f"clip {i // size}" for i in range(n)],
+                           metadata=[{}] * n, rows_of_group=lambda g: list(range(g * size, (g + 1) * size)))
+    fake = fake_trainer(tmp_path, size, "t2v")
+    comps = {"c": torch.rand(n)}
+    Trainer._log_images(fake, 0, SimpleNamespace(trajectory=traj), SimpleNamespace(components=comps), None)
+    assert len(_eval_thumbnails(traj, EVAL_VIDEO_PROMPTS)) == EVAL_VIDEO_PROMPTS * ROLLOUT_GRID_VIDEO_CANDIDATES
+    Trainer._log_eval_images(fake, 0, "clips", traj, comps, size)
+    fake.metrics.close()
+    images, texts = tb_images(tmp_path / "tb"), tb_texts(tmp_path / "tb")
+    strip_w = 4 * 222 + 3 * 2  # 4 frames of 120 x 208 at 128 x 222, 2 px apart
+    grid = images["rollout/candidates"]
+    assert ROLLOUT_GRID_VIDEO_PROMPTS == 1 and grid.shape[1] == ROLLOUT_GRID_VIDEO_CANDIDATES * (strip_w + 4) - 4
+    assert texts["rollout/candidates/captions"].count("**group") == ROLLOUT_GRID_VIDEO_PROMPTS
+    assert sorted(t for t in images if t.startswith("eval/")) == ["eval/clips/prompt_000", "eval/clips/prompt_001"]
+    assert images["eval/clips/prompt_001"].shape[1] == ROLLOUT_GRID_VIDEO_CANDIDATES * (strip_w + 4) - 4

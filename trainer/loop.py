@@ -400,11 +400,12 @@ EVAL_TABLE_PROMPTS = 256
 ROLLOUT_GRID_PROMPTS = 4
 ROLLOUT_GRID_CANDIDATES = 8
 #: a video's grids show fewer: each candidate is a strip of frames (trainer.video_artifacts.view_strip),
-#: several times an image's pixels; the rollout grid this many prompts of this many candidates, the
-#: eval EVAL_VIDEO_PROMPTS prompts (the rollout's index.html shows every clip, playing)
-ROLLOUT_GRID_VIDEO_PROMPTS = 2
+#: several times an image's pixels (a 240 x 416 clip's strip is ~190 KB of PNG on photographic
+#: content); the rollout grid this many prompts of this many candidates, the eval EVAL_VIDEO_PROMPTS
+#: prompts (the rollout's index.html shows every clip, playing)
+ROLLOUT_GRID_VIDEO_PROMPTS = 1
 ROLLOUT_GRID_VIDEO_CANDIDATES = 4
-EVAL_VIDEO_PROMPTS = 4
+EVAL_VIDEO_PROMPTS = 2
 #: long side of an eval image as it is sent to rank 0 for TensorBoard (the grid shows tiles
 #: of at most metrics.TILE_SIDE[1] pixels: a full-size image would cross the wire for nothing)
 EVAL_THUMB_SIDE = 256

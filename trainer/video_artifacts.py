@@ -40,11 +40,12 @@ DEFAULT_QUALITY = 80
 #: libwebp's largest canvas side
 WEBP_MAX_SIDE = 16383
 #: a clip as TensorBoard shows it (view_strip): this many evenly spaced frames, each brought to a
-#: height in VIEW_HEIGHT (a 32 px tiny clip enlarged to 128, a 480 px one shrunk to 160) and at
-#: most VIEW_MAX_WIDTH wide, so a frame is readable and a strip is at most 4 x 160 x 320 pixels
+#: height in VIEW_HEIGHT (a 32 px tiny clip enlarged to 128, a 240 x 416 one shrunk to 128 x 222)
+#: and at most VIEW_MAX_WIDTH wide, so a frame is readable and a strip holds at most 4 x 128 x 256
+#: pixels
 VIEW_FRAMES = 4
-VIEW_HEIGHT = (128, 160)
-VIEW_MAX_WIDTH = 320
+VIEW_HEIGHT = (128, 128)
+VIEW_MAX_WIDTH = 256
 
 
 def video_name(group_index: int, slot: int) -> str:
