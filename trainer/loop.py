@@ -212,9 +212,9 @@ def take_sources(engine: Any) -> dict:
 
 
 def _viewable(media: torch.Tensor, gap: int = 2) -> torch.Tensor:
-    """One candidate as one image [3, H, W] for TensorBoard and the image statistics: an image as
-    it is, a video [F, 3, H, W] as its frame strip (trainer.video_artifacts.frame_strip: 8 evenly
-    spaced frames side by side), since TensorBoard plays video only through moviepy."""
+    """One candidate as one image [3, H, W] for the watch's image statistics: an image as it is,
+    a video [F, 3, H, W] as its frame strip at its own size (trainer.video_artifacts.frame_strip:
+    8 evenly spaced frames side by side). TensorBoard shows it as _shown does."""
     if media.dim() == 4:
         from trainer.video_artifacts import frame_strip
 
