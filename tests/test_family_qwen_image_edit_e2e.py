@@ -64,8 +64,8 @@ def test_the_colour_edit_reward_saw_the_source(runs, capsys):
 
     means = [v for _, v in read_scalars(runs[0] / "tb")["reward/color_edit_mean"]]
     assert len(means) == ROLLOUTS and all(0.0 <= v <= 1.0 for v in means)
-    assert score_main(["--reward-scorer-path", "color_edit", "--reward-runtime", "cpu",
-                       "--images", str(runs[0] / "artifacts" / "i2i" / f"rollout_{LAST:07d}")]) == 0
+    assert score_main(["--reward-scorer-path", "color_edit", "--reward-runtime", "cpu", "--media-root",
+                       str(runs[0].parent / "data"), "--images", str(runs[0] / "artifacts" / "i2i" / f"rollout_{LAST:07d}")]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(lines) == CANDIDATES
     rescored = sum(line["scores"]["color_edit"] for line in lines) / len(lines)

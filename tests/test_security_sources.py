@@ -353,4 +353,51 @@ def test_score_bounds_a_video_from_its_header_and_prints_the_means(tmp_path):
     p = run("tools/score.py", "--reward-scorer-path", "color", "--images", str(images), "--prompt-data", str(prompts))
     assert p.returncode == 0, output(p)
     scores = [json.loads(line)["scores"]["color"] for line in p.stdout.splitlines()]
-    assert f"score: color: mean {sum(scores) / 2:.4f} over 2 images" in p.stderr
+    assert f"score: color: mean {sum(scores) / 2:.6g} over 2 images" in p.stderr
+
+
+# ----------------------------------------------------------------------------------------- sidecar
+
+
+def test_the_sidecar_records_sources_relative_to_the_data_directory(tmp_path, capsys):
+    """tools/sample.py on the tiny edit model: the sidecar names the source as the prompt file
+    did (no directory of this host), tools/score.py reads it back under --media-root, and a
+    sidecar of the earlier layout (absolute paths) still loads and scores there."""
+    from tools.score import main as score_main
+    from tools.tiny_qwen_image_edit import build_tiny_qwen_image_edit_pipeline
+    from trainer import artifacts
+
+    model = build_tiny_qwen_image_edit_pipeline(tmp_path / "model", seed=0, variant="2511")
+    data = write_edit_records(tmp_path / "data")
+    sampling = json.dumps({"height": 16, "width": 16, "num_inference_steps": 3, "sde_indices": [1, 2], "eta": 1.0})
+    p = run("tools/sample.py", "--model-path", str(model), "--prompt-data", str(data), "--output-dir",
+            str(tmp_path / "out"), "--sampling-config", sampling, timeout=300)
+    assert p.returncode == 0, output(p)
+    rollout = tmp_path / "out" / "i2i" / "rollout_0000000"
+    side = rollout / "group_00000000.safetensors"
+    tensors, metadata = artifacts.read_sidecar(side)
+    assert json.loads(metadata["prompt_metadata"])["source_paths"] == ["media/src0.png"]
+    assert not [k for k, v in metadata.items() if str(tmp_path) in v]
+
+    def score(*extra):
+        capsys.readouterr()
+        rc = score_main(["--reward-scorer-path", "color_edit", "--images", str(rollout), *extra])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    rc, _, err = score()
+    assert rc == 2 and "pass --media-root DIR" in err
+    rc, out, err = score("--media-root", str(data.parent))
+    assert rc == 0 and "score: color_edit: mean" in err
+    first = json.loads(out.splitlines()[0])["scores"]["color_edit"]
+    assert first is not None
+
+    old = json.loads(metadata["prompt_metadata"])
+    old["source_paths"] = [str(data.parent / "media" / "src0.png")]
+    artifacts.write_sidecar(side, tensors, {**metadata, "prompt_metadata": json.dumps(old)}, overwrite=True)
+    assert artifacts.sidecar_to_trajectory(*artifacts.read_sidecar(side)).metadata[0]["source_paths"] == \
+        old["source_paths"]
+    rc, out, _ = score("--media-root", str(data.parent))
+    assert rc == 0 and json.loads(out.splitlines()[0])["scores"]["color_edit"] == first
+    rc, _, err = score("--media-root", str(tmp_path / "out"))
+    assert rc == 2 and "lies outside" in err

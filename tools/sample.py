@@ -250,6 +250,12 @@ def _sample(args: argparse.Namespace) -> int:
     if not (Path(args.model_path) / "model_index.json").is_file():
         raise ToolError(f"--model-path {args.model_path} has no model_index.json: pass a diffusers pipeline "
                         "directory (e.g. one written by save_pretrained or tools/make_tiny_model.py)")
+    from trainer.models.wan import read_model_index
+
+    try:  # a broken index would pick the wrong family, or one expert of two, without a word
+        read_model_index(args.model_path)
+    except ValueError as e:
+        raise ToolError(str(e)) from None
 
     from trainer import artifacts
     from trainer.config import adapter_for_model_dir

@@ -174,8 +174,8 @@ def confine_sources(rows: list[dict], prompt_dir: str | None, media_root: str | 
                 continue
             if base is None:
                 raise ToolError(f"{r['path'].name}: its record names source images ({refs[0]!r}, ...); pass "
-                                "--media-root DIR (the directory of the training data) or --prompt-data FILE to "
-                                "say where they may be read")
+                                "--media-root DIR (the directory of the prompt file the images were made from: "
+                                "a sidecar records its sources relative to it) or --prompt-data FILE")
             out = []
             for ref in refs:
                 if isinstance(ref, str):
@@ -286,7 +286,7 @@ def _score(args: argparse.Namespace) -> int:
             line = {"image": r["path"].name, "prompt": r["prompt"], "group": r["group"], "slot": r["slot"]}
             print(json.dumps({**line, "scores": scores}), flush=True)
     for name, (total, n) in sorted(totals.items()):
-        mean = f"{total / n:.4f}" if n else "none"
+        mean = f"{total / n:.6g}" if n else "none"
         print(f"score: {name}: mean {mean} over {n} of {len(rows)} images (the others scored NaN)"
               if n < len(rows) else f"score: {name}: mean {mean} over {n} images", file=sys.stderr)
     return 0

@@ -229,6 +229,8 @@ def group_sidecar_payload(traj: Trajectory, *, task: str, rollout_id: int | None
     slots = [int(v) for v in g.slots.tolist()]
     if len(set(slots)) != len(slots):
         raise ValueError(f"group {group} has duplicate slots {slots}")
+    from trainer.models.edit_source import recorded_metadata
+
     fingerprint = _fingerprint(sampling)
     manifests = g.train_metadata or [candidate_manifest(g, i, sampling_fingerprint=fingerprint,
                                                         weight_manifest_hash=weight_manifest_hash,
@@ -257,7 +259,7 @@ def group_sidecar_payload(traj: Trajectory, *, task: str, rollout_id: int | None
         "rollout_id": json.dumps(rollout_id),
         "group_index": str(group),
         "prompt": g.prompts[0],
-        "prompt_metadata": json.dumps(g.metadata[0] or {}, sort_keys=True),
+        "prompt_metadata": json.dumps(recorded_metadata(g.metadata[0] or {}), sort_keys=True),
         "sample_ids": json.dumps([str(v) for v in g.sample_ids]),
         "generation_seeds": json.dumps([int(v) for v in g.generation_seeds]),
         "num_inference_steps": str(int(g.num_inference_steps)),

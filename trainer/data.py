@@ -212,6 +212,9 @@ class PromptRecord:
     videos: tuple[str, ...] = ()
     #: metadata keys other than task / sample_id, kept verbatim
     extra: dict = field(default_factory=dict, compare=True, hash=False)
+    #: real path of the directory the media references were resolved under (the prompt file's),
+    #: "" when they were not resolved: what a sidecar records them relative to
+    media_dir: str = field(default="", compare=False)
 
     def media(self) -> tuple[str, ...]:
         """All media references, images first, in record order."""
@@ -496,7 +499,7 @@ class PromptDataset:
                     if not allowed:
                         outside.append(f"{where(path, lineno)}: {ref!r} ({resolved[ref]})")
                 rec = PromptRecord(rec.prompt, rec.task, rec.sample_id, tuple(resolved[p] for p in rec.images),
-                                   tuple(resolved[p] for p in rec.videos), rec.extra)
+                                   tuple(resolved[p] for p in rec.videos), rec.extra, os.path.realpath(base))
             records.append(rec)
             lines.append(lineno)
         if outside:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from trainer import artifacts
-from trainer.models.edit_source import SOURCE_PATHS_KEY
+from trainer.models.edit_source import SOURCE_PATHS_KEY, SOURCE_REFS_KEY
 from trainer.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,13 @@ def _source_images(item: Any) -> list[str]:
     "images"), [] for none."""
     images = item.get("images") if isinstance(item, Mapping) else getattr(item, "images", None)
     return [str(p) for p in images or ()]
+
+
+def _source_refs(item: Any) -> list[str]:
+    """A prompt group's source images as its sidecar records them: relative to its prompt file's
+    directory (a PromptRecord's media_dir), else as given."""
+    base = getattr(item, "media_dir", "")
+    return [os.path.relpath(p, base) if base else p for p in _source_images(item)]
 
 
 def driver_sigmas(engine: Any, sampling: Any) -> list[float]:
@@ -196,7 +204,7 @@ def generate_rollout(
         sample_id = make_sample_id(sampling.sample_id_mode, g, slot, metadata)
         seed = generation_seed if sampling.driver_xt else generation_seed + g * group_size + slot
         if media[g]:  # the sources travel with the candidate: the engine's input, the sidecar's reference
-            metadata = {**metadata, SOURCE_PATHS_KEY: list(media[g])}
+            metadata = {**metadata, SOURCE_PATHS_KEY: list(media[g]), SOURCE_REFS_KEY: _source_refs(prompts[g])}
         request = adapter.build_rollout_request(
             prompt, group_index=g, slot=slot, sample_id=sample_id, sampling=sampling, sde_indices=sde_indices,
             sigmas=sigmas, generation_seed=seed, metadata=metadata)

@@ -12,10 +12,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-#: the prompt-metadata key under which an editing candidate carries its source files (absolute
-#: paths, record order): the sidecar's reference to the sources, and where the loop reads the
-#: pixels the scorers get under SOURCE_IMAGES_KEY
+#: the prompt-metadata key under which an editing candidate carries its source files (record
+#: order): in memory their real paths, where the loop reads the pixels the scorers get under
+#: SOURCE_IMAGES_KEY; in a sidecar the paths relative to the prompt file's directory
+#: (SOURCE_REFS_KEY's), so an artifact names no directory of the host that wrote it (a sidecar
+#: written before holds absolute paths, read as such)
 SOURCE_PATHS_KEY = "source_paths"
+#: the in-memory key of the same sources relative to the prompt file's directory: what the sidecar
+#: records under SOURCE_PATHS_KEY (recorded_metadata); never sent to a scorer
+SOURCE_REFS_KEY = "source_refs"
 
 #: the largest source accepted, in pixels: a decompression bomb is refused before it is decoded
 MAX_SOURCE_PIXELS = 4096 * 4096
@@ -179,6 +184,17 @@ def source_pixels(path: str | os.PathLike, height: int, width: int) -> Any:
     return image_pixels(open_source_image(path), height, width)
 
 
+def recorded_metadata(metadata: dict) -> dict:
+    """A candidate's metadata as its sidecar records it: SOURCE_PATHS_KEY holds the
+    SOURCE_REFS_KEY paths (relative to the prompt file's directory) where the candidate has them,
+    and SOURCE_REFS_KEY is dropped."""
+    if SOURCE_REFS_KEY not in metadata:
+        return metadata
+    out = {k: v for k, v in metadata.items() if k != SOURCE_REFS_KEY}
+    out[SOURCE_PATHS_KEY] = list(metadata[SOURCE_REFS_KEY])
+    return out
+
+
 def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: str,
                        sources: dict[str, Source] | None = None) -> list[dict]:
     """Copies of the candidates' metadata with `key` (the rewards' SOURCE_IMAGES_KEY) holding the
@@ -196,12 +212,12 @@ def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: 
     for md, (h, w) in zip(metadata, sizes):
         paths = (md or {}).get(SOURCE_PATHS_KEY)
         if not paths:
-            out.append(md)
+            out.append({k: v for k, v in md.items() if k != SOURCE_REFS_KEY} if md else md)
             continue
         pixels = []
         for p in paths:
             if (p, h, w) not in cache:
                 cache[p, h, w] = image_pixels(sources[p].image, h, w) if p in sources else source_pixels(p, h, w)
             pixels.append(cache[p, h, w])
-        out.append({**{k: v for k, v in md.items() if k != SOURCE_PATHS_KEY}, key: pixels})
+        out.append({**{k: v for k, v in md.items() if k not in (SOURCE_PATHS_KEY, SOURCE_REFS_KEY)}, key: pixels})
     return out
