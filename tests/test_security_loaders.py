@@ -316,3 +316,68 @@ def test_sample_refuses_an_adapter_whose_tensors_disagree_with_its_rank_or_the_m
     err = capsys.readouterr().err
     assert f"LoRA rank {width + 1} is above the width {width} of the targeted layer {name}" in err, err
     assert not list((tmp_path / "o2").rglob("*.png"))
+
+
+# ------------------------------------------------------------------------------ Wan model index
+
+
+@pytest.fixture(scope="module")
+def wan22_dir(tmp_path_factory):
+    from tools.tiny_wan import TINY_WAN22_BOUNDARY_RATIO, build_tiny_wan_pipeline
+
+    return build_tiny_wan_pipeline(tmp_path_factory.mktemp("wan22") / "model", seed=0,
+                                   boundary_ratio=TINY_WAN22_BOUNDARY_RATIO)
+
+
+def _wan_variant(model_dir: Path, out: Path, index_text: str) -> Path:
+    """The tiny two-expert directory (subfolders linked, both experts present) with
+    model_index.json replaced by `index_text`."""
+    out.mkdir()
+    for entry in model_dir.iterdir():
+        if entry.is_dir():
+            (out / entry.name).symlink_to(entry)
+    (out / "model_index.json").write_text(index_text)
+    return out
+
+
+def _wan_index_variants(wan22_dir: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    index = json.loads((wan22_dir / "model_index.json").read_text())
+    one_dit = {k: v for k, v in index.items() if k not in ("transformer_2", "boundary_ratio")}
+    return {"not-json": (_wan_variant(wan22_dir, tmp_path / "a", json.dumps(index)[:-5]), "is not valid JSON"),
+            "a-list": (_wan_variant(wan22_dir, tmp_path / "b", json.dumps([index])), "holds a JSON list, not an object"),
+            "expert-undeclared": (_wan_variant(wan22_dir, tmp_path / "c", json.dumps(one_dit)),
+                                  "declares no transformer_2, but the directory holds a transformer_2/ expert")}
+
+
+def test_wan_preflight_names_a_broken_model_index(wan22_dir, tmp_path):
+    """configs/wan22_t2v_tiny.toml --preflight-only on the tiny two-expert model whose
+    model_index.json does not parse, is a list, or leaves out the transformer_2/ the directory
+    holds: exit 2 naming the file (it passed before, and the run loaded one expert of two)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red ball", "metadata": {"task": "t2v", "sample_id": "t0"}}) + "\n")
+    for name, (model, message) in _wan_index_variants(wan22_dir, tmp_path).items():
+        env = {**os.environ, "TINY_WAN22": str(model), "PROMPTS": str(prompts)}
+        r = subprocess.run([PY, "-m", "trainer.train", "--config", str(REPO / "configs" / "wan22_t2v_tiny.toml"),
+                            "--save", str(tmp_path / "ck"), "--artifact-root", str(tmp_path / "art"),
+                            "--num-rollout", "2", "--preflight-only"], capture_output=True, text=True, env=env,
+                           cwd=REPO, timeout=120)
+        assert r.returncode == 2, (name, r.stdout[-2000:], r.stderr[-2000:])
+        out = r.stdout + r.stderr
+        assert f"--model-path '{model}'" in out and "model_index.json" in out and message in out, (name, out[-3000:])
+
+
+def test_wan_loader_and_sample_never_drop_an_expert(wan22_dir, tmp_path):
+    """The loader itself refuses each broken index (never the one-DiT path), and tools/sample.py
+    names the file (exit 2) before the model loads."""
+    from trainer.models.wan import load_wan_transformer
+
+    variants = _wan_index_variants(wan22_dir, tmp_path)
+    for name, (model, message) in variants.items():
+        with pytest.raises(ValueError, match="model_index.json") as e:
+            load_wan_transformer(model)
+        assert message in str(e.value), (name, str(e.value))
+    model, message = variants["not-json"]
+    r = tool("sample.py", "--model-path", model, "--prompt-data", _prompts(tmp_path / "p.jsonl"),
+             "--output", tmp_path / "out", timeout=120)
+    assert r.returncode == 2 and f"{model / 'model_index.json'} {message}" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

@@ -66,21 +66,51 @@ def _declared(entry: Any) -> bool:
     return isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(v, str) for v in entry)
 
 
+#: largest model_index.json read (diffusers writes about 1 KB)
+MAX_MODEL_INDEX_BYTES = 1 << 20
+
+
+def read_model_index(model_path) -> dict | None:
+    """`model_path`/model_index.json as a dict, None when the file does not exist (check_model_dir
+    and the loaders name a missing one). ValueError naming the file and the fix when it exists but
+    is no JSON object (or over MAX_MODEL_INDEX_BYTES): which experts a Wan directory has is read
+    from it, so a broken one must stop the load, not make it take the one-DiT path."""
+    import json
+
+    path = Path(model_path) / "model_index.json"
+    fix = "restore it from the model's Diffusers checkpoint (it names the pipeline and its components)"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MODEL_INDEX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"--model-path {str(model_path)!r}: {path} cannot be read ({e.strerror}); {fix}") from None
+    if len(raw) > MAX_MODEL_INDEX_BYTES:
+        raise ValueError(f"--model-path {str(model_path)!r}: {path} is over {MAX_MODEL_INDEX_BYTES} bytes; {fix}")
+    try:
+        index = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"--model-path {str(model_path)!r}: {path} is not valid JSON ({str(e)[:120]}); {fix}") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"--model-path {str(model_path)!r}: {path} holds a JSON {type(index).__name__}, not an "
+                         f"object; {fix}")
+    return index
+
+
 def read_boundary_ratio(model_path) -> float | None:
     """The boundary_ratio of a two-expert Wan directory (Wan2.2 A14B: model_index.json declares
     `transformer_2` and a boundary_ratio in (0, 1)), None for a one-DiT (Wan2.1) directory or one
-    without a readable model_index.json (loading reports that). Raises ValueError naming
-    --model-path and the fix for a declaration the pipeline could not run: a boundary_ratio
-    without the second expert or outside (0, 1), a second expert without a boundary, no first
-    expert, or timestep-per-token input (`expand_timesteps`: Wan2.2 TI2V-5B, not supported)."""
-    import json
+    without model_index.json (loading reports that). Raises ValueError naming --model-path and
+    the fix for a model_index.json that is no JSON object (read_model_index), and for a
+    declaration the pipeline could not run or that would drop an expert: a boundary_ratio without
+    the second expert or outside (0, 1), a second expert without a boundary, no first expert, a
+    `transformer_2/` subfolder the index does not declare, or timestep-per-token input
+    (`expand_timesteps`: Wan2.2 TI2V-5B, not supported)."""
     import math
 
-    try:
-        index = json.loads((Path(model_path) / "model_index.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(index, dict):
+    index = read_model_index(model_path)
+    if index is None:
         return None
     where = f"--model-path {str(model_path)!r}: model_index.json"
     if index.get("expand_timesteps"):
@@ -91,6 +121,11 @@ def read_boundary_ratio(model_path) -> float | None:
         raise ValueError(f"{where} declares no `transformer` (the high-noise expert); this trainer needs both "
                          "experts of Wan2.2-T2V-A14B: restore the transformer entry and transformer/")
     if ratio is None and not second:
+        if (Path(model_path) / WAN_SECOND_EXPERT / "config.json").is_file():
+            raise ValueError(f"{where} declares no {WAN_SECOND_EXPERT}, but the directory holds a {WAN_SECOND_EXPERT}/ "
+                             "expert (Wan2.2-T2V-A14B's low-noise DiT) that would not be loaded; restore the "
+                             f'"{WAN_SECOND_EXPERT}" and "boundary_ratio" entries of model_index.json from the '
+                             f"model's Diffusers checkpoint, or remove {WAN_SECOND_EXPERT}/ for a one-DiT model")
         return None
     if not second:
         raise ValueError(f"{where} sets boundary_ratio {ratio} but declares no {WAN_SECOND_EXPERT} (the "
