@@ -176,9 +176,11 @@ class _Waiting:
     drain: int | None = None
 
 
-def _header_end(buf: bytearray) -> int:
-    """Index just past the blank line that ends the headers, or -1 while it has not arrived."""
-    ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := buf.find(sep)) >= 0]
+def _header_end(buf: bytearray, start: int = 0) -> int:
+    """Index just past the blank line that ends the headers, searched from `start` (where the
+    newest bytes begin, less the separator's length, so that a peer sending a byte at a time costs
+    linear time, not quadratic), or -1 while it has not arrived."""
+    ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := buf.find(sep, start)) >= 0]
     return min(ends, default=-1)
 
 
@@ -299,7 +301,7 @@ class _Gate:
                 self._drop(w)
             return
         w.buf += chunk
-        end = _header_end(w.buf)
+        end = _header_end(w.buf, max(0, len(w.buf) - len(chunk) - 3))
         if end < 0:
             if len(w.buf) > MAX_HEADER_BYTES:
                 self._refuse(w, 431, f"the request line and headers exceed {MAX_HEADER_BYTES} bytes", 0, 0)
@@ -451,6 +453,7 @@ def make_server(
 
         def setup(self) -> None:
             super().setup()
+            self.rfile.close()  # the socket's own reader would miss what the gate already read
             self.rfile = io.BufferedReader(_Prefixed(self.server.take_prefix(self.connection), self.connection))
 
         def handle(self) -> None:
