@@ -211,6 +211,17 @@ def test_loop_resume_is_exact(tmp_path, tiny_model_dir, mode):
     for name, groups in (("demo", 2), ("other", 1)):
         sidecars = list((a / "artifacts" / "eval" / "t2i" / name / "rollout_0000003").glob("*.safetensors"))
         assert len(sidecars) == groups, name
+        # each eval rollout's index names its files beside their prompts and scores (no advantage)
+        index = (a / "artifacts" / "eval" / "t2i" / name / "rollout_0000003" / "index.jsonl").read_text()
+        entries = [json.loads(line) for line in index.splitlines()]
+        assert [e["group"] for e in entries] == list(range(groups)), name
+        assert all(set(c) == {"slot", "file", "scores"} and "color" in c["scores"] for e in entries
+                   for c in e["candidates"])
+    # the training rollout's index: every PNG of the directory, under its group's prompt
+    d = a / "artifacts" / "t2i" / "rollout_0000003"
+    entries = [json.loads(line) for line in (d / "index.jsonl").read_text().splitlines()]
+    assert sorted(c["file"] for e in entries for c in e["candidates"]) == sorted(p.name for p in d.glob("*.png"))
+    assert all("advantage" in c for e in entries for c in e["candidates"]) and (d / "index.html").is_file()
     records = list((a / "artifacts" / "recipes").glob("full-*.json"))
     assert records and json.loads(records[0].read_text())["weight_sync_mode"] == "full"
     # checkpoints: COMMITTED, markers
