@@ -134,18 +134,17 @@ class RewardManager:
         unavailable = 0
         for start in range(0, n, bs):
             stop = min(start + bs, n)
-            if not unavailable:
-                t0 = time.perf_counter()
-                try:
-                    raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
-                except ScorerUnavailable as e:
-                    logger.warning("%s; the %d candidates from here on score NaN and their groups fail "
-                                   "(reward/failed_candidates_unavailable; --reward-max-failed-rollouts such rollouts "
-                                   "in a row stop the run)", e, n - start)
-                    unavailable = n - start
+            t0 = time.perf_counter()
+            try:
+                raw = self.scorer.score(batch.slice(start, stop), prompts[start:stop], md[start:stop])
+            except ScorerUnavailable as e:  # the rest stays NaN: one outage is not waited out per batch
+                unavailable = n - start
+                logger.warning("%s; the %d candidates from here on score NaN and their groups fail "
+                               "(reward/failed_candidates_unavailable; --reward-max-failed-rollouts such rollouts "
+                               "in a row stop the run)", e, unavailable)
+                break
+            finally:
                 score_time += time.perf_counter() - t0
-            if unavailable:
-                continue
             source = f"scorer {self.scorer_path or self.device}"
             parts.append((start, stop, check_scores(raw, stop - start, source)))
         names = sorted({name for _, _, s in parts for name in s} | (set(self.components) if unavailable else set()))
