@@ -7,7 +7,9 @@ Sources (the CONVERTERS registry):
 
 - ``pickapic``: Pick-a-Pic parquet files (a file, or a directory searched recursively for
   ``*.parquet``, in sorted path order). Only the ``caption`` column is read, one record batch at a
-  time, so multi-GB files with image bytes never load whole.
+  time, so multi-GB files with image bytes never load whole; a row group whose prompt column is
+  larger than ``--max-parquet-chunk-mb`` (or 1 MiB a row on average) is refused from the file's
+  metadata before it is read.
 - ``prompts``: a parquet file with a prompt column (``--column``; default the first of
   prompt / caption / text), a ``.jsonl`` file with a ``prompt`` field (``--column`` picks another
   field), or any other file as plain text with one prompt per line.
@@ -22,8 +24,9 @@ Sources (the CONVERTERS registry):
 Every prompt is whitespace-normalised. Its sample id is ``<id-prefix>_<16 hex of its content
 hash>`` (trainer.data.stable_sample_id): stable across file names, shards and row order. Identical
 prompts therefore share an id, so repeats are written once and counted as duplicates. Empty prompts
-are skipped and counted; a malformed JSONL line or a missing column is an error naming the file
-(and line). The output is byte-for-byte reproducible, written to a fresh temporary beside it
+are skipped and counted; a malformed JSONL line, a missing column, a prompt over the trainer's
+10,000 characters or a record line over 1 MiB (in every source) is an error naming the file (and
+line or row). The output is byte-for-byte reproducible, written to a fresh temporary beside it
 (``<output>.<random>.tmp``) and renamed over ``--output`` when complete: a failed run removes the
 temporary; an ``<output>.tmp`` left by a killed run of an earlier version is reported and removed
 by the next successful run.
@@ -52,7 +55,7 @@ from trainer.core.media_key import MediaFileError, media_file_problem  # noqa: E
 from trainer.config import GENERATION_TASKS  # noqa: E402
 
 #: rows per pyarrow record batch: bounds memory whatever the file size
-PARQUET_BATCH_ROWS = 1024
+PARQUET_BATCH_ROWS = 8192
 PROMPT_COLUMN_CANDIDATES = ("prompt", "caption", "text")
 #: the most uncompressed bytes the prompt column may hold in one row group (parquet metadata,
 #: checked before the row group is read). The reader decodes a page at a time, but a page holds

@@ -286,12 +286,8 @@ def _check_wan_experts(model_path: str | None, sampling: dict, algorithm: str, e
     train: from JSON only, before any weights load."""
     from trainer.models.wan import WAN_SECOND_EXPERT, read_boundary_ratio
 
-    if not model_path or not Path(model_path).is_dir():
-        return  # _need_existing names it
-    if not (Path(model_path) / "model_index.json").exists():
-        errors.append(f"--model-path {model_path} has no model_index.json: not a Diffusers WanPipeline directory (it "
-                      "names the experts the loader reads); restore it from the model's Diffusers checkpoint")
-        return
+    if not model_path or not (Path(model_path) / "model_index.json").exists():
+        return  # _need_existing names a missing directory, loading a missing model_index.json
     try:  # a model_index.json that is no JSON object, or that would drop an expert, is named here
         ratio = read_boundary_ratio(model_path)
     except ValueError as e:
