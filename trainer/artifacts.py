@@ -476,13 +476,14 @@ def rollout_index(groups: Sequence[tuple[str, Sequence[str]]], group_size: int,
 _INDEX_CSP = "default-src 'none'; img-src 'self' file:; style-src 'unsafe-inline'"
 _INDEX_STYLE = ("body{font:14px sans-serif;margin:1em}section{margin-bottom:1.5em}"
                 ".prompt{background:#eee;padding:.4em;white-space:pre-wrap}figure{display:inline-block;"
-                "margin:0 .5em .5em 0;vertical-align:top}img{max-height:256px;image-rendering:pixelated}"
+                "margin:0 .5em .5em 0;vertical-align:top}img{height:192px;image-rendering:pixelated}"
                 "figcaption{font-size:12px;max-width:256px}")
 
 
 def index_html(entries: Sequence[Mapping[str, Any]], title: str) -> str:
     """The index as a page: per group its prompt, its source names, then its candidates' files as
-    images, each captioned with its slot and scores. Every text from outside (prompts, file and
+    images 192 px high (a tiny image enlarged pixel for pixel; a click opens the file at its own
+    size), each captioned with its slot and scores. Every text from outside (prompts, file and
     component names) is HTML-escaped."""
     esc = lambda v: html.escape(str(v), quote=True)  # noqa: E731
 
@@ -501,8 +502,8 @@ def index_html(entries: Sequence[Mapping[str, Any]], title: str) -> str:
         if e["sources"]:
             out.append(f'<p>source: {esc(", ".join(e["sources"]))}</p>')
         for c in e["candidates"]:
-            out.append(f'<figure><img src="{esc(c["file"])}" alt="{esc(c["file"])}" loading="lazy">'
-                       f'<figcaption>{caption(c)}</figcaption></figure>')
+            out.append(f'<figure><a href="{esc(c["file"])}"><img src="{esc(c["file"])}" alt="{esc(c["file"])}" '
+                       f'loading="lazy"></a><figcaption>{caption(c)}</figcaption></figure>')
         out.append('</section>')
     out.append('</body></html>')
     return "\n".join(out) + "\n"
