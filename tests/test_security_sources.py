@@ -199,6 +199,10 @@ def test_sources_outside_the_data_directory_are_refused_unless_a_root_is_named(t
     p = run("tools/score.py", "--reward-scorer-path", "color_edit", "--images", str(images), "--prompt-data",
             str(prompts))
     assert p.returncode == 2 and f"a.png: source image '../private/secret.png' ({secret}) lies outside" in output(p)
+    # nor an image to score that is a link out of --images
+    (images / "b.png").symlink_to(secret)
+    p = run("tools/score.py", "--reward-scorer-path", "color", "--images", str(images), "--prompt-data", str(prompts))
+    assert p.returncode == 2 and f"b.png is a link to {secret}, outside the folder" in output(p)
 
 
 def test_prepare_edit_refuses_sources_outside_its_media_root(tmp_path, outside):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -96,6 +97,13 @@ def match_images(image_dir: str | Path, prompts: list[tuple[str, dict]] | None) 
         problem = media_file_problem(p)
         if problem:
             raise ValueError(f"--images {image_dir}: {problem}; remove it from the folder")
+    from trainer.data import within
+
+    root = os.path.realpath(image_dir)
+    for p in files:  # a link out of the folder would hand another file of the host to the scorer
+        if not within(os.path.realpath(p), root):
+            raise ValueError(f"--images {image_dir}: {p.name} is a link to {os.path.realpath(p)}, outside the folder; "
+                             "copy the image into the folder instead")
     if not files:
         raise ValueError(f"--images {image_dir}: no image files found")
     named = [ARTIFACT_RE.match(p.name) for p in files]
@@ -233,8 +241,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _score(args: argparse.Namespace) -> int:
-    import os
-
     from trainer.core.image_file import ImageFileError, decode_rgb
     from trainer.models.edit_source import with_source_pixels
     from trainer.rewards.base import SOURCE_IMAGES_KEY
