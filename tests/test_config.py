@@ -534,7 +534,7 @@ def recipe_env(tmp_path):
     Image.new("RGB", (16, 16), (200, 30, 30)).save(exp / "data" / "media" / "src.png")
     edit = '{"prompt": "<image> make it blue", "images": ["media/src.png"], "metadata": {"task": "i2i", "sample_id": "e0"}}\n'
     for path in (data / "processed" / "i2i" / "train.jsonl", data / "processed" / "i2i" / "eval.jsonl",
-                 exp / "data" / "edit_train.jsonl"):
+                 exp / "data" / "train.jsonl"):
         path.write_text(edit)
     return {"MODEL_DIR": str(models), "DATA_DIR": str(data), "EXP_DIR": str(exp)}
 
