@@ -82,6 +82,27 @@ def test_prepare_data_parquet_row_group_of_oversized_rows_is_refused_at_default_
         assert not out.exists()
 
 
+def test_prepare_data_edit_parquet_huge_cells_are_refused_from_metadata(tmp_path):
+    """The edit route's parquet: a 48 MiB instruction or a 96 MiB "image" (KBs on disk) is refused
+    from the row group's metadata before it is decoded, naming the row; memory stays bounded."""
+    src = tmp_path / "pairs.parquet"
+    png = b"\x89PNG\r\n\x1a\n"
+    cases = {"instruction": (f"{{'instruction': ['x' * (48 << 20)], 'image': [{png!r} + bytes(64)]}}",
+                             "column 'instruction' holds", "1048576 bytes a row"),
+             "image": (f"{{'instruction': ['make it red'], 'image': [{png!r} + bytes(96 << 20)]}}",
+                       "column 'image' holds", "67108864 bytes a row")}
+    for name, (table, column, limit) in cases.items():
+        code = ("import pyarrow as pa, pyarrow.parquet as pq, sys\n"
+                f"pq.write_table(pa.table({table}), sys.argv[1], compression='zstd')")
+        subprocess.run([PY, "-c", code, str(src)], check=True, timeout=120)
+        r = tool_peak_rss("prepare_data.py", "--source", "edit", "--task", "i2i", "--input", src, "--output",
+                          tmp_path / "out.jsonl")
+        assert r["rc"] == 2, (name, r)
+        assert f"{src}:row 0: {column}" in r["err"] and limit in r["err"], (name, r["err"])
+        assert r["rss_kib"] < 200 << 10, (name, r["rss_kib"])
+        assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "media").exists()
+
+
 def test_prepare_data_prompt_over_the_trainer_limit_is_refused_in_every_prompt_route(tmp_path):
     """The trainer's 10,000-character prompt limit holds in prepare_data's parquet, JSONL and text
     routes: the row is named, nothing is written (the output keeps what it held)."""

@@ -77,6 +77,28 @@ def _column_leaves(pf, column: str) -> list[int]:
             or schema.column(k).path.startswith(column + ".")]
 
 
+def check_row_group(pf, path: str, group: int, first_row: int, column: str, max_chunk_bytes: int | None,
+                    max_row_bytes: int = MAX_LINE_BYTES) -> None:
+    """DataError naming the file and rows when `column` holds, in row group `group` (whose first
+    row is `first_row`), more than `max_chunk_bytes` uncompressed (None: no total bound) or more
+    than `max_row_bytes` a row on average (so at least one cell over it): from the file's metadata,
+    before the row group is decoded. A page holds whole values, so decoding one huge cell holds it
+    at once, several times over."""
+    meta = pf.metadata.row_group(group)
+    size, n = sum(meta.column(k).total_uncompressed_size for k in _column_leaves(pf, column)), meta.num_rows
+    rows = f"row {first_row}" if n == 1 else f"rows {first_row}-{first_row + n - 1}"
+    if max_chunk_bytes is not None and size > max_chunk_bytes:
+        limit = f"more than the {max_chunk_bytes} bytes one row group of it may hold (--max-parquet-chunk-mb)"
+    elif n and size > n * max_row_bytes:
+        limit = f"more than {max_row_bytes} bytes a row"
+    else:
+        return
+    what = (f"a prompt has at most {MAX_PROMPT_CHARS} characters" if max_row_bytes == MAX_LINE_BYTES
+            else f"a source image has at most {MAX_IMAGE_BYTES} bytes")
+    raise DataError(f"{where(path)}:{rows}: column {column!r} holds {size} bytes uncompressed there, {limit}; {what}: "
+                    "drop the oversized rows, or choose the right column with --column / --image-column")
+
+
 def iter_parquet_column(path: str, column: str, max_chunk_bytes: int = MAX_PARQUET_CHUNK_BYTES) -> RawPrompts:
     """Stream one string column of a parquet file, row group by row group and batch by batch
     (0-based row numbers). Before a row group is read, its size in the metadata is checked: more
@@ -89,18 +111,9 @@ def iter_parquet_column(path: str, column: str, max_chunk_bytes: int = MAX_PARQU
     names = pf.schema_arrow.names
     if column not in names:
         raise DataError(f"{where(path)}: no column {column!r}; columns are {names}; choose one with --column")
-    leaves = _column_leaves(pf, column)
     row = 0
     for group in range(pf.metadata.num_row_groups):
-        meta = pf.metadata.row_group(group)
-        size, n = sum(meta.column(k).total_uncompressed_size for k in leaves), meta.num_rows
-        rows = f"row {row}" if n == 1 else f"rows {row}-{row + n - 1}"
-        if size > max_chunk_bytes or (n and size > n * MAX_LINE_BYTES):
-            limit = (f"more than the {max_chunk_bytes} bytes one row group of it may hold (--max-parquet-chunk-mb)"
-                     if size > max_chunk_bytes else f"more than {MAX_LINE_BYTES} bytes a row")
-            raise DataError(f"{where(path)}:{rows}: column {column!r} holds {size} bytes uncompressed there, {limit}; "
-                            f"a prompt has at most {MAX_PROMPT_CHARS} characters: drop the oversized rows, or choose "
-                            "the prompt column with --column")
+        check_row_group(pf, path, group, row, column, max_chunk_bytes)
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[column]):
             for value in batch.column(0).to_pylist():
                 if value is not None and not isinstance(value, str):
@@ -247,15 +260,21 @@ def convert_edit(input_path: str, column: str | None, image_column: str | None) 
             if col not in names:
                 raise DataError(f"{where(input_path)}: no column {col!r}; columns are {names}; choose one with {flag}")
         row = 0
-        for batch in pf.iter_batches(batch_size=PARQUET_EDIT_BATCH_ROWS, columns=[text_col, img_col]):
-            texts, images = batch.column(0).to_pylist(), batch.column(1).to_pylist()
-            for text, image in zip(texts, images):
-                origin = f"{input_path}:row {row}"
-                if text is not None and not isinstance(text, str):
-                    raise DataError(f"{origin}: column {text_col!r} is {type(text).__name__}, not text; "
-                                    "choose the instruction column with --column")
-                yield origin, text, source_images(image, origin, img_col)
-                row += 1
+        for group in range(pf.metadata.num_row_groups):
+            # a huge cell is refused before it is decoded: the instruction column as the prompts',
+            # the image column at MAX_IMAGE_BYTES a row (its row groups are large by nature)
+            check_row_group(pf, input_path, group, row, text_col, MAX_PARQUET_CHUNK_BYTES)
+            check_row_group(pf, input_path, group, row, img_col, None, MAX_IMAGE_BYTES)
+            for batch in pf.iter_batches(batch_size=PARQUET_EDIT_BATCH_ROWS, row_groups=[group],
+                                         columns=[text_col, img_col]):
+                texts, images = batch.column(0).to_pylist(), batch.column(1).to_pylist()
+                for text, image in zip(texts, images):
+                    origin = f"{input_path}:row {row}"
+                    if text is not None and not isinstance(text, str):
+                        raise DataError(f"{origin}: column {text_col!r} is {type(text).__name__}, not text; "
+                                        "choose the instruction column with --column")
+                    yield origin, text, source_images(image, origin, img_col)
+                    row += 1
     elif lower.endswith((".jsonl", ".ndjson")):
         for lineno, obj in read_jsonl(input_path):
             origin = where(input_path, lineno)
