@@ -47,6 +47,10 @@ UNSUPPORTED_FIELDS = {
     "modules_to_save": (([], None), "fully trained extra modules"),
     "fan_in_fan_out": ((False, None), "transposed weights"),
     "layers_to_transform": ((None, []), "a subset of the layers"),
+    "lora_bias": ((False, None), "a trained bias on lora_B"),
+    "layer_replication": ((None, []), "replicated layers"),
+    "target_parameters": ((None, []), "adapted parameters rather than modules"),
+    "trainable_token_indices": ((None, {}, []), "trained token embeddings"),
 }
 
 FIX = ("write the adapter with `flowgrpo-export --form adapter` (or peft's save_pretrained of a plain LoRA), "
