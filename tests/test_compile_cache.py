@@ -117,6 +117,45 @@ def test_a_cache_directory_made_between_preflight_and_the_run_is_refused(tmp_pat
     assert os.stat(cache).st_uid == OTHER_UID  # their directory left as it was
 
 
+def test_under_torchrun_every_rank_refuses_a_directory_planted_after_preflight(tmp_path, shared):
+    """2 ranks: the other user plants the directory once, after the first rank's preflight (as
+    one watching for a run to start would). A rank finds it on its exclusive create and refuses
+    it with the flag named (exit 2, which torchrun reports for the rank); no rank reads it."""
+    from tests.workers.launch import free_port
+
+    cache = shared / "cc"
+    marker = tmp_path / "marker"
+    wrapper = tmp_path / "rank.py"
+    wrapper.write_text(
+        "import os, sys, trainer.train as t, tests.test_compile_cache as c\n"
+        "from pathlib import Path\n"
+        "real = t.validate\n"
+        "def validate(*a, **k):\n"
+        "    out = real(*a, **k)\n"
+        "    try:\n"
+        f"        os.mkdir({str(cache)!r})\n"
+        "    except FileExistsError:\n"
+        "        return out  # planted already, or another rank made it (then it is refused as its own would be)\n"
+        f"    c._plant(Path({str(cache)!r}), Path({str(marker)!r}))\n"
+        "    return out\n"
+        "t.validate = validate\n"
+        "sys.exit(t.main(sys.argv[1:]))\n")
+    argv = _argv(tmp_path, cache)
+    argv[argv.index("--actor-num-gpus-per-node") + 1] = "2"
+    argv[argv.index("--n-samples-per-prompt") + 1] = "4"  # 2 candidates a rank
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(free_port()), str(wrapper), *argv], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "exitcode  : 2" in out, out[-4000:]
+    # the first rank to refuse ends the job (torchrun stops the other, which may not have got there)
+    refusals = [ln for ln in out.splitlines() if f"] error: --compile-cache-dir {cache}:" in ln]
+    assert refusals and all(f"is owned by uid {OTHER_UID}" in ln for ln in refusals), out[-4000:]
+    assert not marker.exists() and not (tmp_path / "ckpt").exists()
+
+
 def test_a_cache_directory_group_or_others_can_write_is_refused(tmp_path, shared):
     cache = shared / "cc"
     cache.mkdir(mode=0o700)
