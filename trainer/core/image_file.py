@@ -81,12 +81,12 @@ def _label(source: Any, name: Any) -> str:
 
 @contextmanager
 def open_image(source: Any, name: Any = None, *, max_pixels: int = MAX_IMAGE_PIXELS,
-               max_frames: int | None = 1, max_total_pixels: int | None = None) -> Iterator[Any]:
+               max_frames: int | None = None, max_total_pixels: int | None = None) -> Iterator[Any]:
     """The PIL image of `source` (a path or the file's bytes), header read and checked, pixels not
     yet decoded; `name` names it in errors (default: the path). ImageFileError when its bytes are
     not one of ACCEPTED_FORMATS, a frame has more than `max_pixels` pixels, it has more than
-    `max_frames` frames (None: any; 1 still means the first frame of an animation is read, the
-    check is on what the caller will decode), or frames x pixels exceeds `max_total_pixels`."""
+    `max_frames` frames, or frames x pixels exceeds `max_total_pixels` (None: not checked; a caller
+    that decodes only the first frame leaves both unset)."""
     from PIL import Image, UnidentifiedImageError
 
     name = _label(source, name)
@@ -111,7 +111,7 @@ def open_image(source: Any, name: Any = None, *, max_pixels: int = MAX_IMAGE_PIX
         if max_total_pixels is not None and header.pixels > max_total_pixels:
             raise ImageFileError(f"{name} holds {header.frames} frames of {header.width}x{header.height}, "
                                  f"{header.pixels} pixels in all, more than {max_total_pixels}")
-        if max_frames is not None and max_frames > 1 and header.frames > max_frames:
+        if max_frames is not None and header.frames > max_frames:
             raise ImageFileError(f"{name} holds {header.frames} frames, more than {max_frames}")
         yield im
 
@@ -121,18 +121,11 @@ def header_of(im: Any) -> ImageHeader:
     return ImageHeader(str(im.format), int(im.width), int(im.height), int(getattr(im, "n_frames", 1) or 1))
 
 
-def read_header(source: Any, name: Any = None, **bounds: Any) -> ImageHeader:
-    """The ImageHeader of `source`, read and checked as open_image does (its errors), nothing
-    decoded."""
-    with open_image(source, name, **bounds) as im:
-        return header_of(im)
-
-
 def decode_rgb(source: Any, name: Any = None, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
     """The RGB PIL image of `source`'s first frame, fully decoded (open_image's checks first).
     ImageFileError naming the file when its pixels do not decode (a truncated file)."""
     label = _label(source, name)
-    with open_image(source, name, max_pixels=max_pixels, max_frames=None) as im:
+    with open_image(source, name, max_pixels=max_pixels) as im:
         try:
             return im.convert("RGB")
         except Exception as e:  # noqa: BLE001 - any decoder failure names the file

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,14 +51,25 @@ class Source:
 
 def read_source_bytes(path: str | os.PathLike) -> bytes:
     """The bytes of a source file, from one open. FileNotFoundError naming the file when it is
-    gone; ValueError naming it when it holds more than MAX_SOURCE_BYTES (checked from its size
-    before reading, and by reading at most one byte more, for a file that grows meanwhile)."""
+    gone; ValueError naming it when it is no regular file (a FIFO, a device, a /proc file) or holds
+    more than MAX_SOURCE_BYTES (checked from its size before reading, and by reading at most one
+    byte more, for a file that grows meanwhile)."""
+    from trainer.core.media_key import media_file_problem
+
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    problem = os.path.exists(path) and media_file_problem(path, max_bytes=1 << 62)  # the size: below
+    if problem:  # a /proc file, a FIFO or a device is refused from its status, never read
+        raise ValueError(f"source image {problem}")
+    try:  # non-blocking: a FIFO swapped in since is refused below rather than waited on
+        f = open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK))
+    except FileNotFoundError:
         raise FileNotFoundError(f"source image {path} does not exist; check the record's images with "
-                                "tools/inspect_data.py --decode-media")
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+                                "tools/inspect_data.py --decode-media") from None
+    with f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"source image {path} is not a regular file")
+        size = st.st_size
         data = f.read(MAX_SOURCE_BYTES + 1) if size <= MAX_SOURCE_BYTES else b""
     if size > MAX_SOURCE_BYTES or len(data) > MAX_SOURCE_BYTES:
         raise ValueError(f"source image {path} is {max(size, len(data))} bytes, more than {MAX_SOURCE_BYTES}; "
@@ -90,7 +102,7 @@ def decode_source(data: bytes, path: str | os.PathLike) -> Any:
 
     path = os.fspath(path)
     try:
-        with open_image(data, f"source image {path}", max_pixels=MAX_SOURCE_PIXELS, max_frames=None) as im:
+        with open_image(data, f"source image {path}", max_pixels=MAX_SOURCE_PIXELS) as im:
             _check_geometry(im, path)
             return im.convert("RGB")
     except ImageFileError as e:
@@ -105,15 +117,14 @@ def decode_source(data: bytes, path: str | os.PathLike) -> Any:
 def source_problem(path: str | os.PathLike) -> str | None:
     """Why the source file `path` cannot be used, from its size and its header only (no pixel is
     decoded: cheap enough for every source of a prompt file before a run), or None: missing, over
-    MAX_SOURCE_BYTES, not an accepted format, or a size geometry_problem refuses."""
-    from trainer.core.image_file import ImageFileError, open_image
+    MAX_SOURCE_BYTES, no regular file (core.media_key.media_file_problem: judged from its status,
+    never opened), not an accepted format, or a size geometry_problem refuses."""
+    from trainer.core.media_key import media_file_problem
 
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        return "does not exist"
-    size = os.path.getsize(path)
-    if size > MAX_SOURCE_BYTES:
-        return f"is {size} bytes, more than {MAX_SOURCE_BYTES}; downscale or recompress it"
+    problem = media_file_problem(path, MAX_SOURCE_BYTES)
+    if problem:
+        return problem.removeprefix(path + " ")
     return header_problem(path)
 
 
@@ -123,7 +134,7 @@ def header_problem(source: str | os.PathLike | bytes) -> str | None:
     from trainer.core.image_file import ImageFileError, open_image
 
     try:
-        with open_image(source, "it", max_pixels=MAX_SOURCE_PIXELS, max_frames=None) as im:
+        with open_image(source, "it", max_pixels=MAX_SOURCE_PIXELS) as im:
             return geometry_problem(im.width, im.height)
     except ImageFileError as e:
         return str(e).removeprefix("it ")
