@@ -182,6 +182,8 @@ def test_sources_outside_the_data_directory_are_refused_unless_a_root_is_named(t
         assert f"{data}:{line}: {ref!r} ({secret})" in text
     p = preflight(cfg, "--media-root", str(private))
     assert p.returncode == 0, output(p)
+    p = preflight(cfg, "--media-root", str(tmp_path / "nowhere"))
+    assert p.returncode == 2 and f"--media-root {tmp_path / 'nowhere'}: does not exist" in output(p)
 
     p = run("tools/inspect_data.py", "--train", str(data))
     assert p.returncode == 2 and output(p).count("lies outside the prompt file's directory") == 3
