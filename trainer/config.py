@@ -335,7 +335,8 @@ class RolloutConfig:
         None,
         "Sampling geometry as a JSON object (TOML: a table); required. The command line's keys "
         "merge over the recipe's table (null removes a key; none drops the table), also one at a "
-        "time: --sampling-config.num_inference_steps 10. Keys: height, width, "
+        "time: --sampling-config.num_inference_steps 10; a num_inference_steps given without trained-step keys "
+        "keeps the recipe's sde_indices / sde_pool steps that still fit. Keys: height, width, "
         "num_inference_steps, guidance_scale (1.0, or > 1 for true CFG with negative_prompt and "
         "cfg_renorm), eta (set it explicitly), sde_type, "
         "sde_indices / sde_pool / num_sde_steps / sde_timestep_fraction (must never train "
