@@ -227,6 +227,28 @@ def test_score_refuses_a_fifo_or_proc_link_in_the_images_folder(tmp_path):
         assert r.returncode == 2 and "kernel pseudo-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_score_refuses_a_fifo_or_proc_file_named_as_a_source_image(tmp_path):
+    """tools/score.py with an edit scorer reads each prompt line's metadata.source_images: a FIFO
+    beside the prompt file, or /proc/self/mem under --media-root /, is an error naming the image
+    and the source before the scorer loads, never opened."""
+    from PIL import Image
+
+    images = tmp_path / "imgs"
+    images.mkdir()
+    Image.new("RGB", (8, 8), "red").save(images / "a.png")
+    _fifo(tmp_path / "pipe.png")
+    prompts = tmp_path / "p.jsonl"
+    for source, extra, what in (("pipe.png", [], f"{tmp_path / 'pipe.png'} is a FIFO (named pipe)"),
+                                ("/proc/self/mem", ["--media-root", "/"], "kernel pseudo-file")):
+        prompts.write_text(json.dumps({"prompt": "<image> make it red",
+                                       "metadata": {"source_images": [source], "target_color": "red"}}) + "\n")
+        r = tool("score.py", "--reward-scorer-path", "color_edit", "--images", images, "--prompt-data", prompts,
+                 *extra, timeout=60)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"a.png: source image {source!r}: " in r.stderr and what in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
 # ------------------------------------------------------------------------------ adapter directories
 
 SMALL = json.dumps({"height": 64, "width": 64, "num_inference_steps": 4, "eta": 0.7, "sde_indices": [1, 2]})

@@ -169,6 +169,7 @@ def confine_sources(rows: list[dict], prompt_dir: str | None, media_root: str | 
     entries of SOURCE_IMAGES_KEY) replaced in place by their real paths; ToolError naming the
     image and the source when one lies outside `prompt_dir` and `media_root` (data.confined_media_path)
     or no directory is given to resolve it against."""
+    from trainer.core.media_key import media_file_problem
     from trainer.data import MEDIA_ROOT_FIX, confined_media_path
     from trainer.models.edit_source import SOURCE_PATHS_KEY
     from trainer.rewards.base import SOURCE_IMAGES_KEY
@@ -191,6 +192,9 @@ def confine_sources(rows: list[dict], prompt_dir: str | None, media_root: str | 
                     if not allowed:
                         raise ToolError(f"{r['path'].name}: source image {ref!r} ({real}) lies outside "
                                         f"{base}; {MEDIA_ROOT_FIX}")
+                    problem = os.path.exists(real) and media_file_problem(real)
+                    if problem:  # a FIFO, a device, a /proc file: never opened (a missing one is named when read)
+                        raise ToolError(f"{r['path'].name}: source image {ref!r}: {problem}")
                     ref = real
                 out.append(ref)
             r["metadata"] = md = {**md, key: out}
