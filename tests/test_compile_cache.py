@@ -156,6 +156,28 @@ def test_under_torchrun_every_rank_refuses_a_directory_planted_after_preflight(t
     assert not marker.exists() and not (tmp_path / "ckpt").exists()
 
 
+def test_a_parent_made_by_someone_else_between_preflight_and_the_run_is_refused(tmp_path, shared):
+    """--compile-cache-dir /tmp/run/cc with /tmp/run absent at preflight, then made by another user:
+    they could rename the cache away and put theirs in its place, so the run refuses (exit 2)
+    and creates nothing in their directory."""
+    cache = shared / "run" / "cc"
+    wrapper = (
+        "import os, sys, trainer.train as t\n"
+        "real = t.validate\n"
+        "def validate(*a, **k):\n"
+        "    out = real(*a, **k)\n"
+        f"    os.mkdir({str(cache.parent)!r}); os.chown({str(cache.parent)!r}, {OTHER_UID}, {OTHER_UID})\n"
+        f"    os.chmod({str(cache.parent)!r}, 0o777)\n"
+        "    return out\n"
+        "t.validate = validate\n"
+        "sys.exit(t.main(sys.argv[1:]))\n"
+    )
+    res = _train(_argv(tmp_path, cache), wrapper=wrapper)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"--compile-cache-dir {cache}: its parent {cache.parent} is owned by uid {OTHER_UID}" in res.stderr
+    assert list(cache.parent.iterdir()) == []
+
+
 def test_a_cache_directory_group_or_others_can_write_is_refused(tmp_path, shared):
     cache = shared / "cc"
     cache.mkdir(mode=0o700)

@@ -1252,6 +1252,8 @@ def private_dir_problem(path: str) -> str | None:
         p.parent.mkdir(parents=True, exist_ok=True)  # parents: owner and mode checked below
     except OSError as e:
         return f"cannot create its parent {p.parent} ({e.strerror or e}); choose a directory of your own"
+    if not p.exists() and (problem := compile_cache_problem(str(p))):  # its parents: nothing made in theirs
+        return problem
     try:
         os.mkdir(p, 0o700)
     except FileExistsError:
