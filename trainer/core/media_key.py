@@ -89,12 +89,16 @@ def media_file_problem(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES
 
 
 def open_media_file(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES) -> tuple[BinaryIO, int]:
-    """(binary file object, size) of a media file, checked on the open descriptor itself (no
-    window between check and read): MediaFileError naming it unless media_file_problem would
-    accept it. Opened non-blocking, so a FIFO is refused instead of waiting for a writer;
-    OSError (FileNotFoundError, ...) as open() raises it."""
+    """(binary file object, size) of a media file: MediaFileError naming it unless
+    media_file_problem would accept it, judged from its status before it is opened (opening a
+    device can act on it) and again on the open descriptor (no window between check and read).
+    Opened non-blocking, so a FIFO swapped in meanwhile is refused instead of waiting for a
+    writer; OSError (FileNotFoundError, ...) as open() raises it."""
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    problem = _stat_problem(os.stat(path), max_bytes)
+    if problem:
+        raise MediaFileError(f"{path} {problem}; a record's media must be image or video files")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
         problem = _stat_problem(st, max_bytes)
@@ -120,13 +124,6 @@ def _bounded_chunks(f: BinaryIO, size: int, path: str) -> Iterable[bytes]:
     if f.read(1):
         raise MediaFileError(f"{path} holds more than the {size} bytes its size says (it grew while it was "
                              "read, or it is a pseudo-file); retry once nothing writes it")
-
-
-def read_media_bytes(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES) -> bytes:
-    """The bytes of a media file, from one bounded read (open_media_file's checks and errors)."""
-    f, size = open_media_file(path, max_bytes)
-    with f:
-        return b"".join(_bounded_chunks(f, size, os.fspath(path)))
 
 
 def file_sha256(path: str | os.PathLike, max_bytes: int = MAX_MEDIA_BYTES) -> str:
