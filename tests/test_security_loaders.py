@@ -424,3 +424,21 @@ def test_wan_loader_and_sample_never_drop_an_expert(wan22_dir, tmp_path):
              "--output", tmp_path / "out", timeout=120)
     assert r.returncode == 2 and f"{model / 'model_index.json'} {message}" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_train_preflight_refuses_a_lora_rank_beyond_any_layer(tmp_path):
+    """--lora-rank 100000000 would make peft allocate rank x width per layer at start-up: the
+    trainer's preflight names it (exit 2) before anything loads."""
+    models, data = tmp_path / "models", tmp_path / "data" / "processed" / "t2i"
+    (models / "Qwen-Image").mkdir(parents=True)
+    (models / "PickScore_v1").mkdir()
+    data.mkdir(parents=True)
+    for name in ("pickapic_train", "pickapic_eval256"):
+        _prompts(data / f"{name}.jsonl")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env.update(MODEL_DIR=str(models), DATA_DIR=str(tmp_path / "data"), EXP_DIR=str(tmp_path / "exp"))
+    r = subprocess.run([PY, "-m", "trainer.train", "--config", str(REPO / "configs" / "qwen_image_t2i_lora_8gpu.toml"),
+                        "--preflight-only", "--lora-rank", "100000000"], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "--lora-rank 100000000 is above 8192" in r.stderr, r.stderr
