@@ -285,6 +285,21 @@ def test_contract_without_alpha_is_refused(trained, tmp_path):
         ex.export_checkpoint(save, "t2i", 1, tmp_path / "o", form="adapter")
 
 
+def test_contract_with_a_nan_or_infinite_alpha_is_refused(trained, tmp_path, capsys):
+    """flowgrpo-export of a contract whose lora_alpha is NaN or Infinity (NaN weights with exit 0
+    before): exit 2 naming the contract and the field, nothing written."""
+    save, d = copy_save(trained, "lora", tmp_path)
+    contract = json.loads((d / "adapter_contract.json").read_text())
+    for alpha, shown in ((float("nan"), "NaN"), (float("inf"), "Infinity"), (0, "0")):
+        (d / "adapter_contract.json").write_text(json.dumps({**contract, "lora_alpha": alpha}))
+        for form in ("adapter", "merged"):
+            out = tmp_path / f"o-{form}"
+            assert ex.main(["--save-dir", str(save), "--output-dir", str(out), "--form", form]) == 2
+            err = capsys.readouterr().err
+            assert f"lora_alpha is {shown}: it must be a finite number > 0" in err and "adapter_contract.json" in err, err
+            assert not out.exists()
+
+
 def test_wrong_base_model_is_refused(trained, tmp_path):
     from tools.make_tiny_model import build_tiny_pipeline
     from diffusers import QwenImageTransformer2DModel
