@@ -212,6 +212,18 @@ def test_prepare_data_edit_refuses_a_fifo_source_path(tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_prepare_data_pickapic_refuses_a_fifo_among_its_parquet_files(tmp_path):
+    """--source pickapic searches a directory for *.parquet: a FIFO named like one is refused
+    naming it (opening it would wait for a writer forever)."""
+    (tmp_path / "pick").mkdir()
+    write_parquet(tmp_path / "pick" / "a.parquet", "['a cat']")
+    _fifo(tmp_path / "pick" / "b.parquet")
+    r = tool("prepare_data.py", "--source", "pickapic", "--input", tmp_path / "pick", "--column", "prompt",
+             "--output", tmp_path / "out.jsonl", timeout=30)
+    assert r.returncode == 2 and f"{tmp_path / 'pick' / 'b.parquet'} is not a regular file" in r.stderr, r.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_score_refuses_a_fifo_or_proc_link_in_the_images_folder(tmp_path):
     """tools/score.py --images: a FIFO named like an image, or a link to /proc/self/mem, is an
     error naming it before any scorer loads, not a hang or a traceback."""

@@ -131,6 +131,9 @@ def parquet_files(input_path: str) -> list[str]:
         raise DataError(f"--input {input_path}: no such file or directory")
     files = sorted(os.path.join(root, name)
                    for root, _, names in os.walk(input_path) for name in names if name.endswith(".parquet"))
+    odd = [f for f in files if not os.path.isfile(f)]
+    if odd:  # a FIFO would block the reader, a dangling link fail it midway
+        raise DataError(f"--input {input_path}: {odd[0]} is not a regular file; remove it or name the files' directory")
     if not files:
         raise DataError(f"--input {input_path}: no *.parquet files under this directory")
     return files
