@@ -169,8 +169,9 @@ def test_inspect_data_refuses_proc_files_fifos_and_directories_as_media(tmp_path
     for line, name in ((1, "pagemap"), (2, "mem")):  # the path as named, or /proc/<pid>/ resolved
         assert re.search(rf"{re.escape(str(data))}:{line}: images file '/proc/self/{name}': /proc/\w+/{name} is a "
                          r"kernel pseudo-file \(/proc or /sys\), not a media file", report), report
-    assert f"{data}:3: images file 'pipe.png': {tmp_path / 'pipe.png'} is a FIFO (named pipe), not a regular file" in report
-    assert f"{data}:4: images file 'dir.png': {tmp_path / 'dir.png'} is a directory, not a regular file" in report
+    fifo, folder = tmp_path / "pipe.png", tmp_path / "dir.png"
+    assert f"{data}:3: images file 'pipe.png': {fifo} is a FIFO (named pipe), not a regular file" in report
+    assert f"{data}:4: images file 'dir.png': {folder} is a directory, not a regular file" in report
 
 
 def test_curate_data_refuses_a_fifo_named_as_media_without_hanging(tmp_path):
@@ -399,7 +400,8 @@ def _wan_index_variants(wan22_dir: Path, tmp_path: Path) -> dict[str, tuple[Path
     index = json.loads((wan22_dir / "model_index.json").read_text())
     one_dit = {k: v for k, v in index.items() if k not in ("transformer_2", "boundary_ratio")}
     return {"not-json": (_wan_variant(wan22_dir, tmp_path / "a", json.dumps(index)[:-5]), "is not valid JSON"),
-            "a-list": (_wan_variant(wan22_dir, tmp_path / "b", json.dumps([index])), "holds a JSON list, not an object"),
+            "a-list": (_wan_variant(wan22_dir, tmp_path / "b", json.dumps([index])),
+                       "holds a JSON list, not an object"),
             "expert-undeclared": (_wan_variant(wan22_dir, tmp_path / "c", json.dumps(one_dit)),
                                   "declares no transformer_2, but the directory holds a transformer_2/ expert")}
 

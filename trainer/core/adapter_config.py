@@ -84,8 +84,8 @@ def lora_config_problems(rank: Any, alpha: Any, targets: Any = None) -> list[str
     non-empty module names."""
     problems = []
     if not isinstance(rank, int) or isinstance(rank, bool):
-        problems.append(f"r is {_show(rank)}: it must be a whole number (the adapter's rank, the first dimension of its "
-                        "lora_A tensors)")
+        problems.append(f"r is {_show(rank)}: it must be a whole number (the adapter's rank, the first "
+                        "dimension of its lora_A tensors)")
     elif not 1 <= rank <= MAX_LORA_RANK:
         problems.append(f"r is {rank}: it must be in [1, {MAX_LORA_RANK}]")
     if not _number(alpha) or not math.isfinite(alpha) or alpha <= 0:

@@ -91,7 +91,8 @@ def read_model_index(model_path) -> dict | None:
     try:
         index = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise ValueError(f"--model-path {str(model_path)!r}: {path} is not valid JSON ({str(e)[:120]}); {fix}") from None
+        raise ValueError(f"--model-path {str(model_path)!r}: {path} is not valid JSON ({str(e)[:120]}); "
+                         f"{fix}") from None
     if not isinstance(index, dict):
         raise ValueError(f"--model-path {str(model_path)!r}: {path} holds a JSON {type(index).__name__}, not an "
                          f"object; {fix}")
