@@ -109,8 +109,10 @@ launch_check() {  # python recipe [trainer flags]
       exit "$status"
     fi
   done
-  env ${world:+WORLD_SIZE=$world} "$py" -m trainer.train --config "$recipe" "$@" --preflight-only --quiet \
-    || exit $?
+  # FLOWGRPO_LAUNCH_CHECK: this check also creates the compile cache, private, so that one someone
+  # else planted stops the launch with exit 2 (trainer/train.py)
+  env ${world:+WORLD_SIZE=$world} FLOWGRPO_LAUNCH_CHECK=1 "$py" -m trainer.train --config "$recipe" "$@" \
+    --preflight-only --quiet || exit $?
 }
 
 if [[ $# -eq 0 ]]; then

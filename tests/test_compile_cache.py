@@ -219,3 +219,41 @@ def test_every_rank_creates_or_checks_the_same_directory(tmp_path, shared):
     assert outs == ["None"] * 3
     st = os.stat(cache)
     assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
+
+
+def test_the_launchers_check_creates_the_cache_and_refuses_a_planted_one_with_exit_2(tmp_path, shared):
+    """`bash run.sh train` checks the recipe once before torchrun starts the ranks; that check
+    makes the cache too, so a directory planted after its preflight is refused there with exit
+    2 (under torchrun a rank's 2 reaches the user as the launcher's 1). Unplanted, the launch
+    leaves the cache made private to the user; a user's own --preflight-only makes nothing."""
+    cache = shared / "cc"
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text("")
+    env = {**os.environ, "USE_CURRENT_ENV": "1", "PYTHON": sys.executable, "NPROC": "1",
+           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    res = subprocess.run(["bash", str(ROOT / "run.sh"), "train", str(recipe), *_argv(tmp_path, cache)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    st = os.stat(cache)  # the run itself then stopped at the empty model directory
+    assert res.returncode != 2 and st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700, res.stderr[-3000:]
+
+    cache2, marker = shared / "cc2", tmp_path / "marker"
+    wrapper = (
+        "import sys, trainer.train as t, tests.test_compile_cache as c\n"
+        "from pathlib import Path\n"
+        "real = t.validate\n"
+        "def validate(*a, **k):\n"
+        "    out = real(*a, **k)\n"
+        f"    c._plant(Path({str(cache2)!r}), Path({str(marker)!r}))\n"
+        "    return out\n"
+        "t.validate = validate\n"
+        "sys.exit(t.main(sys.argv[1:]))\n"
+    )
+    env2 = {**env, "FLOWGRPO_LAUNCH_CHECK": "1"}
+    res = subprocess.run([sys.executable, "-c", wrapper, *_argv(tmp_path, cache2), "--preflight-only", "--quiet"],
+                         cwd=ROOT, env=env2, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and f"--compile-cache-dir {cache2}:" in res.stderr, res.stderr[-3000:]
+    assert f"is owned by uid {OTHER_UID}" in res.stderr and not marker.exists()
+
+    res = _train(_argv(tmp_path, shared / "cc3") + ["--preflight-only"])
+    assert res.returncode == 0 and not (shared / "cc3").exists(), res.stderr[-3000:]

@@ -23,6 +23,8 @@ from trainer.config import ConfigError, format_help, load_config, parse_cli, wor
 from trainer.preflight import PreflightError, validate
 
 EXIT_CONFIG = 2
+#: set by run.sh for its check before torchrun starts the ranks (see main)
+LAUNCHER_ENV = "FLOWGRPO_LAUNCH_CHECK"
 
 
 def _is_rank0() -> bool:
@@ -112,12 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     if rank0 and not quiet:
         for w in warnings:
             print(f"preflight warning: {w}", file=sys.stderr)
+    from trainer.preflight import prepare_compile_cache
+
     if preflight_only:
+        # `bash run.sh train`'s one check before torchrun (LAUNCHER_ENV) also makes the compile
+        # cache, so that a directory someone else planted is refused with exit 2 there, where
+        # under torchrun a rank's exit 2 would be reported as the launcher's 1; a user's own
+        # --preflight-only creates nothing
+        if os.environ.get(LAUNCHER_ENV) == "1" and (problem := prepare_compile_cache(cfg)):
+            print(f"error: {problem}", file=sys.stderr)
+            return EXIT_CONFIG
         if rank0 and not quiet:
             print("preflight ok")
         return 0
-    from trainer.preflight import prepare_compile_cache
-
     if problem := prepare_compile_cache(cfg):  # before anything can compile; every rank checks
         report_fatal(os.environ.get("RANK", "0"), f"error: {problem}")
         return EXIT_CONFIG
