@@ -190,8 +190,9 @@ def confine_sources(rows: list[dict], prompt_dir: str | None, media_root: str | 
                 if isinstance(ref, str):
                     real, allowed = confined_media_path(ref, base, media_root)
                     if not allowed:
-                        raise ToolError(f"{r['path'].name}: source image {ref!r} ({real}) lies outside "
-                                        f"{base}; {MEDIA_ROOT_FIX}")
+                        roots = base + (f" and --media-root {media_root}" if media_root and media_root != base else "")
+                        raise ToolError(f"{r['path'].name}: source image {ref!r} ({real}) lies outside {roots}; "
+                                        f"{MEDIA_ROOT_FIX}")
                     problem = os.path.exists(real) and media_file_problem(real)
                     if problem:  # a FIFO, a device, a /proc file: never opened (a missing one is named when read)
                         raise ToolError(f"{r['path'].name}: source image {ref!r}: {problem}")
