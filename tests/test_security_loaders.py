@@ -370,7 +370,7 @@ def test_sample_refuses_an_adapter_whose_tensors_disagree_with_its_rank_or_the_m
     wide = _adapter(tiny_model_dir, tmp_path / "wide", rank=width + 1)
     assert main(base + ["--output", str(tmp_path / "o2"), "--lora", str(wide)]) == 2
     err = capsys.readouterr().err
-    assert f"LoRA rank {width + 1} is above the width {width} of the targeted layer {name}" in err, err
+    assert f"r = {width + 1} is above the width {width} of the targeted layer {name}" in err, err
     assert not list((tmp_path / "o2").rglob("*.png"))
 
 

@@ -522,10 +522,6 @@ class NativeEngine(EngineMemoryState):
         if self._lora_config is None:
             if self.holds_lora():
                 raise WeightSyncError("the engine's transformer already holds LoRA layers it did not install")
-            narrow = _narrowest_target(self.transformer, cfg["target_modules"])
-            if narrow is not None and cfg["rank"] > narrow[1]:  # checked before peft allocates the layers
-                raise WeightSyncError(f"LoRA rank {cfg['rank']} is above the width {narrow[1]} of the targeted layer "
-                                      f"{narrow[0]}; a rank of at most {narrow[1]} fits this model")
             self._inject_lora(cfg)
         elif cfg != self._lora_config:
             raise WeightSyncError(f"LoRA config {cfg} differs from the one installed in the engine "
@@ -598,6 +594,15 @@ class NativeEngine(EngineMemoryState):
             cfg, named = read_lora_dir(d)
             # a diffusers pipeline-level LoRA file also prefixes the component ("transformer.")
             named = [(n.removeprefix("transformer."), t) for n, t in named]
+        # A file's rank, unlike a recipe's --lora-rank, is bounded by the model it is loaded into,
+        # before peft allocates a layer: r x (in + out) per targeted layer may then reach the DiT's
+        # own size, not a multiple of it, whatever the file claims
+        targets = _normalize_lora_config(cfg, self.adapter.lora_target_modules)["target_modules"]
+        narrow = _narrowest_target(self.transformer, targets)
+        if self._lora_config is None and narrow is not None and cfg["rank"] > narrow[1]:
+            raise WeightSyncError(f"--lora {str(path)!r}: r = {cfg['rank']} is above the width {narrow[1]} of the "
+                                  f"targeted layer {narrow[0]}; an adapter of this model has a rank of at most "
+                                  f"{narrow[1]}: re-export it, or check that it belongs to this model")
         self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
         return dict(self._lora_config)  # normalised, as installed
 
