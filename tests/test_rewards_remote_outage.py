@@ -291,3 +291,25 @@ num-rollout = 2
     assert f"reward endpoint {url} (--reward-endpoint) failed 4 attempt(s)" in log and "HTTP 503" in log
     assert f"reward endpoint {url} returned a body that is not JSON" in log
     assert "2 consecutive rollouts" in log and "--reward-max-failed-rollouts" in log, log[-4000:]
+
+
+def test_score_tool_exits_1_when_the_endpoint_scored_nothing(tmp_path, capsys):
+    """tools/score.py against an endpoint that answers every batch with an HTML page: each image
+    scores NaN with a warning naming the endpoint, and the tool ends with exit 1 saying that
+    nothing scored, not 0 as if it had scored the folder."""
+    from PIL import Image
+
+    from tools import score
+
+    images = tmp_path / "rollout_0"
+    images.mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8), (200, 10, 10)).save(images / f"group_00000000_sample_{i:04d}.png")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red ball"}) + "\n")
+    with scripted(lambda n, k: (200, "text/html", b"<html>maintenance</html>")) as (url, posts):
+        rc = score.main(["--reward-runtime", "remote", "--reward-endpoint", url, "--images", str(images),
+                         "--prompt-data", str(prompts)])
+    err = capsys.readouterr().err
+    assert rc == 1 and posts, err
+    assert "none of the 3 images got a finite score from" in err and url.split("/score")[0] in err, err

@@ -30,7 +30,8 @@ from its header. Source images named by a sidecar (`source_paths`) or a prompt l
 (`metadata.source_images`) are read only inside the prompt file's directory or --media-root,
 symlinks followed; relative ones are under the prompt file's directory, else --media-root.
 After the last image, the mean of each component over the images it scored (and their count)
-is printed to stderr.
+is printed to stderr; exit 1 when no image got a finite score at all (the endpoint was down or
+answered nonsense: the warnings say which).
 """
 
 from __future__ import annotations
@@ -300,6 +301,12 @@ def _score(args: argparse.Namespace) -> int:
         mean = f"{total / n:.6g}" if n else "none"
         print(f"score: {name}: mean {mean} over {n} of {len(rows)} images (the others scored NaN)"
               if n < len(rows) else f"score: {name}: mean {mean} over {n} images", file=sys.stderr)
+    if rows and not any(n for _, n in totals.values()):
+        # a scorer or endpoint that scored nothing (an outage, a malformed answer: the warnings above
+        # say which) must not end like a scoring run
+        print(f"flowgrpo-score: error: none of the {len(rows)} images got a finite score from "
+              f"{args.reward_endpoint or args.reward_scorer_path}; see the warnings above", file=sys.stderr)
+        return 1
     return 0
 
 
