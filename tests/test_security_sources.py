@@ -189,6 +189,18 @@ def test_sources_outside_the_data_directory_are_refused_unless_a_root_is_named(t
     assert p.returncode == 2 and output(p).count("lies outside the prompt file's directory") == 3
     assert run("tools/inspect_data.py", "--train", str(data), "--media-root", str(private)).returncode == 0
 
+    # curate_data hashes media to dedup: it reads none outside either, and writes nothing
+    curate_in, curated = data.parent / "curate.jsonl", tmp_path / "curated"
+    curate_in.write_text("".join(json.dumps({"prompt": f"<image> make it {c}", "images": ["../private/secret.png"],
+                                             "metadata": {"task": "i2i", "sample_id": f"c{c}"}}) + "\n"
+                                 for c in ("red", "green", "blue")))
+    p = run("tools/curate_data.py", "--input", str(curate_in), "--output-dir", str(curated))
+    assert p.returncode == 2 and "3 media reference(s)" in output(p) and "--media-root DIR" in output(p), output(p)
+    assert f"{curate_in}:1: '../private/secret.png' is {secret}" in output(p) and not curated.exists()
+    p = run("tools/curate_data.py", "--input", str(curate_in), "--output-dir", str(curated), "--media-root",
+            str(private), "--eval-size", "1")
+    assert p.returncode == 0 and "train 2, eval 1" in output(p), output(p)
+
     p = sample(model_dir, data, tmp_path / "out")
     assert p.returncode == 2 and f"{data}:1: '../private/secret.png' ({secret})" in output(p)
 

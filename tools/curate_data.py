@@ -13,7 +13,9 @@ report says which ones were).
 
 Every step is deterministic, never RNG:
 
-1. validate every line (a malformed or invalid line stops the run with its file:line);
+1. validate every line (a malformed or invalid line stops the run with its file:line), and
+   every media reference: one outside the input file's directory and --media-root (symlinks
+   followed; ``--media-root /`` allows any file) stops the run too, before any file is read;
 2. drop records whose media files do not exist (unless --no-check-media);
 3. drop prompts with fewer than --min-prompt-words words (placeholders not counted);
 4. dedup by content key (the whitespace-normalised prompt, plus for a record with media the
@@ -45,10 +47,10 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.cli import ToolError, existing_file, output_dir, run_tool, tool_parser  # noqa: E402
+from trainer.cli import ToolError, existing_dir, existing_file, output_dir, run_tool, tool_parser  # noqa: E402
 from trainer.core.media_key import media_file_problem  # noqa: E402
-from trainer.data import (DataError, MediaDigests, PromptRecord, count_words, iter_jsonl_lines, parse_record,
-                          record_content_hash, record_dedup_key, resolve_media_path, split_unit, where,
+from trainer.data import (MEDIA_ROOT_FIX, DataError, MediaDigests, PromptRecord, confined_media_path, count_words,
+                          iter_jsonl_lines, parse_record, record_content_hash, record_dedup_key, resolve_media_path, split_unit, where,
                           write_jsonl)
 
 DEFAULT_EVAL_FRACTION = 0.05
@@ -163,7 +165,8 @@ def rebase_media(rec: PromptRecord, src_dir: str, out_dir: str) -> PromptRecord:
 
 def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: int = 0,
            eval_size: int | None = None, eval_subset_sizes: list[int] | tuple[int, ...] = (),
-           eval_fraction: float | None = None, check_media: bool = True) -> CurateReport:
+           eval_fraction: float | None = None, check_media: bool = True,
+           media_root: str | None = None) -> CurateReport:
     """Run steps 1-6 of the module doc and write the files; returns what happened."""
     subset_sizes = list(eval_subset_sizes)
     if eval_size is not None and eval_fraction is not None:
@@ -198,6 +201,14 @@ def curate(input_path: str, out_dir: str, prefix: str = "", min_prompt_words: in
     def drop(reason: str, lineno: int) -> None:
         report.dropped.setdefault(reason, []).append(lineno)
 
+    # a prompt file names only its own data: no file elsewhere on the host is read to hash it
+    outside = [f"{where(input_path, lineno)}: {ref!r} is {real}" for lineno, rec in records for ref in rec.media()
+               for real, allowed in [confined_media_path(ref, src_dir, media_root)] if not allowed]
+    if outside:
+        more = f"\n... and {len(outside) - MAX_LISTED} more" if len(outside) > MAX_LISTED else ""
+        raise DataError(f"{len(outside)} media reference(s) of {input_path} lie outside its directory"
+                        f"{' and --media-root ' + media_root if media_root else ''} (nothing was read or written); "
+                        f"{MEDIA_ROOT_FIX}:\n" + "\n".join(outside[:MAX_LISTED]) + more)
     kept_by_hash: dict[str, tuple[int, PromptRecord]] = {}
     digests = MediaDigests()
     for lineno, rec in records:
@@ -265,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(unset: {DEFAULT_EVAL_FRACTION}); must be in (0, 1)")
     p.add_argument("--no-check-media", action="store_true",
                    help="keep records whose media files do not exist (unset: drop them)")
+    p.add_argument("--media-root", default=None, type=existing_dir,
+                   help="directory whose files the input may also name as media, beside its own directory (a "
+                        "path outside both, symlinks followed, is an error; '/' allows any file)")
     return p
 
 
@@ -275,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _curate(args: argparse.Namespace) -> int:
     report = curate(args.input, args.output_dir, args.prefix, args.min_prompt_words, args.eval_size,
-                    args.eval_subset_sizes, args.eval_fraction, not args.no_check_media)
+                    args.eval_subset_sizes, args.eval_fraction, not args.no_check_media, args.media_root)
     print(f"curate_data: read {report.read} record(s) from {args.input}")
     for reason, lines in report.dropped.items():
         examples = ", ".join(str(n) for n in lines[:EXAMPLES_PER_REASON])
