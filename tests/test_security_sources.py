@@ -419,3 +419,31 @@ def test_the_sidecar_records_sources_relative_to_the_data_directory(tmp_path, ca
     assert rc == 0 and json.loads(out.splitlines()[0])["scores"]["color_edit"] == first
     rc, _, err = score("--media-root", str(tmp_path / "out"))
     assert rc == 2 and "lies outside" in err
+
+
+def test_inspect_decodes_videos_as_animated_webp_only(tmp_path):
+    """inspect_data --decode-media on a prompt file's videos: an FFmpeg concat playlist named
+    .mp4 (which a general demuxer would follow to another file of the host) is reported as not an
+    accepted format, never followed; an animated WebP decodes frame by frame; one whose header
+    declares more frames than MAX_VIDEO_FRAMES is reported from its header."""
+    from trainer.core.image_file import MAX_VIDEO_FRAMES
+
+    d = tmp_path / "data"
+    d.mkdir()
+    secret = tmp_path / "secret.webp"
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(secret)
+    (d / "playlist.mp4").write_text(f"ffconcat version 1.0\nfile '{secret}'\n")
+    frames = [Image.new("RGB", (16, 16), (0, 10 * i, 0)) for i in range(3)]
+    frames[0].save(d / "ok.webp", save_all=True, append_images=frames[1:], duration=100)
+    many = [Image.new("RGB", (2, 2), (i % 256, 0, 0)) for i in range(MAX_VIDEO_FRAMES + 1)]
+    many[0].save(d / "long.webp", save_all=True, append_images=many[1:], duration=10, lossless=True)
+    lines = [{"prompt": f"<video> clip {i}", "videos": [name], "metadata": {"task": "t2v", "sample_id": f"v{i}"}}
+             for i, name in enumerate(["playlist.mp4", "ok.webp", "long.webp"])]
+    data = d / "clips.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    p = run("tools/inspect_data.py", "--train", str(data), "--decode-media")
+    text = output(p)
+    assert p.returncode == 2, text
+    assert f"playlist.mp4 is not a {ACCEPTED} image" in text and "animated WebP" in text, text
+    assert f"long.webp holds {MAX_VIDEO_FRAMES + 1} frames" in text, text
+    assert "ok.webp" not in text, text

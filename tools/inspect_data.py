@@ -57,29 +57,30 @@ class FileScan:
 def decode_problem(path: str, kind: str) -> str | None:
     """None if the media file decodes fully, else why not.
 
-    Images are decoded with Pillow, as PNG, JPEG or WebP only (trainer.core.image_file: a file of
-    another format is refused by its bytes, whatever its name), every pixel read, so truncated
-    files fail.
-    Videos need PyAV; without it the check reports that, rather than passing unchecked.
+    Decoded with Pillow as PNG, JPEG or WebP only (trainer.core.image_file: a file of another
+    format is refused by its bytes, whatever its name), the header's size checked before a pixel
+    is decoded, every pixel read, so truncated files fail. A video is read as the project writes
+    one, an animated WebP, every frame, within MAX_VIDEO_FRAMES frames and MAX_VIDEO_PIXELS pixels
+    in all: no general-purpose video demuxer sees a file a prompt names (FFmpeg's playlist and
+    concat formats read other files and URLs).
     """
-    if kind == "images":
-        from trainer.core.image_file import ImageFileError, decode_rgb
+    from PIL import ImageSequence
 
-        try:  # the accepted formats only, the size checked from the header before decoding
+    from trainer.core.image_file import (MAX_VIDEO_FRAMES, MAX_VIDEO_PIXELS, ImageFileError, decode_rgb,
+                                         open_image)
+
+    try:  # the accepted formats only, the size checked from the header before decoding
+        if kind == "images":
             decode_rgb(path, os.path.basename(path))
-        except ImageFileError as e:
-            return str(e)
-        except Exception as e:  # noqa: BLE001 - any decoder failure is the finding
-            return f"{type(e).__name__}: {e}"
-        return None
-    try:
-        import av
-    except ImportError:
-        return "cannot decode videos: PyAV is not installed (pip install av), or drop --decode-media"
-    try:
-        with av.open(path) as container:
-            next(container.decode(video=0))
-    except Exception as e:  # noqa: BLE001
+            return None
+        with open_image(path, os.path.basename(path), max_frames=MAX_VIDEO_FRAMES,
+                        max_total_pixels=MAX_VIDEO_PIXELS) as im:
+            for frame in ImageSequence.Iterator(im):
+                frame.convert("RGB").load()
+    except ImageFileError as e:
+        return str(e) + (" (a video is checked as an animated WebP, the format rollouts are written in)"
+                         if kind != "images" else "")
+    except Exception as e:  # noqa: BLE001 - any decoder failure is the finding
         return f"{type(e).__name__}: {e}"
     return None
 

@@ -48,13 +48,9 @@ if __package__ in (None, ""):  # run as a script: this checkout's trainer, not a
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.cli import ToolError, existing_dir, existing_file, run_tool, tool_parser  # noqa: E402
+from trainer.core.image_file import MAX_VIDEO_FRAMES, MAX_VIDEO_PIXELS  # noqa: E402
 
 ARTIFACT_RE = re.compile(r"^group_(\d{8})_sample_(\d{4})\.(?:png|webp)$")
-#: frames read from one video file: 4x Wan2.1's 81, so a file cannot make the tool hold unbounded frames
-MAX_VIDEO_FRAMES = 324
-#: pixels (frames x width x height) decoded from one video file: two 81-frame 720 x 1280 videos,
-#: about 450 MB as uint8 RGB, checked from the header before a frame is decoded
-MAX_VIDEO_PIXELS = 2 * 81 * 720 * 1280
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 

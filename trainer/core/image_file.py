@@ -27,6 +27,12 @@ ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP")
 ACCEPTED_NAMES = "PNG, JPEG or WebP"
 #: the most pixels (width x height) of one image or frame: the reward server's per-image bound
 MAX_IMAGE_PIXELS = 4096 * 4096
+#: frames read from one video file (an animated WebP, the format rollouts write): 4x Wan2.1's 81,
+#: so a file cannot make a tool hold unbounded frames
+MAX_VIDEO_FRAMES = 324
+#: pixels (frames x width x height) decoded from one video file: two 81-frame 720 x 1280 videos,
+#: about 450 MB as uint8 RGB, checked from the header before a frame is decoded
+MAX_VIDEO_PIXELS = 2 * 81 * 720 * 1280
 
 
 class ImageFileError(ValueError):
