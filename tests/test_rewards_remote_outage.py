@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,9 @@ import pytest
 import torch
 
 from tests.test_rewards_remote_edit import edit_batch
+from tests.test_security_network import serving
 from tests.test_security_reward_server import TOKEN, cli_server
+from tests.workers.launch import free_port
 from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
 from tools.reward_server import ServerLimits, make_server
 from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch
@@ -70,25 +71,6 @@ def scripted(post_answers, get_answers=()):
     finally:
         server.shutdown()
         server.server_close()
-
-
-@contextlib.contextmanager
-def serving(scorer, limits=None):
-    server = make_server(scorer, "127.0.0.1", 0, "test", limits=limits)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield "http://%s:%d/score" % server.server_address[:2]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def images(n: int):
@@ -189,17 +171,17 @@ def test_a_video_batch_is_split_to_the_advertised_pixels_and_frames():
                              (ServerLimits(max_request_frames=10), [[5, 5], [5, 3]]),
                              (ServerLimits(max_request_pixels=2 * per_video), [[5, 5], [5, 3]])):
         recording = Recording()
-        with serving(recording, limits) as url:
+        with serving(recording, limits=limits) as url:
             got = RewardManager("remote", endpoint=url, remote_max_retries=0).score(vb, list("abcd"))
         assert recording.requests == expected
         assert torch.equal(got.components["temporal_consistency"], local) and got.failures == {}
     # one video that fits in no request is an error naming the flag, before anything is sent
     recording = Recording()
-    with serving(recording, ServerLimits(max_request_frames=4)) as url:
+    with serving(recording, limits=ServerLimits(max_request_frames=4)) as url:
         with pytest.raises(RewardEndpointError, match=r"candidate 0 alone needs 5 frames, more than the server's "
                                                       r"--max-request-frames=4"):
             RemoteScorer(url, max_retries=0).score(vb, list("abcd"), [{}] * 4)
-    with serving(recording, ServerLimits(max_image_pixels=16 * 24 - 1)) as url:
+    with serving(recording, limits=ServerLimits(max_image_pixels=16 * 24 - 1)) as url:
         with pytest.raises(RewardEndpointError, match=r"candidate 0 alone has an image or frame of 384 pixels, more "
                                                       r"than the server's --max-image-pixels=383"):
             RemoteScorer(url, max_retries=0).score(vb, list("abcd"), [{}] * 4)
@@ -227,7 +209,7 @@ def test_an_image_batch_is_split_to_the_advertised_images_and_bytes(monkeypatch)
         got = RewardManager("remote", endpoint=url, remote_max_retries=0).score(imgs, prompts)
     assert torch.equal(got.components["color"], local) and got.failures == {}
     recording = RecordingColor()
-    with serving(recording, ServerLimits(max_request_mb=0.002)) as url:
+    with serving(recording, limits=ServerLimits(max_request_mb=0.002)) as url:
         got = RewardManager("remote", endpoint=url, remote_max_retries=0).score(imgs, prompts)
     assert torch.equal(got.components["color"], local) and sum(recording.requests) == 32
     assert len(recording.requests) > 2
@@ -243,7 +225,7 @@ def test_edit_sources_go_with_the_part_of_the_batch_that_uses_them():
             recording.append([len(m[SOURCE_IMAGES_KEY]) for m in metadata])
             return super().score(images, prompts, metadata)
 
-    with serving(Recording(), ServerLimits(max_request_images=3)) as url:  # 2 edits + their source
+    with serving(Recording(), limits=ServerLimits(max_request_images=3)) as url:  # 2 edits + their source
         remote = RemoteScorer(url, max_retries=0)(images, prompts, meta)
     assert recording == [[1, 1], [1, 1]]
     for name in ColorEditScorer.components:

@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import tracemalloc
 from multiprocessing.pool import ThreadPool
@@ -23,7 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tools.reward_server import ServerLimits, make_server
+from tests.test_security_network import serving
+from tools.reward_server import ServerLimits
 from trainer.rewards.base import ImageBatch
 from trainer.rewards.remote import RemoteScorer
 from trainer.rewards.transport import TOKEN_ENV
@@ -46,19 +46,6 @@ def cli_server(*flags: str):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-
-
-@contextlib.contextmanager
-def thread_server(scorer, limits=None):
-    server = make_server(scorer, "127.0.0.1", 0, "test", limits=limits)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield "http://%s:%d/score" % server.server_address[:2]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def post(url: str, body: bytes, token: str | None = TOKEN, timeout: float = 30) -> tuple[int, dict]:
@@ -149,7 +136,7 @@ def test_counts_are_bounded_before_time_or_memory_is_spent(monkeypatch):
 def test_frames_are_bounded_per_request():
     frame = png_b64()
     limits = ServerLimits(max_request_frames=64)
-    with thread_server(TemporalConsistencyScorer(), limits) as url:
+    with serving(TemporalConsistencyScorer(), limits=limits) as url:
         for frames, flag in ((200_000, "--max-json-nodes"), (65, "--max-request-frames=64")):
             body = json.dumps({"prompts": ["a"], "videos": [[frame] * frames]}).encode()
             tracemalloc.start()
