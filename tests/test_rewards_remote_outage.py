@@ -22,7 +22,7 @@ from tests.test_rewards_remote_edit import edit_batch
 from tests.test_security_network import serving
 from tests.test_security_reward_server import TOKEN, cli_server
 from tests.workers.launch import free_port
-from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
+from tests.workers.recipes import tiny_recipe
 from tools.reward_server import ServerLimits, make_server
 from trainer.rewards.base import SOURCE_IMAGES_KEY, ImageBatch
 from trainer.rewards.color import ColorScorer
@@ -244,16 +244,7 @@ def test_a_run_rides_out_a_slow_start_and_counts_an_outage_and_html_as_failed_ro
                                            "metadata": {"task": "t2i", "sample_id": f"p{i}"}}) + "\n"
                                for i in range(4)))
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text(f"""
-actor-num-nodes = 1
-actor-num-gpus-per-node = 1
-generation-task = "t2i"
-model-path = "{tiny_model_dir}"
-prompt-data = "{prompts}"
-{TINY_GEOMETRY}
-reward-runtime = "remote"
-num-rollout = 2
-{TINY_SAMPLING}""")
+    recipe.write_text(tiny_recipe(tiny_model_dir, prompts, extra='reward-runtime = "remote"\nnum-rollout = 2'))
 
     def post(i, n):
         return UNAVAILABLE if i < 4 else HTML  # 4 = the first attempt and the client's 3 retries

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from tests.workers.launch import ROOT
-from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
+from tests.workers.recipes import tiny_recipe
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
 
@@ -33,19 +33,9 @@ def _prompts(path: Path, texts: list[str], prefix: str) -> Path:
 def _recipe(tmp: Path, model_dir: Path, extra: str = "") -> Path:
     """One process, 2 groups of 4 at 32x32 and 4 steps; `extra`: more top-level TOML."""
     path = tmp / "recipe.toml"
-    path.write_text(f"""
-actor-num-nodes = 1
-actor-num-gpus-per-node = 1
-generation-task = "t2i"
-model-path = "{model_dir}"
-prompt-data = "{_prompts(tmp / 'train.jsonl', [f'a red ball {i}' for i in range(4)], 'p')}"
-{TINY_GEOMETRY}
-eps-clip = 1e-3
-lr = 1e-3
-reward-runtime = "cpu"
-reward-scorer-path = "color"
-{extra}
-{TINY_SAMPLING}""")
+    prompts = _prompts(tmp / "train.jsonl", [f"a red ball {i}" for i in range(4)], "p")
+    scorer = 'reward-runtime = "cpu"\nreward-scorer-path = "color"'
+    path.write_text(tiny_recipe(model_dir, prompts, extra=f"{scorer}\n{extra}"))
     return path
 
 

@@ -21,3 +21,20 @@ eta = 1.0
 sde_type = "sde"
 sde_indices = [1, 2]
 """
+
+
+def tiny_recipe(model_dir, prompt_data, *, ranks: int = 1, extra: str = "") -> str:
+    """A whole t2i recipe of the tiny model: TINY_GEOMETRY and TINY_SAMPLING, `ranks` processes;
+    `extra`: more top-level keys, the reward's among them (none of the keys written here: TOML
+    refuses a key twice)."""
+    return f"""
+actor-num-nodes = 1
+actor-num-gpus-per-node = {ranks}
+generation-task = "t2i"
+model-path = "{model_dir}"
+prompt-data = "{prompt_data}"
+{TINY_GEOMETRY}
+eps-clip = 1e-3
+lr = 1e-3
+{extra}
+{TINY_SAMPLING}"""
