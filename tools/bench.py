@@ -1728,8 +1728,7 @@ def nft_update(c: Ctx, actor, sampling: Any) -> Callable[..., dict[str, float]]:
     schedule = torch.tensor(driver_sigmas(c.engine, sampling)[:-1], dtype=torch.float32)
 
     def update(batch, adv, valid, rollout_id):
-        return actor.nft_train_step(batch, adv, velocity_fn, schedule, nft_draw_seed(c.args.seed, rollout_id,
-                                                                                     c.rep.rank), valid)
+        return actor.nft_train_step(batch, adv, velocity_fn, schedule, nft_draw_seed(c.args.seed, rollout_id), valid)
 
     return update
 

@@ -86,6 +86,26 @@ def plan_updates(n_local: int, num_updates: int, micro_batch_size: int) -> list[
             for u in range(num_updates)]
 
 
+def global_update_order(ids: Sequence[int], num_updates: int) -> list[int]:
+    """The local rows in update order: row i (global candidate id ids[i], group-major over the
+    whole rollout) belongs to update ids[i] mod num_updates, and the rows of one update keep their
+    global order. Update u is therefore the same set of candidates on any world size (slots u,
+    u + U, ... of every group when U divides the group size), and each rank holds its equal share
+    of it: a contiguous block of n rows, with U dividing n, holds n / U of every residue.
+
+    Returns the permutation of range(len(ids)) that puts update 0's rows first, then update 1's;
+    raises ValueError when this rank's rows are not an equal share of every update."""
+    n = len(ids)
+    counts = [0] * max(num_updates, 1)
+    for i in ids:
+        counts[int(i) % num_updates] += 1
+    if num_updates < 1 or len(set(counts)) > 1:
+        raise ValueError(f"--num-updates-per-batch {num_updates}: this rank's {n} candidates hold {counts} of the "
+                         "updates (candidate id mod the update count); every rank needs an equal share of every "
+                         "update: make the update count divide the candidates per rank")
+    return sorted(range(n), key=lambda i: (int(ids[i]) % num_updates, int(ids[i])))
+
+
 @dataclass
 class UpdatePlan:
     """What `Actor._plan` decided for one train_step, the same on every rank."""
@@ -99,6 +119,8 @@ class UpdatePlan:
     global_valid: list[float]
     #: [n] bool on the host: which candidates enter the loss
     valid_host: torch.Tensor
+    #: [n] int64 on the host: each row's global candidate id (global_update_order's key)
+    ids: torch.Tensor
     #: (start, end) -> device row indices of a partially valid micro-batch
     partial_rows: dict[tuple[int, int], torch.Tensor]
     world: int
@@ -477,18 +499,23 @@ class Actor:
     # -- the FlowGRPO update ------------------------------------------------------------------
     def train_step(self, batch: Any, advantages: torch.Tensor, replay_fn: ReplayFn,
                    valid: torch.Tensor | None = None,
-                   progress: Callable[[], None] | None = None) -> dict[str, float]:
+                   progress: Callable[[], None] | None = None,
+                   ids: Sequence[int] | torch.Tensor | None = None) -> dict[str, float]:
         """One rollout's update over this rank's candidates. Collective: every rank calls it.
 
-        batch: n candidates' Trajectory (what replay_fn consumes; `batch[s:e]` is a micro-batch,
-        views, no copy); advantages: [n]; valid: [n] bool (False = candidate of a failed reward
-        group: replayed so every rank runs the same collectives, but excluded from the loss);
+        batch: n candidates' Trajectory (what replay_fn consumes; `batch[s:e]` is a micro-batch);
+        advantages: [n]; valid: [n] bool (False = candidate of a failed reward group: replayed so
+        every rank runs the same collectives, but excluded from the loss);
         replay_fn(model, rows) -> logp [b, S] (fp32 preferred); progress() is called after every
-        replayed micro-batch, anchor passes included (a progress bar).
+        replayed micro-batch, anchor passes included (a progress bar); ids: [n] the rows' global
+        candidate ids over the whole rollout (None: 0..n-1, one process holding everything).
 
-        1. plan (`_plan`): n split into num_updates_per_batch disjoint equal parts of
-           micro-batches; ranks MAX-check they agree on the micro-batch count (raise, never
-           deadlock); an update whose valid advantages are all ~0 on every rank is skipped (counted).
+        1. plan (`_open_round`, `_plan`): the rows put in update order (global_update_order:
+           candidate id mod num_updates_per_batch, so an update is the same candidates on any
+           world size and each rank holds its share), each update's share cut into micro-batches
+           of --micro-batch-size (gradient accumulation); ranks MAX-check they agree on the
+           micro-batch count (raise, never deadlock); an update whose valid advantages are all
+           ~0 on every rank is skipped (counted).
         2. anchor (`_anchor`): pi_old log-probs through the live model with the same replay_fn,
            before any optimizer step. The first executed update runs before any step, so its own
            forward (with grad) is the anchor: old = logp.detach(), ratio exactly 1 by
@@ -500,12 +527,14 @@ class Actor:
            to the bit, and then the same weights as the anchor path).
         3. per update (`_backward_microbatch`, `_optimizer_step`): loss over micro-batches
            (per-(sample, step) clipped objective), scaled so the FSDP mean-reduced gradient is the
-           mean over all valid (sample, step) of all ranks; clip_grad; lr from the schedule; AdamW.
+           mean over all valid (sample, step) of the whole update, every rank's share summed: the
+           gradient one process holding the whole update would get; clip_grad on the global norm;
+           lr from the schedule; AdamW.
         4. metrics (`UpdateStats.reduce`): one SUM and one MAX reduce, one host transfer
            (ratio_min/max MAX-reduced, the rest averaged over valid (sample, step) elements).
         """
         t_start = time.perf_counter()
-        adv, plan, metrics = self._open_round(advantages, valid)
+        batch, adv, plan, metrics = self._open_round(batch, advantages, valid, ids)
         if not any(plan.run):
             return metrics
 
@@ -571,18 +600,20 @@ class Actor:
     # -- the DiffusionNFT update (--algorithm nft) -------------------------------------------------
     def nft_train_step(self, batch: Any, advantages: torch.Tensor, velocity_fn: VelocityFn, schedule: torch.Tensor,
                        seed: int, valid: torch.Tensor | None = None,
-                       progress: Callable[[], None] | None = None) -> dict[str, float]:
+                       progress: Callable[[], None] | None = None,
+                       ids: Sequence[int] | torch.Tensor | None = None) -> dict[str, float]:
         """One DiffusionNFT round on this rank's `batch` (a Trajectory whose last column's
         next_latents are the clean final latents x0 of an ODE rollout) with advantages [n].
         velocity_fn(model, rows, x_t, sigma) -> v [b, ...] is the DiT call the replay makes
         (the adapter's velocity); schedule [N] the rollout's step sigmas; seed fixes this
-        round's draws (the caller derives it from the run seed, the rollout id and the rank, so
-        a resumed run draws the same).
+        round's draws (the caller derives it from the run seed and the rollout id, so a resumed
+        run draws the same); ids: the rows' global candidate ids, as train_step's.
 
-        1. plan (`_plan`, as FlowGRPO's): micro-batches, rank agreement, all-~0 rounds skipped;
-           r = optimality_probability(A, --adv-clip-max) per candidate.
+        1. plan (`_open_round`, as FlowGRPO's): update order, micro-batches, rank agreement,
+           all-~0 rounds skipped; r = optimality_probability(A, --adv-clip-max) per candidate.
         2. draw (`_nft_draws`): per candidate K = floor(N x --nft-timestep-fraction) sigmas
-           (draw_train_sigmas) and a standard-normal noise per sigma, from `seed` alone.
+           (draw_train_sigmas) and a standard-normal noise per sigma, from its own generator
+           seeded by (`seed`, its global id): the same draws whichever rank holds it.
         3. old (`_nft_old_velocities`): v_old at every (micro-batch, sigma) with the old policy's
            weights swapped in, all before any optimizer step (one swap, no_grad).
         4. per update: for each micro-batch and sigma, x_t = forward_noise(x0, eps, sigma), v_theta
@@ -598,7 +629,7 @@ class Actor:
         g = self.grpo
         if self.nft_old is None:
             raise RuntimeError("nft_train_step needs the old policy: build the actor with --algorithm nft")
-        adv, plan, metrics = self._open_round(advantages, valid)
+        batch, adv, plan, metrics = self._open_round(batch, advantages, valid, ids)
         if not any(plan.run):
             return metrics
         r = optimality_probability(adv.nan_to_num(0.0), float(g.adv_clip_max))
@@ -628,22 +659,26 @@ class Actor:
 
     def _nft_draws(self, batch: Any, plan: "UpdatePlan", schedule: torch.Tensor,
                    seed: int) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
-        """Step 2: per micro-batch (sigmas [b, K] fp32, noise [K, b, ...] fp32), on the device,
-        drawn on the CPU from one generator seeded with `seed`, in plan order."""
-        from trainer.nft import draw_train_sigmas, num_train_timesteps
+        """Step 2: per micro-batch (sigmas [b, K] fp32, noise [K, b, ...] fp32), on the device.
+        Each candidate's K sigmas and noises come from its own CPU generator seeded with
+        nft_candidate_seed(`seed`, its global id): a function of the candidate, not of the rank
+        or the micro-batch that holds it."""
+        from trainer.nft import draw_train_sigmas, nft_candidate_seed, num_train_timesteps
 
         g = self.grpo
         k = num_train_timesteps(int(schedule.numel()), float(g.nft_timestep_fraction))
-        gen = torch.Generator().manual_seed(int(seed))
         out = {}
         for u, part in enumerate(plan.parts):
             for (s, e) in part:
                 if not plan.run[u]:
                     continue
                 x0 = _clean_latents(batch[s:e])
-                sig = draw_train_sigmas(schedule, e - s, k, gen, str(g.nft_timestep_distribution))
-                noise = torch.randn((k, *x0.shape), generator=gen, dtype=torch.float32)
-                out[(s, e)] = (sig.to(self.device), noise.to(self.device))
+                sigs, noises = [], []
+                for row in range(s, e):
+                    gen = torch.Generator().manual_seed(nft_candidate_seed(seed, int(plan.ids[row])))
+                    sigs.append(draw_train_sigmas(schedule, 1, k, gen, str(g.nft_timestep_distribution)))
+                    noises.append(torch.randn((k, 1, *x0.shape[1:]), generator=gen, dtype=torch.float32))
+                out[(s, e)] = (torch.cat(sigs).to(self.device), torch.cat(noises, dim=1).to(self.device))
         return out
 
     @torch.no_grad()
@@ -712,16 +747,29 @@ class Actor:
         self.nft_old.update()
         return decay
 
-    def _open_round(self, advantages: torch.Tensor, valid: torch.Tensor | None):
-        """(advantages on the device, the round's micro-batch plan, its first metrics), shared by
-        both algorithms' steps; a round in which no micro-batch runs is counted as skipped and its
-        metrics are complete (the caller returns them)."""
+    def _open_round(self, batch: Any, advantages: torch.Tensor, valid: torch.Tensor | None,
+                    ids: Sequence[int] | torch.Tensor | None):
+        """(the batch in update order, its advantages on the device, the round's micro-batch plan,
+        its first metrics), shared by both algorithms' steps; a round in which no micro-batch runs
+        is counted as skipped and its metrics are complete (the caller returns them)."""
+        n = int(advantages.shape[0])
+        ids_host = torch.arange(n) if ids is None else torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+        if ids_host.shape != (n,):
+            raise ValueError(f"ids shape {tuple(ids_host.shape)} != advantages shape {(n,)}")
+        order = global_update_order(ids_host.tolist(), int(self.grpo.num_updates_per_batch))
+        if order != list(range(n)):
+            # one copy of this rank's rows (the replay reads every one of them anyway), so that each
+            # update's share is contiguous and a micro-batch stays a view
+            perm = torch.tensor(order, dtype=torch.long)
+            batch = batch[order] if batch is not None else None
+            advantages, ids_host = advantages[perm.to(advantages.device)], ids_host[perm]
+            valid = None if valid is None else valid[perm.to(valid.device)]
         adv = advantages.detach().float().to(self.device)
         ok = torch.ones(adv.shape[0], dtype=torch.bool, device=self.device) if valid is None \
             else valid.to(self.device).bool()
         if ok.shape != adv.shape:
             raise ValueError(f"valid mask shape {tuple(ok.shape)} != advantages shape {tuple(adv.shape)}")
-        plan = self._plan(adv, ok)
+        plan = self._plan(adv, ok, ids_host)
         metrics: dict[str, float] = {"train/num_microbatches": float(plan.num_microbatches)}
         if not any(plan.run):
             self.skipped_rounds += 1
@@ -729,14 +777,15 @@ class Actor:
                             "train/skipped_rounds": float(self.skipped_rounds),
                             "train/lr": self.lr_at(self.optimizer_steps),
                             "train/lr_scheduler_steps": float(self.optimizer_steps)})
-        return adv, plan, metrics
+        return batch, adv, plan, metrics
 
-    def _plan(self, adv: torch.Tensor, ok: torch.Tensor) -> "UpdatePlan":
+    def _plan(self, adv: torch.Tensor, ok: torch.Tensor, ids: torch.Tensor | None = None) -> "UpdatePlan":
         """Step 1: the micro-batch plan, agreed by every rank, and which updates run. Two tiny
         reduces (one MAX carries the plan check and the per-update max |A|, one SUM the valid
         counts) are the plan's only host syncs, before any forward."""
         g = self.grpo
         n = int(adv.shape[0])
+        ids = torch.arange(n) if ids is None else ids
         parts = plan_updates(n, int(g.num_updates_per_batch), int(g.micro_batch_size))
         n_mb = sum(len(p) for p in parts)
         cdev = collective_device()
@@ -763,7 +812,7 @@ class Actor:
         part_idx = {(s, e): torch.nonzero(ok_host[s:e]).flatten().to(self.device)
                     for u, part in enumerate(parts) if run[u] for (s, e) in part
                     if 0 < int(ok_host[s:e].sum()) < e - s}
-        return UpdatePlan(n=n, parts=parts, run=run, global_valid=global_cnt, valid_host=ok_host,
+        return UpdatePlan(n=n, parts=parts, run=run, global_valid=global_cnt, valid_host=ok_host, ids=ids,
                           partial_rows=part_idx, world=dist.get_world_size() if dist.is_initialized() else 1,
                           skipped_microbatches=sum(len(p) for u, p in enumerate(parts) if not run[u]))
 

@@ -303,10 +303,11 @@ def make_velocity_fn(adapter: Any):
     return velocity
 
 
-def nft_draw_seed(rollout_seed: int, rollout_id: int, rank: int) -> int:
-    """The seed of one rank's nft draws (training sigmas and noise) in rollout `rollout_id`: a
-    pure function of the run seed, the rollout and the rank, so a resumed run draws the same."""
-    return (int(rollout_seed) * 1_000_003 + int(rollout_id) * 7919 + int(rank)) % (2 ** 63)
+def nft_draw_seed(rollout_seed: int, rollout_id: int) -> int:
+    """The seed of rollout `rollout_id`'s nft draws (training sigmas and noise; each candidate's
+    own is nft.nft_candidate_seed of it and the candidate's global id): a pure function of the
+    run seed and the rollout, so a resumed run, and a run on another world size, draws the same."""
+    return (int(rollout_seed) * 1_000_003 + int(rollout_id) * 7919) % (2 ** 63)
 
 
 def evaluate_with_ema(actor: Any, syncer: Any, engine: Any, evaluate: Any) -> Any:
@@ -713,11 +714,11 @@ class Trainer:
                 if self.nft:
                     m.update(self.actor.nft_train_step(
                         batch, reward.advantages[idx], self.velocity_fn, self._nft_schedule(),
-                        nft_draw_seed(cfg.rollout.rollout_seed, k, self.rank), reward.valid[idx],
-                        progress=bar.update))
+                        nft_draw_seed(cfg.rollout.rollout_seed, k), reward.valid[idx],
+                        progress=bar.update, ids=idx))
                 else:
                     m.update(self.actor.train_step(batch, reward.advantages[idx], self.replay_fn,
-                                                   reward.valid[idx], progress=bar.update))
+                                                   reward.valid[idx], progress=bar.update, ids=idx))
             if debug:
                 after = weights_fingerprint(self.actor.model)
                 m["debug/weights_abs_sum_before"], m["debug/weights_abs_sum_after"] = before, after
@@ -1477,7 +1478,9 @@ def run(cfg: Any, recipe: str | None = None) -> int:
         info = init_distributed()
         if info.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        torch.manual_seed(int(cfg.rollout.rollout_seed) + info.rank)
+        # the same on every rank: an initial value drawn here (LoRA's A) is then the same tensor
+        # whichever rank keeps which shard of it, so the world size does not change the start
+        torch.manual_seed(int(cfg.rollout.rollout_seed))
         trainer = Trainer(cfg, info, recipe_name=Path(recipe).stem if recipe else "run")
         trainer.maybe_resume()
         record = trainer.write_recipe_record()

@@ -186,6 +186,13 @@ def draw_train_sigmas(schedule: torch.Tensor, n: int, k: int, generator: torch.G
     return lo + (hi - lo) * torch.rand(n, k, generator=generator)
 
 
+def nft_candidate_seed(round_seed: int, candidate_id: int) -> int:
+    """The seed of one candidate's training draws (its sigmas and noises) in a round seeded
+    `round_seed`: keyed by the candidate's global id, so the draws do not depend on which rank or
+    micro-batch holds it (the world size decides who computes, not what)."""
+    return (int(round_seed) * 1_000_003 + int(candidate_id) * 7919 + 17) % (2 ** 63)
+
+
 def num_train_timesteps(num_inference_steps: int, fraction: float) -> int:
     """K, the noise levels trained per sample: floor(N * fraction), at least 1 (N = 10 steps at
     the recipe's 0.99 give 9)."""
