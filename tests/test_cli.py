@@ -70,9 +70,14 @@ def test_preflight_only_in_process(recipe_env, capsys):
 
 
 def test_world_size_comes_from_torchrun_env(recipe_env, monkeypatch, capsys):
+    # the 8-GPU recipe on 2 torchrun ranks: the same training, reported
     monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.main(["--config", str(LORA), "--preflight-only"]) == 0
+    assert "the recipe names 8 ranks and this run has 2: the same training" in capsys.readouterr().err
+    # a world it cannot be shared over is refused
+    monkeypatch.setenv("WORLD_SIZE", "3")
     assert train.main(["--config", str(LORA), "--preflight-only"]) == 2
-    assert "torchrun started 2 ranks" in capsys.readouterr().err
+    assert "do not divide evenly over 3 ranks (the recipe names 8)" in capsys.readouterr().err
     # only rank 0 prints
     monkeypatch.setenv("RANK", "1")
     assert train.main(["--config", str(LORA), "--preflight-only"]) == 2

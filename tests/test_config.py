@@ -546,9 +546,11 @@ def test_shipped_recipes_pass_preflight(name, recipe_env):
     assert world == (2 if name in TWO_RANK_RECIPES else 8)
     assert validate(cfg, world) == []
     assert validate(cfg, None) == []
-    # the same recipe on a torchrun world it was not written for is refused, naming the fix
-    with pytest.raises(PreflightError, match="torchrun started 4 ranks"):
-        validate(cfg, 4)
+    # the same recipe on a smaller torchrun world is the same training, and preflight says how
+    # the ranks share it out
+    if world > 1:
+        report = validate(cfg, world // 2)
+        assert len(report) == 1 and "the same training" in report[0], report
 
 
 def test_lora_recipe_is_the_validated_reference(recipe_env):

@@ -268,9 +268,15 @@ def test_sglang_engine_takes_any_wire_dtype(base):
         assert not any("--weight-sync-wire-dtype" in p for p in got), got
 
 
-def test_world_size_from_torchrun_must_match_actor_flags(base):
-    got = problems(base, world_size=4)
-    assert len(got) == 1 and "= 2 but torchrun started 4 ranks" in got[0], got
+def test_another_torchrun_world_trains_the_same_recipe_and_says_how(base):
+    # the recipe names 2 ranks (16 candidates, 2 updates, micro-batch 2); on 4 the same training
+    assert problems(base, world_size=4) == []
+    report = [w for w in warnings_of(base, world_size=4) if "the recipe names 2 ranks" in w]
+    assert len(report) == 1 and "the same training" in report[0] and "2 optimizer steps per rollout" in report[0]
+    assert "4 ranks replay 2 candidates each in 1 micro-batch of 2" in report[0], report
+    # a world that cannot share an update out says so, naming the recipe's own
+    got = problems(base + ["--micro-batch-size", "4"], world_size=4)
+    assert len(got) == 1 and "(the recipe names 2)" in got[0] and "--micro-batch-size 4" in got[0], got
     # without actor flags the torchrun world decides the split: 16 over 4 ranks -> 4 per rank,
     # 2 per update, micro-batch 2: fine; over 3 ranks it does not divide
     no_actor = base + ["--actor-num-gpus-per-node", "none"]

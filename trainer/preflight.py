@@ -191,12 +191,8 @@ def _check_world(cfg: RunConfig, world_size: int | None, errors: list[str], warn
                 f"with `torchrun --nproc-per-node {recipe_world} -m trainer.train ...` (or `bash run.sh train "
                 f"RECIPE`), or set --actor-num-gpus-per-node 1 --actor-num-nodes 1 for one process"
             )
-        elif recipe_world is not None and recipe_world != world_size:
-            errors.append(
-                f"--actor-num-nodes x --actor-num-gpus-per-node = {recipe_world} but torchrun started "
-                f"{world_size} ranks (WORLD_SIZE); launch with --nproc-per-node {recipe_world} (NPROC="
-                f"{recipe_world}) or set the actor flags to match"
-            )
+        # under torchrun another world size trains the same recipe (_check_geometry says how the
+        # ranks share it, or why this world cannot)
         return world_size
     if recipe_world is None:
         warnings.append(
@@ -703,10 +699,12 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
         return
     if world is None:
         return
+    recipe_world = recipe_world_size(cfg)
+    written = f" (the recipe names {recipe_world})" if recipe_world not in (None, world) else ""
     if total % world:
         errors.append(
             f"--rollout-batch-size x --n-samples-per-prompt = {total} candidates do not divide evenly over "
-            f"{world} ranks; make the product a multiple of {world}"
+            f"{world} ranks{written}; make the product a multiple of {world}"
         )
         return
     per_rank = total // world
@@ -715,16 +713,36 @@ def _check_geometry(cfg: RunConfig, world: int | None, errors: list[str], warnin
     if per_rank % g.num_updates_per_batch:
         errors.append(
             f"--num-updates-per-batch {g.num_updates_per_batch} does not divide the {per_rank} candidates per "
-            f"rank ({total} / {world} ranks); pick a divisor of {per_rank}"
+            f"rank ({total} / {world} ranks{written}); pick a divisor of {per_rank}"
         )
         return
     per_update = per_rank // g.num_updates_per_batch
     if per_update % g.micro_batch_size:
         errors.append(
             f"--micro-batch-size {g.micro_batch_size} does not divide the {per_update} candidates of each "
-            f"update on a rank ({per_rank} per rank / --num-updates-per-batch {g.num_updates_per_batch}); "
+            f"update on a rank ({per_rank} per rank{written} / --num-updates-per-batch {g.num_updates_per_batch}); "
             f"pick a divisor of {per_update}"
         )
+    elif written:
+        warnings.append(world_change_report(total, g.num_updates_per_batch, g.micro_batch_size, recipe_world, world))
+
+
+def world_change_report(total: int, updates: int, micro_batch: int, recipe_world: int, world: int) -> str:
+    """What a recipe written for `recipe_world` ranks becomes on `world`: the same training (the
+    global geometry defines it: the same updates of the same candidates, the same optimizer
+    steps), only each rank's share of an update and its micro-batches (gradient accumulation)
+    change."""
+    def share(w: int) -> str:
+        per = total // w // updates
+        if total % w or (total // w) % updates or per % micro_batch:
+            return f"{w} ranks could not share it"
+        n_mb = per // micro_batch
+        return f"{w} rank{'s' if w > 1 else ''} replay {per} candidates each in {n_mb} micro-batch{'es' if n_mb > 1 else ''} of {micro_batch}"
+
+    return (f"the recipe names {recipe_world} ranks and this run has {world}: the same training, {total} "
+            f"candidates per rollout in {updates} update{'s' if updates > 1 else ''} of {total // updates} "
+            f"({updates} optimizer step{'s' if updates > 1 else ''} per rollout); of each update, {share(world)} "
+            f"and accumulate the gradient, where the recipe's {share(recipe_world)}")
 
 
 def _check_grpo(cfg: RunConfig, errors: list[str]) -> None:
