@@ -617,13 +617,16 @@ class GrpoConfig:
     )
     num_updates_per_batch: int = _flag(
         1,
-        "Disjoint optimizer updates per rollout batch (a split, not a replay); must divide the "
+        "Disjoint optimizer updates per rollout batch (a split, not a replay): update u holds the "
+        "candidates whose global id is u mod this count, whatever the world size; must divide the "
         "per-rank candidate count. 1 keeps the ratio at exactly 1: use 2 or more (warned).",
     )
     micro_batch_size: int = _flag(
         1,
-        "Candidates per replay forward; must divide each update's per-rank share "
-        "(global_batch_size / world / num_updates_per_batch). Keep it as large as memory allows.",
+        "Candidates per replay forward on a rank (a memory setting: the gradient is accumulated "
+        "over a rank's micro-batches, so it does not change what an update trains); must divide "
+        "each update's per-rank share (global_batch_size / world / num_updates_per_batch). Keep it "
+        "as large as memory allows.",
     )
     disable_grpo_std_normalization: bool = _flag(
         False,
