@@ -15,7 +15,7 @@ import torch
 
 from tests.dist.tiny import (ADAPTER, LORA_TARGETS, ReceiverEngine, full_params, make_batch, make_cfg, merged_state, one_rank_mesh,
                              replay, replay_moments, tiny_transformer)
-from trainer.actor import Actor, OffloadError, plan_updates
+from trainer.actor import Actor, OffloadError, global_update_order, plan_updates
 from trainer.train_model import _assert_trainable_boundary, full_tensor, local_shard
 from trainer.core.checksum import weights_checksum
 from trainer.core.manifest import WeightManifest, WeightSyncError, build_manifest, name_shape_hash, verify_manifest
@@ -66,6 +66,26 @@ def test_plan_updates_disjoint_and_checked():
         plan_updates(8, 3, 1)
     with pytest.raises(ValueError, match="micro-batch-size 3"):
         plan_updates(8, 2, 3)
+
+
+def test_an_update_is_the_same_candidates_on_any_world_size():
+    # 4 groups of 4, 2 updates: update u holds the ids = u mod 2 (slots u and u + 2 of every group)
+    n, updates = 16, 2
+    whole = [list(range(n))[i] for i in global_update_order(list(range(n)), updates)]
+    per_update = [set(whole[:n // 2]), set(whole[n // 2:])]
+    assert per_update == [set(range(0, n, 2)), set(range(1, n, 2))]
+    for world in (2, 4, 8):
+        block = n // world
+        shares = [[list(range(r * block, (r + 1) * block))[i]
+                   for i in global_update_order(list(range(r * block, (r + 1) * block)), updates)]
+                  for r in range(world)]
+        # every rank holds an equal share of every update, and the shares make up the same updates
+        for u in range(updates):
+            got = [set(s[u * block // updates:(u + 1) * block // updates]) for s in shares]
+            assert all(len(g) == block // updates for g in got)
+            assert set().union(*got) == per_update[u]
+    with pytest.raises(ValueError, match="equal share of every update"):
+        global_update_order([0, 1, 2], 2)
 
 
 def test_strip_names_manifest_and_checksum():

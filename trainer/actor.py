@@ -96,10 +96,12 @@ def global_update_order(ids: Sequence[int], num_updates: int) -> list[int]:
     Returns the permutation of range(len(ids)) that puts update 0's rows first, then update 1's;
     raises ValueError when this rank's rows are not an equal share of every update."""
     n = len(ids)
-    counts = [0] * max(num_updates, 1)
+    if num_updates < 1:
+        raise ValueError(f"--num-updates-per-batch must be >= 1, got {num_updates}")
+    counts = [0] * num_updates
     for i in ids:
         counts[int(i) % num_updates] += 1
-    if num_updates < 1 or len(set(counts)) > 1:
+    if len(set(counts)) > 1:
         raise ValueError(f"--num-updates-per-batch {num_updates}: this rank's {n} candidates hold {counts} of the "
                          "updates (candidate id mod the update count); every rank needs an equal share of every "
                          "update: make the update count divide the candidates per rank")
