@@ -874,12 +874,12 @@ class ColocateConfig:
     actor_num_nodes: int | None = _flag(
         None,
         "Nodes of the run. With --actor-num-gpus-per-node it gives the world size outside "
-        "torchrun; under torchrun their product must equal WORLD_SIZE.",
+        "torchrun; under another torchrun WORLD_SIZE the same recipe runs, its split reported.",
     )
     actor_num_gpus_per_node: int | None = _flag(
         None,
-        "Ranks per node (torchrun --nproc-per-node). Product with --actor-num-nodes must "
-        "equal WORLD_SIZE under torchrun.",
+        "Ranks per node (torchrun --nproc-per-node) the recipe was written for. Under another "
+        "torchrun WORLD_SIZE the same recipe runs, its split over the ranks reported.",
     )
     rollout_num_gpus: int | None = _flag(
         None,
