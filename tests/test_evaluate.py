@@ -166,3 +166,34 @@ def test_bad_input_is_refused_before_the_model_loads(inputs, tmp_path, capsys, m
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "report.json").write_text("{}")
     fails(argv + ["--output-dir", str(tmp_path / "used")], "already holds files .*--overwrite")
+
+
+def test_one_rank_scores_are_the_trainer_eval_calls(one_rank, inputs, tiny_model_dir):
+    """The base's scores equal what Trainer.evaluate's own call gives at world size 1 (one
+    generate_rollout of the whole set, eval=True, the engine chunking it by the same batch size),
+    to the bit."""
+    import torch
+
+    from trainer.data import PromptDataset
+    from trainer.engine.native import NativeEngine
+    from trainer.loop import _scorer_inputs
+    from trainer.models.qwen_image import QwenImageAdapter
+    from trainer.rewards.manager import RewardManager
+    from trainer.rollout import generate_rollout
+    from trainer.sampling import parse_sampling_config
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        adapter = QwenImageAdapter()
+        engine = NativeEngine(str(tiny_model_dir), device="cpu", dtype="fp32", max_batch_size=4, adapter=adapter)
+        report = json.loads((one_rank / "report.json").read_text())
+        sampling = parse_sampling_config(report["settings"]["sampling_config"])
+        records = PromptDataset.from_jsonl(inputs["prompts"], task="t2i").records
+        out = generate_rollout(engine, adapter, records, rollout_id=0, sampling=sampling, group_size=3,
+                               generation_seed=1234, artifact_root=None, eval=True)
+        scores = RewardManager("cpu", "color").score(*_scorer_inputs(out.trajectory)).components["color"]
+    finally:
+        torch.set_num_threads(threads)
+    got = [r["scores"]["base"]["color"] for r in report["sets"]["held_out"]["per_prompt"]]
+    assert np.array(got).ravel().tolist() == scores.double().tolist()
