@@ -197,3 +197,53 @@ def test_one_rank_scores_are_the_trainer_eval_calls(one_rank, inputs, tiny_model
         torch.set_num_threads(threads)
     got = [r["scores"]["base"]["color"] for r in report["sets"]["held_out"]["per_prompt"]]
     assert np.array(got).ravel().tolist() == scores.double().tolist()
+
+
+def test_an_edit_set_shows_each_source_beside_its_edits(tmp_path):
+    """i2i: the grid's rows start with the source image the edits were conditioned on, and the
+    edit scorers get the sources' pixels, as in training."""
+    from PIL import Image
+
+    from tools.tiny_qwen_image_edit import build_tiny_qwen_image_edit_pipeline
+
+    model = build_tiny_qwen_image_edit_pipeline(tmp_path / "model", seed=0, variant="2511")
+    for name, colour in (("red", (220, 30, 30)), ("blue", (30, 30, 220))):
+        im = Image.new("RGB", (40, 40), (240, 240, 240))
+        im.paste(Image.new("RGB", (20, 20), colour), (10, 10))
+        im.save(tmp_path / f"{name}.png")
+    prompts = tmp_path / "edits.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "<image> make the square green", "images": [f"{n}.png"],
+                                           "metadata": {"task": "i2i", "sample_id": n}}) + "\n"
+                               for n in ("red", "blue")))
+    out = tmp_path / "report"
+    assert main(["--model-path", str(model), "--eval-prompt-data", "edits", str(prompts), "--scorer", "color_edit",
+                 "--sampling-config", SMALL, "--n-samples-per-prompt", "2", "--output-dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["task"] == "i2i"
+    assert {"color_edit", "edit_color", "edit_preserve"} <= set(report["sets"]["edits"]["summary"]["base"])
+    grid = np.asarray(Image.open(out / "grid_edits_base.png").convert("RGB")).astype(int)
+    for colour in ((220, 30, 30), (30, 30, 220)):  # each source's square is drawn in its row
+        assert (np.abs(grid - np.array(colour)).sum(axis=-1) < 10).sum() > 100, colour
+    assert "![edits: the base](grid_edits_base.png)" in (out / "report.md").read_text()
+
+
+def test_a_video_set_draws_frame_strips(tmp_path):
+    """t2v: every sample is an animated WebP beside the report and a strip of frames in the grid."""
+    from PIL import Image
+
+    from tools.tiny_wan import build_tiny_wan_pipeline
+
+    model = build_tiny_wan_pipeline(tmp_path / "model", seed=0)
+    prompts = tmp_path / "clips.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "metadata": {"task": "t2v", "sample_id": str(i)}}) + "\n"
+                               for i, p in enumerate(["a red ball", "a green box"])))
+    out = tmp_path / "report"
+    assert main(["--model-path", str(model), "--eval-prompt-data", "clips", str(prompts),
+                 "--scorer", "temporal_consistency", "--n-samples-per-prompt", "2", "--output-dir", str(out),
+                 "--sampling-config", '{"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 4}']) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["sampling_config"]["num_frames"] == 5
+    assert report["sets"]["clips"]["summary"]["base"]["temporal_consistency"]["n"] == 4
+    assert len(list((out / "artifacts" / "base" / "clips").glob("*.webp"))) == 4
+    with Image.open(out / "grid_clips_base.png") as grid:
+        assert grid.width > 2 * 4 * 32  # two samples, each a strip of several frames

@@ -335,7 +335,7 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets) -> int:
                 del engine
                 if info.rank == 0:
                     print(f"flowgrpo-eval: {cand.name}: " + "; ".join(
-                        f"{s}: " + ", ".join(f"{c} {float(v[v == v].mean()):.4f}" for c, v in sorted(r["scores"].items()))
+                        f"{s}: " + ", ".join(f"{c} {_mean_text(v)}" for c, v in sorted(r["scores"].items()))
                         for s, r in results[cand.name].items()), flush=True)
         if info.rank == 0:
             report = build_report(settings, sets, candidates, results,
@@ -360,6 +360,12 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets) -> int:
                 dist.destroy_process_group()
             for k in set(os.environ) - set(env_before):
                 del os.environ[k]
+
+
+def _mean_text(v) -> str:
+    """The mean of a score table's finite entries, or a note that none was finite."""
+    finite = v[v == v]
+    return f"{float(finite.mean()):.4f}" if finite.size else "not scored (NaN everywhere)"
 
 
 def _compare(args: argparse.Namespace) -> int:
