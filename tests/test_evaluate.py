@@ -247,3 +247,24 @@ def test_a_video_set_draws_frame_strips(tmp_path):
     assert len(list((out / "artifacts" / "base" / "clips").glob("*.webp"))) == 4
     with Image.open(out / "grid_clips_base.png") as grid:
         assert grid.width > 2 * 4 * 32  # two samples, each a strip of several frames
+
+
+def test_a_recipe_gives_the_eval_settings(inputs, tiny_model_dir, tmp_path):
+    """--config: the recipe's model, eval sets, sampling config, samples per eval prompt, seed,
+    engine batch and scorer are the defaults; a flag given beside it wins."""
+    from tests.workers.recipes import tiny_recipe
+
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(tiny_recipe(tiny_model_dir, inputs["prompts"], extra=f"""
+reward-scorer-path = "color"
+eval-prompt-data = ["held_out", "{inputs['prompts']}"]
+n-samples-per-eval-prompt = 2
+generation-seed = 7
+engine-batch-size = 3
+"""))
+    out = tmp_path / "report"
+    assert main(["--config", str(recipe), "--output-dir", str(out), "--generation-seed", "8"]) == 0
+    st = json.loads((out / "report.json").read_text())["settings"]
+    assert st["sampling_config"]["sde_indices"] == [1, 2] and st["sampling_config"]["eta"] == 1.0
+    assert (st["n_samples_per_prompt"], st["generation_seed"], st["engine_batch_size"]) == (2, 8, 3)
+    assert st["scorers"] == [{"scorer": "trainer.rewards.color.ColorScorer", "model_path": None}]

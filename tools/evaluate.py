@@ -6,6 +6,9 @@
         --n-samples-per-prompt 8 --output-dir evals/x
     torchrun --nproc-per-node N tools/evaluate.py ...      # the same report, N ranks sharing the work
 
+    python tools/evaluate.py --config configs/tiny_cpu_demo.toml --candidate trained runs/demo/checkpoints \\
+        --output-dir runs/demo/eval          # a training recipe's eval settings, its scorers included
+
 The base (--model-path) is always evaluated, as candidate "base"; each --candidate NAME PATH adds
 one set of weights: a diffusers pipeline directory (a merged export, or any other model), a PEFT
 adapter directory (flowgrpo-export --form adapter) loaded over the base, or a run's checkpoint: a
@@ -58,6 +61,11 @@ BASE = "base"
 
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser("evaluate", __doc__)
+    p.add_argument("--config", type=existing_file, default=None,
+                   help="a training recipe (TOML) whose eval settings are the defaults: --model-path, the adapter, the "
+                        "task, --eval-prompt-data, --media-root, the sampling config (the ODE path for --algorithm "
+                        "nft), --n-samples-per-eval-prompt, --generation-seed, --engine-batch-size and its scorers "
+                        "(--reward-scorer-path with its options, and --eval-reward-scorers); a flag given here wins")
     p.add_argument("--model-path", type=existing_dir, help="the base: a local diffusers pipeline directory")
     p.add_argument("--model-adapter-path", default=None,
                    help="dotpath of the model family's adapter class (unset: the family model_index.json names)")
@@ -76,18 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-config", default=None,
                    help="JSON object of --sampling-config keys over the family's recipe geometry, as flowgrpo-sample; "
                         "one key at a time: --sampling-config.num_inference_steps 10")
-    p.add_argument("--n-samples-per-prompt", type=int, default=4, help="samples (seeds) per prompt, >= 1")
-    p.add_argument("--generation-seed", type=int, default=1234,
-                   help="base seed: sample s of prompt g draws from seed + g x K + s, as the trainer's eval")
+    p.add_argument("--n-samples-per-prompt", type=int, default=None,
+                   help="samples (seeds) per prompt, >= 1 (unset: the recipe's --n-samples-per-eval-prompt, else 4)")
+    p.add_argument("--generation-seed", type=int, default=None,
+                   help="base seed: sample s of prompt g draws from seed + g x K + s, as the trainer's eval (unset: "
+                        "the recipe's, else 1234)")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap's resampling")
     p.add_argument("--bootstrap-resamples", type=int, default=1000, help="bootstrap resamples, >= 100")
     p.add_argument("--task", "--generation-task", dest="task", default=None,
                    help="generation task (unset: the family's: i2i for an editing family, t2v for video, else t2i)")
     p.add_argument("--device", default=None, help="cpu / cuda (unset: cuda if available); a rank uses its local GPU")
     p.add_argument("--dtype", default=None, help="bf16 / fp32 (unset: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--engine-batch-size", type=int, default=8,
-                   help="candidates per DiT forward (<= 0: all); recorded, since a batch's floats differ from another "
-                        "batch's in the last bits: the trainer's eval at one rank matches with its --engine-batch-size")
+    p.add_argument("--engine-batch-size", type=int, default=None,
+                   help="candidates per DiT forward (<= 0: all; unset: the recipe's, else 8); recorded, since a batch's "
+                        "floats differ from another batch's in the last bits: the trainer's eval at one rank matches "
+                        "with its --engine-batch-size")
     p.add_argument("--reward-batch-size", type=int, default=16, help="images per scorer call, >= 1")
     p.add_argument("--output-dir", "--output", dest="output_dir", required=True,
                    help="the report's directory (refused when it exists and is not empty, unless --overwrite)")
@@ -220,17 +231,22 @@ def _evaluate(args: argparse.Namespace) -> int:
     from tools.sample import check_adapter_configs, sampling_geometry
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    recipe = recipe_defaults(args) if args.config else None
+    recipe_for_scorers = recipe
     if args.model_path is None:
         raise ToolError("--model-path is required: the base model's pipeline directory")
     if not (Path(args.model_path) / "model_index.json").is_file():
         raise ToolError(f"--model-path {args.model_path} has no model_index.json: pass a diffusers pipeline directory")
+    for flag, value in (("n_samples_per_prompt", 4), ("generation_seed", 1234), ("engine_batch_size", 8)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
     if args.n_samples_per_prompt < 1:
         raise ToolError(f"--n-samples-per-prompt must be >= 1, got {args.n_samples_per_prompt}")
     if args.bootstrap_resamples < 100:
         raise ToolError(f"--bootstrap-resamples must be >= 100, got {args.bootstrap_resamples}")
     if args.reward_batch_size < 1:
         raise ToolError(f"--reward-batch-size must be >= 1, got {args.reward_batch_size}")
-    if not args.scorer:
+    if not args.scorer and recipe is None:
         raise ToolError("--scorer is required (repeatable): a shipped short name such as color or pickscore=/models/"
                         "PickScore_v1, or a scorer dotpath")
     names = [n for n, _ in args.candidate]
@@ -249,7 +265,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         scorers = parse_eval_scorers(args.scorer)
     except ValueError as e:
         raise ToolError(str(e).replace("--eval-reward-scorers", "--scorer")) from None
-    for scorer, model_dir in scorers:
+    if not scorers:  # --config without --scorer: the recipe's, built as the trainer builds them
+        scorers = recipe_scorers(recipe)
+    else:
+        recipe_for_scorers = None
+    for scorer, model_dir in scorers[1:] if not args.scorer else scorers:
         why = unknown_scorer_name("--scorer", scorer)
         if why:
             raise ToolError(why)
@@ -262,7 +282,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ToolError(str(e)) from None
     args.task = args.task or getattr(adapter, "generation_task", "t2i")
     try:
-        sampling = parse_sampling_config(sampling_geometry(args, adapter))
+        sampling = parse_sampling_config(sampling_geometry(args, adapter) if recipe is None
+                                         else recipe_sampling(args, recipe))
     except ValueError as e:
         raise ToolError(str(e)) from None
     problems = geometry_problems(adapter, args.model_path, sampling.height, sampling.width)
@@ -277,10 +298,82 @@ def _evaluate(args: argparse.Namespace) -> int:
         if s["kind"] == "adapter":
             check_adapter_configs(s["path"])
     sets = load_sets(pairs, args.task, args.media_root)
-    return _run(args, adapter, adapter_path, sampling, scorers, sources, sets)
+    return _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe_for_scorers)
 
 
-def _run(args, adapter, adapter_path, sampling, scorers, sources, sets) -> int:
+def recipe_defaults(args: argparse.Namespace):
+    """The recipe of --config (trainer.config.load_config, as the trainer reads it), its eval
+    settings filled into every flag left unset; ToolError naming the file when it does not load."""
+    from trainer.config import load_config
+
+    try:
+        cfg = load_config(["--config", args.config])
+    except (ValueError, OSError, SystemExit) as e:
+        raise ToolError(f"--config {args.config}: {e}") from None
+    for flag, value in (("model_path", cfg.model.model_path), ("model_adapter_path", cfg.model.model_adapter_path),
+                        ("task", cfg.model.generation_task), ("media_root", cfg.rollout.media_root),
+                        ("n_samples_per_prompt", cfg.eval.n_samples_per_eval_prompt),
+                        ("generation_seed", cfg.rollout.generation_seed),
+                        ("engine_batch_size", int(cfg.rollout.engine_batch_size or 0))):
+        if getattr(args, flag) is None and value is not None:
+            setattr(args, flag, value)
+    if args.eval_prompt_data is None and cfg.eval.eval_prompt_data:
+        args.eval_prompt_data = [str(x) for pair in cfg.eval.eval_prompt_data for x in pair]
+    if args.model_path is not None and not Path(args.model_path).is_dir():
+        raise ToolError(f"--config {args.config}: its model-path {args.model_path} is not a directory")
+    return cfg
+
+
+def recipe_sampling(args: argparse.Namespace, cfg) -> dict:
+    """The recipe's sampling config with --sampling-config's keys, then --sampling-config.KEY's,
+    merged over it; the deterministic ODE path under --algorithm nft, as the trainer's eval."""
+    from trainer.config import merge_sampling_config
+    from trainer.sampling import parse_sampling_config
+
+    geometry = dict(cfg.rollout.sampling_config or {})
+    if args.sampling_config is not None:
+        try:
+            given = json.loads(args.sampling_config)
+        except json.JSONDecodeError as e:
+            raise ToolError(f"--sampling-config is not valid JSON ({e})") from None
+        if not isinstance(given, dict):
+            raise ToolError("--sampling-config must be a JSON object")
+        geometry = merge_sampling_config(geometry, given)
+    geometry = merge_sampling_config(geometry, args.sampling_keys)
+    if cfg.grpo.algorithm == "nft":
+        from trainer.nft import ode_rollout_sampling
+
+        return ode_rollout_sampling(parse_sampling_config(geometry)).to_dict()
+    return geometry
+
+
+def build_managers(scorers, recipe, device, batch_size: int) -> list:
+    """One RewardManager per scorer. recipe: the --config recipe whose scorers these are
+    (recipe_scorers): the trained one built from its reward section (runtime, endpoint, scorer
+    options) and the held-out ones as the trainer builds them; None: each --scorer in this
+    process."""
+    from trainer.rewards.manager import RewardManager, reward_manager_from_config
+
+    runtime = "colocate" if device.type == "cuda" else "cpu"
+    try:
+        if recipe is not None:
+            return [reward_manager_from_config(recipe.reward, device, batch_size=batch_size)] + [
+                reward_manager_from_config(recipe.reward, device, scorer_path=name, model_path=path,
+                                           batch_size=batch_size) for name, path in scorers[1:]]
+        return [RewardManager(runtime, name, path, device, batch_size=batch_size) for name, path in scorers]
+    except (ValueError, TypeError, OSError) as e:
+        raise ToolError(f"--scorer: {e}") from None
+
+
+def recipe_scorers(cfg) -> list[tuple[str, str | None]]:
+    """The recipe's scorers: its trained one, then its --eval-reward-scorers."""
+    from trainer.rewards.watch import parse_eval_scorers
+
+    trained = cfg.reward.reward_scorer_path or f"remote:{cfg.reward.reward_endpoint}"
+    return [(trained, cfg.reward.reward_model_path)] + parse_eval_scorers(cfg.reward.eval_reward_scorers)
+
+
+def _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe=None) -> int:
     """Inputs checked: load and evaluate each candidate on every rank, then rank 0 writes."""
     import shutil
 
@@ -293,7 +386,6 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets) -> int:
     from trainer.engine.native import NativeEngine
     from trainer.evaluation import Candidate, Settings, build_report, evaluate_candidate, write_report
     from trainer.loop import git_revision
-    from trainer.rewards.manager import RewardManager
 
     quiet_third_party(load=True)
     env_before = dict(os.environ)
@@ -312,13 +404,7 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets) -> int:
             box[0] = tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent)
         dist.broadcast_object_list(box, src=0)
         staging = Path(box[0])
-        managers = []
-        for scorer, model_dir in scorers:
-            try:
-                managers.append(RewardManager("colocate" if info.device.type == "cuda" else "cpu", scorer, model_dir,
-                                              info.device, batch_size=args.reward_batch_size))
-            except (ValueError, TypeError, OSError) as e:
-                raise ToolError(f"--scorer {scorer}: {e}") from None
+        managers = build_managers(scorers, recipe, info.device, args.reward_batch_size)
         results = {}
         candidates = [Candidate(BASE, str(Path(args.model_path).resolve()), None, {"kind": "base", "path": None,
                                                                                      "iteration": None})]
