@@ -268,3 +268,4 @@ engine-batch-size = 3
     assert st["sampling_config"]["sde_indices"] == [1, 2] and st["sampling_config"]["eta"] == 1.0
     assert (st["n_samples_per_prompt"], st["generation_seed"], st["engine_batch_size"]) == (2, 8, 3)
     assert st["scorers"] == [{"scorer": "trainer.rewards.color.ColorScorer", "model_path": None}]
+    assert json.loads((out / "report.json").read_text())["dtype"] == "fp32"  # the recipe's replay dtype

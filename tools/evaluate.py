@@ -232,7 +232,6 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     recipe = recipe_defaults(args) if args.config else None
-    recipe_for_scorers = recipe
     if args.model_path is None:
         raise ToolError("--model-path is required: the base model's pipeline directory")
     if not (Path(args.model_path) / "model_index.json").is_file():
@@ -267,8 +266,6 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ToolError(str(e).replace("--eval-reward-scorers", "--scorer")) from None
     if not scorers:  # --config without --scorer: the recipe's, built as the trainer builds them
         scorers = recipe_scorers(recipe)
-    else:
-        recipe_for_scorers = None
     for scorer, model_dir in scorers[1:] if not args.scorer else scorers:
         why = unknown_scorer_name("--scorer", scorer)
         if why:
@@ -298,7 +295,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         if s["kind"] == "adapter":
             check_adapter_configs(s["path"])
     sets = load_sets(pairs, args.task, args.media_root)
-    return _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe_for_scorers)
+    return _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe)
 
 
 def recipe_defaults(args: argparse.Namespace):
@@ -314,7 +311,9 @@ def recipe_defaults(args: argparse.Namespace):
                         ("task", cfg.model.generation_task), ("media_root", cfg.rollout.media_root),
                         ("n_samples_per_prompt", cfg.eval.n_samples_per_eval_prompt),
                         ("generation_seed", cfg.rollout.generation_seed),
-                        ("engine_batch_size", int(cfg.rollout.engine_batch_size or 0))):
+                        ("engine_batch_size", int(cfg.rollout.engine_batch_size or 0)),
+                        # the engine samples in the dtype the actor replays in (trainer.loop)
+                        ("dtype", cfg.fsdp.fsdp_param_dtype)):
         if getattr(args, flag) is None and value is not None:
             setattr(args, flag, value)
     if args.eval_prompt_data is None and cfg.eval.eval_prompt_data:
@@ -385,9 +384,12 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe=N
     from trainer.distributed import init_distributed
     from trainer.engine.native import NativeEngine
     from trainer.evaluation import Candidate, Settings, build_report, evaluate_candidate, write_report
-    from trainer.loop import git_revision
+    from trainer.loop import engine_options, git_revision
 
     quiet_third_party(load=True)
+    # a recipe's engine options change the samples (the text window, FP8, compiled blocks): the trainer's
+    options = {} if recipe is None else {k: v for k, v in engine_options(recipe.rollout, recipe.fsdp.fp8_fast_accum).items()
+                                         if k != "attention_backend"}  # the SGLang engine's only
     env_before = dict(os.environ)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     info = init_distributed(device_type.split(":")[0])
@@ -404,7 +406,7 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe=N
             box[0] = tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent)
         dist.broadcast_object_list(box, src=0)
         staging = Path(box[0])
-        managers = build_managers(scorers, recipe, info.device, args.reward_batch_size)
+        managers = build_managers(scorers, recipe if not args.scorer else None, info.device, args.reward_batch_size)
         results = {}
         candidates = [Candidate(BASE, str(Path(args.model_path).resolve()), None, {"kind": "base", "path": None,
                                                                                      "iteration": None})]
@@ -413,7 +415,7 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe=N
                            for (n, _), s in zip(args.candidate, sources)]
             for cand in candidates:
                 engine = NativeEngine(cand.model_path, device=info.device, dtype=args.dtype,
-                                      max_batch_size=args.engine_batch_size, adapter=adapter)
+                                      max_batch_size=args.engine_batch_size, adapter=adapter, **options)
                 if cand.lora_dir:
                     engine.load_lora_dir(cand.lora_dir)
                 results[cand.name] = evaluate_candidate(engine, adapter, managers, sets, settings,
@@ -426,7 +428,7 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe=N
         if info.rank == 0:
             report = build_report(settings, sets, candidates, results,
                                   {"model_path": str(Path(args.model_path).resolve()), "model_adapter_path": adapter_path,
-                                   "dtype": args.dtype, "device_type": info.device.type, "world_size": info.world_size,
+                                   "dtype": args.dtype, "engine_options": options, "device_type": info.device.type, "world_size": info.world_size,
                                    "git_revision": git_revision()})
             write_report(staging, report, sets, candidates, results)
             follow_umask(staging)
