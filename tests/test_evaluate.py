@@ -60,6 +60,7 @@ def test_report_fields_intervals_and_win_rate(one_rank, inputs):
     st = report["settings"]
     assert st["sampling_config"]["height"] == 32 and st["sampling_config"]["num_inference_steps"] == 4
     assert st["generation_seed"] == 1234 and st["n_samples_per_prompt"] == 3 and st["engine_batch_size"] == 4
+    assert st["engine_dtype"] == "fp32"
     assert st["scorers"] == [{"scorer": "color", "model_path": None}]
     assert st["bootstrap"] == {"seed": 0, "resamples": 1000, "level": 0.95}
     assert [c["name"] for c in report["candidates"]] == ["base", "trained", "export"]
@@ -268,4 +269,4 @@ engine-batch-size = 3
     assert st["sampling_config"]["sde_indices"] == [1, 2] and st["sampling_config"]["eta"] == 1.0
     assert (st["n_samples_per_prompt"], st["generation_seed"], st["engine_batch_size"]) == (2, 8, 3)
     assert st["scorers"] == [{"scorer": "trainer.rewards.color.ColorScorer", "model_path": None}]
-    assert json.loads((out / "report.json").read_text())["dtype"] == "fp32"  # the recipe's replay dtype
+    assert st["engine_dtype"] == "fp32" and st["engine_options"] == {}  # the recipe's replay dtype

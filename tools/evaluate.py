@@ -398,7 +398,9 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe=N
     try:
         settings = Settings(task=args.task, sampling=sampling, n_samples=args.n_samples_per_prompt,
                             generation_seed=args.generation_seed, scorers=tuple(scorers),
-                            engine_batch_size=args.engine_batch_size, bootstrap_seed=args.bootstrap_seed, bootstrap_resamples=args.bootstrap_resamples)
+                            engine_batch_size=args.engine_batch_size,
+                            engine_dtype=args.dtype or ("bf16" if info.device.type == "cuda" else "fp32"),
+                            engine_options=options, bootstrap_seed=args.bootstrap_seed, bootstrap_resamples=args.bootstrap_resamples)
         # one staging directory for all ranks (rank 0 names it): renamed into place when complete
         box = [None]
         if info.rank == 0:
@@ -428,7 +430,7 @@ def _run(args, adapter, adapter_path, sampling, scorers, sources, sets, recipe=N
         if info.rank == 0:
             report = build_report(settings, sets, candidates, results,
                                   {"model_path": str(Path(args.model_path).resolve()), "model_adapter_path": adapter_path,
-                                   "dtype": args.dtype, "engine_options": options, "device_type": info.device.type, "world_size": info.world_size,
+                                   "device_type": info.device.type, "world_size": info.world_size,
                                    "git_revision": git_revision()})
             write_report(staging, report, sets, candidates, results)
             follow_umask(staging)

@@ -61,6 +61,9 @@ class Settings:
     scorers: tuple[tuple[str, str | None], ...]
     #: candidates per engine batch (eval_batches): the last bits of a score depend on its batch
     engine_batch_size: int
+    #: the engine's compute dtype and its options (text window, FP8, compiled blocks): they change the samples
+    engine_dtype: str
+    engine_options: dict[str, Any]
     bootstrap_seed: int
     bootstrap_resamples: int
 
@@ -68,6 +71,7 @@ class Settings:
         return {"task": self.task, "sampling_config": self.sampling.to_dict(),
                 "sampling_fingerprint": self.sampling.fingerprint(), "n_samples_per_prompt": self.n_samples,
                 "generation_seed": self.generation_seed, "engine_batch_size": self.engine_batch_size,
+                "engine_dtype": self.engine_dtype, "engine_options": dict(self.engine_options),
                 "scorers": [{"scorer": s, "model_path": p} for s, p in self.scorers],
                 "bootstrap": {"seed": self.bootstrap_seed, "resamples": self.bootstrap_resamples, "level": 0.95}}
 
