@@ -21,19 +21,22 @@ PROMPTS = ["a red circle", "a green square", "a blue triangle"]
 
 @pytest.fixture(scope="module")
 def inputs(tiny_model_dir, tmp_path_factory):
-    """The base, a LoRA checkpoint of it in the trainer's layout, the checkpoint's merged export,
-    a prompt set, and the flags of one evaluation of all three."""
+    """The base, a LoRA checkpoint of it in the trainer's layout (iteration 3, named by its
+    iter_ directory), the checkpoint's merged and adapter exports, a prompt set, and the flags of
+    one evaluation of all four."""
     from tools.export_checkpoint import export_checkpoint
 
     root = tmp_path_factory.mktemp("evaluate")
     peft = _lora_dir(Path(tiny_model_dir), root / "peft")
     _lora_checkpoint(peft, root / "save", iteration=3)
     export_checkpoint(root / "save", "t2i", 3, root / "merged", form="merged", base_model_path=tiny_model_dir)
+    export_checkpoint(root / "save", "t2i", 3, root / "adapter", form="adapter")
     prompts = root / "held_out.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "metadata": {"task": "t2i", "sample_id": f"p{i}"}}) + "\n"
                                for i, p in enumerate(PROMPTS)))
     argv = ["--model-path", str(tiny_model_dir), "--eval-prompt-data", "held_out", str(prompts),
-            "--candidate", "trained", str(root / "save"), "--candidate", "export", str(root / "merged"),
+            "--candidate", "trained", str(root / "save" / "t2i" / "iter_0000003"),
+            "--candidate", "export", str(root / "merged"), "--candidate", "adapter", str(root / "adapter"),
             "--scorer", "color", "--sampling-config", SMALL, "--n-samples-per-prompt", "3",
             "--engine-batch-size", "4"]
     return {"root": root, "argv": argv, "prompts": prompts}
@@ -63,7 +66,8 @@ def test_report_fields_intervals_and_win_rate(one_rank, inputs):
     assert st["engine_dtype"] == "fp32"
     assert st["scorers"] == [{"scorer": "color", "model_path": None}]
     assert st["bootstrap"] == {"seed": 0, "resamples": 1000, "level": 0.95}
-    assert [c["name"] for c in report["candidates"]] == ["base", "trained", "export"]
+    assert [c["name"] for c in report["candidates"]] == ["base", "trained", "export", "adapter"]
+    assert [c["lora_dir_from"]["kind"] for c in report["candidates"]] == ["base", "checkpoint", "pipeline", "adapter"]
     assert report["candidates"][1]["lora_dir_from"]["iteration"] == 3
     held = report["sets"]["held_out"]
     assert held["prompts"] == 3 and len(held["sha256"]) == 64 and held["sde_indices"] == [1]
@@ -73,9 +77,10 @@ def test_report_fields_intervals_and_win_rate(one_rank, inputs):
         assert row["n"] == 9 and row["lo"] <= row["mean"] <= row["hi"], (cand, row)
         table = np.array([r["scores"][cand]["color"] for r in held["per_prompt"]])
         assert row["mean"] == pytest.approx(table.mean())
-    # the checkpoint and its merged export are the same weights: the same scores
-    assert held["summary"]["trained"]["color"]["mean"] == pytest.approx(held["summary"]["export"]["color"]["mean"],
-                                                                       abs=1e-5)
+    # the checkpoint and its two exports are the same weights: the same scores
+    for export in ("export", "adapter"):
+        assert held["summary"][export]["color"]["mean"] == pytest.approx(held["summary"]["trained"]["color"]["mean"],
+                                                                         abs=1e-5)
     base = np.array([r["scores"]["base"]["color"] for r in held["per_prompt"]])
     trained = np.array([r["scores"]["trained"]["color"] for r in held["per_prompt"]])
     win = held["summary"]["trained"]["color"]["win_rate_vs_base"]
@@ -89,7 +94,7 @@ def test_report_fields_intervals_and_win_rate(one_rank, inputs):
 def test_page_and_grids_reference_each_other(one_rank):
     page = (one_rank / "report.md").read_text()
     linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
-    assert linked == ["grid_held_out_trained.png", "grid_held_out_export.png"]
+    assert linked == ["grid_held_out_trained.png", "grid_held_out_export.png", "grid_held_out_adapter.png"]
     from PIL import Image
 
     for name in linked:
@@ -270,3 +275,19 @@ engine-batch-size = 3
     assert (st["n_samples_per_prompt"], st["generation_seed"], st["engine_batch_size"]) == (2, 8, 3)
     assert st["scorers"] == [{"scorer": "trainer.rewards.color.ColorScorer", "model_path": None}]
     assert st["engine_dtype"] == "fp32" and st["engine_options"] == {}  # the recipe's replay dtype
+
+
+def test_overwrite_replaces_a_report_with_the_same_bytes(one_rank, inputs):
+    """A second run of the same settings replaces the report only with --overwrite, and writes it
+    byte for byte again: seeds, batches and the bootstrap are all pinned."""
+    import torch
+
+    before = (one_rank / "report.json").read_bytes()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(inputs["argv"] + ["--output-dir", str(one_rank), "--overwrite"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert (one_rank / "report.json").read_bytes() == before
+    assert not list(one_rank.parent.glob(".out1.partial-*"))
