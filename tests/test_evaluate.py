@@ -67,8 +67,8 @@ def test_report_fields_intervals_and_win_rate(one_rank, inputs):
     assert st["scorers"] == [{"scorer": "color", "model_path": None}]
     assert st["bootstrap"] == {"seed": 0, "resamples": 1000, "level": 0.95}
     assert [c["name"] for c in report["candidates"]] == ["base", "trained", "export", "adapter"]
-    assert [c["lora_dir_from"]["kind"] for c in report["candidates"]] == ["base", "checkpoint", "pipeline", "adapter"]
-    assert report["candidates"][1]["lora_dir_from"]["iteration"] == 3
+    assert [c["source"]["kind"] for c in report["candidates"]] == ["base", "checkpoint", "pipeline", "adapter"]
+    assert report["candidates"][1]["source"]["iteration"] == 3
     held = report["sets"]["held_out"]
     assert held["prompts"] == 3 and len(held["sha256"]) == 64 and held["sde_indices"] == [1]
     assert [r["prompt"] for r in held["per_prompt"]] == PROMPTS

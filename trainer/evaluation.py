@@ -302,7 +302,9 @@ def build_report(settings: Settings, sets: dict[str, Any], candidates: Sequence[
                        "summary": summary[s], "per_prompt": per_prompt,
                        "grids": {c.name: grid_name(s, c.name) for c in candidates}}
     return _jsonable({"report_version": REPORT_VERSION, "settings": settings.to_dict(), "base": base,
-                      "candidates": [{"name": c.name, "model_path": c.model_path, "lora_dir_from": c.source}
+                      # a checkpoint's export lived in a temporary directory: its source names it
+                      "candidates": [{"name": c.name, "source": c.source,
+                                      "model_path": None if c.source["kind"] == "checkpoint" else c.model_path}
                                      for c in candidates], "sets": out_sets, **extra})
 
 
@@ -321,9 +323,11 @@ def markdown_page(report: dict[str, Any]) -> str:
              f"above the base `{report['base']}` (a tie counts half).", "",
              "| candidate | weights |", "|---|---|"]
     for c in report["candidates"]:
-        lines.append(f"| {c['name']} | {c['lora_dir_from'].get('kind')}: `{c['lora_dir_from'].get('path') or c['model_path']}`"
-                     + (f" (iteration {c['lora_dir_from']['iteration']})" if c['lora_dir_from'].get('iteration') is not None else "")
-                     + " |")
+        src = c["source"]
+        where = f"`{src.get('path') or c['model_path']}`"  # the base has no source path
+        if src.get("iteration") is not None:
+            where += f" (iteration {src['iteration']})"
+        lines.append(f"| {c['name']} | {src.get('kind')}: {where} |")
     for s, body in report["sets"].items():
         lines += ["", f"## Set `{s}` ({body['prompts']} prompts, `{Path(body['path']).name}`)", "",
                   "| candidate | component | mean | 95% interval | win rate vs base | wins / ties / losses |",
