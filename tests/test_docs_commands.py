@@ -1,4 +1,4 @@
-"""docs/video.md and docs/editing.md, run as a newcomer would: every shell command of their code
+"""docs/video.md, docs/editing.md and docs/evaluation.md, run as a newcomer would: every shell command of their code
 blocks, in page order, in a fresh directory laid out like the checkout's root (links to its
 run.sh, configs/, tools/, .venv), with nothing prepared beforehand. A command that needs real
 weights or a GPU is named with its reason instead; every other one must exit 0, and the tiny
@@ -65,6 +65,10 @@ def not_run_here(cmd: str) -> str | None:
     """Why `cmd` is not run by this test (None: it is run)."""
     if re.search(r"tools/bench\w*\.py", cmd):
         return "a benchmark: the real shape needs a GPU, the tiny one is tests/test_bench*.py's"
+    if "runs/demo/" in cmd:
+        return "the demo's run: `bash run.sh demo` first, minutes; tests/test_evaluate.py runs --config on a tiny recipe"
+    if "--compare evals/" in cmd:
+        return "two reports of runs named for illustration; tests/test_evaluate.py compares two"
     recipe = re.search(r"bash run\.sh train (\S+)", cmd)
     if recipe and recipe.group(1) not in TINY_RECIPES:
         return "a real recipe: its model's weights on 8 devices"
@@ -128,3 +132,15 @@ def test_every_command_of_docs_editing_runs_as_written(tmp_path):
     assert (tmp_path / "tiny_edit" / "model_index.json").is_file()
     assert (tmp_path / "tiny_kontext" / "model_index.json").is_file()
     assert "inspect_data: OK" in log
+
+
+def test_every_command_of_docs_evaluation_runs_as_written(tmp_path):
+    """The page's tiny example builds two models and a prompt set, evaluates one against the
+    other and writes the report, its page and a grid."""
+    import json
+
+    ran, _ = run_page("evaluation.md", tmp_path)
+    assert any(c.startswith("python tools/evaluate.py") for c in ran)
+    report = tmp_path / "evaldemo" / "report"
+    data = json.loads((report / "report.json").read_text())
+    assert "seed1" in json.dumps(data) and (report / "report.md").is_file() and list(report.rglob("*.png"))

@@ -179,4 +179,5 @@ def test_the_kontext_recipe_passes_preflight_at_8_ranks(kontext_dir, sources, tm
     recipe = Path(__file__).resolve().parents[1] / "configs" / "flux1kontext_i2i_lora_8gpu.toml"
     validate(load_config(["--config", str(recipe), "--model-path", str(kontext_dir), "--prompt-data", str(data),
                           "--eval-prompt-data", "none", "--artifact-root", str(tmp_path / "a"),
-                          "--save", str(tmp_path / "c"), "--tensorboard-dir", str(tmp_path / "tb")]), 8)
+                          "--save", str(tmp_path / "c"), "--tensorboard-dir", str(tmp_path / "tb"),
+                          "--media-root", str(Path(sources[0]).parent)]), 8)

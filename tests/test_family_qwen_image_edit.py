@@ -317,7 +317,8 @@ def test_preflight_pairs_i2i_with_an_edit_family_and_records_with_images(edit_di
     good = tmp_path / "edit.jsonl"
     good.write_text(json.dumps({"prompt": "<image> make the square red", "images": [sources[1]],
                                 "metadata": {"task": "i2i", "sample_id": "e0"}}) + "\n")
-    cfg = load_config(_edit_argv(edit_dir, good, tmp_path))
+    # the shared sources lie outside the prompt file's directory: named as its media root
+    cfg = load_config(_edit_argv(edit_dir, good, tmp_path) + ["--media-root", os.path.dirname(sources[1])])
     assert cfg.model.model_adapter_path == "trainer.models.qwen_image_edit.QwenImageEditAdapter"  # model_index.json
     validate(cfg, 1)  # raises on any problem
 
@@ -343,7 +344,8 @@ def test_preflight_pairs_i2i_with_an_edit_family_and_records_with_images(edit_di
     gone = tmp_path / "gone.jsonl"
     gone.write_text(json.dumps({"prompt": "<image> make it red", "images": ["nowhere.png"],
                                 "metadata": {"task": "i2i", "sample_id": "e2"}}) + "\n")
-    assert "--prompt-data: 1 source image(s) do not exist" in problems(_edit_argv(edit_dir, gone, tmp_path))
+    msg = problems(_edit_argv(edit_dir, gone, tmp_path))
+    assert "--prompt-data: 1 source image(s) no rollout can use" in msg and "nowhere.png does not exist" in msg
 
 
 def test_shipped_edit_recipes_load_and_name_the_edit_family(edit_dir, sources, tmp_path, monkeypatch):
@@ -369,7 +371,7 @@ def test_shipped_edit_recipes_load_and_name_the_edit_family(edit_dir, sources, t
     data.write_text(json.dumps({"prompt": "<image> make the square red", "images": [sources[1]],
                                 "metadata": {"task": "i2i", "sample_id": "e0"}}) + "\n")
     outputs = ["--prompt-data", str(data), "--artifact-root", str(tmp_path / "a"), "--save", str(tmp_path / "c"),
-               "--tensorboard-dir", str(tmp_path / "tb")]
+               "--tensorboard-dir", str(tmp_path / "tb"), "--media-root", str(Path(sources[1]).parent)]
     validate(load_config(["--config", str(root / "tiny_cpu_edit.toml"), "--model-path", str(edit_dir), *outputs]), 2)
     # the 8-device recipe's geometry and flags pass preflight at its world size (the tiny model standing in)
     validate(load_config(["--config", str(root / "qwen_image_edit_i2i_lora_8gpu.toml"), "--model-path", str(edit_dir),

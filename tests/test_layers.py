@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("actor", ("trainer.train_model", "trainer.actor", "trainer.rollout", "trainer.checkpoint")),
     ("sync", ("trainer.weight_sync",)),
     ("colocation", ("trainer.colocation",)),
-    ("driver", ("trainer.preflight", "trainer.loop", "trainer.train", "trainer.cli", "trainer")),
+    ("driver", ("trainer.preflight", "trainer.loop", "trainer.evaluation", "trainer.train", "trainer.cli", "trainer")),
 )
 
 

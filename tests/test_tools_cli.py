@@ -24,6 +24,7 @@ TOOLS = {
     "prepare_data": "flowgrpo-prepare-data", "curate_data": "flowgrpo-curate-data",
     "inspect_data": "flowgrpo-inspect-data", "make_tiny_model": "flowgrpo-make-tiny-model",
     "plot_rewards": "flowgrpo-plot-rewards", "reward_server": "flowgrpo-reward-server", "bench": "flowgrpo-bench",
+    "evaluate": "flowgrpo-eval",
 }
 
 

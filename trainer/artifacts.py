@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from trainer.core.files import TMP_SUFFIX, atomic_writer, fsync_dir
+from trainer.data import recorded_metadata
 from trainer.trajectory import Geometry, SamplerSettings, Trajectory, trimmed_condition
 
 log = logging.getLogger(__name__)
@@ -229,8 +230,6 @@ def group_sidecar_payload(traj: Trajectory, *, task: str, rollout_id: int | None
     slots = [int(v) for v in g.slots.tolist()]
     if len(set(slots)) != len(slots):
         raise ValueError(f"group {group} has duplicate slots {slots}")
-    from trainer.models.edit_source import recorded_metadata
-
     fingerprint = _fingerprint(sampling)
     manifests = g.train_metadata or [candidate_manifest(g, i, sampling_fingerprint=fingerprint,
                                                         weight_manifest_hash=weight_manifest_hash,

@@ -29,6 +29,7 @@ CONSOLE_SCRIPTS = {
     "sample": "flowgrpo-sample",
     "score": "flowgrpo-score",
     "export_checkpoint": "flowgrpo-export",
+    "evaluate": "flowgrpo-eval",
     "prepare_data": "flowgrpo-prepare-data",
     "curate_data": "flowgrpo-curate-data",
     "inspect_data": "flowgrpo-inspect-data",

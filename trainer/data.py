@@ -304,6 +304,28 @@ def parse_record(obj: Any, tasks: Iterable[str] = GENERATION_TASKS) -> PromptRec
     )
 
 
+#: the prompt-metadata key under which an editing candidate carries its source files (record
+#: order): in memory their real paths, where the loop reads the pixels the scorers get under
+#: SOURCE_IMAGES_KEY; in a sidecar the paths relative to the prompt file's directory
+#: (SOURCE_REFS_KEY's), so an artifact names no directory of the host that wrote it (a sidecar
+#: written before holds absolute paths, read as such)
+SOURCE_PATHS_KEY = "source_paths"
+#: the in-memory key of the same sources relative to the prompt file's directory: what the sidecar
+#: records under SOURCE_PATHS_KEY (recorded_metadata); never sent to a scorer
+SOURCE_REFS_KEY = "source_refs"
+
+
+def recorded_metadata(metadata: dict) -> dict:
+    """A candidate's metadata as its sidecar records it: SOURCE_PATHS_KEY holds the
+    SOURCE_REFS_KEY paths (relative to the prompt file's directory) where the candidate has them,
+    and SOURCE_REFS_KEY is dropped."""
+    if SOURCE_REFS_KEY not in metadata:
+        return metadata
+    out = {k: v for k, v in metadata.items() if k != SOURCE_REFS_KEY}
+    out[SOURCE_PATHS_KEY] = list(metadata[SOURCE_REFS_KEY])
+    return out
+
+
 def resolve_media_path(ref: str, base_dir: str | os.PathLike) -> str:
     """An absolute media path: absolute refs as is, relative ones under the JSONL's directory."""
     return os.path.normpath(ref if os.path.isabs(ref) else os.path.join(os.fspath(base_dir), ref))

@@ -142,6 +142,7 @@ def generate_rollout(
     world_size: int | None = None,
     weight_manifest_hash: str | None = None,
     writer: Any = None,
+    candidates: Sequence[tuple[int, int]] | None = None,
 ) -> RolloutOutput:
     """Run rollout `rollout_id` over `prompts` (one GRPO group per prompt, `group_size`
     candidates each) on this rank and write its artifacts under `artifact_root` (None: write
@@ -155,11 +156,18 @@ def generate_rollout(
 
     `writer` (a trainer.artifact_writer.ArtifactWriter): the files are handed to its thread and
     may not be on disk when this returns (its flush is the caller's); None writes them here.
+
+    `candidates`: the (group_index, slot) pairs to generate here instead of this rank's
+    local_candidates block, all in one engine call, with no collective (a caller that picks the
+    batches itself, as trainer.evaluation does so that no batch depends on the world size); only
+    without `artifact_root`, whose writers assume the contiguous blocks.
     """
     from trainer.sampling import make_sample_id, resolve_sde_indices
 
     t0 = time.perf_counter()
     rank, world_size, distributed = _dist_info(rank, world_size)
+    if candidates is not None and artifact_root is not None:
+        raise ValueError("generate_rollout: pass either candidates (a caller-chosen batch) or artifact_root, not both")
     if world_size > 1 and not distributed and artifact_root is not None \
             and split_groups(len(prompts), group_size, world_size):
         raise ValueError(f"rank {rank} of {world_size} without an initialised torch.distributed process group: "
@@ -178,7 +186,8 @@ def generate_rollout(
     # an editing family is shown each record's source images (a text family ignores them, as before)
     media = ([_source_images(p) for p in prompts] if hasattr(adapter, "encode_condition")
              else [[] for _ in prompts])
-    mine = local_candidates(len(groups), group_size, rank, world_size)
+    mine = (list(candidates) if candidates is not None
+            else local_candidates(len(groups), group_size, rank, world_size))
 
     # 2. artifact directory and retention (one writer; the others wait for it)
     out_dir = None

@@ -13,15 +13,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-#: the prompt-metadata key under which an editing candidate carries its source files (record
-#: order): in memory their real paths, where the loop reads the pixels the scorers get under
-#: SOURCE_IMAGES_KEY; in a sidecar the paths relative to the prompt file's directory
-#: (SOURCE_REFS_KEY's), so an artifact names no directory of the host that wrote it (a sidecar
-#: written before holds absolute paths, read as such)
-SOURCE_PATHS_KEY = "source_paths"
-#: the in-memory key of the same sources relative to the prompt file's directory: what the sidecar
-#: records under SOURCE_PATHS_KEY (recorded_metadata); never sent to a scorer
-SOURCE_REFS_KEY = "source_refs"
+# the metadata keys of an editing candidate's sources, and how a sidecar records them, are the
+# prompt records' contract (trainer.data); the families and the rollout read them from here too
+from trainer.data import SOURCE_PATHS_KEY, SOURCE_REFS_KEY, recorded_metadata  # noqa: F401
 
 #: the largest source accepted, in pixels: a decompression bomb is refused before it is decoded
 MAX_SOURCE_PIXELS = 4096 * 4096
@@ -193,17 +187,6 @@ def image_pixels(image: Any, height: int, width: int) -> Any:
 def source_pixels(path: str | os.PathLike, height: int, width: int) -> Any:
     """uint8 [height, width, 3] numpy array of the source file as the engine's VAE saw it."""
     return image_pixels(open_source_image(path), height, width)
-
-
-def recorded_metadata(metadata: dict) -> dict:
-    """A candidate's metadata as its sidecar records it: SOURCE_PATHS_KEY holds the
-    SOURCE_REFS_KEY paths (relative to the prompt file's directory) where the candidate has them,
-    and SOURCE_REFS_KEY is dropped."""
-    if SOURCE_REFS_KEY not in metadata:
-        return metadata
-    out = {k: v for k, v in metadata.items() if k != SOURCE_REFS_KEY}
-    out[SOURCE_PATHS_KEY] = list(metadata[SOURCE_REFS_KEY])
-    return out
 
 
 def with_source_pixels(metadata: list[dict], sizes: list[tuple[int, int]], key: str,
