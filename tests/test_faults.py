@@ -32,7 +32,7 @@ from torch import nn
 from tests.workers import kill_during_save
 from tests.workers.fs_faults import failing_shard_writes, read_only
 from tests.workers.launch import ROOT, free_port
-from tests.workers.recipes import TINY_GEOMETRY, TINY_SAMPLING
+from tests.workers.recipes import tiny_recipe
 from trainer import checkpoint as ck
 from trainer import train
 from trainer.config import load_config
@@ -51,19 +51,8 @@ def _prompts(path: Path, n: int = 4) -> Path:
 def _recipe(tmp: Path, model_dir: Path | str, ranks: int = 2) -> Path:
     """A tiny run: 2 groups of 4, 32x32, 4 steps; `ranks` processes."""
     path = tmp / "recipe.toml"
-    path.write_text(f"""
-actor-num-nodes = 1
-actor-num-gpus-per-node = {ranks}
-generation-task = "t2i"
-model-path = "{model_dir}"
-prompt-data = "{_prompts(tmp / 'train.jsonl')}"
-{TINY_GEOMETRY}
-eps-clip = 1e-3
-lr = 1e-3
-reward-runtime = "cpu"
-reward-scorer-path = "color"
-num-rollout = 3
-{TINY_SAMPLING}""")
+    extra = 'reward-runtime = "cpu"\nreward-scorer-path = "color"\nnum-rollout = 3'
+    path.write_text(tiny_recipe(model_dir, _prompts(tmp / "train.jsonl"), ranks=ranks, extra=extra))
     return path
 
 
