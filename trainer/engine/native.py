@@ -594,17 +594,21 @@ class NativeEngine(EngineMemoryState):
             cfg, named = read_lora_dir(d)
             # a diffusers pipeline-level LoRA file also prefixes the component ("transformer.")
             named = [(n.removeprefix("transformer."), t) for n, t in named]
-        # A file's rank, unlike a recipe's --lora-rank, is bounded by the model it is loaded into,
-        # before peft allocates a layer: r x (in + out) per targeted layer may then reach the DiT's
-        # own size, not a multiple of it, whatever the file claims
+        self._check_adapter_rank(cfg, path)
+        self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
+        return dict(self._lora_config)  # normalised, as installed
+
+    def _check_adapter_rank(self, cfg: dict[str, Any], path) -> None:
+        """WeightSyncError naming the adapter directory `path` when its rank is above the width of
+        the narrowest layer it targets. A file's rank, unlike a recipe's --lora-rank, is bounded by
+        the model it is loaded into before peft allocates a layer: r x (in + out) per targeted
+        layer then stays within the DiT's own size, whatever the file claims."""
         targets = _normalize_lora_config(cfg, self.adapter.lora_target_modules)["target_modules"]
         narrow = _narrowest_target(self.transformer, targets)
         if self._lora_config is None and narrow is not None and cfg["rank"] > narrow[1]:
             raise WeightSyncError(f"--lora {str(path)!r}: r = {cfg['rank']} is above the width {narrow[1]} of the "
                                   f"targeted layer {narrow[0]}; an adapter of this model has a rank of at most "
                                   f"{narrow[1]}: re-export it, or check that it belongs to this model")
-        self.set_lora_tensors(named, build_manifest("adapter", named, self.policy_version), cfg)
-        return dict(self._lora_config)  # normalised, as installed
 
     def get_weights_checksum(self) -> str:
         """core.checksum.weights_checksum over the DiT's parameters (diffusers names, wrapper

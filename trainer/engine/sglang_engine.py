@@ -601,6 +601,11 @@ class SGLangEngine(EngineMemoryState):
             out[m + ".lora_B.weight"] = (int(w.shape[0]), cfg["rank"])
         return out
 
+    def _check_adapter_rank(self, cfg: dict[str, Any], path) -> None:
+        """Nothing beyond set_lora_tensors' own checks: this engine merges the adapter into its
+        weights and allocates nothing before every sent tensor's shape is checked against the
+        DiT's layers, so a file's rank costs no more memory than the file itself."""
+
     def load_lora_dir(self, path) -> dict[str, Any]:
         """Install a PEFT adapter directory, as NativeEngine.load_lora_dir."""
         from trainer.engine.native import NativeEngine
