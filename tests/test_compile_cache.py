@@ -63,6 +63,20 @@ def _plant(cache: Path, marker: Path, job_file: str = "code_state_flowgrpo_0_.pk
             os.chmod(name, 0o777 if os.path.isdir(name) else 0o666)
 
 
+def _planted_after_preflight(cache: Path, marker: Path) -> str:
+    """`python -c` source of trainer.train's main in which another user plants their directory
+    at `cache` (_plant, `marker` its proof) right after preflight passed: the race's window."""
+    return ("import sys, trainer.train as t, tests.test_compile_cache as c\n"
+            "from pathlib import Path\n"
+            "real = t.validate\n"
+            "def validate(*a, **k):\n"
+            "    out = real(*a, **k)\n"
+            f"    c._plant(Path({str(cache)!r}), Path({str(marker)!r}))\n"
+            "    return out\n"
+            "t.validate = validate\n"
+            "sys.exit(t.main(sys.argv[1:]))\n")
+
+
 @pytest.fixture
 def shared(tmp_path) -> Path:
     """A directory like /tmp: everyone may create in it, the sticky bit keeps them from renaming
@@ -97,17 +111,7 @@ def test_a_cache_directory_made_between_preflight_and_the_run_is_refused(tmp_pat
     cache = shared / "cc"
     marker = tmp_path / "marker"
     # the other user acts right after preflight: trainer.train's own validate, then the plant
-    wrapper = (
-        "import sys, trainer.train as t, tests.test_compile_cache as c\n"
-        "from pathlib import Path\n"
-        "real = t.validate\n"
-        "def validate(*a, **k):\n"
-        "    out = real(*a, **k)\n"
-        f"    c._plant(Path({str(cache)!r}), Path({str(marker)!r}))\n"
-        "    return out\n"
-        "t.validate = validate\n"
-        "sys.exit(t.main(sys.argv[1:]))\n"
-    )
+    wrapper = _planted_after_preflight(cache, marker)
     res = _train(_argv(tmp_path, cache), wrapper=wrapper)
     assert res.returncode == 2, res.stderr[-3000:]
     assert f"--compile-cache-dir {cache}:" in res.stderr and f"is owned by uid {OTHER_UID}" in res.stderr
@@ -238,17 +242,7 @@ def test_the_launchers_check_creates_the_cache_and_refuses_a_planted_one_with_ex
     assert res.returncode != 2 and st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700, res.stderr[-3000:]
 
     cache2, marker = shared / "cc2", tmp_path / "marker"
-    wrapper = (
-        "import sys, trainer.train as t, tests.test_compile_cache as c\n"
-        "from pathlib import Path\n"
-        "real = t.validate\n"
-        "def validate(*a, **k):\n"
-        "    out = real(*a, **k)\n"
-        f"    c._plant(Path({str(cache2)!r}), Path({str(marker)!r}))\n"
-        "    return out\n"
-        "t.validate = validate\n"
-        "sys.exit(t.main(sys.argv[1:]))\n"
-    )
+    wrapper = _planted_after_preflight(cache2, marker)
     env2 = {**env, "FLOWGRPO_LAUNCH_CHECK": "1"}
     res = subprocess.run([sys.executable, "-c", wrapper, *_argv(tmp_path, cache2), "--preflight-only", "--quiet"],
                          cwd=ROOT, env=env2, capture_output=True, text=True, timeout=300)
